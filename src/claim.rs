@@ -1,0 +1,479 @@
+//! `claim`: one call returns what the caller may run now.
+//!
+//! 1. Read-only probe. A caught-up group (nothing new behind the fence, no due exception row, no
+//!    expired lease, cursor up to date) returns at once: no write, no transaction id.
+//! 2. Lock the group's cursor row; claims of one group are serialized from here to commit, so
+//!    the gate's view of leases and ranges cannot change under it except by outcomes, which
+//!    only ever resolve things.
+//! 3. Collect candidates: due exception rows (retries, delays, woken or expired rows), then one
+//!    range: an expired one handed out again (or quarantined after `max_reclaims`), else the
+//!    next ids up to the fence's safe head.
+//! 4. Gate them (src/key_gate.rs), record every verdict, store the cursor, return the runs.
+
+use pgrx::pg_sys::{self, BuiltinOid::*};
+use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
+
+use crate::backoff;
+use crate::cursor::{self, committed_now, Cursor};
+use crate::error::{Result, StreamError};
+use pgrx::pg_sys::panic::ErrorReport;
+use crate::exception_queue::{self, NewRow, RowUpdate, Status};
+use crate::fence::{self, Now};
+use crate::group::{self, GroupRef};
+use crate::key_gate::{self, Candidate, GatherInput, Verdict};
+use crate::names::{positive_micros, validate_name};
+use crate::payload::RawJsonb;
+use crate::policy::{self, Policy};
+use crate::range::{self, RangeLease};
+use crate::statement::{self, Statement};
+
+/// Largest `batch_size` a claim accepts.
+pub const MAX_BATCH: i32 = 10_000;
+
+/// One row of a claim result.
+pub struct Delivery {
+    pub message_id: i64,
+    pub message_key: Option<String>,
+    pub policy: Policy,
+    pub attempt: i32,
+    pub payload: RawJsonb,
+    pub lease_token: pgrx::Uuid,
+    pub run_after: Option<i64>,
+}
+
+const PROBE: Statement = Statement {
+    name: "claim_probe",
+    sql: concat!(
+        "SELECT EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@
+                        WHERE consumer_group_id = $1 AND lease_expires_at <= $3)
+             OR EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@
+                        WHERE consumer_group_id = $1 AND status IN ('ready', 'deferred') AND can_run_after <= $3)
+             OR EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@
+                        WHERE consumer_group_id = $1 AND status = 'inflight' AND lease_expires_at <= $3),
+                ",
+        committed_now!()
+    ),
+    params: &[INT8OID, INT8OID, TIMESTAMPTZOID],
+};
+
+const DUE_EXCEPTIONS: Statement = Statement {
+    name: "claim_due_exceptions",
+    sql: "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, m.payload
+          FROM sqlstreams.exception_queue_@id@ e
+          JOIN sqlstreams.message_log_@id@ m ON m.id = e.message_id
+          WHERE e.consumer_group_id = $1
+            AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
+                 OR (e.status = 'inflight' AND e.lease_expires_at <= $2))
+          ORDER BY e.message_id
+          LIMIT $3
+          FOR UPDATE OF e SKIP LOCKED",
+    params: &[INT8OID, TIMESTAMPTZOID, INT4OID],
+};
+
+const MESSAGES_BY_ID: Statement = Statement {
+    name: "claim_messages_by_id",
+    sql: "SELECT id, message_key, concurrency, compaction, payload FROM sqlstreams.message_log_@id@
+          WHERE id = ANY($1) ORDER BY id",
+    params: &[INT8ARRAYOID],
+};
+
+const FRESH_MESSAGES: Statement = Statement {
+    name: "claim_fresh_messages",
+    sql: "SELECT id, message_key, concurrency, compaction, payload FROM sqlstreams.message_log_@id@
+          WHERE id > $1 AND id <= $2 ORDER BY id LIMIT $3",
+    params: &[INT8OID, INT8OID, INT4OID],
+};
+
+/// Where a candidate came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Origin {
+    Range,
+    /// An exception row with its status before this claim; `expired` when its lease ran out.
+    Exception { status: String, expired: bool },
+}
+
+struct Work {
+    candidate: Candidate,
+    origin: Origin,
+    attempt: i32,
+    payload: RawJsonb,
+}
+
+/// A claim in progress: everything it decided, written at the end.
+struct Claim<'a> {
+    group: &'a GroupRef,
+    now: i64,
+    token: pgrx::Uuid,
+    expires: i64,
+    batch: i32,
+    work: Vec<Work>,
+    new_rows: Vec<NewRow>,
+    updates: Vec<RowUpdate>,
+    /// Keys of messages this claim resolved (superseded, dead): their parked rows may wake.
+    resolved_keys: Vec<Option<String>>,
+}
+
+const LEASE_EXPIRED: &str = "the delivery's lease expired before an outcome was recorded";
+
+/// Claims for `group_name`. See the module documentation.
+pub fn claim(stream_name: &str, group_name: &str, batch: i32, lease_micros: i64) -> Result<Vec<Delivery>> {
+    // SAFETY: reads this backend's isolation level.
+    if unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32 {
+        return Err(StreamError::WrongTransactionState {
+            message: "claim needs a READ COMMITTED transaction".into(),
+            hint: "A REPEATABLE READ or SERIALIZABLE snapshot is older than the claim and could skip \
+                   committed messages; call claim in its own READ COMMITTED transaction."
+                .into(),
+        });
+    }
+    Spi::connect_mut(|client| {
+        let group = group::lookup(client, stream_name, group_name)?;
+        let stream_id = group.stream.id;
+        // SAFETY: reads the clock.
+        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        let cursor = cursor::read(client, stream_id, group.id, false)?;
+        let head = cursor::sequence_head(client, stream_id)?;
+        let world = fence::read_now(head);
+        if is_idle(client, &group, &cursor, &world, now)? {
+            return Ok(vec![]);
+        }
+        let cursor = cursor::read(client, stream_id, group.id, true)?;
+        let token = pgrx::Uuid::from_bytes(*uuid::Uuid::new_v4().as_bytes());
+        let claim = Claim {
+            group: &group,
+            now,
+            token,
+            expires: now.saturating_add(lease_micros),
+            batch,
+            work: vec![],
+            new_rows: vec![],
+            updates: vec![],
+            resolved_keys: vec![],
+        };
+        claim.run(client, &cursor, &world)
+    })
+}
+
+fn is_idle(client: &SpiClient<'_>, group: &GroupRef, cursor: &Cursor, world: &Now, now: i64) -> Result<bool> {
+    let safe = fence::safe_head(cursor.claimed, cursor.observation, world);
+    if safe > cursor.claimed || fence::next_observation(cursor.claimed, safe, cursor.observation, world) != cursor.observation {
+        return Ok(false);
+    }
+    let probe = PROBE
+        .run(client, group.stream.id, &[group.id.into(), cursor.claimed.into(), statement::timestamptz(now)])?
+        .first();
+    let work_due: bool = probe.get(1)?.expect("probe");
+    let committed: i64 = probe.get(2)?.expect("committed");
+    Ok(!work_due && committed <= cursor.committed)
+}
+
+impl Claim<'_> {
+    fn run(mut self, client: &SpiClient<'_>, cursor: &Cursor, world: &Now) -> Result<Vec<Delivery>> {
+        let stream_id = self.group.stream.id;
+        let safe = fence::safe_head(cursor.claimed, cursor.observation, world);
+        self.collect_exceptions(client)?;
+        let room = self.batch - self.work.len() as i32;
+        let (range, claimed) = if room > 0 { self.collect_range(client, cursor, safe, room)? } else { (None, cursor.claimed) };
+        self.work.sort_by_key(|w| w.candidate.message_id);
+
+        let candidates: Vec<Candidate> = self.work.iter().map(|w| w.candidate.clone()).collect();
+        let exception_ids: Vec<i64> =
+            self.work.iter().filter(|w| w.origin != Origin::Range).map(|w| w.candidate.message_id).collect();
+        let facts = key_gate::gather(
+            client,
+            &GatherInput {
+                stream_id,
+                group_id: self.group.id,
+                candidates: &candidates,
+                exception_ids: &exception_ids,
+                own_range_first: range.as_ref().map(|r| r.first_id),
+                now: self.now,
+            },
+        )?;
+        let gated = key_gate::gate(&candidates, &facts, self.expires, self.now);
+        key_gate::take_leases(client, stream_id, self.group.id, &gated.lease_keys, self.token, self.expires, self.now)?;
+
+        let (deliveries, pending) = self.record(gated.verdicts);
+        exception_queue::insert(client, stream_id, self.group.id, &self.new_rows, self.now)?;
+        exception_queue::update(client, stream_id, self.group.id, &self.updates, self.now)?;
+        if let Some(mut range) = range {
+            (range.pending, range.pending_keys) = pending.into_iter().unzip();
+            if range.reclaims == 0 {
+                if !range.pending.is_empty() {
+                    range::insert(client, stream_id, self.group.id, &range, self.token, self.expires)?;
+                }
+            } else {
+                range::release_to(client, stream_id, self.group.id, &range, self.token, self.expires)?;
+            }
+        }
+        let observation = fence::next_observation(claimed, safe, cursor.observation, world);
+        cursor::store(client, stream_id, self.group.id, claimed, observation)?;
+        let keys = exception_queue::distinct_keys(&self.resolved_keys);
+        exception_queue::after_outcome(client, self.group, None, &keys, self.now)?;
+        Ok(deliveries)
+    }
+
+    fn candidate(&self, id: i64, key: Option<String>, requested: Option<String>, compaction: bool) -> Candidate {
+        let requested = requested.map(|p| Policy::from_stored(&p));
+        let policy = policy::resolve(self.group.concurrency_override, requested, key.is_some());
+        Candidate { message_id: id, key, policy, compaction }
+    }
+
+    /// Due exception rows. An inflight row whose lease expired counts as a failed attempt and
+    /// is dead-lettered when that spends the retry budget.
+    fn collect_exceptions(&mut self, client: &SpiClient<'_>) -> Result<()> {
+        let rows = DUE_EXCEPTIONS.run(
+            client,
+            self.group.stream.id,
+            &[self.group.id.into(), statement::timestamptz(self.now), self.batch.into()],
+        )?;
+        for row in rows {
+            let id: i64 = row.get(1)?.expect("message_id");
+            let key: Option<String> = row.get(2)?;
+            let policy = Policy::from_stored(&row.get::<String>(3)?.expect("concurrency"));
+            let compaction: bool = row.get(4)?.expect("compaction");
+            let status: String = row.get(5)?.expect("status");
+            let mut attempts: i32 = row.get(6)?.expect("attempts");
+            let expired = status == "inflight";
+            if expired {
+                attempts += 1;
+                if attempts > self.group.max_retries {
+                    self.updates.push(RowUpdate {
+                        message_id: id,
+                        status: Status::Dead,
+                        attempts,
+                        can_run_after: None,
+                        parked: false,
+                        lease: None,
+                        last_error: Some(LEASE_EXPIRED.into()),
+                    });
+                    self.resolved_keys.push(key);
+                    continue;
+                }
+            }
+            self.work.push(Work {
+                candidate: Candidate { message_id: id, key, policy, compaction },
+                origin: Origin::Exception { status, expired },
+                attempt: attempts,
+                payload: row.get(7)?.expect("payload"),
+            });
+        }
+        Ok(())
+    }
+
+    /// One range: an expired one again (quarantined after `max_reclaims`), else fresh ids up
+    /// to `safe`. Returns the range and the group's new `claimed`.
+    fn collect_range(
+        &mut self,
+        client: &SpiClient<'_>,
+        cursor: &Cursor,
+        safe: i64,
+        room: i32,
+    ) -> Result<(Option<RangeLease>, i64)> {
+        let stream_id = self.group.stream.id;
+        if let Some(mut expired) = range::oldest_expired(client, stream_id, self.group.id, self.now)? {
+            let rows = MESSAGES_BY_ID.run(client, stream_id, &[expired.pending.clone().into()])?;
+            if expired.reclaims >= self.group.max_reclaims {
+                self.quarantine(&expired, rows)?;
+                range::delete(client, stream_id, self.group.id, expired.first_id)?;
+            } else {
+                expired.reclaims += 1;
+                for row in rows {
+                    self.push_range_message(row, expired.reclaims)?;
+                }
+                return Ok((Some(expired), cursor.claimed));
+            }
+        }
+        if safe <= cursor.claimed {
+            return Ok((None, cursor.claimed));
+        }
+        let rows = FRESH_MESSAGES.run(client, stream_id, &[cursor.claimed.into(), safe.into(), room.into()])?;
+        let taken = rows.len();
+        let mut last = cursor.claimed;
+        for row in rows {
+            last = self.push_range_message(row, 0)?;
+        }
+        // A full batch ends at its last message; otherwise the range covers every id up to
+        // the safe head, including ids of rolled-back producers that will never appear.
+        let claimed = if taken as i32 == room { last } else { safe };
+        let range = (taken > 0).then(|| RangeLease {
+            first_id: cursor.claimed + 1,
+            last_id: claimed,
+            reclaims: 0,
+            pending: vec![],
+            pending_keys: vec![],
+        });
+        Ok((range, claimed))
+    }
+
+    fn push_range_message(&mut self, row: pgrx::spi::SpiHeapTupleData<'_>, attempt: i32) -> Result<i64> {
+        let id: i64 = row.get(1)?.expect("id");
+        let candidate = self.candidate(id, row.get(2)?, row.get(3)?, row.get(4)?.expect("compaction"));
+        self.work.push(Work { candidate, origin: Origin::Range, attempt, payload: row.get(5)?.expect("payload") });
+        Ok(id)
+    }
+
+    /// A range that kept expiring: each message becomes its own exception row, retried (and
+    /// eventually dead-lettered) on its own, so one poison message cannot block the group.
+    fn quarantine(&mut self, range: &RangeLease, rows: pgrx::spi::SpiTupleTable<'_>) -> Result<()> {
+        let error = format!(
+            "quarantined: the range {}..{} was handed out {} times and its lease expired each time",
+            range.first_id,
+            range.last_id,
+            range.reclaims + 1
+        );
+        let retry = backoff::fail(&self.group.backoff, self.group.max_retries, 0, false, None, self.now);
+        for row in rows {
+            let c = self.candidate(row.get(1)?.expect("id"), row.get(2)?, row.get(3)?, row.get(4)?.expect("compaction"));
+            let (status, attempts, can_run_after) = match retry {
+                backoff::FailureOutcome::Retry { attempts, can_run_after } => (Status::Ready, attempts, can_run_after),
+                backoff::FailureOutcome::Dead { attempts } => (Status::Dead, attempts, self.now),
+            };
+            if status == Status::Dead {
+                self.resolved_keys.push(c.key.clone());
+            }
+            self.new_rows.push(NewRow {
+                message_id: c.message_id,
+                key: c.key,
+                policy: c.policy,
+                compaction: c.compaction,
+                status,
+                attempts,
+                delays: 0,
+                can_run_after,
+                parked: false,
+                last_error: Some(error.clone()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Turns verdicts into row changes; returns the deliveries and the range's pending list.
+    fn record(&mut self, verdicts: Vec<Verdict>) -> (Vec<Delivery>, Vec<(i64, Option<String>)>) {
+        let mut deliveries = Vec::new();
+        let mut pending = Vec::new();
+        for (work, verdict) in std::mem::take(&mut self.work).into_iter().zip(verdicts) {
+            let c = work.candidate;
+            match (&work.origin, verdict) {
+                (Origin::Range, Verdict::Run { .. }) => pending.push((c.message_id, c.key.clone())),
+                (Origin::Range, Verdict::Defer { until }) => {
+                    self.new_rows.push(new_row(&c, Status::Deferred, until, true));
+                    continue;
+                }
+                (Origin::Range, Verdict::Supersede) => {
+                    self.resolved_keys.push(c.key.clone());
+                    self.new_rows.push(new_row(&c, Status::Superseded, self.now, false));
+                    continue;
+                }
+                (Origin::Exception { expired, .. }, Verdict::Run { .. }) => self.updates.push(RowUpdate {
+                    message_id: c.message_id,
+                    status: Status::Inflight,
+                    attempts: work.attempt,
+                    can_run_after: None,
+                    parked: false,
+                    lease: Some((self.token, self.expires)),
+                    last_error: expired.then(|| LEASE_EXPIRED.into()),
+                }),
+                (Origin::Exception { status, expired }, Verdict::Defer { until }) => {
+                    // A retry keeps its status while it waits for its key; a deferred row stays deferred.
+                    let status = if status == "deferred" { Status::Deferred } else { Status::Ready };
+                    self.updates.push(RowUpdate {
+                        message_id: c.message_id,
+                        status,
+                        attempts: work.attempt,
+                        can_run_after: Some(until),
+                        parked: true,
+                        lease: None,
+                        last_error: expired.then(|| LEASE_EXPIRED.into()),
+                    });
+                    continue;
+                }
+                (Origin::Exception { .. }, Verdict::Supersede) => {
+                    self.resolved_keys.push(c.key.clone());
+                    self.updates.push(RowUpdate {
+                        message_id: c.message_id,
+                        status: Status::Superseded,
+                        attempts: work.attempt,
+                        can_run_after: None,
+                        parked: false,
+                        lease: None,
+                        last_error: None,
+                    });
+                    continue;
+                }
+            }
+            let Verdict::Run { run_after } = verdict else { unreachable!("only runs reach here") };
+            deliveries.push(Delivery {
+                message_id: c.message_id,
+                message_key: c.key,
+                policy: c.policy,
+                attempt: work.attempt,
+                payload: work.payload,
+                lease_token: self.token,
+                run_after,
+            });
+        }
+        (deliveries, pending)
+    }
+}
+
+fn new_row(c: &Candidate, status: Status, can_run_after: i64, parked: bool) -> NewRow {
+    NewRow {
+        message_id: c.message_id,
+        key: c.key.clone(),
+        policy: c.policy,
+        compaction: c.compaction,
+        status,
+        attempts: 0,
+        delays: 0,
+        can_run_after,
+        parked,
+        last_error: None,
+    }
+}
+
+
+/// Claims work for a consumer of `group_name`: messages of a freshly claimed (or reclaimed)
+/// range and due exception-queue rows, in message_id order, all under one lease. Rows with a
+/// run_after wait for that earlier row of the same result. Messages that must wait are recorded
+/// deferred, superseded ones superseded; neither is returned. An idle call writes nothing.
+#[pg_extern(volatile, parallel_unsafe, name = "claim")]
+fn claim_sql(
+    stream: Option<&str>,
+    group_name: Option<&str>,
+    batch_size: default!(Option<i32>, 100),
+    lease: default!(Option<Interval>, "'30 seconds'"),
+) -> Result<
+    TableIterator<
+        'static,
+        (
+            name!(message_id, i64),
+            name!(message_key, Option<String>),
+            name!(concurrency, String),
+            name!(attempt, i32),
+            name!(payload, RawJsonb),
+            name!(lease_token, pgrx::Uuid),
+            name!(run_after, Option<i64>),
+        ),
+    >,
+    ErrorReport,
+> {
+    let stream = validate_name("stream", stream)?;
+    let group_name = validate_name("group", group_name)?;
+    let batch = match batch_size {
+        Some(n) if (1..=MAX_BATCH).contains(&n) => n,
+        other => {
+            return Err(StreamError::invalid(
+                format!("batch_size {} is not valid", other.map_or("NULL".into(), |n| n.to_string())),
+                format!("Pass a batch_size between 1 and {MAX_BATCH}."),
+            )
+            .into())
+        }
+    };
+    let lease_micros = positive_micros("lease", lease.map(|l| l.as_micros()), "'30 seconds'")?;
+    let deliveries = claim(stream, group_name, batch, lease_micros)?;
+    Ok(TableIterator::new(deliveries.into_iter().map(|d| {
+        (d.message_id, d.message_key, d.policy.as_str().to_string(), d.attempt, d.payload, d.lease_token, d.run_after)
+    })))
+}

@@ -1,0 +1,77 @@
+//! The one error type of the extension and its single conversion into a Postgres error.
+//!
+//! Every refused call raises one of these before it writes anything, so a refusal changes
+//! nothing. The SQLSTATEs are part of the SQL contract (design/SQL-API.md).
+
+use pgrx::pg_sys::errcodes::PgSqlErrorCode;
+use pgrx::pg_sys::panic::ErrorReport;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error("stream \"{0}\" does not exist")]
+    UnknownStream(String),
+
+    #[error("consumer group \"{group}\" does not exist on stream \"{stream}\"")]
+    UnknownGroup { stream: String, group: String },
+
+    /// A bad argument. `hint` says what to do instead.
+    #[error("{message}")]
+    InvalidArgument { message: String, hint: String },
+
+    /// The call cannot work in the caller's transaction (for example `claim` under
+    /// REPEATABLE READ, whose old snapshot could skip committed messages).
+    #[error("{message}")]
+    WrongTransactionState { message: String, hint: String },
+
+    #[error(transparent)]
+    Spi(#[from] pgrx::spi::Error),
+}
+
+pub type Result<T, E = StreamError> = std::result::Result<T, E>;
+
+impl StreamError {
+    pub fn invalid(message: impl Into<String>, hint: impl Into<String>) -> Self {
+        StreamError::InvalidArgument { message: message.into(), hint: hint.into() }
+    }
+
+    fn sqlstate(&self) -> PgSqlErrorCode {
+        match self {
+            StreamError::UnknownStream(_) | StreamError::UnknownGroup { .. } => {
+                PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT
+            }
+            StreamError::InvalidArgument { .. } => PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+            StreamError::WrongTransactionState { .. } => {
+                PgSqlErrorCode::ERRCODE_INVALID_TRANSACTION_STATE
+            }
+            StreamError::Spi(_) => PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+        }
+    }
+
+    fn hint(&self) -> Option<String> {
+        match self {
+            StreamError::UnknownStream(name) => Some(format!(
+                "Create it first with sqlstreams.create_stream('{name}'), or check the name in sqlstreams.streams."
+            )),
+            StreamError::UnknownGroup { stream, group } => Some(format!(
+                "Create it first with sqlstreams.create_group('{stream}', '{group}'), or check the name in sqlstreams.consumer_groups."
+            )),
+            StreamError::InvalidArgument { hint, .. }
+            | StreamError::WrongTransactionState { hint, .. } => Some(hint.clone()),
+            StreamError::Spi(_) => None,
+        }
+    }
+}
+
+impl From<StreamError> for ErrorReport {
+    fn from(err: StreamError) -> Self {
+        let report = ErrorReport::new(err.sqlstate(), format!("sqlstreams: {err}"), "sqlstreams");
+        match err.hint() {
+            Some(hint) => report.set_hint(hint),
+            None => report,
+        }
+    }
+}
+
+/// The return type of every `#[pg_extern]` shim: pgrx raises an `ErrorReport` with its own
+/// SQLSTATE, while any other error type would become a generic 22000.
+pub type SqlResult<T> = std::result::Result<T, ErrorReport>;

@@ -1,0 +1,186 @@
+//! The claim fence: how far a group may claim without skipping a message whose producer has
+//! not committed yet.
+//!
+//! Ids are handed out in call order but transactions commit in any order, so "the highest
+//! visible id" is not a safe place to stop: a lower id may still be inside an open transaction
+//! (a long one, or one in a savepoint) and would be skipped forever once the cursor passed it.
+//!
+//! The proof used here:
+//! 1. `produce` takes its top-level transaction id *before* it takes a message id.
+//! 2. A claim reads `H`, the highest id handed out (the sequence's last value), and only then
+//!    `X`, the next transaction id to be assigned. Every id `<= H` was taken by a transaction
+//!    whose id is `< X` (its xid came before its message id, which came before the read of `H`).
+//! 3. Once the oldest running transaction is `>= X`, all of those transactions have ended: each
+//!    id `<= H` is now committed (visible to a new snapshot) or rolled back (never visible).
+//!    So `H` is safe. The observation `(H, X)` is "mature".
+//!
+//! A claim first uses a stored observation that has matured, then makes a fresh one. A fresh
+//! observation is mature at once when no transaction is running; otherwise it is stored and a
+//! later claim finds it mature. A long-running writing transaction anywhere in the database
+//! therefore holds back claims of messages produced after it began (never before), until it
+//! ends. Read-only transactions take no transaction id and hold nothing back.
+
+use pgrx::pg_sys;
+
+/// "Every id <= head is safe once the oldest running transaction is >= xid."
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Observation {
+    pub head: i64,
+    pub xid: u64,
+}
+
+impl Observation {
+    pub fn is_mature(&self, oldest_running: u64) -> bool {
+        self.xid <= oldest_running
+    }
+}
+
+/// What a claim reads of the world, in this order: `head`, then `next_xid`, then `oldest_running`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Now {
+    /// Highest message id handed out so far (0 when none).
+    pub head: i64,
+    /// Next transaction id to be assigned (64-bit).
+    pub next_xid: u64,
+    /// Oldest transaction id still running (64-bit); `next_xid` when none.
+    pub oldest_running: u64,
+}
+
+impl Now {
+    fn observation(&self) -> Observation {
+        Observation { head: self.head, xid: self.next_xid }
+    }
+}
+
+/// The highest id a group may claim up to.
+pub fn safe_head(claimed: i64, stored: Option<Observation>, now: &Now) -> i64 {
+    let mut safe = claimed;
+    if let Some(obs) = stored.filter(|o| o.is_mature(now.oldest_running)) {
+        safe = safe.max(obs.head);
+    }
+    if now.observation().is_mature(now.oldest_running) {
+        safe = safe.max(now.head);
+    }
+    safe
+}
+
+/// The observation to keep in the cursor after a claim that advanced `claimed` to
+/// `new_claimed` (it may stop short of `safe` because of its batch size).
+pub fn next_observation(
+    new_claimed: i64,
+    safe: i64,
+    stored: Option<Observation>,
+    now: &Now,
+) -> Option<Observation> {
+    if safe > new_claimed {
+        // A known-safe head is left to claim: keep it (as an already mature observation).
+        let source = [stored, Some(now.observation())]
+            .into_iter()
+            .flatten()
+            .filter(|o| o.is_mature(now.oldest_running) && o.head >= safe)
+            .min_by_key(|o| o.xid)
+            .expect("safe > claimed comes from a mature observation");
+        return Some(Observation { head: safe, xid: source.xid });
+    }
+    if now.head <= new_claimed {
+        return None; // nothing beyond the cursor to wait for
+    }
+    match stored {
+        // An older pending observation matures sooner than a fresh one.
+        Some(obs) if !obs.is_mature(now.oldest_running) && obs.head > new_claimed => Some(obs),
+        _ => Some(now.observation()),
+    }
+}
+
+/// Reads `Now` for a stream whose sequence's last value is `head`. The caller must have read
+/// `head` before calling this; the order of the reads is the proof.
+pub fn read_now(head: i64) -> Now {
+    // SAFETY: plain reads of shared transaction state under Postgres' own locks.
+    unsafe {
+        let next = pg_sys::ReadNextFullTransactionId().value;
+        let snapshot = pg_sys::GetLatestSnapshot();
+        let oldest = widen_xid((*snapshot).xmin, next);
+        Now { head, next_xid: next, oldest_running: oldest.min(next) }
+    }
+}
+
+/// Widens a 32-bit xid that is not newer than `next` (a 64-bit xid) to 64 bits.
+pub fn widen_xid(xid: pg_sys::TransactionId, next: u64) -> u64 {
+    let xid = u32::from(xid) as u64;
+    let next_low = next & 0xFFFF_FFFF;
+    let epoch = next & !0xFFFF_FFFF;
+    if xid <= next_low {
+        epoch | xid
+    } else {
+        // xid belongs to the previous epoch.
+        (epoch | xid).wrapping_sub(1 << 32)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn now(head: i64, next_xid: u64, oldest_running: u64) -> Now {
+        Now { head, next_xid, oldest_running }
+    }
+
+    #[test]
+    fn quiet_database_matures_at_once() {
+        // No transaction running: oldest_running == next_xid.
+        let n = now(10, 500, 500);
+        assert_eq!(safe_head(0, None, &n), 10);
+        assert_eq!(next_observation(10, 10, None, &n), None);
+    }
+
+    #[test]
+    fn a_running_transaction_holds_a_fresh_observation() {
+        // Transaction 480 is still running: ids up to 10 may belong to it.
+        let n = now(10, 500, 480);
+        assert_eq!(safe_head(0, None, &n), 0);
+        let stored = next_observation(0, 0, None, &n);
+        assert_eq!(stored, Some(Observation { head: 10, xid: 500 }));
+
+        // Later: 480 has ended, but 505 (newer) is running and more ids were taken.
+        let later = now(15, 510, 505);
+        assert_eq!(safe_head(0, stored, &later), 10, "ids <= 10 are proven, 11..15 are not");
+        assert_eq!(next_observation(10, 10, stored, &later), Some(Observation { head: 15, xid: 510 }));
+    }
+
+    #[test]
+    fn an_older_pending_observation_is_kept() {
+        let stored = Some(Observation { head: 10, xid: 500 });
+        let n = now(20, 520, 490); // still not mature
+        assert_eq!(safe_head(0, stored, &n), 0);
+        assert_eq!(next_observation(0, 0, stored, &n), stored);
+    }
+
+    #[test]
+    fn a_batch_limit_keeps_the_proven_head() {
+        let n = now(1000, 500, 500);
+        let safe = safe_head(0, None, &n);
+        assert_eq!(safe, 1000);
+        // The claim took only 100 ids; the rest is known safe already.
+        assert_eq!(next_observation(100, safe, None, &n), Some(Observation { head: 1000, xid: 500 }));
+        // The next claim, even with a transaction now running, continues to 1000.
+        let busy = now(1200, 530, 520);
+        let stored = next_observation(100, safe, None, &n);
+        assert_eq!(safe_head(100, stored, &busy), 1000);
+    }
+
+    #[test]
+    fn observations_are_monotonic_with_the_cursor() {
+        // A mature stored head below the cursor never lowers the safe head.
+        let stored = Some(Observation { head: 5, xid: 1 });
+        assert_eq!(safe_head(50, stored, &now(50, 10, 10)), 50);
+        assert_eq!(next_observation(50, 50, stored, &now(50, 10, 10)), None);
+    }
+
+    #[test]
+    fn xids_widen_across_epochs() {
+        let next = (3u64 << 32) | 100;
+        assert_eq!(widen_xid(pg_sys::TransactionId::from(90u32), next), (3 << 32) | 90);
+        assert_eq!(widen_xid(pg_sys::TransactionId::from(100u32), next), (3 << 32) | 100);
+        assert_eq!(widen_xid(pg_sys::TransactionId::from(4_000_000_000u32), next), (2 << 32) | 4_000_000_000);
+    }
+}

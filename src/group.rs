@@ -1,0 +1,275 @@
+//! Consumer groups: `create_group`, `drop_group`, and resolving (stream, group) names.
+
+use pgrx::pg_sys::BuiltinOid::*;
+use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
+
+use crate::backoff::Backoff;
+use crate::error::{Result, SqlResult, StreamError};
+use crate::names::{positive_micros, validate_name, StartAt};
+use crate::policy::Policy;
+use crate::statement::Statement;
+use crate::stream::{self, StreamRef};
+
+/// A consumer group with its stream and settings.
+#[derive(Clone, Debug)]
+pub struct GroupRef {
+    pub stream: StreamRef,
+    pub id: i64,
+    pub concurrency_override: Option<Policy>,
+    pub max_retries: i32,
+    pub backoff: Backoff,
+    pub max_delays: Option<i32>,
+    pub max_reclaims: i32,
+}
+
+impl GroupRef {
+    /// Whether any exclusive key lease can exist for this group.
+    pub fn may_hold_key_leases(&self) -> bool {
+        !matches!(self.concurrency_override, Some(Policy::Parallel | Policy::Ordered))
+    }
+
+    /// Whether any row of this group can be parked behind a same-key message.
+    pub fn may_park(&self) -> bool {
+        self.concurrency_override != Some(Policy::Parallel)
+    }
+}
+
+const LOOKUP: Statement = Statement {
+    name: "group_lookup",
+    sql: "SELECT s.id, s.partition_size, s.partitions_through,
+                 g.id, g.concurrency_override, g.max_retries,
+                 (extract(epoch FROM g.backoff_base) * 1e6)::int8,
+                 (extract(epoch FROM g.backoff_cap) * 1e6)::int8,
+                 g.backoff_exponent, g.max_delays, g.max_reclaims
+          FROM sqlstreams.stream s
+          LEFT JOIN sqlstreams.consumer_group g ON g.stream_id = s.id AND g.name = $2
+          WHERE s.name = $1",
+    params: &[TEXTOID, TEXTOID],
+};
+
+const UPSERT: Statement = Statement {
+    name: "group_upsert",
+    sql: "INSERT INTO sqlstreams.consumer_group AS g
+              (stream_id, name, concurrency_override, max_retries, backoff_base, backoff_cap,
+               backoff_exponent, max_delays, max_reclaims)
+          VALUES ($1, $2, $3, $4, make_interval(secs => $5 / 1e6), make_interval(secs => $6 / 1e6), $7, $8, $9)
+          ON CONFLICT (stream_id, name) DO UPDATE SET
+              concurrency_override = EXCLUDED.concurrency_override,
+              max_retries = EXCLUDED.max_retries,
+              backoff_base = EXCLUDED.backoff_base,
+              backoff_cap = EXCLUDED.backoff_cap,
+              backoff_exponent = EXCLUDED.backoff_exponent,
+              max_delays = EXCLUDED.max_delays,
+              max_reclaims = EXCLUDED.max_reclaims
+          RETURNING g.id, (xmax = 0) AS created",
+    params: &[INT8OID, TEXTOID, TEXTOID, INT4OID, INT8OID, INT8OID, FLOAT8OID, INT4OID, INT4OID],
+};
+
+const PLACE_CURSOR: Statement = Statement {
+    name: "group_place_cursor",
+    sql: "INSERT INTO sqlstreams.cursor_@id@ (consumer_group_id, claimed, committed)
+          SELECT $1, h.head, h.head
+          FROM (SELECT CASE WHEN $2 AND is_called THEN last_value ELSE 0 END AS head
+                FROM sqlstreams.message_log_@id@_seq) h",
+    params: &[INT8OID, BOOLOID],
+};
+
+const DELETE: Statement = Statement {
+    name: "group_delete",
+    sql: "WITH c AS (DELETE FROM sqlstreams.cursor_@id@ WHERE consumer_group_id = $1),
+               r AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1),
+               e AS (DELETE FROM sqlstreams.exception_queue_@id@ WHERE consumer_group_id = $1),
+               k AS (DELETE FROM sqlstreams.message_key_lease_@id@ WHERE consumer_group_id = $1)
+          DELETE FROM sqlstreams.consumer_group WHERE id = $1",
+    params: &[INT8OID],
+};
+
+/// The group `group` of stream `stream`, or `UnknownStream` / `UnknownGroup`.
+pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str) -> Result<GroupRef> {
+    let row = LOOKUP.run(client, 0, &[stream.into(), group.into()])?.first();
+    if row.is_empty() {
+        return Err(StreamError::UnknownStream(stream.to_string()));
+    }
+    let stream_ref = StreamRef {
+        id: row.get(1)?.expect("stream id"),
+        name: stream.to_string(),
+        partition_size: row.get(2)?.expect("partition_size"),
+        partitions_through: row.get(3)?.expect("partitions_through"),
+    };
+    let Some(id) = row.get::<i64>(4)? else {
+        return Err(StreamError::UnknownGroup { stream: stream.to_string(), group: group.to_string() });
+    };
+    Ok(GroupRef {
+        stream: stream_ref,
+        id,
+        concurrency_override: row.get::<String>(5)?.map(|p| Policy::from_stored(&p)),
+        max_retries: row.get(6)?.expect("max_retries"),
+        backoff: Backoff {
+            base_micros: row.get(7)?.expect("backoff_base"),
+            cap_micros: row.get(8)?.expect("backoff_cap"),
+            exponent: row.get(9)?.expect("backoff_exponent"),
+        },
+        max_delays: row.get(10)?,
+        max_reclaims: row.get(11)?.expect("max_reclaims"),
+    })
+}
+
+/// A group's settings, validated.
+#[derive(Clone, Debug)]
+pub struct GroupSettings {
+    pub concurrency_override: Option<Policy>,
+    pub max_retries: i32,
+    pub start_at: StartAt,
+    pub backoff: Backoff,
+    pub max_delays: Option<i32>,
+    pub max_reclaims: i32,
+}
+
+/// Creates the group (placing its cursor) or updates the settings of the existing one.
+pub fn create(stream: &str, name: &str, settings: &GroupSettings) -> Result<i64> {
+    Spi::connect_mut(|client| {
+        let stream = stream::lookup(client, stream)?;
+        let row = UPSERT
+            .run(
+                client,
+                0,
+                &[
+                    stream.id.into(),
+                    name.into(),
+                    settings.concurrency_override.map(Policy::as_str).into(),
+                    settings.max_retries.into(),
+                    settings.backoff.base_micros.into(),
+                    settings.backoff.cap_micros.into(),
+                    settings.backoff.exponent.into(),
+                    settings.max_delays.into(),
+                    settings.max_reclaims.into(),
+                ],
+            )?
+            .first();
+        let id: i64 = row.get(1)?.expect("group id");
+        let created: bool = row.get(2)?.expect("created");
+        if created {
+            PLACE_CURSOR.run(client, stream.id, &[id.into(), (settings.start_at == StartAt::Head).into()])?;
+        }
+        Ok(id)
+    })
+}
+
+/// Drops a group with its cursor, leases and exception rows. False when it does not exist.
+pub fn drop(stream: &str, name: &str) -> Result<bool> {
+    Spi::connect_mut(|client| match lookup(client, stream, name) {
+        Ok(group) => {
+            DELETE.run(client, group.stream.id, &[group.id.into()])?;
+            Ok(true)
+        }
+        Err(StreamError::UnknownGroup { .. }) => Ok(false),
+        Err(other) => Err(other),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn settings(
+    concurrency_override: Option<&str>,
+    max_retries: Option<i32>,
+    start_at: Option<&str>,
+    backoff_base: Option<Interval>,
+    backoff_cap: Option<Interval>,
+    backoff_exponent: Option<f64>,
+    max_delays: Option<i32>,
+    max_reclaims: Option<i32>,
+) -> Result<GroupSettings> {
+    let concurrency_override =
+        concurrency_override.map(|p| Policy::parse("concurrency_override", p)).transpose()?;
+    let max_retries = match max_retries {
+        Some(n) if n >= 0 => n,
+        other => {
+            return Err(StreamError::invalid(
+                format!("max_retries {} is not valid", other.map_or("NULL".into(), |n| n.to_string())),
+                "Pass zero or more retries (3 means four runs in all).",
+            ))
+        }
+    };
+    let start_at = StartAt::parse(start_at)?;
+    let base = positive_micros("backoff_base", backoff_base.map(|i| i.as_micros()), "'1 second'")?;
+    let cap = positive_micros("backoff_cap", backoff_cap.map(|i| i.as_micros()), "'5 minutes'")?;
+    if cap < base {
+        return Err(StreamError::invalid(
+            "backoff_cap is shorter than backoff_base",
+            "Pass a backoff_cap at least as long as backoff_base.",
+        ));
+    }
+    let exponent = match backoff_exponent {
+        Some(e) if e.is_finite() && e >= 1.0 => e,
+        other => {
+            return Err(StreamError::invalid(
+                format!("backoff_exponent {} is not valid", other.map_or("NULL".into(), |e| e.to_string())),
+                "Pass a growth factor of at least 1, such as 2.",
+            ))
+        }
+    };
+    if let Some(n) = max_delays.filter(|n| *n < 0) {
+        return Err(StreamError::invalid(
+            format!("max_delays {n} is negative"),
+            "Pass zero or more delays, or NULL for no limit.",
+        ));
+    }
+    let max_reclaims = match max_reclaims {
+        Some(n) if n >= 0 => n,
+        other => {
+            return Err(StreamError::invalid(
+                format!("max_reclaims {} is not valid", other.map_or("NULL".into(), |n| n.to_string())),
+                "Pass how many times an expired range may be handed out again, such as 2.",
+            ))
+        }
+    };
+    Ok(GroupSettings {
+        concurrency_override,
+        max_retries,
+        start_at,
+        backoff: Backoff { base_micros: base, cap_micros: cap, exponent },
+        max_delays,
+        max_reclaims,
+    })
+}
+
+/// Creates a consumer group on a stream and returns its id. Declaring it again returns the same
+/// id and updates its settings; the cursor is placed only when the group is created
+/// (`start_at`: 'beginning' or 'head').
+#[pg_extern(volatile, parallel_unsafe)]
+#[allow(clippy::too_many_arguments)]
+fn create_group(
+    stream: Option<&str>,
+    name: Option<&str>,
+    concurrency_override: default!(Option<&str>, "NULL"),
+    max_retries: default!(Option<i32>, 3),
+    start_at: default!(Option<&str>, "'beginning'"),
+    backoff_base: default!(Option<Interval>, "'1 second'"),
+    backoff_cap: default!(Option<Interval>, "'5 minutes'"),
+    backoff_exponent: default!(Option<f64>, 2.0),
+    max_delays: default!(Option<i32>, "NULL"),
+    max_reclaims: default!(Option<i32>, 2),
+) -> SqlResult<i64> {
+    let stream = validate_name("stream", stream)?;
+    let name = validate_name("group", name)?;
+    let settings = settings(
+        concurrency_override,
+        max_retries,
+        start_at,
+        backoff_base,
+        backoff_cap,
+        backoff_exponent,
+        max_delays,
+        max_reclaims,
+    )?;
+    Ok(create(stream, name, &settings)?)
+}
+
+/// Drops a consumer group with its cursor, leases and exception queue rows. Returns false when
+/// the stream has no such group.
+#[pg_extern(volatile, parallel_unsafe)]
+fn drop_group(stream: Option<&str>, name: Option<&str>) -> SqlResult<bool> {
+    let stream = validate_name("stream", stream)?;
+    let name = validate_name("group", name)?;
+    Ok(drop(stream, name)?)
+}

@@ -1,0 +1,33 @@
+//! sqlstreams: durable message streams inside PostgreSQL, with consumer groups and per-key
+//! `parallel` / `exclusive` / `ordered` delivery.
+//!
+//! The SQL API (design/SQL-API.md) is a set of functions in schema `sqlstreams`. Each
+//! `#[pg_extern]` here is a thin shim: it validates and converts its arguments, calls plain Rust
+//! that returns `Result<_, StreamError>`, and converts the error into an `ErrorReport` with the
+//! contract's SQLSTATE. Pure decisions (policy resolution, the key gate, the fence, backoff)
+//! have no SPI in them and are covered by `#[test]`s next to the code.
+
+use pgrx::prelude::*;
+
+::pgrx::pg_module_magic!(name, version);
+
+mod backoff;
+mod claim;
+mod cursor;
+mod error;
+mod exception_queue;
+mod fence;
+mod group;
+mod key_gate;
+mod names;
+mod notify;
+mod outcome;
+mod partition;
+mod payload;
+mod policy;
+mod produce;
+mod range;
+mod statement;
+mod stream;
+
+extension_sql_file!("../sql/catalog.sql", name = "catalog", bootstrap);

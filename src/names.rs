@@ -1,0 +1,121 @@
+//! Validation of the user's words: stream and group names, `start_at`, intervals.
+//! Pure functions; every refusal names the value and says what to do instead.
+
+use crate::error::{Result, StreamError};
+
+/// Longest stream or group name, in characters. Names are data (they never reach SQL text),
+/// so the limit is about keeping views and logs readable, not about identifiers.
+pub const MAX_NAME_CHARS: usize = 200;
+
+/// Checks a stream or group name: present, not blank, at most `MAX_NAME_CHARS` characters,
+/// no control characters.
+pub fn validate_name<'a>(kind: &str, name: Option<&'a str>) -> Result<&'a str> {
+    let name = name.ok_or_else(|| {
+        StreamError::invalid(format!("{kind} name must not be NULL"), format!("Pass a {kind} name such as 'ledger.adjustments'."))
+    })?;
+    if name.trim().is_empty() {
+        return Err(StreamError::invalid(
+            format!("{kind} name must not be empty"),
+            format!("Pass a {kind} name such as 'ledger.adjustments'."),
+        ));
+    }
+    let chars = name.chars().count();
+    if chars > MAX_NAME_CHARS {
+        return Err(StreamError::invalid(
+            format!("{kind} name \"{}...\" is {chars} characters long", name.chars().take(40).collect::<String>()),
+            format!("Use a {kind} name of at most {MAX_NAME_CHARS} characters."),
+        ));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(StreamError::invalid(
+            format!("{kind} name {name:?} contains a control character"),
+            format!("Use a {kind} name made of printable characters."),
+        ));
+    }
+    Ok(name)
+}
+
+/// Where a new group's cursor starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StartAt {
+    /// Every message of the stream, from id 1.
+    Beginning,
+    /// Only messages produced after the group is created.
+    Head,
+}
+
+impl StartAt {
+    pub fn parse(value: Option<&str>) -> Result<StartAt> {
+        match value {
+            Some("beginning") => Ok(StartAt::Beginning),
+            Some("head") => Ok(StartAt::Head),
+            other => Err(StreamError::invalid(
+                format!("start_at {} is not valid", quoted(other)),
+                "Use 'beginning' (every message) or 'head' (only messages produced from now on).",
+            )),
+        }
+    }
+}
+
+/// Checks that a duration argument is positive; returns it in microseconds.
+pub fn positive_micros(what: &str, micros: Option<i128>, example: &str) -> Result<i64> {
+    match micros {
+        Some(m) if m > 0 && m <= i64::MAX as i128 => Ok(m as i64),
+        Some(m) if m > 0 => Err(StreamError::invalid(
+            format!("{what} is too long"),
+            format!("Pass a {what} such as {example}."),
+        )),
+        Some(_) => Err(StreamError::invalid(
+            format!("{what} must be positive"),
+            format!("Pass a positive {what} such as {example}."),
+        )),
+        None => Err(StreamError::invalid(
+            format!("{what} must not be NULL"),
+            format!("Pass a positive {what} such as {example}."),
+        )),
+    }
+}
+
+/// `'value'` or `NULL`, for error messages.
+pub fn quoted(value: Option<&str>) -> String {
+    match value {
+        Some(v) => format!("'{v}'"),
+        None => "NULL".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        assert_eq!(validate_name("stream", Some("ledger.adjustments")).unwrap(), "ledger.adjustments");
+        assert_eq!(validate_name("stream", Some("Robert'); DROP TABLE x;--")).unwrap(), "Robert'); DROP TABLE x;--");
+        assert!(validate_name("stream", None).is_err());
+        assert!(validate_name("stream", Some("")).is_err());
+        assert!(validate_name("stream", Some("   ")).is_err());
+        assert!(validate_name("stream", Some("a\nb")).is_err());
+        assert!(validate_name("group", Some(&"x".repeat(MAX_NAME_CHARS))).is_ok());
+        assert!(validate_name("group", Some(&"x".repeat(MAX_NAME_CHARS + 1))).is_err());
+        // Characters, not bytes.
+        assert!(validate_name("group", Some(&"é".repeat(MAX_NAME_CHARS))).is_ok());
+    }
+
+    #[test]
+    fn start_at_is_parsed() {
+        assert_eq!(StartAt::parse(Some("beginning")).unwrap(), StartAt::Beginning);
+        assert_eq!(StartAt::parse(Some("head")).unwrap(), StartAt::Head);
+        let err = StartAt::parse(Some("tail")).unwrap_err().to_string();
+        assert!(err.contains("'tail'"), "{err}");
+        assert!(StartAt::parse(None).is_err());
+    }
+
+    #[test]
+    fn durations_must_be_positive() {
+        assert_eq!(positive_micros("lease", Some(30_000_000), "'30 seconds'").unwrap(), 30_000_000);
+        assert!(positive_micros("lease", Some(0), "'30 seconds'").is_err());
+        assert!(positive_micros("lease", Some(-1), "'30 seconds'").is_err());
+        assert!(positive_micros("lease", None, "'30 seconds'").is_err());
+    }
+}

@@ -1,0 +1,49 @@
+//! Wake-up signals for idle consumers: `NOTIFY sqlstreams_<stream id>`.
+//!
+//! Postgres delivers a notification when the sending transaction commits, so a consumer woken
+//! by it sees the new message. Postgres already folds identical notifications of one
+//! transaction into one; this module also skips the call itself after the first one per
+//! (transaction, subtransaction, stream), so a producer writing many messages pays once. The
+//! subtransaction is part of the key because a rolled-back savepoint discards its notifications.
+
+use std::cell::RefCell;
+
+use pgrx::pg_sys::{self, BuiltinOid::*};
+use pgrx::spi::SpiClient;
+
+use crate::error::Result;
+use crate::statement::Statement;
+
+const NOTIFY: Statement = Statement {
+    name: "notify",
+    sql: "SELECT pg_notify($1, '')",
+    params: &[TEXTOID],
+};
+
+/// The channel consumers of a stream LISTEN on.
+pub fn channel(stream_id: i64) -> String {
+    format!("sqlstreams_{stream_id}")
+}
+
+thread_local! {
+    static LAST: RefCell<Option<(u32, u32, i64)>> = const { RefCell::new(None) };
+}
+
+/// Signals the stream's consumers at commit, once per (sub)transaction.
+pub fn signal(client: &SpiClient<'_>, stream_id: i64) -> Result<()> {
+    // SAFETY: reads of this backend's transaction state.
+    let key = unsafe {
+        (
+            u32::from(pg_sys::GetTopTransactionIdIfAny()),
+            pg_sys::GetCurrentSubTransactionId(),
+            stream_id,
+        )
+    };
+    // Without an xid there is no transaction identity to coalesce on (and nothing was written).
+    if key.0 != 0 && LAST.with(|last| *last.borrow() == Some(key)) {
+        return Ok(());
+    }
+    NOTIFY.run(client, 0, &[channel(stream_id).into()])?;
+    LAST.with(|last| *last.borrow_mut() = Some(key));
+    Ok(())
+}

@@ -1,0 +1,156 @@
+//! The per-key policies and where a message's policy comes from. Pure logic.
+
+use crate::error::{Result, StreamError};
+use crate::names::quoted;
+
+/// When a keyed message must wait, within one consumer group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Policy {
+    /// Same-key messages may run concurrently and out of order.
+    Parallel,
+    /// One delivery per key at a time (a key lease); a later message may overtake a retry.
+    Exclusive,
+    /// A message waits until every earlier same-key message is resolved.
+    Ordered,
+}
+
+impl Policy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::Parallel => "parallel",
+            Policy::Exclusive => "exclusive",
+            Policy::Ordered => "ordered",
+        }
+    }
+
+    /// Parses a policy name; `what` names the argument in the error.
+    pub fn parse(what: &str, value: &str) -> Result<Policy> {
+        match value {
+            "parallel" => Ok(Policy::Parallel),
+            "exclusive" => Ok(Policy::Exclusive),
+            "ordered" => Ok(Policy::Ordered),
+            other => Err(StreamError::invalid(
+                format!("{what} '{other}' is not a policy"),
+                "Use 'parallel', 'exclusive' or 'ordered' (or NULL for the default).",
+            )),
+        }
+    }
+
+    /// Parses a policy stored by the extension itself (always valid).
+    pub fn from_stored(value: &str) -> Policy {
+        Policy::parse("stored policy", value).expect("the table constraint admits only valid policies")
+    }
+
+    /// Whether same-key rows of this policy are chained behind each other in a claim result.
+    pub fn is_keyed_gate(self) -> bool {
+        self != Policy::Parallel
+    }
+}
+
+/// The policy a group applies to one message.
+///
+/// A group's override covers every keyed message from every producer; without it the message's
+/// own request applies, and a keyed message that requested nothing is parallel. A message
+/// without a key is always parallel: there is nothing to order it against.
+pub fn resolve(group_override: Option<Policy>, requested: Option<Policy>, has_key: bool) -> Policy {
+    if !has_key {
+        return Policy::Parallel;
+    }
+    group_override.or(requested).unwrap_or(Policy::Parallel)
+}
+
+/// What a producer asked for, validated before anything is written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProduceRequest<'a> {
+    pub message_key: Option<&'a str>,
+    pub concurrency: Option<Policy>,
+    pub compaction: bool,
+}
+
+impl<'a> ProduceRequest<'a> {
+    pub fn validate(
+        message_key: Option<&'a str>,
+        concurrency: Option<&str>,
+        compaction: bool,
+    ) -> Result<ProduceRequest<'a>> {
+        let concurrency = concurrency.map(|c| Policy::parse("concurrency", c)).transpose()?;
+        if concurrency == Some(Policy::Ordered) && compaction {
+            return Err(StreamError::invalid(
+                "an ordered message cannot use compaction",
+                "Ordered delivery must run every message, while compaction lets a newer message supersede an older one: \
+                 produce with compaction => false, or request 'exclusive' delivery for latest-state messages.",
+            ));
+        }
+        if message_key.is_none() {
+            if let Some(policy @ (Policy::Exclusive | Policy::Ordered)) = concurrency {
+                return Err(StreamError::invalid(
+                    format!("concurrency '{}' requires a message_key", policy.as_str()),
+                    "Pass the key the policy orders by (an account, an order, a user), or omit concurrency.",
+                ));
+            }
+            if compaction {
+                return Err(StreamError::invalid(
+                    "compaction requires a message_key",
+                    "Pass the key whose latest state the message carries, or produce with compaction => false.",
+                ));
+            }
+        }
+        if message_key.is_some_and(str::is_empty) {
+            return Err(StreamError::invalid(
+                format!("message_key {} is empty", quoted(message_key)),
+                "Pass a non-empty key, or NULL for a message without a key.",
+            ));
+        }
+        Ok(ProduceRequest { message_key, concurrency, compaction })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use Policy::*;
+
+    #[test]
+    fn override_beats_request_and_keyless_is_parallel() {
+        assert_eq!(resolve(None, None, true), Parallel);
+        assert_eq!(resolve(None, Some(Exclusive), true), Exclusive);
+        assert_eq!(resolve(Some(Ordered), None, true), Ordered);
+        assert_eq!(resolve(Some(Ordered), Some(Exclusive), true), Ordered);
+        assert_eq!(resolve(Some(Parallel), Some(Ordered), true), Parallel);
+        assert_eq!(resolve(Some(Ordered), Some(Ordered), false), Parallel);
+        assert_eq!(resolve(None, Some(Exclusive), false), Parallel);
+    }
+
+    #[test]
+    fn policy_names_round_trip() {
+        for p in [Parallel, Exclusive, Ordered] {
+            assert_eq!(Policy::parse("concurrency", p.as_str()).unwrap(), p);
+        }
+        let err = Policy::parse("concurrency", "serial").unwrap_err().to_string();
+        assert!(err.contains("'serial'"), "{err}");
+    }
+
+    #[test]
+    fn produce_requests_are_validated() {
+        assert!(ProduceRequest::validate(Some("acct-42"), Some("ordered"), false).is_ok());
+        assert!(ProduceRequest::validate(Some("acct-42"), Some("exclusive"), true).is_ok());
+        assert!(ProduceRequest::validate(Some("acct-42"), None, true).is_ok());
+        assert!(ProduceRequest::validate(None, None, false).is_ok());
+        assert!(ProduceRequest::validate(None, Some("parallel"), false).is_ok());
+
+        let refused = [
+            (Some("acct-42"), Some("ordered"), true),
+            (None, Some("ordered"), false),
+            (None, Some("exclusive"), false),
+            (None, None, true),
+            (Some("acct-42"), Some("fifo"), false),
+            (Some(""), None, false),
+        ];
+        for (key, policy, compaction) in refused {
+            assert!(
+                ProduceRequest::validate(key, policy, compaction).is_err(),
+                "{key:?} {policy:?} {compaction} should be refused"
+            );
+        }
+    }
+}

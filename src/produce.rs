@@ -1,0 +1,243 @@
+//! Producing: `produce` and `produce_batch`, in the caller's transaction (the outbox pattern).
+//!
+//! Order matters for the claim fence (src/fence.rs): the transaction id is taken first, then the
+//! message ids. Everything is validated before the first write.
+
+use pgrx::pg_sys::{self, BuiltinOid::*};
+use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
+
+use crate::error::{Result, SqlResult, StreamError};
+use pgrx::pg_sys::panic::ErrorReport;
+use crate::names::validate_name;
+use crate::notify;
+use crate::partition;
+use crate::payload::{RawJsonb, RawJsonbArray};
+use crate::policy::{Policy, ProduceRequest};
+use crate::statement::Statement;
+use crate::stream::{self, StreamRef};
+
+const NEXT_ID: Statement = Statement {
+    name: "produce_next_id",
+    sql: "SELECT nextval('sqlstreams.message_log_@id@_seq')",
+    params: &[],
+};
+
+const NEXT_IDS: Statement = Statement {
+    name: "produce_next_ids",
+    sql: "SELECT array(SELECT nextval('sqlstreams.message_log_@id@_seq') FROM generate_series(1, $1))",
+    params: &[INT4OID],
+};
+
+const INSERT_ONE: Statement = Statement {
+    name: "produce_insert_one",
+    sql: "INSERT INTO sqlstreams.message_log_@id@ (id, message_key, concurrency, compaction, payload)
+          VALUES ($1, $2, $3, $4, $5)",
+    params: &[INT8OID, TEXTOID, TEXTOID, BOOLOID, JSONBOID],
+};
+
+const INSERT_MANY: Statement = Statement {
+    name: "produce_insert_many",
+    sql: "INSERT INTO sqlstreams.message_log_@id@ (id, message_key, concurrency, compaction, payload)
+          SELECT u.id, u.message_key, $3, $4, u.payload
+          FROM unnest($1::bigint[], $2::text[], $5::jsonb[]) AS u(id, message_key, payload)",
+    params: &[INT8ARRAYOID, TEXTARRAYOID, TEXTOID, BOOLOID, JSONBARRAYOID],
+};
+
+const IDEMPOTENCY: Statement = Statement {
+    name: "produce_idempotency",
+    sql: "INSERT INTO sqlstreams.idempotency_key_@id@ AS k (idempotency_key, message_id, expires_at)
+          SELECT $1, $2, now() + s.idempotency_ttl FROM sqlstreams.stream s WHERE s.id = $3
+          ON CONFLICT (idempotency_key) DO UPDATE
+              SET message_id = EXCLUDED.message_id, expires_at = EXCLUDED.expires_at
+              WHERE k.expires_at <= now()
+          RETURNING k.message_id",
+    params: &[TEXTOID, INT8OID, INT8OID],
+};
+
+// Same-key compacted produces serialize on this row until commit; greatest() keeps the head
+// right when they commit out of id order.
+const COMPACTION_HEADS: Statement = Statement {
+    name: "produce_compaction_heads",
+    sql: "INSERT INTO sqlstreams.compaction_head_@id@ AS h (message_key, message_id)
+          SELECT DISTINCT ON (u.message_key) u.message_key, u.id
+          FROM unnest($1::text[], $2::bigint[]) AS u(message_key, id)
+          ORDER BY u.message_key, u.id DESC
+          ON CONFLICT (message_key) DO UPDATE SET message_id = greatest(h.message_id, EXCLUDED.message_id)",
+    params: &[TEXTARRAYOID, INT8ARRAYOID],
+};
+
+const BATCH_SHAPE: Statement = Statement {
+    name: "produce_batch_shape",
+    sql: "SELECT coalesce(cardinality($1), 0), array_position($1, NULL), coalesce(array_ndims($1), 1)",
+    params: &[JSONBARRAYOID],
+};
+
+/// Takes this transaction's id before any message id (the fence's first rule).
+fn take_transaction_id() {
+    // SAFETY: assigns a top-level transaction id (or returns the one already assigned).
+    unsafe {
+        pg_sys::GetTopTransactionId();
+    }
+}
+
+fn next_ids(client: &SpiClient<'_>, stream: &StreamRef, count: i32) -> Result<Vec<i64>> {
+    take_transaction_id();
+    if count == 1 {
+        let id: i64 = NEXT_ID.run(client, stream.id, &[])?.first().get(1)?.expect("nextval");
+        return Ok(vec![id]);
+    }
+    Ok(NEXT_IDS.run(client, stream.id, &[count.into()])?.first().get(1)?.expect("ids"))
+}
+
+fn finish(
+    client: &mut SpiClient<'_>,
+    stream: &StreamRef,
+    ids: &[i64],
+    keys: &[Option<&str>],
+    compaction: bool,
+) -> Result<()> {
+    if compaction {
+        let keys: Vec<Option<&str>> = keys.to_vec();
+        COMPACTION_HEADS.run(client, stream.id, &[keys.into(), ids.to_vec().into()])?;
+    }
+    notify::signal(client, stream.id)
+}
+
+/// Produces one message; `None` when `idempotency_key` was already used within its TTL.
+pub fn produce_one(
+    stream_name: &str,
+    payload: RawJsonb,
+    request: &ProduceRequest<'_>,
+    idempotency_key: Option<&str>,
+) -> Result<Option<i64>> {
+    Spi::connect_mut(|client| {
+        let stream = stream::lookup(client, stream_name)?;
+        let id = next_ids(client, &stream, 1)?[0];
+        if let Some(key) = idempotency_key {
+            let claimed = IDEMPOTENCY.run(client, stream.id, &[key.into(), id.into(), stream.id.into()])?;
+            if claimed.is_empty() {
+                return Ok(None);
+            }
+        }
+        partition::ensure(client, &stream, id)?;
+        INSERT_ONE.run(
+            client,
+            stream.id,
+            &[
+                id.into(),
+                request.message_key.into(),
+                request.concurrency.map(Policy::as_str).into(),
+                request.compaction.into(),
+                payload.into(),
+            ],
+        )?;
+        finish(client, &stream, &[id], &[request.message_key], request.compaction)?;
+        Ok(Some(id))
+    })
+}
+
+/// Produces many messages in one statement; ids follow the order of `payloads`.
+pub fn produce_many(
+    stream_name: &str,
+    payloads: RawJsonbArray,
+    keys: Option<Vec<Option<&str>>>,
+    concurrency: Option<&str>,
+    compaction: bool,
+) -> Result<Vec<i64>> {
+    Spi::connect_mut(|client| {
+        let stream = stream::lookup(client, stream_name)?;
+        let shape = BATCH_SHAPE.run(client, 0, &[payloads.into()])?.first();
+        let count: i32 = shape.get(1)?.expect("cardinality");
+        if let Some(position) = shape.get::<i32>(2)? {
+            return Err(StreamError::invalid(
+                format!("payload {position} of the batch is NULL"),
+                "Every message needs a payload; use 'null'::jsonb or '{}' for an empty one.",
+            ));
+        }
+        if shape.get::<i32>(3)? != Some(1) {
+            return Err(StreamError::invalid(
+                "payloads must be a one-dimensional array",
+                "Pass one jsonb per message, such as ARRAY['{\"a\":1}', '{\"a\":2}']::jsonb[].",
+            ));
+        }
+        let keys = keys.unwrap_or_else(|| vec![None; count as usize]);
+        if keys.len() != count as usize {
+            return Err(StreamError::invalid(
+                format!("message_keys has {} elements but payloads has {count}", keys.len()),
+                "Pass one key per payload (NULL for a message without a key), or no message_keys at all.",
+            ));
+        }
+        let policy = concurrency.map(|c| Policy::parse("concurrency", c)).transpose()?;
+        for key in &keys {
+            ProduceRequest::validate(*key, concurrency, compaction)?;
+        }
+        if count == 0 {
+            return Ok(vec![]);
+        }
+        let ids = next_ids(client, &stream, count)?;
+        partition::ensure(client, &stream, *ids.last().expect("count > 0"))?;
+        INSERT_MANY.run(
+            client,
+            stream.id,
+            &[
+                ids.clone().into(),
+                keys.clone().into(),
+                policy.map(Policy::as_str).into(),
+                compaction.into(),
+                payloads.into(),
+            ],
+        )?;
+        finish(client, &stream, &ids, &keys, compaction)?;
+        Ok(ids)
+    })
+}
+
+/// Appends a message to a stream in the caller's transaction and returns its id. Consumers see
+/// it when the transaction commits. Returns NULL (producing nothing) when idempotency_key was
+/// already used within the stream's idempotency_ttl.
+#[pg_extern(volatile, parallel_unsafe)]
+fn produce(
+    stream: Option<&str>,
+    payload: Option<RawJsonb>,
+    message_key: default!(Option<&str>, "NULL"),
+    concurrency: default!(Option<&str>, "NULL"),
+    compaction: default!(Option<bool>, false),
+    idempotency_key: default!(Option<&str>, "NULL"),
+) -> SqlResult<Option<i64>> {
+    let stream = validate_name("stream", stream)?;
+    let request = ProduceRequest::validate(message_key, concurrency, compaction.unwrap_or(false))?;
+    let payload = payload.ok_or_else(|| {
+        StreamError::invalid(
+            "payload must not be NULL",
+            "Every message needs a payload; use 'null'::jsonb or '{}' for an empty one.",
+        )
+    })?;
+    if idempotency_key.is_some_and(str::is_empty) {
+        return Err(StreamError::invalid(
+            "idempotency_key is empty",
+            "Pass a non-empty idempotency key, or NULL to produce without one.",
+        )
+        .into());
+    }
+    Ok(produce_one(stream, payload, &request, idempotency_key)?)
+}
+
+/// Appends many messages in one call (the fast path) and returns their ids in payload order.
+/// message_keys, when given, has one key per payload; concurrency and compaction apply to all.
+#[pg_extern(volatile, parallel_unsafe)]
+fn produce_batch(
+    stream: Option<&str>,
+    payloads: Option<RawJsonbArray>,
+    message_keys: default!(Option<Vec<Option<String>>>, "NULL"),
+    concurrency: default!(Option<&str>, "NULL"),
+    compaction: default!(Option<bool>, false),
+) -> std::result::Result<SetOfIterator<'static, i64>, ErrorReport> {
+    let stream = validate_name("stream", stream)?;
+    let payloads = payloads.ok_or_else(|| {
+        StreamError::invalid("payloads must not be NULL", "Pass an array with one jsonb per message.")
+    })?;
+    let keys: Option<Vec<Option<&str>>> = message_keys.as_ref().map(|k| k.iter().map(Option::as_deref).collect());
+    let ids = produce_many(stream, payloads, keys, concurrency, compaction.unwrap_or(false))?;
+    Ok(SetOfIterator::new(ids))
+}

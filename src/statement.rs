@@ -1,0 +1,86 @@
+//! SQL statements, prepared once per backend and per stream.
+//!
+//! Each module declares its SQL as `Statement` constants. Table names inside are written with
+//! the `@id@` placeholder and rendered with the stream's numeric id, never with user text; all
+//! values travel as parameters. The first execution in a backend prepares and keeps the plan
+//! (`SPI_keepplan`); later executions reuse it. A plan whose tables are dropped is re-planned by
+//! Postgres' plan cache, so a recreated stream with a reused id still works.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use pgrx::datum::DatumWithOid;
+use pgrx::pg_sys::{self, PgBuiltInOids, PgOid};
+use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiResult, SpiTupleTable};
+
+/// One SQL statement with typed parameters.
+pub struct Statement {
+    /// Unique name, used as the cache key together with the stream id.
+    pub name: &'static str,
+    /// SQL text; `@id@` is replaced by the stream id.
+    pub sql: &'static str,
+    pub params: &'static [PgBuiltInOids],
+}
+
+/// The stream a statement runs against; 0 for catalog statements.
+pub type StreamId = i64;
+
+thread_local! {
+    static PLANS: RefCell<HashMap<(StreamId, &'static str), Rc<OwnedPreparedStatement>>> =
+        RefCell::new(HashMap::new());
+}
+
+/// Renders a per-stream SQL template. Only ever called with a numeric id.
+pub fn render(sql: &str, stream_id: StreamId) -> String {
+    sql.replace("@id@", &stream_id.to_string())
+}
+
+impl Statement {
+    /// Runs the statement against `stream_id`'s tables and returns its rows.
+    ///
+    /// Plans are prepared as "mutating": SPI then takes a fresh snapshot per statement under
+    /// READ COMMITTED, which the claim path relies on (it must see rows committed after the
+    /// calling statement started). A plain SELECT run this way still assigns no transaction id.
+    pub fn run<'conn>(
+        &self,
+        client: &SpiClient<'conn>,
+        stream_id: StreamId,
+        args: &[DatumWithOid<'_>],
+    ) -> SpiResult<SpiTupleTable<'conn>> {
+        let plan = self.plan(client, stream_id)?;
+        client.select(&*plan, None, args)
+    }
+
+    fn plan(&self, client: &SpiClient<'_>, stream_id: StreamId) -> SpiResult<Rc<OwnedPreparedStatement>> {
+        let key = (stream_id, self.name);
+        if let Some(plan) = PLANS.with(|plans| plans.borrow().get(&key).cloned()) {
+            return Ok(plan);
+        }
+        let types: Vec<PgOid> = self.params.iter().map(|oid| PgOid::BuiltIn(*oid)).collect();
+        let sql = render(self.sql, stream_id);
+        let plan = Rc::new(client.prepare_mut(sql.as_str(), &types)?.keep());
+        PLANS.with(|plans| plans.borrow_mut().insert(key, plan.clone()));
+        Ok(plan)
+    }
+}
+
+/// Forgets the cached plans of a dropped stream.
+pub fn forget_stream(stream_id: StreamId) {
+    PLANS.with(|plans| plans.borrow_mut().retain(|(id, _), _| *id != stream_id));
+}
+
+/// A `timestamptz` parameter from Postgres microseconds.
+pub fn timestamptz<'a>(micros: pg_sys::TimestampTz) -> DatumWithOid<'a> {
+    // SAFETY: timestamptz is a by-value int8 datum.
+    unsafe { DatumWithOid::new(micros, pg_sys::TIMESTAMPTZOID) }
+}
+
+/// A `timestamptz[]` parameter; `None` elements are NULL.
+pub fn timestamptz_array<'a>(micros: Vec<Option<pg_sys::TimestampTz>>) -> DatumWithOid<'a> {
+    let values: Vec<Option<pgrx::datum::TimestampWithTimeZone>> = micros
+        .into_iter()
+        .map(|m| m.map(|m| pgrx::datum::TimestampWithTimeZone::try_from(m).expect("finite timestamp")))
+        .collect();
+    DatumWithOid::from(values)
+}

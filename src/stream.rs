@@ -1,0 +1,144 @@
+//! Streams: `create_stream`, `drop_stream`, and looking a stream up by name.
+
+use pgrx::pg_sys::BuiltinOid::*;
+use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
+
+use crate::error::{Result, SqlResult, StreamError};
+use crate::names::{positive_micros, validate_name};
+use crate::partition;
+use crate::statement::{self, Statement};
+
+/// What the claim and produce paths need to know about a stream.
+#[derive(Clone, Debug)]
+pub struct StreamRef {
+    pub id: i64,
+    pub name: String,
+    pub partition_size: i64,
+    pub partitions_through: i64,
+}
+
+const LOOKUP: Statement = Statement {
+    name: "stream_lookup",
+    sql: "SELECT id, partition_size, partitions_through FROM sqlstreams.stream WHERE name = $1",
+    params: &[TEXTOID],
+};
+
+const INSERT: Statement = Statement {
+    name: "stream_insert",
+    sql: "INSERT INTO sqlstreams.stream (name, partition_size, partitions_through, idempotency_ttl)
+          VALUES ($1, $2, 1, make_interval(secs => $3 / 1e6))
+          ON CONFLICT (name) DO NOTHING
+          RETURNING id",
+    params: &[TEXTOID, INT8OID, INT8OID],
+};
+
+const SET_TTL: Statement = Statement {
+    name: "stream_set_ttl",
+    sql: "UPDATE sqlstreams.stream SET idempotency_ttl = make_interval(secs => $2 / 1e6)
+          WHERE id = $1 AND idempotency_ttl <> make_interval(secs => $2 / 1e6)",
+    params: &[INT8OID, INT8OID],
+};
+
+const DELETE: Statement = Statement {
+    name: "stream_delete",
+    sql: "DELETE FROM sqlstreams.stream WHERE id = $1",
+    params: &[INT8OID],
+};
+
+/// The stream called `name`, or `UnknownStream`.
+pub fn lookup(client: &SpiClient<'_>, name: &str) -> Result<StreamRef> {
+    let row = LOOKUP.run(client, 0, &[name.into()])?.first();
+    if row.is_empty() {
+        return Err(StreamError::UnknownStream(name.to_string()));
+    }
+    Ok(StreamRef {
+        id: row.get(1)?.expect("id"),
+        name: name.to_string(),
+        partition_size: row.get(2)?.expect("partition_size"),
+        partitions_through: row.get(3)?.expect("partitions_through"),
+    })
+}
+
+/// Creates the stream and its table family, or returns the id of the existing stream of that
+/// name. The family is created in the caller's transaction, from `sql/stream_family.sql`.
+pub fn create(name: &str, partition_size: i64, idempotency_ttl_micros: i64) -> Result<i64> {
+    Spi::connect_mut(|client| {
+        let inserted: Option<i64> = INSERT
+            .run(client, 0, &[name.into(), partition_size.into(), idempotency_ttl_micros.into()])?
+            .first()
+            .get(1)?;
+        let Some(id) = inserted else {
+            let existing = lookup(client, name)?;
+            if existing.partition_size != partition_size {
+                return Err(StreamError::invalid(
+                    format!(
+                        "stream \"{name}\" already exists with partition_size {}, not {partition_size}",
+                        existing.partition_size
+                    ),
+                    format!("Declare it with partition_size => {} (a stream's partitioning cannot change).", existing.partition_size),
+                ));
+            }
+            SET_TTL.run(client, 0, &[existing.id.into(), idempotency_ttl_micros.into()])?;
+            return Ok(existing.id);
+        };
+        let family = statement::render(include_str!("../sql/stream_family.sql"), id);
+        client.update(family.as_str(), None, &[])?;
+        let stream = lookup(client, name)?;
+        partition::ensure(client, &stream, 0)?;
+        Ok(id)
+    })
+}
+
+/// Drops the stream, its groups and its table family. False when no such stream exists.
+pub fn drop(name: &str) -> Result<bool> {
+    Spi::connect_mut(|client| {
+        let stream = match lookup(client, name) {
+            Ok(stream) => stream,
+            Err(StreamError::UnknownStream(_)) => return Ok(false),
+            Err(other) => return Err(other),
+        };
+        let drop_family = statement::render(
+            "DROP TABLE sqlstreams.message_log_@id@, sqlstreams.cursor_@id@, sqlstreams.range_lease_@id@,
+                        sqlstreams.exception_queue_@id@, sqlstreams.message_key_lease_@id@,
+                        sqlstreams.compaction_head_@id@, sqlstreams.idempotency_key_@id@;
+             DROP SEQUENCE sqlstreams.message_log_@id@_seq;",
+            stream.id,
+        );
+        client.update(drop_family.as_str(), None, &[])?;
+        DELETE.run(client, 0, &[stream.id.into()])?;
+        statement::forget_stream(stream.id);
+        Ok(true)
+    })
+}
+
+/// Creates a stream and its tables; returns its id. Idempotent by name: declaring an existing
+/// stream returns its id (and updates its idempotency_ttl); a different partition_size is refused.
+#[pg_extern(volatile, parallel_unsafe)]
+fn create_stream(
+    name: Option<&str>,
+    partition_size: default!(Option<i64>, 1000000),
+    idempotency_ttl: default!(Option<Interval>, "'1 day'"),
+) -> SqlResult<i64> {
+    let name = validate_name("stream", name)?;
+    let partition_size = match partition_size {
+        Some(size) if size >= 1 => size,
+        other => {
+            return Err(StreamError::invalid(
+                format!("partition_size {} is not valid", other.map_or("NULL".into(), |s| s.to_string())),
+                "Pass a positive number of message ids per partition, such as 1000000.",
+            )
+            .into())
+        }
+    };
+    let ttl = positive_micros("idempotency_ttl", idempotency_ttl.map(|i| i.as_micros()), "'1 day'")?;
+    Ok(create(name, partition_size, ttl)?)
+}
+
+/// Drops a stream with its groups, messages and exception queue. Returns false when no stream
+/// of that name exists.
+#[pg_extern(volatile, parallel_unsafe)]
+fn drop_stream(name: Option<&str>) -> SqlResult<bool> {
+    let name = validate_name("stream", name)?;
+    Ok(drop(name)?)
+}

@@ -5,6 +5,19 @@
 -- Those tables are not extension members, so pg_dump keeps them; the two catalog tables
 -- below are members and are registered with pg_extension_config_dump() for the same reason.
 
+-- Stream tables are not extension members, so DROP EXTENSION leaves them behind (pg_dump keeps
+-- them for the same reason). Refuse to reuse stream ids over such leftovers.
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_class
+               WHERE relnamespace = 'sqlstreams'::regnamespace AND relname ~ '^message_log_[0-9]+$') THEN
+        RAISE EXCEPTION 'schema sqlstreams still holds the streams of an earlier installation'
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'Remove them with DROP SCHEMA sqlstreams CASCADE (this deletes those streams), then CREATE EXTENSION sqlstreams.';
+    END IF;
+END
+$$;
+
 CREATE TABLE sqlstreams.stream (
     id                 bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     name               text        NOT NULL UNIQUE,

@@ -133,8 +133,7 @@ pub fn claim(stream_name: &str, group_name: &str, batch: i32, lease_micros: i64)
         // SAFETY: reads the clock.
         let now = unsafe { pg_sys::GetCurrentTimestamp() };
         let cursor = cursor::read(client, stream_id, group.id, false)?;
-        let head = cursor::sequence_head(client, stream_id)?;
-        let world = fence::read_now(head);
+        let world = observe(client, stream_id, &cursor)?;
         if is_idle(client, &group, &cursor, &world, now)? {
             return Ok(vec![]);
         }
@@ -153,6 +152,18 @@ pub fn claim(stream_name: &str, group_name: &str, batch: i32, lease_micros: i64)
         };
         claim.run(client, &cursor, &world)
     })
+}
+
+/// What the fence needs to know now. The global bound is cheap; only when it proves nothing new
+/// does the claim look up this stream's own running producers.
+fn observe(client: &SpiClient<'_>, stream_id: i64, cursor: &Cursor) -> Result<Now> {
+    let head = cursor::sequence_head(client, stream_id)?;
+    let world = fence::read_now(head);
+    if head > cursor.claimed && fence::safe_head(cursor.claimed, cursor.observation, &world) <= cursor.claimed {
+        let bound = fence::oldest_producer(client, stream_id, world.next_xid)?;
+        return Ok(world.with_producer_bound(bound));
+    }
+    Ok(world)
 }
 
 fn is_idle(client: &SpiClient<'_>, group: &GroupRef, cursor: &Cursor, world: &Now, now: i64) -> Result<bool> {

@@ -16,11 +16,69 @@
 //!
 //! A claim first uses a stored observation that has matured, then makes a fresh one. A fresh
 //! observation is mature at once when no transaction is running; otherwise it is stored and a
-//! later claim finds it mature. A long-running writing transaction anywhere in the database
-//! therefore holds back claims of messages produced after it began (never before), until it
-//! ends. Read-only transactions take no transaction id and hold nothing back.
+//! later claim finds it mature.
+//!
+//! "Oldest running transaction" would let any long writing transaction anywhere in the database
+//! hold every stream back. So each producer also takes a shared advisory lock on its stream
+//! (before its transaction id), and when the global bound proves nothing new, the claim reads
+//! the oldest transaction id among that stream's lock holders from `pg_locks`: only this
+//! stream's open producers hold it back. Read-only transactions take no transaction id and
+//! hold nothing back either way.
 
-use pgrx::pg_sys;
+use pgrx::pg_sys::{self, BuiltinOid::*};
+use pgrx::spi::SpiClient;
+use pgrx::IntoDatum;
+
+use crate::error::Result;
+use crate::statement::Statement;
+
+/// First key of the producers' advisory lock (`'SQST'`); the second is the stream id.
+pub const PRODUCER_LOCK_CLASS: i32 = 0x5351_5354;
+
+/// Marks this transaction as a producer of `stream_id` until it ends. Call it before taking a
+/// transaction id; a shared lock, so producers never wait for each other.
+pub fn register_producer(stream_id: i64) {
+    // SAFETY: calls a built-in function with two int4 arguments.
+    unsafe {
+        pgrx::fcinfo::direct_function_call_as_datum(
+            pg_sys::pg_advisory_xact_lock_shared_int4,
+            &[PRODUCER_LOCK_CLASS.into_datum(), (stream_id as i32).into_datum()],
+        );
+    }
+}
+
+/// Transaction ids held by the stream's running producers, as 32-bit values. A holder without a
+/// transaction id has not taken a message id yet and cannot hold anything back. pg_locks is
+/// readable by every role (pg_stat_activity hides other roles' xids) and also shows prepared
+/// transactions, whose locks stay with the same virtual transaction.
+const PRODUCER_XIDS: Statement = Statement {
+    name: "fence_producer_xids",
+    sql: "SELECT coalesce(array_agg(t.transactionid::text::int8), '{}')
+          FROM pg_catalog.pg_locks a
+          JOIN pg_catalog.pg_locks t
+            ON t.virtualtransaction = a.virtualtransaction AND t.locktype = 'transactionid'
+           AND t.mode = 'ExclusiveLock' AND t.granted
+          WHERE a.locktype = 'advisory' AND a.granted AND a.objsubid = 2
+            AND a.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+            AND a.classid = $1::int8::oid AND a.objid = $2::int8::oid",
+    params: &[INT4OID, INT4OID],
+};
+
+/// The oldest transaction id (64-bit) among the stream's running producers; `next_xid` when
+/// there is none. Must be called after `next_xid` was read.
+pub fn oldest_producer(client: &SpiClient<'_>, stream_id: i64, next_xid: u64) -> Result<u64> {
+    let xids: Vec<i64> = PRODUCER_XIDS
+        .run(client, 0, &[PRODUCER_LOCK_CLASS.into(), (stream_id as i32).into()])?
+        .first()
+        .get(1)?
+        .unwrap_or_default();
+    Ok(xids
+        .into_iter()
+        .map(|x| widen_xid(pg_sys::TransactionId::from(x as u32), next_xid))
+        .min()
+        .unwrap_or(next_xid)
+        .min(next_xid))
+}
 
 /// "Every id <= head is safe once the oldest running transaction is >= xid."
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,6 +107,14 @@ pub struct Now {
 impl Now {
     fn observation(&self) -> Observation {
         Observation { head: self.head, xid: self.next_xid }
+    }
+}
+
+impl Now {
+    /// Tightens the bound with the oldest running producer of this stream (a transaction that
+    /// does not produce to it cannot hold one of its ids).
+    pub fn with_producer_bound(self, oldest_producer: u64) -> Now {
+        Now { oldest_running: self.oldest_running.max(oldest_producer), ..self }
     }
 }
 
@@ -174,6 +240,20 @@ mod tests {
         let stored = Some(Observation { head: 5, xid: 1 });
         assert_eq!(safe_head(50, stored, &now(50, 10, 10)), 50);
         assert_eq!(next_observation(50, 50, stored, &now(50, 10, 10)), None);
+    }
+
+    #[test]
+    fn an_unrelated_writer_stops_holding_once_producers_are_known() {
+        // Writer 480 runs, but the stream's only open producer started at 495.
+        let n = now(10, 500, 480);
+        assert_eq!(safe_head(0, None, &n), 0);
+        let refined = n.with_producer_bound(495);
+        assert_eq!(safe_head(0, Some(Observation { head: 8, xid: 490 }), &refined), 8);
+        assert_eq!(safe_head(0, None, &refined), 0, "the fresh observation still waits for 495");
+        // No producer at all: everything observed is safe.
+        assert_eq!(safe_head(0, None, &n.with_producer_bound(500)), 10);
+        // The bound never loosens below the global one.
+        assert_eq!(n.with_producer_bound(400).oldest_running, 480);
     }
 
     #[test]

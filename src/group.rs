@@ -93,7 +93,6 @@ pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str) -> Result<Group
     }
     let stream_ref = StreamRef {
         id: row.get(1)?.expect("stream id"),
-        name: stream.to_string(),
         partition_size: row.get(2)?.expect("partition_size"),
         partitions_through: row.get(3)?.expect("partitions_through"),
     };

@@ -18,7 +18,9 @@ mod error;
 mod exception_queue;
 mod fence;
 mod group;
+mod inspect;
 mod key_gate;
+mod maintain;
 mod names;
 mod notify;
 mod outcome;
@@ -31,3 +33,4 @@ mod statement;
 mod stream;
 
 extension_sql_file!("../sql/catalog.sql", name = "catalog", bootstrap);
+extension_sql_file!("../sql/api.sql", name = "api", finalize);

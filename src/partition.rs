@@ -70,7 +70,7 @@ mod tests {
     use super::*;
 
     fn stream(partition_size: i64, partitions_through: i64) -> StreamRef {
-        StreamRef { id: 1, name: "s".into(), partition_size, partitions_through }
+        StreamRef { id: 1, partition_size, partitions_through }
     }
 
     #[test]

@@ -8,6 +8,7 @@ use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
 use crate::error::{Result, SqlResult, StreamError};
+use crate::fence;
 use pgrx::pg_sys::panic::ErrorReport;
 use crate::names::validate_name;
 use crate::notify;
@@ -73,8 +74,10 @@ const BATCH_SHAPE: Statement = Statement {
     params: &[JSONBARRAYOID],
 };
 
-/// Takes this transaction's id before any message id (the fence's first rule).
-fn take_transaction_id() {
+/// Registers this transaction as a producer of the stream, then takes its transaction id, both
+/// before any message id (the fence's rules, src/fence.rs).
+fn become_producer(stream: &StreamRef) {
+    fence::register_producer(stream.id);
     // SAFETY: assigns a top-level transaction id (or returns the one already assigned).
     unsafe {
         pg_sys::GetTopTransactionId();
@@ -82,7 +85,7 @@ fn take_transaction_id() {
 }
 
 fn next_ids(client: &SpiClient<'_>, stream: &StreamRef, count: i32) -> Result<Vec<i64>> {
-    take_transaction_id();
+    become_producer(stream);
     if count == 1 {
         let id: i64 = NEXT_ID.run(client, stream.id, &[])?.first().get(1)?.expect("nextval");
         return Ok(vec![id]);

@@ -13,7 +13,6 @@ use crate::statement::{self, Statement};
 #[derive(Clone, Debug)]
 pub struct StreamRef {
     pub id: i64,
-    pub name: String,
     pub partition_size: i64,
     pub partitions_through: i64,
 }
@@ -54,7 +53,6 @@ pub fn lookup(client: &SpiClient<'_>, name: &str) -> Result<StreamRef> {
     }
     Ok(StreamRef {
         id: row.get(1)?.expect("id"),
-        name: name.to_string(),
         partition_size: row.get(2)?.expect("partition_size"),
         partitions_through: row.get(3)?.expect("partitions_through"),
     })
@@ -64,10 +62,9 @@ pub fn lookup(client: &SpiClient<'_>, name: &str) -> Result<StreamRef> {
 /// name. The family is created in the caller's transaction, from `sql/stream_family.sql`.
 pub fn create(name: &str, partition_size: i64, idempotency_ttl_micros: i64) -> Result<i64> {
     Spi::connect_mut(|client| {
-        let inserted: Option<i64> = INSERT
-            .run(client, 0, &[name.into(), partition_size.into(), idempotency_ttl_micros.into()])?
-            .first()
-            .get(1)?;
+        let inserted = INSERT.run(client, 0, &[name.into(), partition_size.into(), idempotency_ttl_micros.into()])?;
+        // No row: the name exists (ON CONFLICT DO NOTHING).
+        let inserted: Option<i64> = if inserted.is_empty() { None } else { inserted.first().get(1)? };
         let Some(id) = inserted else {
             let existing = lookup(client, name)?;
             if existing.partition_size != partition_size {

@@ -1,0 +1,174 @@
+//! The claim fence: a claim never passes an id whose producer transaction is still open,
+//! whatever order producers commit in. Each test holds producer transactions open on other
+//! connections and checks what claims return at every step; no test waits for time to pass.
+
+use sqlstreams_tests::*;
+
+#[test]
+fn an_open_producer_holds_later_committed_messages_back() {
+    let mut c = connect();
+    let mut slow = connect();
+    let s = Stream::create(&mut c, "fence-open");
+    let g = s.group(&mut c, "g", None);
+
+    let mut slow_tx = slow.transaction().unwrap();
+    let first = s.produce(&mut slow_tx, json!({"slow": true}), None);
+    let second = s.produce(&mut c, json!({"fast": true}), None);
+    assert!(second > first);
+
+    for _ in 0..3 {
+        assert!(g.claim(&mut c, 10).is_empty(), "claiming {second} would skip the open {first}");
+    }
+    assert_eq!(g.cursor(&mut c).0, 0);
+    slow_tx.commit().unwrap();
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![first, second]);
+}
+
+#[test]
+fn a_rolled_back_producer_leaves_a_gap_that_is_passed() {
+    let mut c = connect();
+    let mut other = connect();
+    let s = Stream::create(&mut c, "fence-rollback");
+    let g = s.group(&mut c, "g", None);
+    let mut tx = other.transaction().unwrap();
+    let gone = s.produce(&mut tx, json!({}), None);
+    let kept = s.produce(&mut c, json!({}), None);
+    assert!(g.claim(&mut c, 10).is_empty());
+    tx.rollback().unwrap();
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![kept]);
+    assert!(gone < kept);
+    assert_eq!(g.cursor(&mut c).0, kept);
+}
+
+#[test]
+fn savepoints_roll_back_their_messages_and_keep_the_fence() {
+    let mut c = connect();
+    let mut other = connect();
+    let s = Stream::create(&mut c, "fence-savepoint");
+    let g = s.group(&mut c, "g", None);
+
+    let mut tx = other.transaction().unwrap();
+    let mut sp = tx.savepoint("before").unwrap();
+    let discarded = s.produce(&mut sp, json!({"discarded": true}), None);
+    sp.rollback().unwrap();
+    let mut sp = tx.savepoint("again").unwrap();
+    let kept_in_savepoint = s.produce(&mut sp, json!({"kept": true}), None);
+    sp.commit().unwrap(); // RELEASE SAVEPOINT: still inside the open transaction
+    let outside = s.produce(&mut c, json!({}), None);
+
+    assert!(g.claim(&mut c, 10).is_empty(), "the transaction holding {kept_in_savepoint} is still open");
+    tx.commit().unwrap();
+    let got = ids(&g.claim(&mut c, 10));
+    assert_eq!(got, vec![kept_in_savepoint, outside]);
+    assert!(!got.contains(&discarded));
+}
+
+#[test]
+fn out_of_order_commits_never_let_a_claim_skip() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "fence-order");
+    let g = s.group(&mut c, "g", None);
+    let mut producers: Vec<postgres::Client> = (0..5).map(|_| connect()).collect();
+    let mut open: Vec<(i64, postgres::Transaction<'_>)> = Vec::new();
+    for p in producers.iter_mut() {
+        let mut tx = p.transaction().unwrap();
+        let id = s.produce(&mut tx, json!({}), None);
+        open.push((id, tx));
+    }
+    let all: Vec<i64> = open.iter().map(|(id, _)| *id).collect();
+    let mut claimed = Vec::new();
+    // Commit newest first: every claim must stop below the oldest still-open producer.
+    while let Some((_, tx)) = open.pop() {
+        tx.commit().unwrap();
+        let got = ids(&g.claim(&mut c, 10));
+        let lowest_open = open.iter().map(|(id, _)| *id).min();
+        if let Some(lowest) = lowest_open {
+            assert!(got.iter().all(|id| *id < lowest), "claimed {got:?} while {lowest} is open");
+        }
+        claimed.extend(got);
+    }
+    assert_eq!(claimed, all, "every committed message exactly once, in id order");
+}
+
+#[test]
+fn an_unrelated_writer_does_not_hold_the_stream_back() {
+    let mut c = connect();
+    let mut writer = connect();
+    let s = Stream::create(&mut c, "fence-unrelated");
+    let other = Stream::create(&mut c, "fence-other");
+    let g = s.group(&mut c, "g", None);
+
+    // A long transaction that writes, even one producing to another stream.
+    let mut tx = writer.transaction().unwrap();
+    tx.query_one("SELECT pg_current_xact_id()", &[]).unwrap();
+    other.produce(&mut tx, json!({}), None);
+    let id = s.produce(&mut c, json!({}), None);
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![id], "only this stream's producers can hold its ids");
+    tx.commit().unwrap();
+}
+
+#[test]
+fn a_stored_observation_matures_while_newer_producers_run() {
+    let mut c = connect();
+    let mut first = connect();
+    let mut second = connect();
+    let s = Stream::create(&mut c, "fence-mature");
+    let g = s.group(&mut c, "g", None);
+
+    let mut old_tx = first.transaction().unwrap();
+    let held = s.produce(&mut old_tx, json!({}), None);
+    let committed = s.produce(&mut c, json!({}), None);
+    assert!(g.claim(&mut c, 10).is_empty(), "{held} is open");
+    let stored: Option<i64> = c
+        .query_one(&format!("SELECT fence_head FROM {} WHERE consumer_group_id = $1", s.table("cursor")), &[&g.id])
+        .unwrap()
+        .get(0);
+    assert_eq!(stored, Some(committed), "the claim stored what it saw, to prove later");
+
+    // A newer producer opens before the old one ends: the stored observation is proven by the
+    // old one ending, while the new one's message stays behind the fence.
+    let mut new_tx = second.transaction().unwrap();
+    let newer = s.produce(&mut new_tx, json!({}), None);
+    old_tx.commit().unwrap();
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![held, committed]);
+    assert!(g.claim(&mut c, 10).is_empty(), "{newer} is open");
+    new_tx.commit().unwrap();
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![newer]);
+}
+
+#[test]
+fn read_only_transactions_hold_nothing_back() {
+    let mut c = connect();
+    let mut reader = connect();
+    let s = Stream::create(&mut c, "fence-reader");
+    let g = s.group(&mut c, "g", None);
+    let mut tx = reader.transaction().unwrap();
+    tx.query_one("SELECT count(*) FROM sqlstreams.stream", &[]).unwrap();
+    let id = s.produce(&mut c, json!({}), None);
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![id]);
+    tx.commit().unwrap();
+}
+
+#[test]
+fn the_outbox_message_appears_exactly_when_the_business_write_commits() {
+    let mut c = connect();
+    let mut app = connect();
+    let s = Stream::create(&mut c, "outbox");
+    let g = s.group(&mut c, "g", None);
+    app.batch_execute("CREATE TABLE IF NOT EXISTS outbox_accounts (id text PRIMARY KEY, balance int)").unwrap();
+    let account = unique("acct");
+
+    let mut tx = app.transaction().unwrap();
+    tx.execute("INSERT INTO outbox_accounts VALUES ($1, 100)", &[&account]).unwrap();
+    let id = s.produce(&mut tx, json!({"account": account}), Some(&account));
+    assert!(g.claim(&mut c, 10).is_empty());
+    tx.rollback().unwrap();
+    assert!(g.claim(&mut c, 10).is_empty(), "a rolled-back business write sends nothing");
+
+    let mut tx = app.transaction().unwrap();
+    tx.execute("INSERT INTO outbox_accounts VALUES ($1, 100)", &[&account]).unwrap();
+    let committed = s.produce(&mut tx, json!({"account": account}), Some(&account));
+    tx.commit().unwrap();
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![committed]);
+    assert!(committed > id);
+}

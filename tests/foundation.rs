@@ -1,0 +1,497 @@
+//! The foundation: produce, range claims, outcomes, the exception queue, leases and cursors.
+
+use sqlstreams_tests::*;
+
+#[test]
+fn produce_claim_ack_round_trip() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "round-trip");
+    let g = s.group(&mut c, "workers", None);
+    let a = s.produce(&mut c, json!({"hello": "world"}), None);
+    let b = s.produce(&mut c, json!([1, 2, 3]), Some("k"));
+    assert_eq!(b, a + 1, "ids increase in call order");
+
+    let batch = g.claim(&mut c, 10);
+    assert_eq!(ids(&batch), vec![a, b]);
+    assert_eq!(batch[0].payload, json!({"hello": "world"}));
+    assert_eq!(batch[1].payload, json!([1, 2, 3]));
+    assert_eq!(batch[1].message_key.as_deref(), Some("k"));
+    assert!(batch.iter().all(|d| d.attempt == 0 && d.run_after.is_none() && d.concurrency == "parallel"));
+    assert_eq!(batch[0].lease_token, batch[1].lease_token, "one lease per claim");
+
+    assert!(g.ack(&mut c, &batch[0]));
+    assert!(!g.ack(&mut c, &batch[0]), "a second ack of the same delivery changes nothing");
+    assert!(g.ack(&mut c, &batch[1]));
+    assert!(g.exception_rows(&mut c).is_empty(), "a first delivery that succeeds writes no exception row");
+    assert!(g.claim(&mut c, 10).is_empty());
+    assert_eq!(g.cursor(&mut c), (b, b), "the claim after the last ack stores committed");
+}
+
+#[test]
+fn two_groups_read_the_same_messages_independently() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "fan-out");
+    let audit = s.group(&mut c, "audit", None);
+    let billing = s.group(&mut c, "billing", None);
+    let produced = s.produce_many(&mut c, 5, None);
+
+    let first = audit.claim(&mut c, 3);
+    assert_eq!(ids(&first), produced[..3]);
+    // billing is not held back by audit's open range or its failure.
+    assert_eq!(audit.fail(&mut c, &first[0], "audit is down", false, None).as_deref(), Some("ready"));
+    assert_eq!(billing.drain(&mut c), produced);
+    assert!(billing.exception_rows(&mut c).is_empty());
+    assert_eq!(audit.statuses(&mut c), vec![(produced[0], "ready".to_string())]);
+    let rest = audit.claim(&mut c, 10);
+    assert_eq!(ids(&rest), produced[3..], "audit continues after its own range");
+}
+
+#[test]
+fn batch_produce_keeps_payload_order_and_validates() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "batch");
+    let g = s.group(&mut c, "g", None);
+    let ids_ = s.produce_many(&mut c, 250, Some("k"));
+    assert_eq!(ids_, (ids_[0]..ids_[0] + 250).collect::<Vec<_>>());
+    let mut seen = Vec::new();
+    loop {
+        let batch = g.claim(&mut c, 100);
+        if batch.is_empty() {
+            break;
+        }
+        for d in &batch {
+            seen.push(d.payload["n"].as_i64().unwrap());
+        }
+        g.ack_batch(&mut c, &batch);
+    }
+    assert_eq!(seen, (0..250).collect::<Vec<_>>(), "every payload once, in order");
+
+    let empty: Vec<serde_json::Value> = vec![];
+    assert!(c.query("SELECT sqlstreams.produce_batch($1, $2)", &[&s.name, &empty]).unwrap().is_empty());
+    let err = c
+        .query("SELECT sqlstreams.produce_batch($1, ARRAY['{}', NULL]::jsonb[])", &[&s.name])
+        .unwrap_err();
+    assert_eq!(sqlstate(&err), "22023");
+    let err = c
+        .query("SELECT sqlstreams.produce_batch($1, ARRAY['{}']::jsonb[], ARRAY['a', 'b'])", &[&s.name])
+        .unwrap_err();
+    assert_eq!(sqlstate(&err), "22023");
+}
+
+#[test]
+fn ack_batch_records_only_what_the_token_holds() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "ack-batch");
+    let g = s.group(&mut c, "g", None);
+    s.produce_many(&mut c, 4, None);
+    let batch = g.claim(&mut c, 4);
+    let recorded = g.ack_batch(&mut c, &batch[..2]);
+    assert_eq!(recorded, ids(&batch[..2]));
+    let again = g.ack_batch(&mut c, &batch);
+    assert_eq!(again, ids(&batch[2..]), "already acked ids are left out");
+}
+
+#[test]
+fn reclaim_after_lease_expiry_and_stale_token_outcomes() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "reclaim");
+    let g = s.group(&mut c, "g", None);
+    let produced = s.produce_many(&mut c, 3, None);
+
+    let old = g.claim(&mut c, 10);
+    assert!(g.ack(&mut c, &old[0]));
+    g.expire_leases(&mut c);
+
+    let again = g.claim(&mut c, 10);
+    assert_eq!(ids(&again), produced[1..], "only unresolved messages come back");
+    assert!(again.iter().all(|d| d.attempt == 1), "a reclaimed delivery counts the expired one");
+    assert_ne!(again[0].lease_token, old[0].lease_token);
+
+    // The old consumer wakes up: every outcome under its token changes nothing.
+    assert!(!g.ack(&mut c, &old[1]));
+    assert_eq!(g.fail(&mut c, &old[2], "late", false, None), None);
+    assert!(!g.delay(&mut c, &old[2], "1 second"));
+    assert!(g.exception_rows(&mut c).is_empty());
+
+    assert!(g.ack(&mut c, &again[0]));
+    assert!(g.ack(&mut c, &again[1]));
+    assert!(g.claim(&mut c, 10).is_empty());
+}
+
+#[test]
+fn a_range_that_keeps_expiring_is_quarantined() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "quarantine");
+    let g = s.group(&mut c, "g", None); // max_reclaims = 2
+    let produced = s.produce_many(&mut c, 3, None);
+
+    let mut attempts = vec![];
+    for _ in 0..3 {
+        let batch = g.claim(&mut c, 10);
+        assert_eq!(ids(&batch), produced);
+        attempts.push(batch[0].attempt);
+        g.expire_leases(&mut c);
+    }
+    assert_eq!(attempts, vec![0, 1, 2]);
+    // Expired a third time: the next claim quarantines instead of handing it out again,
+    // and the group moves on to new messages.
+    let later = s.produce(&mut c, json!({"later": true}), None);
+    let batch = g.claim(&mut c, 10);
+    assert_eq!(ids(&batch), vec![later]);
+    let rows = g.exception_rows(&mut c);
+    assert_eq!(rows.iter().map(|r| r.message_id).collect::<Vec<_>>(), produced);
+    for row in &rows {
+        assert_eq!((row.status.as_str(), row.attempts), ("ready", 1));
+        assert!(row.last_error.as_deref().unwrap().contains("quarantined"), "{:?}", row.last_error);
+    }
+    // Each quarantined message is retried on its own.
+    g.make_due(&mut c);
+    let retries = g.claim(&mut c, 10);
+    assert_eq!(ids(&retries), produced);
+    assert!(retries.iter().all(|d| d.attempt == 1));
+}
+
+#[test]
+fn retry_budget_ends_in_dead_with_exponential_backoff() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "budget");
+    let g = s.group_with(&mut c, "g", None, 3);
+    let id = s.produce(&mut c, json!({}), None);
+
+    let mut waits = vec![];
+    let mut statuses = vec![];
+    for expected_attempt in 0..4 {
+        let batch = g.claim(&mut c, 10);
+        assert_eq!(ids(&batch), vec![id]);
+        assert_eq!(batch[0].attempt, expected_attempt);
+        statuses.push(g.fail(&mut c, &batch[0], &format!("boom {expected_attempt}"), false, None).unwrap());
+        let row = g.exception_rows(&mut c).pop().unwrap();
+        waits.push(row.wait_secs);
+        assert_eq!(row.attempts, expected_attempt + 1);
+        assert!(g.claim(&mut c, 10).is_empty(), "a retry waits for its backoff");
+        g.make_due(&mut c);
+    }
+    assert_eq!(statuses, vec!["ready", "ready", "ready", "dead"], "max_retries = 3: four runs in all");
+    assert_eq!(&waits[..3], &[1.0, 2.0, 4.0], "backoff doubles from its 1 s base");
+    let dead = g.exception_rows(&mut c).pop().unwrap();
+    assert_eq!(dead.last_error.as_deref(), Some("boom 3"));
+    assert!(g.claim(&mut c, 10).is_empty(), "dead messages never run again");
+    let (n,): (i64,) = {
+        let r = c.query_one("SELECT count(*) FROM sqlstreams.dead_messages($1, $2)", &[&s.name, &g.name]).unwrap();
+        (r.get(0),)
+    };
+    assert_eq!(n, 1, "dead rows stay visible for triage");
+}
+
+#[test]
+fn backoff_is_capped_and_retry_after_overrides_it() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "cap");
+    let g = s.group(&mut c, "g", None);
+    c.execute(
+        "SELECT sqlstreams.create_group($1, $2, max_retries => 10, backoff_base => '1 second', backoff_cap => '3 seconds')",
+        &[&s.name, &g.name],
+    )
+    .unwrap();
+    s.produce(&mut c, json!({}), None);
+    let mut waits = vec![];
+    for _ in 0..4 {
+        let d = g.claim(&mut c, 1).pop().unwrap();
+        g.fail(&mut c, &d, "x", false, None);
+        waits.push(g.exception_rows(&mut c)[0].wait_secs);
+        g.make_due(&mut c);
+    }
+    assert_eq!(waits, vec![1.0, 2.0, 3.0, 3.0]);
+    let d = g.claim(&mut c, 1).pop().unwrap();
+    assert_eq!(g.fail(&mut c, &d, "x", false, Some("0 seconds")).as_deref(), Some("ready"));
+    let d = g.claim(&mut c, 1).pop().expect("retry_after => 0 is due at once");
+    assert_eq!(d.attempt, 5);
+}
+
+#[test]
+fn permanent_failure_is_dead_at_once() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "permanent");
+    let g = s.group(&mut c, "g", None);
+    s.produce(&mut c, json!({}), None);
+    let d = g.claim(&mut c, 1).pop().unwrap();
+    assert_eq!(g.fail(&mut c, &d, "malformed", true, None).as_deref(), Some("dead"));
+    let row = g.exception_rows(&mut c).pop().unwrap();
+    assert_eq!((row.status.as_str(), row.attempts), ("dead", 1));
+    g.make_due(&mut c);
+    assert!(g.claim(&mut c, 1).is_empty());
+}
+
+#[test]
+fn delay_counts_delays_not_attempts() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "delay");
+    let g = s.group(&mut c, "g", None);
+    s.produce(&mut c, json!({}), None);
+    let d = g.claim(&mut c, 1).pop().unwrap();
+    assert!(g.delay(&mut c, &d, "10 seconds"));
+    let row = g.exception_rows(&mut c).pop().unwrap();
+    assert_eq!((row.status.as_str(), row.attempts, row.delays, row.wait_secs), ("ready", 0, 1, 10.0));
+    assert!(g.claim(&mut c, 1).is_empty(), "a delayed message waits");
+    g.make_due(&mut c);
+    let d = g.claim(&mut c, 1).pop().unwrap();
+    assert_eq!(d.attempt, 0, "a delay is not a failed attempt");
+    assert!(g.delay(&mut c, &d, "1 second"));
+    g.make_due(&mut c);
+    let d = g.claim(&mut c, 1).pop().unwrap();
+    assert!(g.ack(&mut c, &d));
+    assert!(g.exception_rows(&mut c).is_empty(), "success deletes the row");
+}
+
+#[test]
+fn a_delay_budget_dead_letters() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "delay-budget");
+    let g = s.group(&mut c, "g", None);
+    c.execute("SELECT sqlstreams.create_group($1, $2, max_delays => 1)", &[&s.name, &g.name]).unwrap();
+    s.produce(&mut c, json!({}), None);
+    let d = g.claim(&mut c, 1).pop().unwrap();
+    assert!(g.delay(&mut c, &d, "1 second"));
+    g.make_due(&mut c);
+    let d = g.claim(&mut c, 1).pop().unwrap();
+    assert!(g.delay(&mut c, &d, "1 second"));
+    let row = g.exception_rows(&mut c).pop().unwrap();
+    assert_eq!((row.status.as_str(), row.delays), ("dead", 2));
+    assert!(row.last_error.unwrap().contains("max_delays"));
+}
+
+#[test]
+fn claim_returns_due_retries_and_fresh_messages_together() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "mixed");
+    let g = s.group(&mut c, "g", None);
+    let first = s.produce(&mut c, json!({}), None);
+    let d = g.claim(&mut c, 10).pop().unwrap();
+    g.fail(&mut c, &d, "x", false, Some("0 seconds"));
+    let second = s.produce(&mut c, json!({}), None);
+    let batch = g.claim(&mut c, 10);
+    assert_eq!(ids(&batch), vec![first, second]);
+    assert_eq!((batch[0].attempt, batch[1].attempt), (1, 0));
+    assert_eq!(batch[0].lease_token, batch[1].lease_token);
+    assert_eq!(g.ack_batch(&mut c, &batch), vec![first, second]);
+}
+
+#[test]
+fn expired_exception_deliveries_count_as_attempts() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "expired-row");
+    let g = s.group_with(&mut c, "g", None, 1);
+    s.produce(&mut c, json!({}), None);
+    let d = g.claim(&mut c, 1).pop().unwrap();
+    g.fail(&mut c, &d, "x", false, Some("0 seconds"));
+    let retry = g.claim(&mut c, 1).pop().unwrap();
+    assert_eq!(retry.attempt, 1);
+    g.expire_leases(&mut c);
+    // The expired retry spends the budget (max_retries = 1): dead, not handed out again.
+    assert!(g.claim(&mut c, 1).is_empty());
+    let row = g.exception_rows(&mut c).pop().unwrap();
+    assert_eq!((row.status.as_str(), row.attempts), ("dead", 2));
+    assert!(!g.ack(&mut c, &retry), "the expired delivery's outcome is refused");
+}
+
+#[test]
+fn committed_follows_resolution_and_never_moves_backward() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "committed");
+    let g = s.group(&mut c, "g", None);
+    let p = s.produce_many(&mut c, 6, None);
+    let first = g.claim(&mut c, 3);
+    let second = g.claim(&mut c, 3);
+    assert_eq!(g.cursor(&mut c).0, p[5]);
+
+    // The later range resolves first: committed cannot pass the open earlier range.
+    g.ack_batch(&mut c, &second);
+    g.claim(&mut c, 10);
+    assert_eq!(g.cursor(&mut c).1, p[0] - 1);
+
+    // A failure holds committed just below the failed id.
+    g.ack(&mut c, &first[0]);
+    g.fail(&mut c, &first[1], "x", false, None);
+    g.ack(&mut c, &first[2]);
+    g.claim(&mut c, 10);
+    assert_eq!(g.cursor(&mut c).1, p[1] - 1);
+
+    let mut history = vec![g.cursor(&mut c).1];
+    g.make_due(&mut c);
+    let retry = g.claim(&mut c, 10);
+    history.push(g.cursor(&mut c).1);
+    g.ack(&mut c, &retry[0]);
+    g.claim(&mut c, 10);
+    history.push(g.cursor(&mut c).1);
+    assert_eq!(*history.last().unwrap(), p[5]);
+    assert!(history.windows(2).all(|w| w[0] <= w[1]), "committed never moves backward: {history:?}");
+
+    let status = c
+        .query_one("SELECT claimed, committed, lag FROM sqlstreams.group_status($1, $2)", &[&s.name, &g.name])
+        .unwrap();
+    assert_eq!((status.get::<_, i64>(0), status.get::<_, i64>(1), status.get::<_, i64>(2)), (p[5], p[5], 0));
+}
+
+#[test]
+fn maintain_stores_committed_for_an_idle_group() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "maintain");
+    let g = s.group(&mut c, "g", None);
+    let p = s.produce_many(&mut c, 2, None);
+    let batch = g.claim(&mut c, 10);
+    g.ack_batch(&mut c, &batch);
+    assert_eq!(g.cursor(&mut c).1, 0, "nothing has stored committed yet");
+    let rows = c.query("SELECT stream, cursors_advanced FROM sqlstreams.maintain() WHERE stream = $1", &[&s.name]).unwrap();
+    assert_eq!(rows[0].get::<_, i64>(1), 1);
+    assert_eq!(g.cursor(&mut c).1, p[1]);
+    let rows = c.query("SELECT cursors_advanced FROM sqlstreams.maintain() WHERE stream = $1", &[&s.name]).unwrap();
+    assert_eq!(rows[0].get::<_, i64>(0), 0, "maintain is idempotent");
+}
+
+#[test]
+fn an_idle_claim_writes_nothing() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "idle");
+    let g = s.group(&mut c, "g", None);
+    s.produce_many(&mut c, 3, None);
+    let batch = g.claim(&mut c, 10);
+    g.ack_batch(&mut c, &batch);
+    g.claim(&mut c, 10); // stores committed once
+
+    let mut tx = c.transaction().unwrap();
+    let rows = tx
+        .query("SELECT * FROM sqlstreams.claim($1, $2)", &[&s.name, &g.name])
+        .unwrap();
+    assert!(rows.is_empty());
+    let xid: Option<String> = tx.query_one("SELECT pg_current_xact_id_if_assigned()::text", &[]).unwrap().get(0);
+    assert_eq!(xid, None, "an idle claim takes no transaction id");
+    tx.commit().unwrap();
+}
+
+#[test]
+fn start_at_head_skips_earlier_messages() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "start-at");
+    s.produce_many(&mut c, 3, None);
+    let id: i64 = c
+        .query_one("SELECT sqlstreams.create_group($1, 'late', start_at => 'head')", &[&s.name])
+        .unwrap()
+        .get(0);
+    let late = Group { stream: s.clone(), name: "late".into(), id };
+    let new = s.produce(&mut c, json!({}), None);
+    assert_eq!(ids(&late.claim(&mut c, 10)), vec![new]);
+    let early = s.group(&mut c, "early", None);
+    assert_eq!(early.claim(&mut c, 10).len(), 4, "start_at => 'beginning' sees every message");
+}
+
+#[test]
+fn declaring_again_is_idempotent() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "declare");
+    let again: i64 = c.query_one("SELECT sqlstreams.create_stream($1)", &[&s.name]).unwrap().get(0);
+    assert_eq!(again, s.id);
+    let g = s.group(&mut c, "g", None);
+    s.produce(&mut c, json!({}), None);
+    g.claim(&mut c, 10);
+    let g2 = s.group(&mut c, "g", Some("ordered"));
+    assert_eq!(g2.id, g.id, "declaring a group again returns its id");
+    let row = c
+        .query_one("SELECT concurrency_override, claimed FROM sqlstreams.consumer_groups WHERE id = $1", &[&g.id])
+        .unwrap();
+    assert_eq!(row.get::<_, Option<String>>(0).as_deref(), Some("ordered"), "settings are updated");
+    assert_eq!(row.get::<_, i64>(1), 1, "the cursor is not placed again");
+}
+
+#[test]
+fn drop_group_and_drop_stream_remove_everything() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "drop");
+    let g = s.group(&mut c, "g", None);
+    s.produce(&mut c, json!({}), None);
+    let d = g.claim(&mut c, 1).pop().unwrap();
+    g.fail(&mut c, &d, "x", false, None);
+    assert!(c.query_one("SELECT sqlstreams.drop_group($1, 'g')", &[&s.name]).unwrap().get::<_, bool>(0));
+    assert!(!c.query_one("SELECT sqlstreams.drop_group($1, 'g')", &[&s.name]).unwrap().get::<_, bool>(0));
+    assert!(g.exception_rows(&mut c).is_empty());
+    assert!(c.query_one("SELECT sqlstreams.drop_stream($1)", &[&s.name]).unwrap().get::<_, bool>(0));
+    assert!(!c.query_one("SELECT sqlstreams.drop_stream($1)", &[&s.name]).unwrap().get::<_, bool>(0));
+    let left: i64 = c
+        .query_one(
+            "SELECT count(*) FROM pg_class WHERE relnamespace = 'sqlstreams'::regnamespace AND relname ~ ('_' || $1::text || '(_|$)')",
+            &[&s.id.to_string()],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0, "the stream's table family is gone");
+}
+
+#[test]
+fn partitions_are_created_ahead_of_the_head() {
+    let mut c = connect();
+    let s = Stream::create_sized(&mut c, "partitions", 10);
+    let g = s.group(&mut c, "g", None);
+    let mut produced = s.produce_many(&mut c, 7, None);
+    for i in 0..30 {
+        produced.push(s.produce(&mut c, json!({"i": i}), None));
+    }
+    produced.extend(s.produce_many(&mut c, 25, None));
+    let partitions: i64 = c
+        .query_one("SELECT count(*) FROM pg_inherits WHERE inhparent = $1::text::regclass", &[&s.table("message_log")])
+        .unwrap()
+        .get(0);
+    assert!(partitions >= 7, "62 ids in partitions of 10 need at least 7 partitions, found {partitions}");
+    assert_eq!(g.drain(&mut c), produced, "claims read across partitions in order");
+}
+
+#[test]
+fn idempotency_keys_suppress_repeats_within_their_ttl() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "idempotent");
+    let g = s.group(&mut c, "g", None);
+    let produce = |c: &mut postgres::Client, key: &str| -> Option<i64> {
+        c.query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => $2)", &[&s.name, &key]).unwrap().get(0)
+    };
+    let first = produce(&mut c, "order-1").expect("first produce");
+    assert_eq!(produce(&mut c, "order-1"), None, "a repeat produces nothing");
+    assert!(produce(&mut c, "order-2").is_some());
+    assert_eq!(g.drain(&mut c).len(), 2);
+
+    // Once the key has expired it may be used again.
+    c.execute(&format!("UPDATE {} SET expires_at = now() - interval '1 second'", s.table("idempotency_key")), &[])
+        .unwrap();
+    assert!(produce(&mut c, "order-1").unwrap() > first);
+
+    // A repeat inside a transaction that rolls back leaves the key usable.
+    let mut tx = c.transaction().unwrap();
+    let in_tx: Option<i64> = tx
+        .query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => 'order-3')", &[&s.name])
+        .unwrap()
+        .get(0);
+    assert!(in_tx.is_some());
+    tx.rollback().unwrap();
+    assert!(produce(&mut c, "order-3").is_some());
+}
+
+#[test]
+fn views_list_streams_and_groups() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "views");
+    let g = s.group(&mut c, "g", Some("exclusive"));
+    s.produce_many(&mut c, 4, Some("k"));
+    let row = c.query_one("SELECT id, name, head FROM sqlstreams.streams WHERE name = $1", &[&s.name]).unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(2)), (s.id, 4));
+    let row = c
+        .query_one("SELECT id, stream_id, name, concurrency_override, lag FROM sqlstreams.consumer_groups WHERE id = $1", &[&g.id])
+        .unwrap();
+    assert_eq!(row.get::<_, i64>(1), s.id);
+    assert_eq!(row.get::<_, String>(2), "g");
+    assert_eq!(row.get::<_, Option<String>>(3).as_deref(), Some("exclusive"));
+    assert_eq!(row.get::<_, i64>(4), 4);
+    let batch = g.claim(&mut c, 10);
+    let leases = c
+        .query("SELECT kind, message_key FROM sqlstreams.open_leases($1, $2)", &[&s.name, &g.name])
+        .unwrap();
+    let kinds: Vec<(String, Option<String>)> = leases.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(kinds, vec![("key".into(), Some("k".into())), ("range".into(), None)]);
+    assert_eq!(batch.len(), 4);
+}

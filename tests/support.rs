@@ -1,0 +1,303 @@
+//! Shared helpers of the integration tests: connections to the throwaway cluster started by
+//! `scripts/rig test`, uniquely named streams, and typed wrappers over the SQL API.
+//!
+//! Tests never wait for wall-clock time to pass where a proof is possible: to let a lease run
+//! out they move its expiry into the past (`expire_leases`), to let a retry come due they move
+//! its time (`make_due`). Those two helpers are the only places tests write to the extension's
+//! tables.
+
+use postgres::{Client, NoTls};
+use serde_json::Value;
+use uuid::Uuid;
+
+pub use postgres;
+pub use serde_json::json;
+
+/// The throwaway cluster's URL, exported by `scripts/rig`.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .expect("DATABASE_URL is not set: run the tests through `scripts/rig test`, which starts a throwaway Postgres")
+}
+
+/// A new connection with the extension installed.
+pub fn connect() -> Client {
+    let mut client = Client::connect(&database_url(), NoTls).expect("connect to the test cluster");
+    // Tests run in parallel; the lock (held to commit) keeps concurrent CREATE EXTENSIONs apart.
+    client
+        .batch_execute(
+            "BEGIN; SELECT pg_advisory_xact_lock(727274); CREATE EXTENSION IF NOT EXISTS sqlstreams; COMMIT;",
+        )
+        .expect("create the extension");
+    client
+}
+
+/// A unique name, so tests never share a stream.
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}-{}", &Uuid::new_v4().simple().to_string()[..12])
+}
+
+/// The SQLSTATE of an error from Postgres.
+pub fn sqlstate(err: &postgres::Error) -> String {
+    err.code().map(|c| c.code().to_string()).unwrap_or_else(|| format!("no SQLSTATE: {err}"))
+}
+
+/// A stream created for one test.
+#[derive(Clone, Debug)]
+pub struct Stream {
+    pub name: String,
+    pub id: i64,
+}
+
+impl Stream {
+    pub fn create(c: &mut Client, prefix: &str) -> Stream {
+        Stream::create_sized(c, prefix, 1_000_000)
+    }
+
+    pub fn create_sized(c: &mut Client, prefix: &str, partition_size: i64) -> Stream {
+        let name = unique(prefix);
+        let id = c
+            .query_one("SELECT sqlstreams.create_stream($1, $2)", &[&name, &partition_size])
+            .expect("create_stream")
+            .get(0);
+        Stream { name, id }
+    }
+
+    /// `sqlstreams.<family>_<id>`, e.g. `table("exception_queue")`.
+    pub fn table(&self, family: &str) -> String {
+        format!("sqlstreams.{family}_{}", self.id)
+    }
+
+    pub fn produce(&self, c: &mut impl postgres::GenericClient, payload: Value, key: Option<&str>) -> i64 {
+        self.produce_with(c, payload, key, None, false).expect("produce").expect("an id")
+    }
+
+    pub fn produce_with(
+        &self,
+        c: &mut impl postgres::GenericClient,
+        payload: Value,
+        key: Option<&str>,
+        concurrency: Option<&str>,
+        compaction: bool,
+    ) -> Result<Option<i64>, postgres::Error> {
+        Ok(c.query_one(
+            "SELECT sqlstreams.produce($1, $2, $3, $4, $5)",
+            &[&self.name, &payload, &key, &concurrency, &compaction],
+        )?
+        .get(0))
+    }
+
+    /// Produces `n` keyless messages `{"n": i}` in one batch; returns their ids.
+    pub fn produce_many(&self, c: &mut Client, n: usize, key: Option<&str>) -> Vec<i64> {
+        let payloads: Vec<Value> = (0..n).map(|i| serde_json::json!({ "n": i })).collect();
+        let keys: Vec<Option<&str>> = vec![key; n];
+        c.query("SELECT sqlstreams.produce_batch($1, $2, $3)", &[&self.name, &payloads, &keys])
+            .expect("produce_batch")
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    }
+
+    pub fn group(&self, c: &mut Client, name: &str, concurrency_override: Option<&str>) -> Group {
+        let id = c
+            .query_one("SELECT sqlstreams.create_group($1, $2, $3)", &[&self.name, &name, &concurrency_override])
+            .expect("create_group")
+            .get(0);
+        Group { stream: self.clone(), name: name.to_string(), id }
+    }
+
+    /// A group with explicit retry settings (backoff base 1 s, cap 1 min, exponent 2).
+    pub fn group_with(&self, c: &mut Client, name: &str, concurrency_override: Option<&str>, max_retries: i32) -> Group {
+        let id = c
+            .query_one(
+                "SELECT sqlstreams.create_group($1, $2, $3, $4, backoff_base => '1 second', backoff_cap => '1 minute')",
+                &[&self.name, &name, &concurrency_override, &max_retries],
+            )
+            .expect("create_group")
+            .get(0);
+        Group { stream: self.clone(), name: name.to_string(), id }
+    }
+}
+
+/// One row of a claim result.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Delivery {
+    pub message_id: i64,
+    pub message_key: Option<String>,
+    pub concurrency: String,
+    pub attempt: i32,
+    pub payload: Value,
+    pub lease_token: Uuid,
+    pub run_after: Option<i64>,
+}
+
+/// One row of a group's exception queue.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExceptionRow {
+    pub message_id: i64,
+    pub message_key: Option<String>,
+    pub concurrency: String,
+    pub status: String,
+    pub attempts: i32,
+    pub delays: i32,
+    pub parked: bool,
+    /// Seconds from the row's last update to its can_run_after.
+    pub wait_secs: f64,
+    pub last_error: Option<String>,
+}
+
+/// A consumer group created for one test.
+#[derive(Clone, Debug)]
+pub struct Group {
+    pub stream: Stream,
+    pub name: String,
+    pub id: i64,
+}
+
+impl Group {
+    pub fn claim(&self, c: &mut Client, batch: i32) -> Vec<Delivery> {
+        self.try_claim(c, batch, "30 seconds").expect("claim")
+    }
+
+    pub fn try_claim(&self, c: &mut Client, batch: i32, lease: &str) -> Result<Vec<Delivery>, postgres::Error> {
+        let rows = c.query(
+            "SELECT message_id, message_key, concurrency, attempt, payload, lease_token, run_after
+             FROM sqlstreams.claim($1, $2, $3, $4::text::interval)",
+            &[&self.stream.name, &self.name, &batch, &lease],
+        )?;
+        Ok(rows
+            .iter()
+            .map(|r| Delivery {
+                message_id: r.get(0),
+                message_key: r.get(1),
+                concurrency: r.get(2),
+                attempt: r.get(3),
+                payload: r.get(4),
+                lease_token: r.get(5),
+                run_after: r.get(6),
+            })
+            .collect())
+    }
+
+    pub fn ack(&self, c: &mut Client, d: &Delivery) -> bool {
+        c.query_one(
+            "SELECT sqlstreams.ack($1, $2, $3, $4)",
+            &[&self.stream.name, &self.name, &d.lease_token, &d.message_id],
+        )
+        .expect("ack")
+        .get(0)
+    }
+
+    /// Acks many deliveries of one claim; returns the ids recorded.
+    pub fn ack_batch(&self, c: &mut Client, ds: &[Delivery]) -> Vec<i64> {
+        let Some(first) = ds.first() else { return vec![] };
+        let ids: Vec<i64> = ds.iter().map(|d| d.message_id).collect();
+        c.query_one(
+            "SELECT sqlstreams.ack_batch($1, $2, $3, $4)",
+            &[&self.stream.name, &self.name, &first.lease_token, &ids],
+        )
+        .expect("ack_batch")
+        .get(0)
+    }
+
+    /// Records a failure; `retry_after` like `'0 seconds'` overrides the backoff.
+    pub fn fail(&self, c: &mut Client, d: &Delivery, error: &str, permanent: bool, retry_after: Option<&str>) -> Option<String> {
+        c.query_one(
+            "SELECT sqlstreams.fail($1, $2, $3, $4, $5, $6, $7::text::interval)",
+            &[&self.stream.name, &self.name, &d.lease_token, &d.message_id, &error, &permanent, &retry_after],
+        )
+        .expect("fail")
+        .get(0)
+    }
+
+    pub fn delay(&self, c: &mut Client, d: &Delivery, delay: &str) -> bool {
+        c.query_one(
+            "SELECT sqlstreams.delay($1, $2, $3, $4, $5::text::interval)",
+            &[&self.stream.name, &self.name, &d.lease_token, &d.message_id, &delay],
+        )
+        .expect("delay")
+        .get(0)
+    }
+
+    pub fn exception_rows(&self, c: &mut Client) -> Vec<ExceptionRow> {
+        let sql = format!(
+            "SELECT message_id, message_key, concurrency, status, attempts, delays, parked,
+                    extract(epoch FROM can_run_after - updated_at)::float8, last_error
+             FROM {} WHERE consumer_group_id = $1 ORDER BY message_id",
+            self.stream.table("exception_queue")
+        );
+        c.query(&sql, &[&self.id])
+            .expect("exception rows")
+            .iter()
+            .map(|r| ExceptionRow {
+                message_id: r.get(0),
+                message_key: r.get(1),
+                concurrency: r.get(2),
+                status: r.get(3),
+                attempts: r.get(4),
+                delays: r.get(5),
+                parked: r.get(6),
+                wait_secs: r.get(7),
+                last_error: r.get(8),
+            })
+            .collect()
+    }
+
+    /// (message_id, status) of the group's exception rows.
+    pub fn statuses(&self, c: &mut Client) -> Vec<(i64, String)> {
+        self.exception_rows(c).into_iter().map(|r| (r.message_id, r.status)).collect()
+    }
+
+    /// The stored cursor: (claimed, committed).
+    pub fn cursor(&self, c: &mut Client) -> (i64, i64) {
+        let sql = format!("SELECT claimed, committed FROM {} WHERE consumer_group_id = $1", self.stream.table("cursor"));
+        let row = c.query_one(&sql, &[&self.id]).expect("cursor");
+        (row.get(0), row.get(1))
+    }
+
+    /// Lets every lease of the group run out now (ranges, exception rows, exclusive keys).
+    pub fn expire_leases(&self, c: &mut Client) {
+        let past = "now() - interval '1 second'";
+        let s = &self.stream;
+        c.batch_execute(&format!(
+            "UPDATE {r} SET lease_expires_at = {past} WHERE consumer_group_id = {g};
+             UPDATE {e} SET lease_expires_at = {past} WHERE consumer_group_id = {g} AND status = 'inflight';
+             UPDATE {k} SET lease_expires_at = {past} WHERE consumer_group_id = {g};",
+            r = s.table("range_lease"),
+            e = s.table("exception_queue"),
+            k = s.table("message_key_lease"),
+            g = self.id
+        ))
+        .expect("expire leases");
+    }
+
+    /// Lets every waiting exception row's time come (retry backoff, requested delay, parking).
+    pub fn make_due(&self, c: &mut Client) {
+        c.batch_execute(&format!(
+            "UPDATE {} SET can_run_after = now() - interval '1 second'
+             WHERE consumer_group_id = {} AND status IN ('ready', 'deferred')",
+            self.stream.table("exception_queue"),
+            self.id
+        ))
+        .expect("make due");
+    }
+
+    /// Claims until nothing comes back, acking everything; returns the ids acked in order.
+    pub fn drain(&self, c: &mut Client) -> Vec<i64> {
+        let mut acked = Vec::new();
+        loop {
+            let batch = self.claim(c, 100);
+            if batch.is_empty() {
+                return acked;
+            }
+            for d in &batch {
+                assert!(self.ack(c, d), "ack of {} lost its lease", d.message_id);
+                acked.push(d.message_id);
+            }
+        }
+    }
+}
+
+/// Ids of a claim result.
+pub fn ids(ds: &[Delivery]) -> Vec<i64> {
+    ds.iter().map(|d| d.message_id).collect()
+}

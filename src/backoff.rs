@@ -97,9 +97,6 @@ mod tests {
     fn permanent_and_override() {
         assert_eq!(fail(&B, 3, 0, true, None, 0), FailureOutcome::Dead { attempts: 1 });
         assert_eq!(fail(&B, 0, 0, false, None, 0), FailureOutcome::Dead { attempts: 1 });
-        assert_eq!(
-            fail(&B, 3, 0, false, Some(0), 7),
-            FailureOutcome::Retry { attempts: 1, can_run_after: 7 }
-        );
+        assert_eq!(fail(&B, 3, 0, false, Some(0), 7), FailureOutcome::Retry { attempts: 1, can_run_after: 7 });
     }
 }

@@ -17,7 +17,6 @@ use pgrx::spi::SpiClient;
 use crate::backoff;
 use crate::cursor::{self, committed_now, Cursor};
 use crate::error::{Result, StreamError};
-use pgrx::pg_sys::panic::ErrorReport;
 use crate::exception_queue::{self, NewRow, RowUpdate, Status};
 use crate::fence::{self, Now};
 use crate::group::{self, GroupRef};
@@ -27,6 +26,7 @@ use crate::payload::RawJsonb;
 use crate::policy::{self, Policy};
 use crate::range::{self, RangeLease};
 use crate::statement::{self, Statement};
+use pgrx::pg_sys::panic::ErrorReport;
 
 /// Largest `batch_size` a claim accepts.
 pub const MAX_BATCH: i32 = 10_000;
@@ -90,7 +90,10 @@ const FRESH_MESSAGES: Statement = Statement {
 enum Origin {
     Range,
     /// An exception row with its status before this claim; `expired` when its lease ran out.
-    Exception { status: String, expired: bool },
+    Exception {
+        status: String,
+        expired: bool,
+    },
 }
 
 struct Work {
@@ -168,7 +171,9 @@ fn observe(client: &SpiClient<'_>, stream_id: i64, cursor: &Cursor) -> Result<No
 
 fn is_idle(client: &SpiClient<'_>, group: &GroupRef, cursor: &Cursor, world: &Now, now: i64) -> Result<bool> {
     let safe = fence::safe_head(cursor.claimed, cursor.observation, world);
-    if safe > cursor.claimed || fence::next_observation(cursor.claimed, safe, cursor.observation, world) != cursor.observation {
+    if safe > cursor.claimed
+        || fence::next_observation(cursor.claimed, safe, cursor.observation, world) != cursor.observation
+    {
         return Ok(false);
     }
     let probe = PROBE
@@ -185,7 +190,8 @@ impl Claim<'_> {
         let safe = fence::safe_head(cursor.claimed, cursor.observation, world);
         self.collect_exceptions(client)?;
         let room = self.batch - self.work.len() as i32;
-        let (range, claimed) = if room > 0 { self.collect_range(client, cursor, safe, room)? } else { (None, cursor.claimed) };
+        let (range, claimed) =
+            if room > 0 { self.collect_range(client, cursor, safe, room)? } else { (None, cursor.claimed) };
         self.work.sort_by_key(|w| w.candidate.message_id);
 
         let candidates: Vec<Candidate> = self.work.iter().map(|w| w.candidate.clone()).collect();
@@ -336,7 +342,8 @@ impl Claim<'_> {
         );
         let retry = backoff::fail(&self.group.backoff, self.group.max_retries, 0, false, None, self.now);
         for row in rows {
-            let c = self.candidate(row.get(1)?.expect("id"), row.get(2)?, row.get(3)?, row.get(4)?.expect("compaction"));
+            let c =
+                self.candidate(row.get(1)?.expect("id"), row.get(2)?, row.get(3)?, row.get(4)?.expect("compaction"));
             let (status, attempts, can_run_after) = match retry {
                 backoff::FailureOutcome::Retry { attempts, can_run_after } => (Status::Ready, attempts, can_run_after),
                 backoff::FailureOutcome::Dead { attempts } => (Status::Dead, attempts, self.now),
@@ -443,7 +450,6 @@ fn new_row(c: &Candidate, status: Status, can_run_after: i64, parked: bool) -> N
         last_error: None,
     }
 }
-
 
 /// Claims work for a consumer of `group_name`: messages of a freshly claimed (or reclaimed)
 /// range and due exception-queue rows, in message_id order, all under one lease. Rows with a

@@ -40,9 +40,7 @@ impl StreamError {
                 PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT
             }
             StreamError::InvalidArgument { .. } => PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-            StreamError::WrongTransactionState { .. } => {
-                PgSqlErrorCode::ERRCODE_INVALID_TRANSACTION_STATE
-            }
+            StreamError::WrongTransactionState { .. } => PgSqlErrorCode::ERRCODE_INVALID_TRANSACTION_STATE,
             StreamError::Spi(_) => PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
         }
     }

@@ -96,8 +96,16 @@ const UPDATE: Statement = Statement {
                AS u(id, status, attempts, can_run_after, parked, lease_token, lease_expires_at, last_error)
           WHERE e.consumer_group_id = $1 AND e.message_id = u.id",
     params: &[
-        INT8OID, INT8ARRAYOID, TEXTARRAYOID, INT4ARRAYOID, TIMESTAMPTZARRAYOID, BOOLARRAYOID, UUIDARRAYOID,
-        TIMESTAMPTZARRAYOID, TEXTARRAYOID, TIMESTAMPTZOID,
+        INT8OID,
+        INT8ARRAYOID,
+        TEXTARRAYOID,
+        INT4ARRAYOID,
+        TIMESTAMPTZARRAYOID,
+        BOOLARRAYOID,
+        UUIDARRAYOID,
+        TIMESTAMPTZARRAYOID,
+        TEXTARRAYOID,
+        TIMESTAMPTZOID,
     ],
 };
 

@@ -132,12 +132,7 @@ pub fn safe_head(claimed: i64, stored: Option<Observation>, now: &Now) -> i64 {
 
 /// The observation to keep in the cursor after a claim that advanced `claimed` to
 /// `new_claimed` (it may stop short of `safe` because of its batch size).
-pub fn next_observation(
-    new_claimed: i64,
-    safe: i64,
-    stored: Option<Observation>,
-    now: &Now,
-) -> Option<Observation> {
+pub fn next_observation(new_claimed: i64, safe: i64, stored: Option<Observation>, now: &Now) -> Option<Observation> {
     if safe > new_claimed {
         // A known-safe head is left to claim: keep it (as an already mature observation).
         let source = [stored, Some(now.observation())]

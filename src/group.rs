@@ -178,8 +178,7 @@ fn settings(
     max_delays: Option<i32>,
     max_reclaims: Option<i32>,
 ) -> Result<GroupSettings> {
-    let concurrency_override =
-        concurrency_override.map(|p| Policy::parse("concurrency_override", p)).transpose()?;
+    let concurrency_override = concurrency_override.map(|p| Policy::parse("concurrency_override", p)).transpose()?;
     let max_retries = match max_retries {
         Some(n) if n >= 0 => n,
         other => {

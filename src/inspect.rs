@@ -179,7 +179,6 @@ fn group_progress(
 /// Keys whose delivery waits in the exception queue: the oldest unresolved message of each key,
 /// its status, and how many later messages of the key wait behind it.
 #[pg_extern(stable, parallel_safe)]
-#[allow(clippy::type_complexity)]
 fn blocked_keys(
     stream: Option<&str>,
     group_name: Option<&str>,
@@ -220,7 +219,6 @@ fn blocked_keys(
 /// Dead-lettered messages of a group, for triage. A dead predecessor released its ordered
 /// successors; it does not mean its business operation happened.
 #[pg_extern(stable, parallel_safe)]
-#[allow(clippy::type_complexity)]
 fn dead_messages(
     stream: Option<&str>,
     group_name: Option<&str>,
@@ -260,7 +258,6 @@ fn dead_messages(
 
 /// Leases a group holds right now: ranges, exception-queue deliveries and exclusive keys.
 #[pg_extern(stable, parallel_safe)]
-#[allow(clippy::type_complexity)]
 fn open_leases(
     stream: Option<&str>,
     group_name: Option<&str>,

@@ -233,7 +233,8 @@ pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<HashMap
             facts.entry(key).or_default().unresolved = Some(blocker);
         }
         let own = input.own_range_first.unwrap_or(-1);
-        let rows = CHECK_PENDING_ELSEWHERE.run(client, input.stream_id, &[input.group_id.into(), own.into(), keys.into()])?;
+        let rows =
+            CHECK_PENDING_ELSEWHERE.run(client, input.stream_id, &[input.group_id.into(), own.into(), keys.into()])?;
         for row in rows {
             let key: String = row.get(1)?.expect("key");
             let blocker = Blocker { message_id: row.get(2)?.expect("id"), clears_at: timestamp(row.get(3)?) };
@@ -330,19 +331,23 @@ mod tests {
     #[test]
     fn an_unresolved_predecessor_defers_the_whole_key() {
         let retry_at = NOW + 5_000_000;
-        let f = facts("acct-42", KeyFacts { unresolved: Some(Blocker { message_id: 101, clears_at: retry_at }), ..Default::default() });
-        let cands = [c(102, Some("acct-42"), Ordered), c(103, Some("acct-42"), Ordered), c(104, Some("acct-9"), Ordered)];
-        let g = gate(&cands, &f, LEASE, NOW);
-        assert_eq!(
-            g.verdicts,
-            vec![Verdict::Defer { until: retry_at }, Verdict::Defer { until: retry_at }, run(None)]
+        let f = facts(
+            "acct-42",
+            KeyFacts { unresolved: Some(Blocker { message_id: 101, clears_at: retry_at }), ..Default::default() },
         );
+        let cands =
+            [c(102, Some("acct-42"), Ordered), c(103, Some("acct-42"), Ordered), c(104, Some("acct-9"), Ordered)];
+        let g = gate(&cands, &f, LEASE, NOW);
+        assert_eq!(g.verdicts, vec![Verdict::Defer { until: retry_at }, Verdict::Defer { until: retry_at }, run(None)]);
     }
 
     #[test]
     fn a_later_blocker_defers_only_what_follows_it() {
         // An unresolved row 150 of the key sits between candidates 101 and 160.
-        let f = facts("k", KeyFacts { unresolved: Some(Blocker { message_id: 150, clears_at: NOW }), ..Default::default() });
+        let f = facts(
+            "k",
+            KeyFacts { unresolved: Some(Blocker { message_id: 150, clears_at: NOW }), ..Default::default() },
+        );
         let g = gate(&[c(101, Some("k"), Ordered), c(160, Some("k"), Ordered)], &f, LEASE, NOW);
         assert_eq!(g.verdicts, vec![run(None), Verdict::Defer { until: NOW + MIN_PARK_MICROS }]);
     }
@@ -350,7 +355,10 @@ mod tests {
     #[test]
     fn pending_in_another_range_defers_until_that_lease_expires() {
         let expiry = NOW + 20_000_000;
-        let f = facts("k", KeyFacts { pending_elsewhere: Some(Blocker { message_id: 90, clears_at: expiry }), ..Default::default() });
+        let f = facts(
+            "k",
+            KeyFacts { pending_elsewhere: Some(Blocker { message_id: 90, clears_at: expiry }), ..Default::default() },
+        );
         let g = gate(&[c(101, Some("k"), Ordered)], &f, LEASE, NOW);
         assert_eq!(g.verdicts, vec![Verdict::Defer { until: expiry }]);
     }
@@ -381,7 +389,10 @@ mod tests {
     #[test]
     fn exclusive_ignores_earlier_unresolved_rows() {
         // 101 waits for its retry; exclusive may run 102 first (the seeds' reorder).
-        let f = facts("acct-42", KeyFacts { unresolved: Some(Blocker { message_id: 101, clears_at: NOW + 9 }), ..Default::default() });
+        let f = facts(
+            "acct-42",
+            KeyFacts { unresolved: Some(Blocker { message_id: 101, clears_at: NOW + 9 }), ..Default::default() },
+        );
         let g = gate(&[c(102, Some("acct-42"), Exclusive)], &f, LEASE, NOW);
         assert_eq!(g.verdicts, vec![run(None)]);
     }
@@ -405,7 +416,14 @@ mod tests {
 
     #[test]
     fn keyless_and_parallel_rows_always_run() {
-        let f = facts("k", KeyFacts { unresolved: Some(Blocker { message_id: 1, clears_at: NOW }), leased_until: Some(LEASE), ..Default::default() });
+        let f = facts(
+            "k",
+            KeyFacts {
+                unresolved: Some(Blocker { message_id: 1, clears_at: NOW }),
+                leased_until: Some(LEASE),
+                ..Default::default()
+            },
+        );
         let g = gate(&[c(5, None, Ordered), c(6, Some("k"), Parallel), c(7, Some("k"), Parallel)], &f, LEASE, NOW);
         assert_eq!(g.verdicts, vec![run(None), run(None), run(None)]);
     }

@@ -12,11 +12,8 @@ use crate::partition;
 use crate::statement::Statement;
 use crate::stream;
 
-const STREAMS: Statement = Statement {
-    name: "maintain_streams",
-    sql: "SELECT name FROM sqlstreams.stream ORDER BY id",
-    params: &[],
-};
+const STREAMS: Statement =
+    Statement { name: "maintain_streams", sql: "SELECT name FROM sqlstreams.stream ORDER BY id", params: &[] };
 
 const GROUPS: Statement = Statement {
     name: "maintain_groups",

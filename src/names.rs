@@ -11,7 +11,10 @@ pub const MAX_NAME_CHARS: usize = 200;
 /// no control characters.
 pub fn validate_name<'a>(kind: &str, name: Option<&'a str>) -> Result<&'a str> {
     let name = name.ok_or_else(|| {
-        StreamError::invalid(format!("{kind} name must not be NULL"), format!("Pass a {kind} name such as 'ledger.adjustments'."))
+        StreamError::invalid(
+            format!("{kind} name must not be NULL"),
+            format!("Pass a {kind} name such as 'ledger.adjustments'."),
+        )
     })?;
     if name.trim().is_empty() {
         return Err(StreamError::invalid(
@@ -61,10 +64,9 @@ impl StartAt {
 pub fn positive_micros(what: &str, micros: Option<i128>, example: &str) -> Result<i64> {
     match micros {
         Some(m) if m > 0 && m <= i64::MAX as i128 => Ok(m as i64),
-        Some(m) if m > 0 => Err(StreamError::invalid(
-            format!("{what} is too long"),
-            format!("Pass a {what} such as {example}."),
-        )),
+        Some(m) if m > 0 => {
+            Err(StreamError::invalid(format!("{what} is too long"), format!("Pass a {what} such as {example}.")))
+        }
         Some(_) => Err(StreamError::invalid(
             format!("{what} must be positive"),
             format!("Pass a positive {what} such as {example}."),

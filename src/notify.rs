@@ -14,11 +14,7 @@ use pgrx::spi::SpiClient;
 use crate::error::Result;
 use crate::statement::Statement;
 
-const NOTIFY: Statement = Statement {
-    name: "notify",
-    sql: "SELECT pg_notify($1, '')",
-    params: &[TEXTOID],
-};
+const NOTIFY: Statement = Statement { name: "notify", sql: "SELECT pg_notify($1, '')", params: &[TEXTOID] };
 
 /// The channel consumers of a stream LISTEN on.
 pub fn channel(stream_id: i64) -> String {
@@ -32,13 +28,8 @@ thread_local! {
 /// Signals the stream's consumers at commit, once per (sub)transaction.
 pub fn signal(client: &SpiClient<'_>, stream_id: i64) -> Result<()> {
     // SAFETY: reads of this backend's transaction state.
-    let key = unsafe {
-        (
-            u32::from(pg_sys::GetTopTransactionIdIfAny()),
-            pg_sys::GetCurrentSubTransactionId(),
-            stream_id,
-        )
-    };
+    let key =
+        unsafe { (u32::from(pg_sys::GetTopTransactionIdIfAny()), pg_sys::GetCurrentSubTransactionId(), stream_id) };
     // Without an xid there is no transaction identity to coalesce on (and nothing was written).
     if key.0 != 0 && LAST.with(|last| *last.borrow() == Some(key)) {
         return Ok(());

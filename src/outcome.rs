@@ -65,9 +65,17 @@ const MESSAGE_INFO: Statement = Statement {
 /// What a failure or delay does to a message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Decision {
-    Retry { attempts: i32, delays: i32, can_run_after: i64 },
+    Retry {
+        attempts: i32,
+        delays: i32,
+        can_run_after: i64,
+    },
     /// `note` replaces the caller's error text (why the budget dead-lettered it).
-    Dead { attempts: i32, delays: i32, note: Option<&'static str> },
+    Dead {
+        attempts: i32,
+        delays: i32,
+        note: Option<&'static str>,
+    },
 }
 
 impl Decision {
@@ -332,12 +340,15 @@ fn fail_sql(
     };
     let permanent = permanent.unwrap_or(false);
     let error = Some(error.unwrap_or_else(|| "(no error message)".to_string()));
-    let status = record_failure(stream, group_name, token, id, error, |group, attempts, delays, now| {
-        match backoff::fail(&group.backoff, group.max_retries, attempts, permanent, retry_after, now) {
-            backoff::FailureOutcome::Retry { attempts, can_run_after } => Decision::Retry { attempts, delays, can_run_after },
-            backoff::FailureOutcome::Dead { attempts } => Decision::Dead { attempts, delays, note: None },
-        }
-    })?;
+    let status =
+        record_failure(stream, group_name, token, id, error, |group, attempts, delays, now| {
+            match backoff::fail(&group.backoff, group.max_retries, attempts, permanent, retry_after, now) {
+                backoff::FailureOutcome::Retry { attempts, can_run_after } => {
+                    Decision::Retry { attempts, delays, can_run_after }
+                }
+                backoff::FailureOutcome::Dead { attempts } => Decision::Dead { attempts, delays, note: None },
+            }
+        })?;
     Ok(status.map(|s| s.as_str().to_string()))
 }
 

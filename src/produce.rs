@@ -9,7 +9,6 @@ use pgrx::spi::SpiClient;
 
 use crate::error::{Result, SqlResult, StreamError};
 use crate::fence;
-use pgrx::pg_sys::panic::ErrorReport;
 use crate::names::validate_name;
 use crate::notify;
 use crate::partition;
@@ -17,12 +16,10 @@ use crate::payload::{RawJsonb, RawJsonbArray};
 use crate::policy::{Policy, ProduceRequest};
 use crate::statement::Statement;
 use crate::stream::{self, StreamRef};
+use pgrx::pg_sys::panic::ErrorReport;
 
-const NEXT_ID: Statement = Statement {
-    name: "produce_next_id",
-    sql: "SELECT nextval('sqlstreams.message_log_@id@_seq')",
-    params: &[],
-};
+const NEXT_ID: Statement =
+    Statement { name: "produce_next_id", sql: "SELECT nextval('sqlstreams.message_log_@id@_seq')", params: &[] };
 
 const NEXT_IDS: Statement = Statement {
     name: "produce_next_ids",

@@ -107,7 +107,12 @@ fn from_row(row: pgrx::spi::SpiTupleTable<'_>) -> Result<Option<RangeLease>> {
 }
 
 /// The open range leased under `token`, locked.
-pub fn for_token(client: &SpiClient<'_>, stream_id: i64, group_id: i64, token: pgrx::Uuid) -> Result<Option<RangeLease>> {
+pub fn for_token(
+    client: &SpiClient<'_>,
+    stream_id: i64,
+    group_id: i64,
+    token: pgrx::Uuid,
+) -> Result<Option<RangeLease>> {
     from_row(FOR_TOKEN.run(client, stream_id, &[group_id.into(), token.into()])?.first())
 }
 

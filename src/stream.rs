@@ -39,11 +39,8 @@ const SET_TTL: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
-const DELETE: Statement = Statement {
-    name: "stream_delete",
-    sql: "DELETE FROM sqlstreams.stream WHERE id = $1",
-    params: &[INT8OID],
-};
+const DELETE: Statement =
+    Statement { name: "stream_delete", sql: "DELETE FROM sqlstreams.stream WHERE id = $1", params: &[INT8OID] };
 
 /// The stream called `name`, or `UnknownStream`.
 pub fn lookup(client: &SpiClient<'_>, name: &str) -> Result<StreamRef> {
@@ -73,7 +70,10 @@ pub fn create(name: &str, partition_size: i64, idempotency_ttl_micros: i64) -> R
                         "stream \"{name}\" already exists with partition_size {}, not {partition_size}",
                         existing.partition_size
                     ),
-                    format!("Declare it with partition_size => {} (a stream's partitioning cannot change).", existing.partition_size),
+                    format!(
+                        "Declare it with partition_size => {} (a stream's partitioning cannot change).",
+                        existing.partition_size
+                    ),
                 ));
             }
             SET_TTL.run(client, 0, &[existing.id.into(), idempotency_ttl_micros.into()])?;

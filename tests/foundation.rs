@@ -68,13 +68,10 @@ fn batch_produce_keeps_payload_order_and_validates() {
 
     let empty: Vec<serde_json::Value> = vec![];
     assert!(c.query("SELECT sqlstreams.produce_batch($1, $2)", &[&s.name, &empty]).unwrap().is_empty());
-    let err = c
-        .query("SELECT sqlstreams.produce_batch($1, ARRAY['{}', NULL]::jsonb[])", &[&s.name])
-        .unwrap_err();
+    let err = c.query("SELECT sqlstreams.produce_batch($1, ARRAY['{}', NULL]::jsonb[])", &[&s.name]).unwrap_err();
     assert_eq!(sqlstate(&err), "22023");
-    let err = c
-        .query("SELECT sqlstreams.produce_batch($1, ARRAY['{}']::jsonb[], ARRAY['a', 'b'])", &[&s.name])
-        .unwrap_err();
+    let err =
+        c.query("SELECT sqlstreams.produce_batch($1, ARRAY['{}']::jsonb[], ARRAY['a', 'b'])", &[&s.name]).unwrap_err();
     assert_eq!(sqlstate(&err), "22023");
 }
 
@@ -341,7 +338,8 @@ fn maintain_stores_committed_for_an_idle_group() {
     let batch = g.claim(&mut c, 10);
     g.ack_batch(&mut c, &batch);
     assert_eq!(g.cursor(&mut c).1, 0, "nothing has stored committed yet");
-    let rows = c.query("SELECT stream, cursors_advanced FROM sqlstreams.maintain() WHERE stream = $1", &[&s.name]).unwrap();
+    let rows =
+        c.query("SELECT stream, cursors_advanced FROM sqlstreams.maintain() WHERE stream = $1", &[&s.name]).unwrap();
     assert_eq!(rows[0].get::<_, i64>(1), 1);
     assert_eq!(g.cursor(&mut c).1, p[1]);
     let rows = c.query("SELECT cursors_advanced FROM sqlstreams.maintain() WHERE stream = $1", &[&s.name]).unwrap();
@@ -359,9 +357,7 @@ fn an_idle_claim_writes_nothing() {
     g.claim(&mut c, 10); // stores committed once
 
     let mut tx = c.transaction().unwrap();
-    let rows = tx
-        .query("SELECT * FROM sqlstreams.claim($1, $2)", &[&s.name, &g.name])
-        .unwrap();
+    let rows = tx.query("SELECT * FROM sqlstreams.claim($1, $2)", &[&s.name, &g.name]).unwrap();
     assert!(rows.is_empty());
     let xid: Option<String> = tx.query_one("SELECT pg_current_xact_id_if_assigned()::text", &[]).unwrap().get(0);
     assert_eq!(xid, None, "an idle claim takes no transaction id");
@@ -373,10 +369,8 @@ fn start_at_head_skips_earlier_messages() {
     let mut c = connect();
     let s = Stream::create(&mut c, "start-at");
     s.produce_many(&mut c, 3, None);
-    let id: i64 = c
-        .query_one("SELECT sqlstreams.create_group($1, 'late', start_at => 'head')", &[&s.name])
-        .unwrap()
-        .get(0);
+    let id: i64 =
+        c.query_one("SELECT sqlstreams.create_group($1, 'late', start_at => 'head')", &[&s.name]).unwrap().get(0);
     let late = Group { stream: s.clone(), name: "late".into(), id };
     let new = s.produce(&mut c, json!({}), None);
     assert_eq!(ids(&late.claim(&mut c, 10)), vec![new]);
@@ -463,10 +457,8 @@ fn idempotency_keys_suppress_repeats_within_their_ttl() {
 
     // A repeat inside a transaction that rolls back leaves the key usable.
     let mut tx = c.transaction().unwrap();
-    let in_tx: Option<i64> = tx
-        .query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => 'order-3')", &[&s.name])
-        .unwrap()
-        .get(0);
+    let in_tx: Option<i64> =
+        tx.query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => 'order-3')", &[&s.name]).unwrap().get(0);
     assert!(in_tx.is_some());
     tx.rollback().unwrap();
     assert!(produce(&mut c, "order-3").is_some());
@@ -481,16 +473,17 @@ fn views_list_streams_and_groups() {
     let row = c.query_one("SELECT id, name, head FROM sqlstreams.streams WHERE name = $1", &[&s.name]).unwrap();
     assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(2)), (s.id, 4));
     let row = c
-        .query_one("SELECT id, stream_id, name, concurrency_override, lag FROM sqlstreams.consumer_groups WHERE id = $1", &[&g.id])
+        .query_one(
+            "SELECT id, stream_id, name, concurrency_override, lag FROM sqlstreams.consumer_groups WHERE id = $1",
+            &[&g.id],
+        )
         .unwrap();
     assert_eq!(row.get::<_, i64>(1), s.id);
     assert_eq!(row.get::<_, String>(2), "g");
     assert_eq!(row.get::<_, Option<String>>(3).as_deref(), Some("exclusive"));
     assert_eq!(row.get::<_, i64>(4), 4);
     let batch = g.claim(&mut c, 10);
-    let leases = c
-        .query("SELECT kind, message_key FROM sqlstreams.open_leases($1, $2)", &[&s.name, &g.name])
-        .unwrap();
+    let leases = c.query("SELECT kind, message_key FROM sqlstreams.open_leases($1, $2)", &[&s.name, &g.name]).unwrap();
     let kinds: Vec<(String, Option<String>)> = leases.iter().map(|r| (r.get(0), r.get(1))).collect();
     assert_eq!(kinds, vec![("key".into(), Some("k".into())), ("range".into(), None)]);
     assert_eq!(batch.len(), 4);

@@ -106,7 +106,13 @@ impl Stream {
     }
 
     /// A group with explicit retry settings (backoff base 1 s, cap 1 min, exponent 2).
-    pub fn group_with(&self, c: &mut Client, name: &str, concurrency_override: Option<&str>, max_retries: i32) -> Group {
+    pub fn group_with(
+        &self,
+        c: &mut Client,
+        name: &str,
+        concurrency_override: Option<&str>,
+        max_retries: i32,
+    ) -> Group {
         let id = c
             .query_one(
                 "SELECT sqlstreams.create_group($1, $2, $3, $4, backoff_base => '1 second', backoff_cap => '1 minute')",
@@ -200,7 +206,14 @@ impl Group {
     }
 
     /// Records a failure; `retry_after` like `'0 seconds'` overrides the backoff.
-    pub fn fail(&self, c: &mut Client, d: &Delivery, error: &str, permanent: bool, retry_after: Option<&str>) -> Option<String> {
+    pub fn fail(
+        &self,
+        c: &mut Client,
+        d: &Delivery,
+        error: &str,
+        permanent: bool,
+        retry_after: Option<&str>,
+    ) -> Option<String> {
         c.query_one(
             "SELECT sqlstreams.fail($1, $2, $3, $4, $5, $6, $7::text::interval)",
             &[&self.stream.name, &self.name, &d.lease_token, &d.message_id, &error, &permanent, &retry_after],
@@ -249,7 +262,8 @@ impl Group {
 
     /// The stored cursor: (claimed, committed).
     pub fn cursor(&self, c: &mut Client) -> (i64, i64) {
-        let sql = format!("SELECT claimed, committed FROM {} WHERE consumer_group_id = $1", self.stream.table("cursor"));
+        let sql =
+            format!("SELECT claimed, committed FROM {} WHERE consumer_group_id = $1", self.stream.table("cursor"));
         let row = c.query_one(&sql, &[&self.id]).expect("cursor");
         (row.get(0), row.get(1))
     }

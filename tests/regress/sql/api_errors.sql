@@ -1,0 +1,17 @@
+-- Refused calls: SQLSTATE-bearing messages that say what to do instead.
+\set VERBOSITY default
+SELECT sqlstreams.produce('no.such.stream', '{}');
+SELECT * FROM sqlstreams.claim('account.state', 'no-such-group');
+SELECT sqlstreams.produce('account.state', '{}', 'k', 'fifo');
+SELECT sqlstreams.produce('account.state', '{}', NULL, 'ordered');
+SELECT sqlstreams.create_group('account.state', 'g', start_at => 'tail');
+SELECT * FROM sqlstreams.claim('account.state', 'cache', 0);
+SELECT * FROM sqlstreams.claim('account.state', 'cache', 10, '0 seconds');
+SELECT sqlstreams.create_stream('account.state', 10);
+SELECT sqlstreams.create_stream('');
+-- Names are data: quotes and semicolons are just characters.
+SELECT sqlstreams.create_stream('Robert''); DROP TABLE sqlstreams.stream; --') > 0 AS created;
+SELECT name FROM sqlstreams.streams ORDER BY id;
+-- The API is documented in the catalog.
+SELECT p.proname, obj_description(p.oid, 'pg_proc') IS NOT NULL AS documented
+FROM pg_proc p WHERE p.pronamespace = 'sqlstreams'::regnamespace ORDER BY 1;

@@ -197,18 +197,24 @@ impl Claim<'_> {
         let candidates: Vec<Candidate> = self.work.iter().map(|w| w.candidate.clone()).collect();
         let exception_ids: Vec<i64> =
             self.work.iter().filter(|w| w.origin != Origin::Range).map(|w| w.candidate.message_id).collect();
-        let facts = key_gate::gather(
-            client,
-            &GatherInput {
-                stream_id,
-                group_id: self.group.id,
-                candidates: &candidates,
-                exception_ids: &exception_ids,
-                own_range_first: range.as_ref().map(|r| r.first_id),
-                now: self.now,
-            },
-        )?;
-        let gated = key_gate::gate(&candidates, &facts, self.expires, self.now);
+        let input = GatherInput {
+            stream_id,
+            group_id: self.group.id,
+            candidates: &candidates,
+            exception_ids: &exception_ids,
+            own_range_first: range.as_ref().map(|r| r.first_id),
+            now: self.now,
+        };
+        let mut gated = key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now);
+        let parking = key_gate::deferred_keys(&candidates, &gated.verdicts);
+        if !parking.is_empty() {
+            // Lock the keys about to be parked, then look again: a resolution that committed
+            // meanwhile is seen now, and one still in flight waits for this claim to commit
+            // before its wake-up runs (src/key_gate.rs, LOCK_KEYS). Facts only shrink between
+            // the two looks, so the second can only turn waits into runs.
+            key_gate::lock_keys(client, self.group.id, &parking, false)?;
+            gated = key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now);
+        }
         key_gate::take_leases(client, stream_id, self.group.id, &gated.lease_keys, self.token, self.expires, self.now)?;
 
         let (deliveries, pending) = self.record(gated.verdicts);

@@ -14,6 +14,7 @@ use pgrx::spi::SpiClient;
 
 use crate::error::Result;
 use crate::group::GroupRef;
+use crate::key_gate;
 use crate::notify;
 use crate::policy::Policy;
 use crate::statement::{self, Statement};
@@ -112,23 +113,32 @@ const UPDATE: Statement = Statement {
 /// Wakes, per key, the parked rows that may run once the key's last resolution is recorded: an
 /// exclusive row always (it only needs the key lease), an ordered row only when no unparked
 /// ready or inflight row of its key precedes it. At most `$4` rows per key, in id order, which
-/// is what one claim can chain.
+/// is what one claim can chain. Rows a claim holds are skipped: that claim is deciding them and
+/// sees this resolution (it waits for this transaction's key locks before it parks anything).
 const WAKE: Statement = Statement {
     name: "eq_wake",
-    sql: "UPDATE sqlstreams.exception_queue_@id@ e
+    sql: "WITH candidates AS (
+              SELECT w.message_id
+              FROM unnest($2::text[]) AS k(message_key)
+              CROSS JOIN LATERAL (
+                  SELECT p.message_id FROM sqlstreams.exception_queue_@id@ p
+                  WHERE p.consumer_group_id = $1 AND p.message_key = k.message_key AND p.parked
+                    AND (p.concurrency <> 'ordered' OR p.message_id < coalesce(
+                            (SELECT min(b.message_id) FROM sqlstreams.exception_queue_@id@ b
+                             WHERE b.consumer_group_id = $1 AND b.message_key = k.message_key
+                               AND b.status IN ('ready', 'inflight') AND NOT b.parked),
+                            9223372036854775807))
+                  ORDER BY p.message_id
+                  LIMIT $4) w
+          ), free AS (
+              SELECT e.message_id FROM sqlstreams.exception_queue_@id@ e
+              WHERE e.consumer_group_id = $1 AND e.message_id IN (SELECT message_id FROM candidates) AND e.parked
+              FOR UPDATE SKIP LOCKED
+          )
+          UPDATE sqlstreams.exception_queue_@id@ e
           SET parked = false, can_run_after = $3, updated_at = $3
-          FROM unnest($2::text[]) AS k(message_key)
-          CROSS JOIN LATERAL (
-              SELECT p.message_id FROM sqlstreams.exception_queue_@id@ p
-              WHERE p.consumer_group_id = $1 AND p.message_key = k.message_key AND p.parked
-                AND (p.concurrency <> 'ordered' OR p.message_id < coalesce(
-                        (SELECT min(b.message_id) FROM sqlstreams.exception_queue_@id@ b
-                         WHERE b.consumer_group_id = $1 AND b.message_key = k.message_key
-                           AND b.status IN ('ready', 'inflight') AND NOT b.parked),
-                        9223372036854775807))
-              ORDER BY p.message_id
-              LIMIT $4) w
-          WHERE e.consumer_group_id = $1 AND e.message_id = w.message_id",
+          FROM free
+          WHERE e.consumer_group_id = $1 AND e.message_id = free.message_id",
     params: &[INT8OID, TEXTARRAYOID, TIMESTAMPTZOID, INT4OID],
 };
 
@@ -228,6 +238,10 @@ pub fn after_outcome(
         return Ok(());
     }
     let stream_id = group.stream.id;
+    if group.may_park() {
+        // Before the key is released or woken: see LOCK_KEYS in src/key_gate.rs.
+        key_gate::lock_keys(client, group.id, keys, true)?;
+    }
     if let (Some(token), true) = (token, group.may_hold_key_leases()) {
         RELEASE_KEYS.run(client, stream_id, &[group.id.into(), token.into(), keys.to_vec().into()])?;
     }

@@ -137,26 +137,27 @@ pub fn gate(candidates: &[Candidate], facts: &HashMap<String, KeyFacts>, lease_e
     Gated { verdicts, lease_keys }
 }
 
-const CHECK_UNRESOLVED: Statement = Statement {
-    name: "gate_check_unresolved",
-    sql: "SELECT k.message_key, min(e.message_id),
+/// Both ordered checks in one statement, so they read one snapshot: a message moving from a
+/// range's pending list into the exception queue (a concurrent `fail`) is seen in one place or
+/// the other, never in neither. Kind 1: the earliest unresolved exception row of the key below
+/// the key's last candidate, outside this claim. Kind 2: the earliest same-key message pending
+/// in another open range.
+const CHECK_ORDERED: Statement = Statement {
+    name: "gate_check_ordered",
+    sql: "SELECT 1, k.message_key, min(e.message_id),
                  min(CASE WHEN e.status = 'inflight' THEN e.lease_expires_at ELSE e.can_run_after END)
           FROM unnest($2::text[], $3::bigint[]) AS k(message_key, upto)
           JOIN sqlstreams.exception_queue_@id@ e
             ON e.consumer_group_id = $1 AND e.message_key = k.message_key AND e.message_id < k.upto
           WHERE e.status IN ('ready', 'inflight', 'deferred') AND e.message_id <> ALL($4)
-          GROUP BY k.message_key",
-    params: &[INT8OID, TEXTARRAYOID, INT8ARRAYOID, INT8ARRAYOID],
-};
-
-const CHECK_PENDING_ELSEWHERE: Statement = Statement {
-    name: "gate_check_pending_elsewhere",
-    sql: "SELECT u.message_key, min(u.id), min(r.lease_expires_at)
+          GROUP BY k.message_key
+          UNION ALL
+          SELECT 2, u.message_key, min(u.id), min(r.lease_expires_at)
           FROM sqlstreams.range_lease_@id@ r
           CROSS JOIN LATERAL unnest(r.pending, r.pending_keys) AS u(id, message_key)
-          WHERE r.consumer_group_id = $1 AND r.first_id <> $2 AND u.message_key = ANY($3)
+          WHERE r.consumer_group_id = $1 AND r.first_id <> $5 AND u.message_key = ANY($2)
           GROUP BY u.message_key",
-    params: &[INT8OID, INT8OID, TEXTARRAYOID],
+    params: &[INT8OID, TEXTARRAYOID, INT8ARRAYOID, INT8ARRAYOID, INT8OID],
 };
 
 const KEY_LEASES: Statement = Statement {
@@ -181,6 +182,51 @@ const TAKE_LEASES: Statement = Statement {
               WHERE l.lease_expires_at <= $5",
     params: &[INT8OID, TEXTARRAYOID, UUIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID],
 };
+
+/// Per-(group, key) advisory locks, taken in key-hash order (so claims and outcomes never
+/// deadlock on them) and held to commit. A claim takes them exclusively on the keys it would
+/// park, then looks again; outcomes take them shared before they release or wake a key. So a
+/// resolution is either seen by the claim or its wake sees the claim's parked rows: no lost
+/// wake-ups between a claim and a concurrent outcome.
+const LOCK_KEYS: Statement = Statement {
+    name: "gate_lock_keys",
+    sql: "SELECT count(pg_advisory_xact_lock(l.lock)) FROM (
+              SELECT DISTINCT ($1::int8 << 32) | (hashtext(k)::int8 & 4294967295) AS lock
+              FROM unnest($2::text[]) AS k ORDER BY 1) l",
+    params: &[INT8OID, TEXTARRAYOID],
+};
+
+const LOCK_KEYS_SHARED: Statement = Statement {
+    name: "gate_lock_keys_shared",
+    sql: "SELECT count(pg_advisory_xact_lock_shared(l.lock)) FROM (
+              SELECT DISTINCT ($1::int8 << 32) | (hashtext(k)::int8 & 4294967295) AS lock
+              FROM unnest($2::text[]) AS k ORDER BY 1) l",
+    params: &[INT8OID, TEXTARRAYOID],
+};
+
+/// Takes the key locks of `keys` (see `LOCK_KEYS`), exclusively for a claim that parks them,
+/// shared for an outcome that resolves them.
+pub fn lock_keys(client: &SpiClient<'_>, group_id: i64, keys: &[String], shared: bool) -> Result<()> {
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let statement = if shared { &LOCK_KEYS_SHARED } else { &LOCK_KEYS };
+    statement.run(client, 0, &[group_id.into(), keys.to_vec().into()])?;
+    Ok(())
+}
+
+/// Keys of the candidates the gate defers.
+pub fn deferred_keys(candidates: &[Candidate], verdicts: &[Verdict]) -> Vec<String> {
+    let mut keys: Vec<String> = candidates
+        .iter()
+        .zip(verdicts)
+        .filter(|(_, v)| matches!(v, Verdict::Defer { .. }))
+        .filter_map(|(c, _)| c.key.clone())
+        .collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys
+}
 
 /// What `gather` needs to know about the claim.
 pub struct GatherInput<'a> {
@@ -222,23 +268,22 @@ pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<HashMap
 
     if !ordered.is_empty() {
         let (keys, uptos): (Vec<&str>, Vec<i64>) = ordered.iter().map(|(k, v)| (*k, *v)).unzip();
-        let rows = CHECK_UNRESOLVED.run(
+        let own = input.own_range_first.unwrap_or(-1);
+        let rows = CHECK_ORDERED.run(
             client,
             input.stream_id,
-            &[input.group_id.into(), keys.clone().into(), uptos.into(), input.exception_ids.to_vec().into()],
+            &[input.group_id.into(), keys.into(), uptos.into(), input.exception_ids.to_vec().into(), own.into()],
         )?;
         for row in rows {
-            let key: String = row.get(1)?.expect("key");
-            let blocker = Blocker { message_id: row.get(2)?.expect("id"), clears_at: timestamp(row.get(3)?) };
-            facts.entry(key).or_default().unresolved = Some(blocker);
-        }
-        let own = input.own_range_first.unwrap_or(-1);
-        let rows =
-            CHECK_PENDING_ELSEWHERE.run(client, input.stream_id, &[input.group_id.into(), own.into(), keys.into()])?;
-        for row in rows {
-            let key: String = row.get(1)?.expect("key");
-            let blocker = Blocker { message_id: row.get(2)?.expect("id"), clears_at: timestamp(row.get(3)?) };
-            facts.entry(key).or_default().pending_elsewhere = Some(blocker);
+            let kind: i32 = row.get(1)?.expect("kind");
+            let key: String = row.get(2)?.expect("key");
+            let blocker = Blocker { message_id: row.get(3)?.expect("id"), clears_at: timestamp(row.get(4)?) };
+            let facts = facts.entry(key).or_default();
+            if kind == 1 {
+                facts.unresolved = Some(blocker);
+            } else {
+                facts.pending_elsewhere = Some(blocker);
+            }
         }
     }
     if !exclusive.is_empty() {

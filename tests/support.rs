@@ -53,6 +53,12 @@ impl Stream {
         Stream::create_sized(c, prefix, 1_000_000)
     }
 
+    /// A stream with exactly this name (for tests that own their database).
+    pub fn named(c: &mut Client, name: &str) -> Stream {
+        let id = c.query_one("SELECT sqlstreams.create_stream($1)", &[&name]).expect("create_stream").get(0);
+        Stream { name: name.to_string(), id }
+    }
+
     pub fn create_sized(c: &mut Client, prefix: &str, partition_size: i64) -> Stream {
         let name = unique(prefix);
         let id = c

@@ -1,0 +1,410 @@
+//! Per-key policies, scenario by scenario, with several connections as competing consumers.
+//! "A handler ran" means a consumer started a row of a claim result (respecting run_after).
+
+use postgres::Client;
+use sqlstreams_tests::*;
+
+/// The seeds' inspect query, exactly as the user wrote it.
+const SEEDS_INSPECT: &str = "SELECT
+    message_id,
+    message_key,
+    status,
+    attempts,
+    can_run_after
+FROM sqlstreams.exception_queue_1
+WHERE consumer_group_id = 7 AND message_key = 'acct-42'
+ORDER BY message_id;";
+
+/// A database of its own, so the seeds' ids come out as written: stream 1, group 7, 101-104.
+fn seeds_database() -> Client {
+    let mut admin = connect();
+    let name = unique("seeds").replace('-', "_");
+    admin.batch_execute(&format!("CREATE DATABASE {name}")).unwrap();
+    let url = database_url();
+    let base = url.rsplit_once('/').map(|(base, _)| base).unwrap();
+    let mut c = Client::connect(&format!("{base}/{name}"), postgres::NoTls).unwrap();
+    c.batch_execute("CREATE EXTENSION sqlstreams").unwrap();
+    c
+}
+
+/// Sets the seeds' stage: returns the group; messages 1-100 are applied already.
+fn apply_balance_stage(c: &mut Client, policy: &str) -> Group {
+    let s = Stream::named(c, "ledger.adjustments");
+    assert_eq!(s.id, 1);
+    for n in 1..=6 {
+        s.group(c, &format!("audit-{n}"), None);
+    }
+    let g = s.group(c, "apply-balance", Some(policy));
+    assert_eq!(g.id, 7);
+    s.produce_many(c, 100, Some("acct-1"));
+    let earlier = g.claim(c, 100);
+    assert_eq!(g.ack_batch(c, &earlier).len(), 100);
+    g
+}
+
+fn produce_deltas(c: &mut Client, g: &Group) -> Vec<i64> {
+    [-500, 200, 75, -20]
+        .iter()
+        .map(|d| g.stream.produce(c, json!({"account": "acct-42", "delta": d}), Some("acct-42")))
+        .collect()
+}
+
+/// Runs the rows of one claim result the way a consumer must: a row starts only after its
+/// run_after predecessor was acked or dead-lettered. `handler` returns the outcome to record.
+/// Returns the ids whose handlers ran, in order.
+fn run_result(
+    c: &mut Client,
+    g: &Group,
+    batch: &[Delivery],
+    mut handler: impl FnMut(&Delivery) -> Outcome,
+) -> Vec<i64> {
+    let mut released: Vec<i64> = Vec::new();
+    let mut ran = Vec::new();
+    for d in batch {
+        if let Some(before) = d.run_after {
+            if !released.contains(&before) {
+                continue; // its predecessor failed or was delayed: the server deferred it
+            }
+        }
+        ran.push(d.message_id);
+        match handler(d) {
+            Outcome::Ack => {
+                if g.ack(c, d) {
+                    released.push(d.message_id);
+                }
+            }
+            Outcome::Fail => {
+                if g.fail(c, d, "handler error", false, None).as_deref() == Some("dead") {
+                    released.push(d.message_id);
+                }
+            }
+            Outcome::Dead => {
+                g.fail(c, d, "permanent handler error", true, None);
+                released.push(d.message_id);
+            }
+            Outcome::Delay => {
+                g.delay(c, d, "1 hour");
+            }
+        }
+    }
+    ran
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Outcome {
+    Ack,
+    Fail,
+    Dead,
+    Delay,
+}
+
+#[test]
+fn seeds_ordered_delivery_through_a_failure() {
+    let mut c = seeds_database();
+    let g = apply_balance_stage(&mut c, "ordered");
+    assert_eq!(produce_deltas(&mut c, &g), vec![101, 102, 103, 104]);
+
+    let batch = g.claim(&mut c, 100);
+    let ran = run_result(&mut c, &g, &batch, |d| if d.message_id == 101 { Outcome::Fail } else { Outcome::Ack });
+    assert_eq!(ran, vec![101], "102-104 wait without running");
+
+    let rows = c.query(SEEDS_INSPECT, &[]).unwrap();
+    let seen: Vec<(i64, String, String, i32)> = rows.iter().map(|r| (r.get(0), r.get(1), r.get(2), r.get(3))).collect();
+    assert_eq!(
+        seen,
+        vec![
+            (101, "acct-42".into(), "ready".into(), 1),
+            (102, "acct-42".into(), "deferred".into(), 0),
+            (103, "acct-42".into(), "deferred".into(), 0),
+            (104, "acct-42".into(), "deferred".into(), 0),
+        ]
+    );
+    let retry_at: std::time::SystemTime = rows[0].get(4);
+    assert!(retry_at > std::time::SystemTime::now(), "101 is ready until its retry is due");
+    assert!(g.claim(&mut c, 100).is_empty(), "nothing runs before the retry is due");
+
+    g.make_due(&mut c);
+    let mut log = Vec::new();
+    loop {
+        let batch = g.claim(&mut c, 100);
+        if batch.is_empty() {
+            break;
+        }
+        log.extend(run_result(&mut c, &g, &batch, |_| Outcome::Ack));
+    }
+    assert_eq!(log, vec![101, 102, 103, 104], "the retry of 101 runs first, then 102, 103, 104");
+    assert!(c.query(SEEDS_INSPECT, &[]).unwrap().is_empty(), "success deletes the rows");
+}
+
+#[test]
+fn seeds_dead_releases_and_delay_holds() {
+    let mut c = seeds_database();
+    let g = apply_balance_stage(&mut c, "ordered");
+    produce_deltas(&mut c, &g);
+
+    // A delay keeps 101 unresolved: the later messages keep waiting.
+    let batch = g.claim(&mut c, 100);
+    assert_eq!(run_result(&mut c, &g, &batch, |_| Outcome::Delay), vec![101]);
+    let statuses: Vec<(i64, String)> =
+        c.query(SEEDS_INSPECT, &[]).unwrap().iter().map(|r| (r.get(0), r.get(2))).collect();
+    assert_eq!(
+        statuses,
+        vec![(101, "ready".into()), (102, "deferred".into()), (103, "deferred".into()), (104, "deferred".into())]
+    );
+    assert!(g.claim(&mut c, 100).is_empty());
+
+    // The delay is over and 101 fails permanently: dead releases 102, then 103 and 104.
+    g.make_due(&mut c);
+    let mut log = Vec::new();
+    loop {
+        let batch = g.claim(&mut c, 100);
+        if batch.is_empty() {
+            break;
+        }
+        log.extend(run_result(&mut c, &g, &batch, |d| if d.message_id == 101 { Outcome::Dead } else { Outcome::Ack }));
+    }
+    assert_eq!(log, vec![101, 102, 103, 104]);
+    let statuses: Vec<(i64, String)> =
+        c.query(SEEDS_INSPECT, &[]).unwrap().iter().map(|r| (r.get(0), r.get(2))).collect();
+    assert_eq!(statuses, vec![(101, "dead".into())], "the dead row stays for triage");
+}
+
+#[test]
+fn seeds_exclusive_lets_102_overtake_the_retry_of_101() {
+    let mut c = seeds_database();
+    let g = apply_balance_stage(&mut c, "exclusive");
+    let (first, second) = (
+        g.stream.produce(&mut c, json!({"delta": -500}), Some("acct-42")),
+        g.stream.produce(&mut c, json!({"delta": 200}), Some("acct-42")),
+    );
+    let batch = g.claim(&mut c, 100);
+    assert_eq!(ids(&batch), vec![first, second]);
+    assert_eq!(batch[1].run_after, Some(first), "one key lease: same-key rows run one after another");
+    assert_eq!(
+        run_result(&mut c, &g, &batch, |d| if d.message_id == first { Outcome::Fail } else { Outcome::Ack }),
+        vec![first]
+    );
+    let next = g.claim(&mut c, 100);
+    assert_eq!(ids(&next), vec![second], "the failure released the key before 101's retry is due");
+    assert!(g.ack(&mut c, &next[0]));
+    g.make_due(&mut c);
+    let retry = g.claim(&mut c, 100);
+    assert_eq!((ids(&retry), retry[0].attempt), (vec![first], 1));
+}
+
+#[test]
+fn ordered_waits_for_a_message_pending_in_another_consumers_range() {
+    let mut c = connect();
+    let mut other = connect();
+    let s = Stream::create(&mut c, "ordered-ranges");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let first = s.produce(&mut c, json!({}), Some("k"));
+    let a = g.claim(&mut c, 10);
+    assert_eq!(ids(&a), vec![first]);
+    let second = s.produce(&mut c, json!({}), Some("k"));
+    let unrelated = s.produce(&mut c, json!({}), Some("other"));
+
+    let b = g.claim(&mut other, 10);
+    assert_eq!(ids(&b), vec![unrelated], "{second} waits while {first} is pending in another range");
+    assert_eq!(g.statuses(&mut c), vec![(second, "deferred".to_string())]);
+    assert!(g.claim(&mut other, 10).is_empty());
+
+    // Hand-off: the ack makes the successor claimable by the very next claim.
+    assert!(g.ack(&mut c, &a[0]));
+    let next = g.claim(&mut other, 10);
+    assert_eq!(ids(&next), vec![second]);
+}
+
+#[test]
+fn hand_off_is_immediate_after_a_retry_succeeds() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "hand-off");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let p = s.produce_many(&mut c, 3, Some("k"));
+    let batch = g.claim(&mut c, 10);
+    g.fail(&mut c, &batch[0], "x", false, Some("0 seconds"));
+    let retry = g.claim(&mut c, 1);
+    assert_eq!(ids(&retry), vec![p[0]], "batch 1: the retry alone");
+    assert!(g.ack(&mut c, &retry[0]));
+    // No maintenance call, no poll interval: the next claim has the successors.
+    assert_eq!(ids(&g.claim(&mut c, 10)), p[1..]);
+}
+
+#[test]
+fn another_key_stuck_in_retry_does_not_stall_an_ordered_key() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "per-key");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let stuck = s.produce(&mut c, json!({}), Some("stuck"));
+    let d = g.claim(&mut c, 10).pop().unwrap();
+    g.fail(&mut c, &d, "x", false, Some("1 hour"));
+    let d = g.claim(&mut c, 10);
+    assert!(d.is_empty());
+
+    // The group's committed cursor is held below `stuck` for an hour...
+    let mut free = vec![];
+    for _ in 0..3 {
+        let id = s.produce(&mut c, json!({}), Some("free"));
+        let batch = g.claim(&mut c, 10);
+        assert_eq!(ids(&batch), vec![id], "...but key 'free' has no unresolved predecessor and runs at once");
+        assert!(g.ack(&mut c, &batch[0]));
+        free.push(id);
+    }
+    // Even when `free`'s earlier message is pending in another range, only `free` is checked.
+    let mut other = connect();
+    let a = s.produce(&mut c, json!({}), Some("free"));
+    let held = g.claim(&mut c, 10);
+    let b = s.produce(&mut c, json!({}), Some("free"));
+    assert!(g.claim(&mut other, 10).is_empty(), "{b} waits for {a}");
+    assert!(g.ack(&mut c, &held[0]));
+    assert_eq!(ids(&g.claim(&mut other, 10)), vec![b]);
+    assert_eq!(g.cursor(&mut c).1, stuck - 1, "committed is still held by the stuck key");
+}
+
+#[test]
+fn an_expired_range_mid_chain_is_redelivered_before_any_later_message_runs() {
+    let mut c = connect();
+    let mut b = connect();
+    let mut late = connect();
+    let s = Stream::create(&mut c, "mid-chain");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let p = s.produce_many(&mut c, 3, Some("k"));
+
+    // Consumer A runs the first row of its chain, then dies.
+    let a = g.claim(&mut c, 10);
+    assert_eq!(ids(&a), p);
+    assert!(g.ack(&mut c, &a[0]));
+    let later = s.produce(&mut c, json!({}), Some("k"));
+    // While A's lease is live, a later message of the key waits.
+    assert!(g.claim(&mut late, 10).is_empty());
+    g.expire_leases(&mut c);
+
+    // B gets A's unresolved rows again, as a chain; the later message still waits for them.
+    let redelivered = g.claim(&mut b, 10);
+    assert_eq!(ids(&redelivered), p[1..]);
+    assert_eq!(redelivered[1].run_after, Some(p[1]));
+    assert!(g.claim(&mut late, 10).is_empty(), "{later} waits for the redelivered chain");
+    assert!(!g.ack(&mut c, &a[1]), "A's stale outcome changes nothing");
+    g.ack_batch(&mut b, &redelivered);
+    assert_eq!(ids(&g.claim(&mut late, 10)), vec![later]);
+}
+
+#[test]
+fn exclusive_admits_one_delivery_per_key_across_consumers() {
+    let mut c = connect();
+    let mut other = connect();
+    let s = Stream::create(&mut c, "exclusive");
+    let g = s.group(&mut c, "g", Some("exclusive"));
+    let first = s.produce(&mut c, json!({}), Some("k"));
+    let a = g.claim(&mut c, 10);
+    let second = s.produce(&mut c, json!({}), Some("k"));
+    let free = s.produce(&mut c, json!({}), Some("other"));
+    assert_eq!(ids(&g.claim(&mut other, 10)), vec![free], "{second} waits for the key lease");
+    assert!(g.claim(&mut other, 10).is_empty());
+    assert!(g.ack(&mut c, &a[0]));
+    assert_eq!(ids(&g.claim(&mut other, 10)), vec![second], "the ack released the key");
+    assert!(first < second);
+}
+
+#[test]
+fn an_expired_key_lease_can_be_taken_over() {
+    let mut c = connect();
+    let mut other = connect();
+    let s = Stream::create(&mut c, "exclusive-expiry");
+    let g = s.group(&mut c, "g", Some("exclusive"));
+    s.produce(&mut c, json!({}), Some("k"));
+    let a = g.claim(&mut c, 10);
+    s.produce(&mut c, json!({}), Some("k"));
+    assert!(g.claim(&mut other, 10).is_empty());
+    g.expire_leases(&mut c);
+    g.make_due(&mut c);
+    let taken = g.claim(&mut other, 10);
+    assert_eq!(taken.len(), 2, "the dead consumer's message and the waiting one, chained");
+    assert_eq!(taken[1].run_after, Some(taken[0].message_id));
+    assert!(!g.ack(&mut c, &a[0]));
+}
+
+#[test]
+fn parallel_same_key_messages_run_concurrently() {
+    let mut c = connect();
+    let mut other = connect();
+    let s = Stream::create(&mut c, "parallel");
+    let g = s.group(&mut c, "g", None);
+    let first = s.produce(&mut c, json!({}), Some("k"));
+    let a = g.claim(&mut c, 10);
+    let second = s.produce(&mut c, json!({}), Some("k"));
+    let b = g.claim(&mut other, 10);
+    assert_eq!((ids(&a), ids(&b)), (vec![first], vec![second]), "a key alone does not request ordering");
+    assert!(b[0].run_after.is_none());
+    assert_eq!(b[0].concurrency, "parallel");
+}
+
+#[test]
+fn the_group_override_covers_every_producer() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "override");
+    let own = s.group(&mut c, "own-requests", None);
+    let ordered = s.group(&mut c, "ordered", Some("ordered"));
+    let p = [
+        s.produce_with(&mut c, json!({}), Some("k"), Some("exclusive"), false).unwrap().unwrap(),
+        s.produce_with(&mut c, json!({}), Some("k"), None, false).unwrap().unwrap(),
+        s.produce_with(&mut c, json!({}), None, Some("parallel"), false).unwrap().unwrap(),
+    ];
+    let mine = own.claim(&mut c, 10);
+    let policies: Vec<&str> = mine.iter().map(|d| d.concurrency.as_str()).collect();
+    assert_eq!(policies, vec!["exclusive", "parallel", "parallel"], "each message's own request");
+    let theirs = ordered.claim(&mut c, 10);
+    let policies: Vec<&str> = theirs.iter().map(|d| d.concurrency.as_str()).collect();
+    assert_eq!(policies, vec!["ordered", "ordered", "parallel"], "the override, but keyless stays parallel");
+    assert_eq!(theirs[1].run_after, Some(p[0]));
+}
+
+#[test]
+fn ordered_waits_for_an_earlier_parallel_message_of_its_key() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "mixed");
+    let g = s.group(&mut c, "g", None);
+    let par = s.produce_with(&mut c, json!({}), Some("k"), Some("parallel"), false).unwrap().unwrap();
+    let ord = s.produce_with(&mut c, json!({}), Some("k"), Some("ordered"), false).unwrap().unwrap();
+    let batch = g.claim(&mut c, 10);
+    assert_eq!(ids(&batch), vec![par], "{ord} must not overtake {par}");
+    assert!(g.ack(&mut c, &batch[0]));
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![ord]);
+}
+
+#[test]
+fn compaction_supersedes_deferred_updates() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "compaction");
+    let g = s.group(&mut c, "g", Some("exclusive"));
+    let parallel = s.group(&mut c, "parallel", None);
+    let produce = |c: &mut Client, v: i32| s.produce_with(c, json!({"v": v}), Some("k"), None, true).unwrap().unwrap();
+    let first = produce(&mut c, 1);
+    let running = g.claim(&mut c, 10);
+    let second = produce(&mut c, 2);
+    let third = produce(&mut c, 3);
+    assert!(g.claim(&mut c, 10).is_empty());
+    assert!(g.ack(&mut c, &running[0]));
+    let latest = g.claim(&mut c, 10);
+    assert_eq!(ids(&latest), vec![third]);
+    assert_eq!(latest[0].payload, json!({"v": 3}));
+    assert_eq!(g.statuses(&mut c), vec![(second, "superseded".into()), (third, "inflight".into())]);
+    // A group claiming all three at once runs only the head.
+    assert_eq!(ids(&parallel.claim(&mut c, 10)), vec![third]);
+    assert!(first < second);
+}
+
+#[test]
+fn compaction_ignores_non_compacted_messages_and_ordered_groups() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "compaction-mixed");
+    let ordered = s.group(&mut c, "ordered", Some("ordered"));
+    let exclusive = s.group(&mut c, "exclusive", Some("exclusive"));
+    let compacted = s.produce_with(&mut c, json!({}), Some("k"), None, true).unwrap().unwrap();
+    let plain = s.produce_with(&mut c, json!({}), Some("k"), None, false).unwrap().unwrap();
+    let head = s.produce_with(&mut c, json!({}), Some("k"), None, true).unwrap().unwrap();
+    // An ordered group must run every message, compacted or not.
+    assert_eq!(ids(&ordered.claim(&mut c, 10)), vec![compacted, plain, head]);
+    // Others skip only compacted messages that are no longer the head.
+    assert_eq!(ids(&exclusive.claim(&mut c, 10)), vec![plain, head]);
+}

@@ -60,3 +60,7 @@ COMMENT ON FUNCTION sqlstreams.open_leases(text, text) IS 'Range, exception-row 
 COMMENT ON FUNCTION sqlstreams.stream_head(bigint) IS 'The highest message id handed out on a stream, by stream id.';
 COMMENT ON FUNCTION sqlstreams.maintain() IS
     'Housekeeping for every stream: partitions ahead of the head, expired idempotency keys, idle groups'' committed cursors.';
+COMMENT ON FUNCTION sqlstreams.extend_lease(text, text, uuid, interval) IS
+    'Extends every lease held under a claim''s token (a heartbeat while handlers run); false when nothing is held any more.';
+COMMENT ON FUNCTION sqlstreams.release(text, text, uuid, bigint[]) IS
+    'Gives claimed deliveries back unstarted, due at once and without counting an attempt; returns the ids released.';

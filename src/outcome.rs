@@ -13,8 +13,9 @@ use crate::backoff;
 use crate::error::{Result, SqlResult, StreamError};
 use crate::exception_queue::{self, NewRow, Status};
 use crate::group::{self, GroupRef};
+use crate::message;
 use crate::names::{positive_micros, validate_name};
-use crate::policy::{self, Policy};
+use crate::policy::Policy;
 use crate::range::{self, RangeLease};
 use crate::statement::{self, Statement};
 
@@ -53,13 +54,6 @@ const DEFER_CHAIN_ROWS: Statement = Statement {
           WHERE consumer_group_id = $1 AND message_key = $3 AND lease_token = $2 AND status = 'inflight'
             AND message_id > $4 AND concurrency <> 'parallel'",
     params: &[INT8OID, UUIDOID, TEXTOID, INT8OID, TIMESTAMPTZOID, TIMESTAMPTZOID],
-};
-
-const MESSAGE_INFO: Statement = Statement {
-    name: "outcome_message_info",
-    sql: "SELECT id, message_key, concurrency, compaction FROM sqlstreams.message_log_@id@
-          WHERE id = ANY($1) ORDER BY id",
-    params: &[INT8ARRAYOID],
 };
 
 /// What a failure or delay does to a message.
@@ -154,7 +148,7 @@ fn record_failure(
             (row.get::<String>(1)?, decision)
         } else if let Some(range) = range.as_mut().filter(|r| r.pending.contains(&id)) {
             range.remove(&[id]);
-            let message = messages(client, &group, &[id])?.pop().expect("a pending message exists");
+            let message = message::info(client, &group, &[id])?.pop().expect("a pending message exists");
             let decision = decide(&group, 0, 0, now);
             let (status, attempts, delays, can_run_after) = columns(decision, now);
             let error = note(decision).or(error);
@@ -200,22 +194,6 @@ fn columns(decision: Decision, now: i64) -> (Status, i32, i32, i64) {
     }
 }
 
-/// Messages of the stream with their policy resolved for `group`.
-fn messages(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64]) -> Result<Vec<crate::key_gate::Candidate>> {
-    let mut out = Vec::new();
-    for row in MESSAGE_INFO.run(client, group.stream.id, &[ids.to_vec().into()])? {
-        let key: Option<String> = row.get(2)?;
-        let requested = row.get::<String>(3)?.map(|p| Policy::from_stored(&p));
-        out.push(crate::key_gate::Candidate {
-            message_id: row.get(1)?.expect("id"),
-            policy: policy::resolve(group.concurrency_override, requested, key.is_some()),
-            key,
-            compaction: row.get(4)?.expect("compaction"),
-        });
-    }
-    Ok(out)
-}
-
 /// When a chained row fails or is delayed, the rest of its chain is recorded deferred without
 /// running: the later gated rows of its key under the same token, in the exception queue and in
 /// the range. Ordered ones wait for the failed row (`ordered_until`); exclusive ones only for
@@ -249,7 +227,8 @@ fn defer_chain(
     if later.is_empty() {
         return Ok(());
     }
-    let chained: Vec<_> = messages(client, group, &later)?.into_iter().filter(|m| m.policy.is_keyed_gate()).collect();
+    let chained: Vec<_> =
+        message::info(client, group, &later)?.into_iter().filter(|m| m.policy.is_keyed_gate()).collect();
     let ids: Vec<i64> = chained.iter().map(|m| m.message_id).collect();
     range.remove(&ids);
     let rows: Vec<NewRow> = chained

@@ -488,3 +488,55 @@ fn views_list_streams_and_groups() {
     assert_eq!(kinds, vec![("key".into(), Some("k".into())), ("range".into(), None)]);
     assert_eq!(batch.len(), 4);
 }
+
+#[test]
+fn extend_lease_keeps_a_claim_from_being_taken_over() {
+    let mut c = connect();
+    let mut other = connect();
+    let s = Stream::create(&mut c, "extend");
+    let g = s.group(&mut c, "g", Some("exclusive"));
+    s.produce_many(&mut c, 2, Some("k"));
+    let mine = g.claim(&mut c, 10);
+    g.expire_leases(&mut c);
+    let extend = |c: &mut postgres::Client, token: uuid::Uuid| -> bool {
+        c.query_one("SELECT sqlstreams.extend_lease($1, $2, $3, '1 minute')", &[&s.name, &g.name, &token])
+            .unwrap()
+            .get(0)
+    };
+    assert!(extend(&mut c, mine[0].lease_token), "an expired lease that nobody took over is still mine");
+    assert!(g.claim(&mut other, 10).is_empty(), "the extended range and key lease are not reclaimed");
+    let expires: Vec<bool> = c
+        .query(
+            "SELECT lease_expires_at > now() + interval '50 seconds' FROM sqlstreams.open_leases($1, $2)",
+            &[&s.name, &g.name],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(expires, vec![true, true], "the range and the key lease");
+    g.ack_batch(&mut c, &mine);
+    assert!(!extend(&mut c, mine[0].lease_token), "nothing is held once everything is resolved");
+}
+
+#[test]
+fn release_gives_deliveries_back_without_spending_an_attempt() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "release");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let p = s.produce_many(&mut c, 3, Some("k"));
+    let batch = g.claim(&mut c, 10);
+    assert!(g.ack(&mut c, &batch[0]));
+    let released: Vec<i64> = c
+        .query_one(
+            "SELECT sqlstreams.release($1, $2, $3, $4)",
+            &[&s.name, &g.name, &batch[0].lease_token, &vec![p[1], p[2]]],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(released, p[1..]);
+    let again = g.claim(&mut c, 10);
+    assert_eq!(ids(&again), p[1..], "due at once, still chained");
+    assert_eq!((again[0].attempt, again[1].run_after), (0, Some(p[1])));
+    assert!(!g.ack(&mut c, &batch[1]), "the old token no longer holds them");
+}

@@ -19,15 +19,15 @@ pub fn database_url() -> String {
         .expect("DATABASE_URL is not set: run the tests through `scripts/rig test`, which starts a throwaway Postgres")
 }
 
+/// Installs the extension. Tests run in parallel; the lock (held to commit) keeps concurrent
+/// CREATE EXTENSIONs apart.
+pub const CREATE_EXTENSION: &str =
+    "BEGIN; SELECT pg_advisory_xact_lock(727274); CREATE EXTENSION IF NOT EXISTS sqlstreams; COMMIT;";
+
 /// A new connection with the extension installed.
 pub fn connect() -> Client {
     let mut client = Client::connect(&database_url(), NoTls).expect("connect to the test cluster");
-    // Tests run in parallel; the lock (held to commit) keeps concurrent CREATE EXTENSIONs apart.
-    client
-        .batch_execute(
-            "BEGIN; SELECT pg_advisory_xact_lock(727274); CREATE EXTENSION IF NOT EXISTS sqlstreams; COMMIT;",
-        )
-        .expect("create the extension");
+    client.batch_execute(CREATE_EXTENSION).expect("create the extension");
     client
 }
 

@@ -1,0 +1,79 @@
+//! Wake-ups: a dedicated connection LISTENs on the stream's channel. The extension NOTIFYs it
+//! when a produce commits (once per transaction) and when a resolution wakes a waiting message,
+//! so an idle consumer claims within milliseconds instead of at its next poll. Polling remains
+//! the fallback while this connection is down.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tokio::sync::Notify;
+use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use crate::sql;
+
+pub(crate) fn spawn(
+    config: tokio_postgres::Config,
+    stream_id: i64,
+    wake: Arc<Notify>,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut backoff = Duration::from_millis(100);
+        while !stop.is_cancelled() {
+            match listen(&config, stream_id, &wake, &stop).await {
+                Ok(()) => return,
+                Err(e) => {
+                    debug!(error = %e, "sqlstreams: listener reconnecting");
+                    // Whatever happened while disconnected, look once.
+                    wake.notify_one();
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = stop.cancelled() => return,
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    })
+}
+
+/// Listens until stopped (`Ok`) or the connection fails (`Err`, and the caller reconnects).
+async fn listen(
+    config: &tokio_postgres::Config,
+    stream_id: i64,
+    wake: &Notify,
+    stop: &CancellationToken,
+) -> Result<(), String> {
+    let (client, mut connection) = config.connect(NoTls).await.map_err(|e| e.to_string())?;
+    let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+    let channel = sql::channel(stream_id);
+    let statement = format!("LISTEN \"{channel}\"");
+    let listen = client.batch_execute(&statement);
+    tokio::pin!(listen);
+    // The connection must be polled while LISTEN runs.
+    loop {
+        tokio::select! {
+            done = &mut listen => { done.map_err(|e| e.to_string())?; break; }
+            message = messages.next() => match message {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(e.to_string()),
+                None => return Err("connection closed".into()),
+            },
+        }
+    }
+    wake.notify_one();
+    loop {
+        tokio::select! {
+            message = messages.next() => match message {
+                Some(Ok(AsyncMessage::Notification(_))) => wake.notify_one(),
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(e.to_string()),
+                None => return Err("connection closed".into()),
+            },
+            _ = stop.cancelled() => return Ok(()),
+        }
+    }
+}

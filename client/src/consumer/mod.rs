@@ -1,0 +1,260 @@
+//! Consumer groups and consumers that run handlers.
+
+mod delivery;
+mod leases;
+mod listener;
+mod metrics;
+mod runner;
+mod writer;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use delivery::{Delivery, HandlerError};
+pub use metrics::Metrics;
+
+use crate::error::{Error, Result};
+use crate::sql;
+use crate::stream::Stream;
+use crate::Concurrency;
+use metrics::Counters;
+
+/// Where a new group starts reading.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StartAt {
+    /// Every message of the stream.
+    #[default]
+    Beginning,
+    /// Only messages produced after the group is created.
+    Head,
+}
+
+/// A group's settings (stored in the database, shared by all its consumers) and this
+/// consumer's runtime settings.
+#[derive(Clone, Debug)]
+pub struct ConsumerConfig {
+    /// A policy for every keyed message of the group, whatever producers asked for.
+    /// `None`: each message's own request applies (keyed messages default to parallel).
+    pub concurrency_override: Option<Concurrency>,
+    /// Retries after the first failed run (default 3: four runs in all), then dead.
+    pub max_retries: u32,
+    /// Wait before the first retry (default 1 s); the backoff is
+    /// `min(backoff_cap, backoff_base * backoff_exponent^(attempts - 1))`.
+    pub backoff_base: Duration,
+    /// Longest wait between retries (default 5 minutes).
+    pub backoff_cap: Duration,
+    /// Growth of the wait per failure (default 2).
+    pub backoff_exponent: f64,
+    /// Requested delays allowed per message before it is dead-lettered; `None`: unbounded.
+    pub max_delays: Option<u32>,
+    /// Times an expired range is handed out again before its messages are quarantined.
+    pub max_reclaims: u32,
+    /// Where the group starts when it is created (ignored for an existing group).
+    pub start_at: StartAt,
+
+    /// Handlers this consumer runs at once (default 64). A chain of same-key messages counts
+    /// once: it runs one message at a time, so a hot key stays serial whatever this is.
+    pub message_concurrency: usize,
+    /// Most messages one claim takes (default 100).
+    pub batch_size: u32,
+    /// A handler is cancelled and its delivery counted as failed after this (default 30 s).
+    pub handler_timeout: Duration,
+    /// Lease of each claim (default 60 s), extended while its handlers run. Must be longer
+    /// than `handler_timeout`: a message is only started when its lease covers the timeout.
+    pub lease: Duration,
+    /// How often an idle consumer looks for work when no notification arrives (default 1 s).
+    pub poll_interval: Duration,
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        ConsumerConfig {
+            concurrency_override: None,
+            max_retries: 3,
+            backoff_base: Duration::from_secs(1),
+            backoff_cap: Duration::from_secs(300),
+            backoff_exponent: 2.0,
+            max_delays: None,
+            max_reclaims: 2,
+            start_at: StartAt::Beginning,
+            message_concurrency: 64,
+            batch_size: 100,
+            handler_timeout: Duration::from_secs(30),
+            lease: Duration::from_secs(60),
+            poll_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+impl ConsumerConfig {
+    fn validate(&self) -> Result<()> {
+        let problem = if self.message_concurrency == 0 {
+            "message_concurrency must be at least 1"
+        } else if !(1..=10_000).contains(&self.batch_size) {
+            "batch_size must be between 1 and 10000"
+        } else if self.handler_timeout.is_zero() {
+            "handler_timeout must be positive"
+        } else if self.lease <= self.handler_timeout {
+            "lease must be longer than handler_timeout (a message only starts when its lease covers the timeout)"
+        } else if self.poll_interval.is_zero() {
+            "poll_interval must be positive"
+        } else {
+            return Ok(());
+        };
+        Err(Error::Config(problem.into()))
+    }
+}
+
+/// A consumer group of a stream: every group receives every message.
+pub struct ConsumerGroup<T> {
+    pub(crate) stream: Stream<T>,
+    pub(crate) name: String,
+}
+
+impl<T> Clone for ConsumerGroup<T> {
+    fn clone(&self) -> Self {
+        ConsumerGroup { stream: self.stream.clone(), name: self.name.clone() }
+    }
+}
+
+impl<T> ConsumerGroup<T>
+where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+{
+    pub(crate) fn new(stream: Stream<T>, name: String) -> Self {
+        ConsumerGroup { stream, name }
+    }
+
+    /// The group's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Creates the group, or updates the settings of the existing one, and returns a consumer.
+    pub async fn register(&self, config: ConsumerConfig) -> Result<Consumer<T>> {
+        config.validate()?;
+        let conn = self.stream.client.conn().await?;
+        let start_at = match config.start_at {
+            StartAt::Beginning => "beginning",
+            StartAt::Head => "head",
+        };
+        conn.query_one(
+            sql::CREATE_GROUP,
+            &[
+                &self.stream.name,
+                &self.name,
+                &config.concurrency_override.map(Concurrency::as_str),
+                &(config.max_retries.min(i32::MAX as u32) as i32),
+                &start_at,
+                &config.backoff_base.as_secs_f64(),
+                &config.backoff_cap.as_secs_f64(),
+                &config.backoff_exponent,
+                &config.max_delays.map(|d| d.min(i32::MAX as u32) as i32),
+                &(config.max_reclaims.min(i32::MAX as u32) as i32),
+            ],
+        )
+        .await?;
+        drop(conn);
+        let stream_id = self.stream.id().await?;
+        Ok(Consumer { group: self.clone(), config, stream_id, counters: Arc::new(Counters::default()) })
+    }
+}
+
+/// A registered consumer, ready to run a handler.
+pub struct Consumer<T> {
+    group: ConsumerGroup<T>,
+    config: ConsumerConfig,
+    stream_id: i64,
+    counters: Arc<Counters>,
+}
+
+impl<T> Consumer<T>
+where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+{
+    /// This consumer's counters.
+    pub fn metrics(&self) -> Metrics {
+        self.counters.snapshot()
+    }
+
+    /// Starts running `handler` on a background task; stop it with [`RunningConsumer::shutdown`].
+    pub fn start<H, F>(self, handler: H) -> RunningConsumer
+    where
+        H: Fn(Delivery<T>) -> F + Send + Sync + 'static,
+        F: Future<Output = Result<(), HandlerError>> + Send + 'static,
+    {
+        let stop = CancellationToken::new();
+        let cancel = CancellationToken::new();
+        let counters = self.counters.clone();
+        let task = tokio::spawn(runner::run(
+            self.group,
+            self.config,
+            self.stream_id,
+            Arc::new(handler),
+            counters.clone(),
+            stop.clone(),
+            cancel.clone(),
+        ));
+        RunningConsumer { stop, cancel, task, counters }
+    }
+
+    /// Runs `handler` until `shutdown` resolves, then shuts down gracefully within
+    /// `grace` (see [`RunningConsumer::shutdown`]).
+    pub async fn run_until<H, F, S>(self, handler: H, shutdown: S, grace: Duration) -> Shutdown
+    where
+        H: Fn(Delivery<T>) -> F + Send + Sync + 'static,
+        F: Future<Output = Result<(), HandlerError>> + Send + 'static,
+        S: Future<Output = ()>,
+    {
+        let running = self.start(handler);
+        shutdown.await;
+        running.shutdown(grace).await
+    }
+}
+
+/// A consumer running on a background task.
+pub struct RunningConsumer {
+    stop: CancellationToken,
+    cancel: CancellationToken,
+    task: JoinHandle<()>,
+    counters: Arc<Counters>,
+}
+
+/// How a shutdown went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shutdown {
+    /// Every handler finished within the grace period (none had to be cancelled).
+    pub drained: bool,
+    /// The consumer's counters at the end.
+    pub metrics: Metrics,
+}
+
+impl RunningConsumer {
+    /// This consumer's counters.
+    pub fn metrics(&self) -> Metrics {
+        self.counters.snapshot()
+    }
+
+    /// Stops claiming, lets in-flight handlers finish for up to `grace`, then cancels the rest
+    /// (their deliveries count as failed and run again later) and gives back every claimed
+    /// message that did not start. Every outcome is recorded before this returns.
+    pub async fn shutdown(self, grace: Duration) -> Shutdown {
+        self.stop.cancel();
+        let mut task = self.task;
+        let drained = match tokio::time::timeout(grace, &mut task).await {
+            Ok(_) => true,
+            Err(_) => {
+                self.cancel.cancel();
+                let _finished = task.await;
+                false
+            }
+        };
+        Shutdown { drained, metrics: self.counters.snapshot() }
+    }
+}

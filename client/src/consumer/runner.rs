@@ -1,0 +1,372 @@
+//! The consumer loop: claim, split the result into same-key chains, run each chain on its own
+//! task (one message at a time, in id order), record outcomes.
+
+use std::any::Any;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info_span, warn, Instrument};
+use uuid::Uuid;
+
+use super::delivery::{Delivery, HandlerError};
+use super::leases::LeaseBook;
+use super::listener;
+use super::metrics::Counters;
+use super::writer::Writer;
+use super::{ConsumerConfig, ConsumerGroup};
+use crate::error::Result;
+use crate::{sql, Concurrency};
+
+/// One row of a claim result.
+struct Claimed {
+    id: i64,
+    key: Option<String>,
+    concurrency: Concurrency,
+    attempt: u32,
+    payload: String,
+    token: Uuid,
+    run_after: Option<i64>,
+}
+
+/// How a delivery ended, before it is recorded.
+enum Outcome {
+    Success,
+    Failed(HandlerError),
+    Panicked(String),
+    TimedOut,
+    Cancelled,
+    Undecodable(String),
+}
+
+struct Ctx<T, H> {
+    group: ConsumerGroup<T>,
+    config: ConsumerConfig,
+    handler: Arc<H>,
+    counters: Arc<Counters>,
+    writer: Writer,
+    leases: Arc<LeaseBook>,
+    /// Cancels running handlers (shutdown past its grace period).
+    cancel: CancellationToken,
+    /// Rows claimed and not finished, and a signal when that number drops.
+    outstanding: AtomicUsize,
+    progress: Notify,
+}
+
+pub(crate) async fn run<T, H, F>(
+    group: ConsumerGroup<T>,
+    config: ConsumerConfig,
+    stream_id: i64,
+    handler: Arc<H>,
+    counters: Arc<Counters>,
+    stop: CancellationToken,
+    cancel: CancellationToken,
+) where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+    H: Fn(Delivery<T>) -> F + Send + Sync + 'static,
+    F: Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    let client = group.stream.client.clone();
+    let (stream, group_name) = (group.stream.name.clone(), group.name.clone());
+    let (writer, writer_task) = Writer::spawn(client.clone(), stream.clone(), group_name.clone(), counters.clone());
+    let leases = Arc::new(LeaseBook::new(client.clone(), stream, group_name, config.lease));
+    let wake = Arc::new(Notify::new());
+    let background = CancellationToken::new();
+    let listener = listener::spawn(client.inner.config.clone(), stream_id, wake.clone(), background.clone());
+    let heartbeat = tokio::spawn(heartbeat(leases.clone(), config.lease / 3, background.clone()));
+    let semaphore = Arc::new(Semaphore::new(config.message_concurrency));
+    let ctx = Arc::new(Ctx {
+        group,
+        config,
+        handler,
+        counters,
+        writer,
+        leases,
+        cancel,
+        outstanding: AtomicUsize::new(0),
+        progress: Notify::new(),
+    });
+
+    let mut chains = JoinSet::new();
+    let mut backoff = Duration::from_millis(100);
+    // Whether the last claim split into many chains: then the next claim may overlap it.
+    let mut pipelined = true;
+    while !stop.is_cancelled() {
+        while chains.try_join_next().is_some() {}
+        // Do not run ahead of unfinished work. A claim that came back as one long chain (a hot
+        // key) is let finish first: claiming behind it would only park its successors.
+        let outstanding = ctx.outstanding.load(Ordering::Acquire);
+        if outstanding > 0 && (!pipelined || outstanding >= ctx.config.batch_size as usize / 2) {
+            tokio::select! {
+                _ = ctx.progress.notified() => {}
+                _ = stop.cancelled() => break,
+            }
+            continue;
+        }
+        let first = tokio::select! {
+            permit = semaphore.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+            _ = stop.cancelled() => break,
+        };
+        let mut permits = vec![first];
+        while permits.len() < ctx.config.batch_size as usize {
+            match semaphore.clone().try_acquire_owned() {
+                Ok(permit) => permits.push(permit),
+                Err(_) => break,
+            }
+        }
+        let claimed_at = Instant::now();
+        let rows = match claim(&ctx, permits.len() as i32).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                warn!(error = %e, "sqlstreams: claim failed; retrying");
+                drop(permits);
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = stop.cancelled() => break,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        if rows.is_empty() {
+            drop(permits);
+            tokio::select! {
+                _ = wake.notified() => {}
+                _ = tokio::time::sleep(ctx.config.poll_interval) => {}
+                _ = stop.cancelled() => break,
+            }
+            continue;
+        }
+        Counters::add(&ctx.counters.claimed, rows.len() as u64);
+        ctx.outstanding.fetch_add(rows.len(), Ordering::AcqRel);
+        ctx.leases.track(rows[0].token, rows.len(), claimed_at);
+        let row_count = rows.len();
+        let split = chains_of(rows);
+        pipelined = split.len() * 4 >= row_count;
+        for chain in split {
+            let permit = permits.pop().expect("a claim returns at most one row per permit");
+            chains.spawn(run_chain(ctx.clone(), chain, permit));
+        }
+    }
+    while let Some(done) = chains.join_next().await {
+        if let Err(e) = done {
+            warn!(error = %e, "sqlstreams: a chain task failed");
+        }
+    }
+    ctx.writer.flush().await;
+    background.cancel();
+    let _stopped = (listener.await, heartbeat.await);
+    drop(ctx);
+    let _written = writer_task.await;
+}
+
+async fn heartbeat(leases: Arc<LeaseBook>, every: Duration, stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => leases.heartbeat().await,
+            _ = stop.cancelled() => return,
+        }
+    }
+}
+
+async fn claim<T, H>(ctx: &Ctx<T, H>, batch: i32) -> Result<Vec<Claimed>> {
+    let span = info_span!("sqlstreams.claim", stream = %ctx.group.stream.name, group = %ctx.group.name, batch);
+    async {
+        let conn = ctx.group.stream.client.conn().await?;
+        let rows = conn
+            .query(sql::CLAIM, &[&ctx.group.stream.name, &ctx.group.name, &batch, &ctx.config.lease.as_secs_f64()])
+            .await?;
+        debug!(claimed = rows.len());
+        Ok(rows
+            .iter()
+            .map(|r| Claimed {
+                id: r.get(0),
+                key: r.get(1),
+                concurrency: r.get::<_, String>(2).parse().unwrap_or(Concurrency::Parallel),
+                attempt: r.get::<_, i32>(3).max(0) as u32,
+                payload: r.get(4),
+                token: r.get(5),
+                run_after: r.get(6),
+            })
+            .collect())
+    }
+    .instrument(span)
+    .await
+}
+
+/// Splits a claim result into chains: a row with `run_after` follows the chain of that row.
+fn chains_of(rows: Vec<Claimed>) -> Vec<Vec<Claimed>> {
+    let mut chains: Vec<Vec<Claimed>> = Vec::new();
+    let mut chain_of: std::collections::HashMap<i64, usize> = std::collections::HashMap::new();
+    for row in rows {
+        let index = match row.run_after.and_then(|p| chain_of.get(&p).copied()) {
+            Some(index) => index,
+            None => {
+                chains.push(Vec::new());
+                chains.len() - 1
+            }
+        };
+        chain_of.insert(row.id, index);
+        chains[index].push(row);
+    }
+    chains
+}
+
+async fn run_chain<T, H, F>(ctx: Arc<Ctx<T, H>>, chain: Vec<Claimed>, _permit: OwnedSemaphorePermit)
+where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+    H: Fn(Delivery<T>) -> F + Send + Sync + 'static,
+    F: Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    let token = chain[0].token;
+    let mut rows = chain.into_iter();
+    let mut resolved = true;
+    while let Some(row) = rows.next() {
+        let rest = 1 + rows.len();
+        if !resolved {
+            // Its predecessor failed or was delayed: the server recorded the rest deferred.
+            Counters::add(&ctx.counters.deferred, rest as u64);
+            ctx.finished(token, rest);
+            break;
+        }
+        if ctx.cancel.is_cancelled() {
+            let ids: Vec<i64> = std::iter::once(row.id).chain(rows.map(|r| r.id)).collect();
+            let released = ctx.writer.release(token, ids).await;
+            Counters::add(&ctx.counters.released, released.len() as u64);
+            ctx.finished(token, rest);
+            break;
+        }
+        if !ctx.leases.covers(token, ctx.config.handler_timeout).await {
+            Counters::add(&ctx.counters.lease_lost, rest as u64);
+            ctx.finished(token, rest);
+            break;
+        }
+        resolved = ctx.deliver(row).await;
+        ctx.finished(token, 1);
+    }
+}
+
+impl<T, H, F> Ctx<T, H>
+where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+    H: Fn(Delivery<T>) -> F + Send + Sync + 'static,
+    F: Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    fn finished(&self, token: Uuid, rows: usize) {
+        self.leases.finished(token, rows);
+        self.outstanding.fetch_sub(rows, Ordering::AcqRel);
+        self.progress.notify_one();
+    }
+
+    /// Runs one delivery and records its outcome. True when the message resolved (succeeded or
+    /// died), so the next row of its chain may start.
+    async fn deliver(&self, row: Claimed) -> bool {
+        let span = info_span!("sqlstreams.handler", message_id = row.id, attempt = row.attempt, key = ?row.key);
+        let outcome = self.execute(&row).instrument(span.clone()).await;
+        self.record(row, outcome).instrument(span).await
+    }
+
+    async fn execute(&self, row: &Claimed) -> Outcome {
+        let message: T = match serde_json::from_str(&row.payload) {
+            Ok(message) => message,
+            Err(e) => {
+                return Outcome::Undecodable(format!(
+                    "the payload of message {} does not decode as {}: {e}",
+                    row.id,
+                    std::any::type_name::<T>()
+                ))
+            }
+        };
+        let cancel = self.cancel.child_token();
+        let deadline = Instant::now() + self.config.handler_timeout;
+        let delivery = Delivery {
+            message,
+            id: row.id,
+            key: row.key.clone(),
+            attempt: row.attempt,
+            concurrency: row.concurrency,
+            cancel: cancel.clone(),
+            deadline,
+        };
+        let handler = AssertUnwindSafe((self.handler)(delivery)).catch_unwind();
+        tokio::select! {
+            // A handler that finishes as it is cancelled has its result recorded.
+            biased;
+            result = handler => match result {
+                Ok(Ok(())) => Outcome::Success,
+                Ok(Err(e)) => Outcome::Failed(e),
+                Err(panic) => Outcome::Panicked(panic_message(panic)),
+            },
+            _ = tokio::time::sleep_until(deadline) => {
+                cancel.cancel();
+                Outcome::TimedOut
+            }
+            _ = self.cancel.cancelled() => Outcome::Cancelled,
+        }
+    }
+
+    async fn record(&self, row: Claimed, outcome: Outcome) -> bool {
+        let c = &self.counters;
+        let (error, permanent, retry_after) = match outcome {
+            Outcome::Success => {
+                self.writer.ack(row.token, row.id);
+                Counters::add(&c.succeeded, 1);
+                return true;
+            }
+            Outcome::Failed(HandlerError::Delay(after)) => {
+                let after = after.max(Duration::from_millis(1));
+                let recorded = self.writer.delay(row.token, row.id, after).await;
+                Counters::add(if recorded { &c.delayed } else { &c.lease_lost }, 1);
+                return false;
+            }
+            Outcome::Failed(HandlerError::Retry { error, after }) => (error, false, after),
+            Outcome::Failed(HandlerError::Permanent(error)) => (error, true, None),
+            Outcome::Undecodable(error) => (error, true, None),
+            Outcome::Panicked(message) => {
+                Counters::add(&c.panicked, 1);
+                (format!("the handler panicked: {message}"), false, None)
+            }
+            Outcome::TimedOut => {
+                Counters::add(&c.timed_out, 1);
+                (format!("the handler did not finish within {:?}", self.config.handler_timeout), false, None)
+            }
+            Outcome::Cancelled => {
+                ("the consumer shut down while the handler ran".to_string(), false, Some(Duration::ZERO))
+            }
+        };
+        match self.writer.fail(row.token, row.id, error, permanent, retry_after).await.as_deref() {
+            Some("dead") => {
+                Counters::add(&c.dead, 1);
+                true
+            }
+            Some(_) => {
+                Counters::add(&c.failed, 1);
+                false
+            }
+            None => {
+                Counters::add(&c.lease_lost, 1);
+                false
+            }
+        }
+    }
+}
+
+fn panic_message(panic: Box<dyn Any + Send>) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(a non-string panic payload)".to_string()
+    }
+}

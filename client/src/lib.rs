@@ -1,0 +1,104 @@
+//! Async Rust client for [sqlstreams](https://github.com/): durable message streams inside
+//! PostgreSQL with consumer groups and per-key `parallel`, `exclusive` and `ordered` delivery.
+//!
+//! The client is thin: every decision (what may run, in which order, what a failure does) is
+//! made inside Postgres by the extension's SQL functions. The client serializes messages, runs
+//! handlers, and records their outcomes.
+//!
+//! ```no_run
+//! use serde::{Deserialize, Serialize};
+//! use sqlstreams_client::{Client, Concurrency, ConsumerConfig, HandlerError, ProduceOptions};
+//!
+//! #[derive(Serialize, Deserialize)]
+//! struct BalanceAdjusted { account: String, delta: i64 }
+//!
+//! # async fn demo() -> Result<(), sqlstreams_client::Error> {
+//! let client = Client::connect("postgres://postgres@localhost/app")?;
+//! let adjustments = client.stream::<BalanceAdjusted>("ledger.adjustments");
+//! adjustments.register().await?;
+//! let ledger = adjustments.consumer("apply-balance");
+//! let consumer = ledger
+//!     .register(ConsumerConfig { concurrency_override: Some(Concurrency::Ordered), ..Default::default() })
+//!     .await?;
+//! let produced = adjustments
+//!     .producer()
+//!     .produce(
+//!         &BalanceAdjusted { account: "acct-42".into(), delta: -500 },
+//!         ProduceOptions { message_key: Some("acct-42".into()), ..Default::default() },
+//!     )
+//!     .await?;
+//! let running = consumer.start(|delivery| async move {
+//!     println!("apply {} to {}", delivery.message.delta, delivery.message.account);
+//!     Ok::<(), HandlerError>(())
+//! });
+//! # let _ = produced;
+//! running.shutdown(std::time::Duration::from_secs(10)).await;
+//! # Ok(()) }
+//! ```
+//!
+//! # Delivery guarantees
+//!
+//! Delivery is **at least once**. Each claim holds a lease; the consumer extends it while its
+//! handlers run, starts a message only when the lease covers the handler timeout, and cancels a
+//! handler at its deadline. If a consumer stops extending (it crashed, or lost its connection
+//! for longer than the lease), the lease expires and another consumer may run the same
+//! messages, possibly while an old handler that ignored cancellation still runs. So keep
+//! handlers idempotent, pass [`Delivery::cancellation`] to blocking calls, and finish before
+//! [`Delivery::deadline`].
+//!
+//! Within those limits, a group's policy holds across all its consumers: an `Ordered` key never
+//! starts a message before every earlier message of the key succeeded or was dead-lettered, and
+//! an `Exclusive` key runs one delivery at a time. Same-key messages of one claim run in one
+//! task, in order, so a hot key stays serial whatever `message_concurrency` is.
+
+#![deny(missing_docs)]
+
+mod client;
+mod consumer;
+mod error;
+mod producer;
+mod sql;
+mod stream;
+
+pub use client::Client;
+pub use consumer::{
+    Consumer, ConsumerConfig, ConsumerGroup, Delivery, HandlerError, Metrics, RunningConsumer, Shutdown, StartAt,
+};
+pub use error::{Error, Result};
+pub use producer::{BatchOptions, ProduceOptions, Produced, Producer};
+pub use stream::{Stream, StreamConfig};
+
+/// When a keyed message must wait (see the extension's documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Concurrency {
+    /// Same-key messages may run concurrently and out of order.
+    Parallel,
+    /// One delivery per key at a time; a later message may overtake a retry.
+    Exclusive,
+    /// A message waits until every earlier same-key message succeeded or was dead-lettered.
+    Ordered,
+}
+
+impl Concurrency {
+    /// The policy's name in SQL.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Concurrency::Parallel => "parallel",
+            Concurrency::Exclusive => "exclusive",
+            Concurrency::Ordered => "ordered",
+        }
+    }
+}
+
+impl std::str::FromStr for Concurrency {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "parallel" => Ok(Concurrency::Parallel),
+            "exclusive" => Ok(Concurrency::Exclusive),
+            "ordered" => Ok(Concurrency::Ordered),
+            other => Err(Error::Config(format!("'{other}' is not a policy (parallel, exclusive, ordered)"))),
+        }
+    }
+}

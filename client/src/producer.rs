@@ -1,0 +1,144 @@
+//! Producing messages: one at a time, in batches (the fast path), or inside your own
+//! transaction (the outbox pattern: the message exists exactly when your write commits).
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio_postgres::GenericClient;
+
+use crate::error::Result;
+use crate::sql;
+use crate::stream::Stream;
+use crate::Concurrency;
+
+/// Options of one produced message. All default to "none".
+#[derive(Clone, Debug, Default)]
+pub struct ProduceOptions {
+    /// The key per-key policies order by (an account, an order, a user).
+    pub message_key: Option<String>,
+    /// The message's own policy request; a group's `concurrency_override` wins over it.
+    /// Exclusive and ordered need a `message_key`.
+    pub concurrency: Option<Concurrency>,
+    /// The message carries its key's latest state: a newer compacted message of the same key
+    /// supersedes it. Needs a `message_key`; refused together with `Ordered`.
+    pub compaction: bool,
+    /// A repeat of this key within the stream's idempotency TTL produces nothing.
+    pub idempotency_key: Option<String>,
+}
+
+/// Options shared by every message of a batch.
+#[derive(Clone, Debug, Default)]
+pub struct BatchOptions {
+    /// Every message's policy request (see [`ProduceOptions::concurrency`]).
+    pub concurrency: Option<Concurrency>,
+    /// Every message carries its key's latest state (see [`ProduceOptions::compaction`]).
+    pub compaction: bool,
+}
+
+/// The outcome of a produce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Produced {
+    /// The message was appended with this id.
+    Message(i64),
+    /// The idempotency key was already used: nothing was produced.
+    Duplicate,
+}
+
+impl Produced {
+    /// The new message's id, if one was produced.
+    pub fn id(self) -> Option<i64> {
+        match self {
+            Produced::Message(id) => Some(id),
+            Produced::Duplicate => None,
+        }
+    }
+}
+
+/// Produces `T` messages on one stream.
+#[derive(Clone, Debug)]
+pub struct Producer<T> {
+    stream: Stream<T>,
+}
+
+impl<T> Producer<T>
+where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+{
+    pub(crate) fn new(stream: Stream<T>) -> Self {
+        Producer { stream }
+    }
+
+    /// Produces one message in its own transaction.
+    pub async fn produce(&self, message: &T, options: ProduceOptions) -> Result<Produced> {
+        let conn = self.stream.client.conn().await?;
+        self.produce_in(&**conn, message, options).await
+    }
+
+    /// Produces one message through `client`: a connection or, for the outbox pattern, your
+    /// open transaction. The message becomes visible to consumers when that transaction commits
+    /// and vanishes if it rolls back. With a transaction from the client's pool
+    /// (`deadpool_postgres::Transaction`), pass `&*transaction`.
+    pub async fn produce_in<C: GenericClient>(
+        &self,
+        client: &C,
+        message: &T,
+        options: ProduceOptions,
+    ) -> Result<Produced> {
+        let payload = serde_json::to_string(message)?;
+        let row = client
+            .query_one(
+                sql::PRODUCE,
+                &[
+                    &self.stream.name,
+                    &payload,
+                    &options.message_key,
+                    &options.concurrency.map(Concurrency::as_str),
+                    &options.compaction,
+                    &options.idempotency_key,
+                ],
+            )
+            .await?;
+        Ok(match row.get::<_, Option<i64>>(0) {
+            Some(id) => Produced::Message(id),
+            None => Produced::Duplicate,
+        })
+    }
+
+    /// Produces many messages in one statement; ids follow the input order.
+    pub async fn produce_batch<'a, I>(&self, messages: I, options: BatchOptions) -> Result<Vec<i64>>
+    where
+        I: IntoIterator<Item = (&'a T, Option<&'a str>)>,
+    {
+        let conn = self.stream.client.conn().await?;
+        self.produce_batch_in(&**conn, messages, options).await
+    }
+
+    /// Like [`Producer::produce_batch`], through your connection or transaction.
+    pub async fn produce_batch_in<'a, C, I>(&self, client: &C, messages: I, options: BatchOptions) -> Result<Vec<i64>>
+    where
+        C: GenericClient,
+        I: IntoIterator<Item = (&'a T, Option<&'a str>)>,
+    {
+        let mut payloads = Vec::new();
+        let mut keys = Vec::new();
+        for (message, key) in messages {
+            payloads.push(serde_json::to_string(message)?);
+            keys.push(key);
+        }
+        if payloads.is_empty() {
+            return Ok(vec![]);
+        }
+        let rows = client
+            .query(
+                sql::PRODUCE_BATCH,
+                &[
+                    &self.stream.name,
+                    &payloads,
+                    &keys,
+                    &options.concurrency.map(Concurrency::as_str),
+                    &options.compaction,
+                ],
+            )
+            .await?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+}

@@ -1,0 +1,36 @@
+//! The SQL text of every call the client makes: one place, and nothing but the extension's
+//! functions (the client never touches the extension's tables). Durations travel as seconds.
+
+pub const CREATE_STREAM: &str =
+    "SELECT sqlstreams.create_stream($1, $2, idempotency_ttl => $3::float8 * interval '1 second')";
+
+pub const STREAM_ID: &str = "SELECT id FROM sqlstreams.streams WHERE name = $1";
+
+pub const CREATE_GROUP: &str = "SELECT sqlstreams.create_group($1, $2, $3, $4::int4, $5,
+        backoff_base => $6::float8 * interval '1 second',
+        backoff_cap => $7::float8 * interval '1 second',
+        backoff_exponent => $8,
+        max_delays => $9::int4,
+        max_reclaims => $10::int4)";
+
+pub const PRODUCE: &str = "SELECT sqlstreams.produce($1, $2::text::jsonb, $3, $4, $5, $6)";
+
+pub const PRODUCE_BATCH: &str = "SELECT sqlstreams.produce_batch($1, $2::text[]::jsonb[], $3, $4, $5)";
+
+pub const CLAIM: &str = "SELECT message_id, message_key, concurrency, attempt, payload::text, lease_token, run_after
+        FROM sqlstreams.claim($1, $2, $3, $4::float8 * interval '1 second')";
+
+pub const ACK_BATCH: &str = "SELECT sqlstreams.ack_batch($1, $2, $3, $4)";
+
+pub const FAIL: &str = "SELECT sqlstreams.fail($1, $2, $3, $4, $5, $6, $7::float8 * interval '1 second')";
+
+pub const DELAY: &str = "SELECT sqlstreams.delay($1, $2, $3, $4, $5::float8 * interval '1 second')";
+
+pub const RELEASE: &str = "SELECT sqlstreams.release($1, $2, $3, $4)";
+
+pub const EXTEND_LEASE: &str = "SELECT sqlstreams.extend_lease($1, $2, $3, $4::float8 * interval '1 second')";
+
+/// The channel a stream's consumers LISTEN on (the extension NOTIFYs it on commit).
+pub fn channel(stream_id: i64) -> String {
+    format!("sqlstreams_{stream_id}")
+}

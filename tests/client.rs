@@ -1,0 +1,547 @@
+//! The Rust client end to end, against the throwaway cluster: typed streams, producers
+//! (including inside the caller's transaction), and consumers running handlers.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sqlstreams_client::{
+    BatchOptions, Client, Concurrency, ConsumerConfig, Delivery, HandlerError, ProduceOptions, Produced,
+    RunningConsumer,
+};
+use sqlstreams_tests::{database_url, unique};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Adjustment {
+    account: String,
+    delta: i64,
+}
+
+fn adjustment(account: &str, delta: i64) -> Adjustment {
+    Adjustment { account: account.into(), delta }
+}
+
+fn keyed(key: &str) -> ProduceOptions {
+    ProduceOptions { message_key: Some(key.into()), ..Default::default() }
+}
+
+/// A client, with the extension installed.
+fn client() -> Client {
+    let client = Client::connect(&database_url()).unwrap();
+    let setup = client.clone();
+    // The synchronous test helpers cannot run inside a runtime; do it the async way.
+    std::thread::spawn(move || {
+        tokio::runtime::Runtime::new().unwrap().block_on(async {
+            setup.pool().get().await.unwrap().batch_execute(sqlstreams_tests::CREATE_EXTENSION).await.unwrap()
+        })
+    })
+    .join()
+    .unwrap();
+    client
+}
+
+/// Quick retries, short leases: tests finish fast.
+fn config(policy: Option<Concurrency>) -> ConsumerConfig {
+    ConsumerConfig {
+        concurrency_override: policy,
+        backoff_base: Duration::from_millis(50),
+        backoff_cap: Duration::from_millis(200),
+        handler_timeout: Duration::from_secs(5),
+        lease: Duration::from_secs(10),
+        poll_interval: Duration::from_millis(200),
+        ..Default::default()
+    }
+}
+
+/// What handlers did, in order: (message id, attempt).
+type Calls = Arc<Mutex<Vec<(i64, u32)>>>;
+
+/// Waits (bounded) until `done` holds.
+async fn eventually(what: &str, done: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !done() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn exception_statuses(client: &Client, stream: &str, group: &str) -> Vec<(i64, String)> {
+    let conn = client.pool().get().await.unwrap();
+    let id: i64 = conn.query_one("SELECT id FROM sqlstreams.streams WHERE name = $1", &[&stream]).await.unwrap().get(0);
+    let sql = format!(
+        "SELECT e.message_id, e.status FROM sqlstreams.exception_queue_{id} e
+         JOIN sqlstreams.consumer_groups g ON g.id = e.consumer_group_id WHERE g.name = $1 ORDER BY 1"
+    );
+    conn.query(&sql, &[&group]).await.unwrap().iter().map(|r| (r.get(0), r.get(1))).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ordered_delivery_through_a_failure() {
+    let client = client();
+    let adjustments = client.stream::<Adjustment>(unique("ledger.adjustments"));
+    adjustments.register().await.unwrap();
+    let consumer = adjustments.consumer("apply-balance").register(config(Some(Concurrency::Ordered))).await.unwrap();
+    let producer = adjustments.producer();
+    let mut ids = Vec::new();
+    for delta in [-500, 200, 75, -20] {
+        ids.push(producer.produce(&adjustment("acct-42", delta), keyed("acct-42")).await.unwrap().id().unwrap());
+    }
+    let calls: Calls = Arc::default();
+    let running = {
+        let (calls, first) = (calls.clone(), ids[0]);
+        consumer.start(move |d: Delivery<Adjustment>| {
+            let calls = calls.clone();
+            async move {
+                calls.lock().unwrap().push((d.id, d.attempt));
+                if d.id == first && d.attempt == 0 {
+                    return Err(HandlerError::retry("insufficient funds"));
+                }
+                Ok(())
+            }
+        })
+    };
+    eventually("all four applied", || calls.lock().unwrap().len() == 5).await;
+    let report = running.shutdown(Duration::from_secs(5)).await;
+    let expected = vec![(ids[0], 0), (ids[0], 1), (ids[1], 0), (ids[2], 0), (ids[3], 0)];
+    assert_eq!(*calls.lock().unwrap(), expected, "101, its retry, then 102, 103, 104");
+    assert!(report.drained);
+    assert_eq!((report.metrics.succeeded, report.metrics.failed, report.metrics.deferred), (4, 1, 3));
+    assert!(exception_statuses(&client, adjustments.name(), "apply-balance").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exclusive_keys_never_overlap_across_consumers() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("exclusive"));
+    stream.register().await.unwrap();
+    let group = stream.consumer("g");
+    let messages: Vec<Adjustment> = (0..60).map(|i| adjustment(&format!("k{}", i % 3), i)).collect();
+    stream
+        .producer()
+        .produce_batch(messages.iter().map(|m| (m, Some(m.account.as_str()))), BatchOptions::default())
+        .await
+        .unwrap();
+    let running_keys: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let overlaps = Arc::new(Mutex::new(0));
+    let done: Calls = Arc::default();
+    let mut consumers: Vec<RunningConsumer> = Vec::new();
+    for _ in 0..2 {
+        let consumer =
+            group.register(ConsumerConfig { batch_size: 10, ..config(Some(Concurrency::Exclusive)) }).await.unwrap();
+        let (running_keys, overlaps, done) = (running_keys.clone(), overlaps.clone(), done.clone());
+        consumers.push(consumer.start(move |d: Delivery<Adjustment>| {
+            let (running_keys, overlaps, done) = (running_keys.clone(), overlaps.clone(), done.clone());
+            async move {
+                let key = d.key.clone().unwrap();
+                if !running_keys.lock().unwrap().insert(key.clone()) {
+                    *overlaps.lock().unwrap() += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                running_keys.lock().unwrap().remove(&key);
+                done.lock().unwrap().push((d.id, d.attempt));
+                if d.id % 7 == 0 && d.attempt == 0 {
+                    return Err(HandlerError::retry("every seventh fails once"));
+                }
+                Ok(())
+            }
+        }));
+    }
+    eventually("every message succeeded", || done.lock().unwrap().len() >= 60 + 60 / 7).await;
+    for c in consumers {
+        c.shutdown(Duration::from_secs(5)).await;
+    }
+    assert_eq!(*overlaps.lock().unwrap(), 0, "one delivery per key at a time");
+    let succeeded: HashSet<i64> = done.lock().unwrap().iter().map(|(id, _)| *id).collect();
+    assert_eq!(succeeded.len(), 60);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn compaction_delivers_only_the_latest_state() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("state"));
+    stream.register().await.unwrap();
+    let consumer = stream.consumer("cache").register(config(Some(Concurrency::Exclusive))).await.unwrap();
+    let producer = stream.producer();
+    let compacted = || ProduceOptions { message_key: Some("acct-42".into()), compaction: true, ..Default::default() };
+    let first = producer.produce(&adjustment("acct-42", 1000), compacted()).await.unwrap().id().unwrap();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let calls: Calls = Arc::default();
+    let running = {
+        let (release, calls) = (release.clone(), calls.clone());
+        consumer.start(move |d: Delivery<Adjustment>| {
+            let (release, calls) = (release.clone(), calls.clone());
+            async move {
+                calls.lock().unwrap().push((d.id, d.attempt));
+                if d.id == first {
+                    release.notified().await; // 101 runs while 102 and 103 arrive
+                }
+                Ok(())
+            }
+        })
+    };
+    eventually("the first state runs", || calls.lock().unwrap().len() == 1).await;
+    producer.produce(&adjustment("acct-42", 500), compacted()).await.unwrap();
+    let latest = producer.produce(&adjustment("acct-42", 700), compacted()).await.unwrap().id().unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // let the consumer claim (and defer) them
+    release.notify_one();
+    eventually("the latest state runs", || calls.lock().unwrap().len() == 2).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(*calls.lock().unwrap(), vec![(first, 0), (latest, 0)], "the middle state was superseded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn outbox_produce_follows_the_callers_transaction() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("outbox"));
+    stream.register().await.unwrap();
+    let consumer = stream.consumer("g").register(config(None)).await.unwrap();
+    let producer = stream.producer();
+    let mut conn = client.pool().get().await.unwrap();
+    let tx = conn.transaction().await.unwrap();
+    let rolled_back = producer.produce_in(&*tx, &adjustment("a", 1), keyed("a")).await.unwrap().id().unwrap();
+    tx.rollback().await.unwrap();
+    let tx = conn.transaction().await.unwrap();
+    let committed = producer.produce_in(&*tx, &adjustment("a", 2), keyed("a")).await.unwrap().id().unwrap();
+    let again = ProduceOptions { idempotency_key: Some("order-7".into()), ..keyed("a") };
+    assert!(producer.produce_in(&*tx, &adjustment("a", 3), again.clone()).await.unwrap().id().is_some());
+    assert_eq!(producer.produce_in(&*tx, &adjustment("a", 3), again).await.unwrap(), Produced::Duplicate);
+    tx.commit().await.unwrap();
+    let calls: Calls = Arc::default();
+    let running = {
+        let calls = calls.clone();
+        consumer.start(move |d: Delivery<Adjustment>| {
+            let calls = calls.clone();
+            async move {
+                calls.lock().unwrap().push((d.id, d.attempt));
+                Ok(())
+            }
+        })
+    };
+    eventually("the committed messages", || calls.lock().unwrap().len() == 2).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let ids: Vec<i64> = calls.lock().unwrap().iter().map(|(id, _)| *id).collect();
+    assert_eq!(ids, vec![committed, committed + 1]);
+    assert!(!ids.contains(&rolled_back));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_undecodable_payload_is_dead_with_a_clear_error() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("decode"));
+    stream.register().await.unwrap();
+    let consumer = stream.consumer("g").register(config(None)).await.unwrap();
+    let conn = client.pool().get().await.unwrap();
+    conn.execute("SELECT sqlstreams.produce($1, '{\"unexpected\": true}')", &[&stream.name()]).await.unwrap();
+    let good = stream.producer().produce(&adjustment("a", 1), ProduceOptions::default()).await.unwrap().id().unwrap();
+    let calls: Calls = Arc::default();
+    let running = {
+        let calls = calls.clone();
+        consumer.start(move |d: Delivery<Adjustment>| {
+            let calls = calls.clone();
+            async move {
+                calls.lock().unwrap().push((d.id, d.attempt));
+                Ok(())
+            }
+        })
+    };
+    eventually("the good message", || calls.lock().unwrap().len() == 1).await;
+    eventually("the bad one dead", || running.metrics().dead == 1).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(*calls.lock().unwrap(), vec![(good, 0)], "the handler never sees what does not decode");
+    let row =
+        conn.query_one("SELECT last_error FROM sqlstreams.dead_messages($1, 'g')", &[&stream.name()]).await.unwrap();
+    let error: String = row.get(0);
+    assert!(error.contains("does not decode as") && error.contains("Adjustment"), "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_is_cancelled_at_its_deadline_and_retried() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("timeout"));
+    stream.register().await.unwrap();
+    let consumer = stream
+        .consumer("g")
+        .register(ConsumerConfig { handler_timeout: Duration::from_millis(200), ..config(None) })
+        .await
+        .unwrap();
+    let id = stream.producer().produce(&adjustment("a", 1), ProduceOptions::default()).await.unwrap().id().unwrap();
+    let calls: Calls = Arc::default();
+    let saw_cancel = Arc::new(tokio::sync::Notify::new());
+    let running = {
+        let (calls, saw_cancel) = (calls.clone(), saw_cancel.clone());
+        consumer.start(move |d: Delivery<Adjustment>| {
+            let (calls, saw_cancel) = (calls.clone(), saw_cancel.clone());
+            async move {
+                calls.lock().unwrap().push((d.id, d.attempt));
+                if d.attempt == 0 {
+                    let token = d.cancellation();
+                    tokio::spawn(async move {
+                        token.cancelled().await;
+                        saw_cancel.notify_one();
+                    });
+                    tokio::time::sleep(Duration::from_secs(60)).await; // ignores its deadline
+                }
+                Ok(())
+            }
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(10), saw_cancel.notified()).await.expect("the handler was told to stop");
+    eventually("the retry", || calls.lock().unwrap().len() == 2).await;
+    let report = running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(*calls.lock().unwrap(), vec![(id, 0), (id, 1)]);
+    assert_eq!((report.metrics.timed_out, report.metrics.succeeded), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_panicking_handler_is_a_retryable_failure() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("panic"));
+    stream.register().await.unwrap();
+    let consumer = stream.consumer("g").register(config(None)).await.unwrap();
+    let id = stream.producer().produce(&adjustment("a", 1), ProduceOptions::default()).await.unwrap().id().unwrap();
+    let calls: Calls = Arc::default();
+    let running = {
+        let calls = calls.clone();
+        consumer.start(move |d: Delivery<Adjustment>| {
+            let calls = calls.clone();
+            async move {
+                calls.lock().unwrap().push((d.id, d.attempt));
+                if d.attempt == 0 {
+                    panic!("boom on the first attempt");
+                }
+                Ok(())
+            }
+        })
+    };
+    eventually("the retry", || calls.lock().unwrap().len() == 2).await;
+    let report = running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(*calls.lock().unwrap(), vec![(id, 0), (id, 1)]);
+    assert_eq!((report.metrics.panicked, report.metrics.failed, report.metrics.succeeded), (1, 1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn graceful_shutdown_finishes_in_flight_handlers() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("drain"));
+    stream.register().await.unwrap();
+    let consumer = stream.consumer("g").register(config(None)).await.unwrap();
+    let batch: Vec<Adjustment> = (0..5).map(|i| adjustment("a", i)).collect();
+    stream.producer().produce_batch(batch.iter().map(|m| (m, None)), BatchOptions::default()).await.unwrap();
+    let started: Calls = Arc::default();
+    let running = {
+        let started = started.clone();
+        consumer.start(move |d: Delivery<Adjustment>| {
+            let started = started.clone();
+            async move {
+                started.lock().unwrap().push((d.id, d.attempt));
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Ok(())
+            }
+        })
+    };
+    eventually("all five running", || started.lock().unwrap().len() == 5).await;
+    let report = running.shutdown(Duration::from_secs(10)).await;
+    assert!(report.drained);
+    assert_eq!(report.metrics.succeeded, 5, "in-flight handlers finished and were acked");
+    let conn = client.pool().get().await.unwrap();
+    let row =
+        conn.query_one("SELECT committed, lag FROM sqlstreams.group_status($1, 'g')", &[&stream.name()]).await.unwrap();
+    assert_eq!(row.get::<_, i64>(1), 0, "nothing left behind");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shutdown_past_its_grace_cancels_and_gives_back_the_rest() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("cancel"));
+    stream.register().await.unwrap();
+    let group = stream.consumer("g");
+    let consumer = group.register(config(Some(Concurrency::Ordered))).await.unwrap();
+    let batch: Vec<Adjustment> = (0..3).map(|i| adjustment("k", i)).collect();
+    let ids =
+        stream.producer().produce_batch(batch.iter().map(|m| (m, Some("k"))), BatchOptions::default()).await.unwrap();
+    let started: Calls = Arc::default();
+    let running = {
+        let started = started.clone();
+        consumer.start(move |d: Delivery<Adjustment>| {
+            let started = started.clone();
+            async move {
+                started.lock().unwrap().push((d.id, d.attempt));
+                d.cancelled().await; // finishes only when told to stop
+                Ok(())
+            }
+        })
+    };
+    eventually("the first of the chain running", || started.lock().unwrap().len() == 1).await;
+    let report = running.shutdown(Duration::from_millis(100)).await;
+    assert!(!report.drained);
+    assert_eq!((report.metrics.succeeded, report.metrics.released), (1, 2), "the rest of the chain is given back");
+
+    // Nothing is lost: another consumer gets the rest, in order, with no attempt spent.
+    let calls: Calls = Arc::default();
+    let next = {
+        let calls = calls.clone();
+        group.register(config(Some(Concurrency::Ordered))).await.unwrap().start(move |d: Delivery<Adjustment>| {
+            let calls = calls.clone();
+            async move {
+                calls.lock().unwrap().push((d.id, d.attempt));
+                Ok(())
+            }
+        })
+    };
+    eventually("the rest", || calls.lock().unwrap().len() == 2).await;
+    next.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(*calls.lock().unwrap(), vec![(ids[1], 0), (ids[2], 0)]);
+}
+
+#[test]
+fn a_crashed_consumers_messages_are_redelivered_after_its_lease() {
+    let client = client();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let stream = client.stream::<Adjustment>(unique("crash"));
+    let group = stream.consumer("g");
+    let short =
+        ConsumerConfig { lease: Duration::from_secs(2), handler_timeout: Duration::from_secs(1), ..config(None) };
+    let ids = runtime.block_on(async {
+        stream.register().await.unwrap();
+        let batch: Vec<Adjustment> = (0..3).map(|i| adjustment("a", i)).collect();
+        stream.producer().produce_batch(batch.iter().map(|m| (m, None)), BatchOptions::default()).await.unwrap()
+    });
+
+    // Consumer A claims the batch and dies with its handlers running (its whole runtime goes).
+    let started = Arc::new(Mutex::new(0));
+    let crashing = tokio::runtime::Runtime::new().unwrap();
+    crashing.block_on(async {
+        let consumer = group.register(short.clone()).await.unwrap();
+        let counter = started.clone();
+        let _running = consumer.start(move |_d: Delivery<Adjustment>| {
+            let started = counter.clone();
+            async move {
+                *started.lock().unwrap() += 1;
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+        });
+        eventually("A runs all three", || *started.lock().unwrap() == 3).await;
+    });
+    crashing.shutdown_background();
+
+    // Consumer B gets them once A's lease has expired, as second attempts.
+    let calls: Calls = Arc::default();
+    runtime.block_on(async {
+        let calls2 = calls.clone();
+        let b = group.register(short).await.unwrap().start(move |d: Delivery<Adjustment>| {
+            let calls = calls2.clone();
+            async move {
+                calls.lock().unwrap().push((d.id, d.attempt));
+                Ok(())
+            }
+        });
+        eventually("B redelivers", || calls.lock().unwrap().len() == 3).await;
+        b.shutdown(Duration::from_secs(5)).await;
+    });
+    let mut got = calls.lock().unwrap().clone();
+    got.sort();
+    assert_eq!(got, ids.iter().map(|id| (*id, 1)).collect::<Vec<_>>());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn message_concurrency_bounds_handlers_and_a_hot_key_stays_serial() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("bounded"));
+    stream.register().await.unwrap();
+    let consumer = stream
+        .consumer("g")
+        .register(ConsumerConfig { message_concurrency: 3, ..config(Some(Concurrency::Ordered)) })
+        .await
+        .unwrap();
+    let mut messages: Vec<(Adjustment, Option<String>)> = (0..24).map(|i| (adjustment("free", i), None)).collect();
+    messages.extend((0..12).map(|i| (adjustment("hot", i), Some("hot".to_string()))));
+    stream
+        .producer()
+        .produce_batch(messages.iter().map(|(m, k)| (m, k.as_deref())), BatchOptions::default())
+        .await
+        .unwrap();
+    let in_flight = Arc::new(Mutex::new((0usize, 0usize, 0usize, 0usize))); // (now, max, hot now, hot max)
+    let hot_order: Arc<Mutex<Vec<i64>>> = Arc::default();
+    let running = {
+        let (in_flight, hot_order) = (in_flight.clone(), hot_order.clone());
+        consumer.start(move |d: Delivery<Adjustment>| {
+            let (in_flight, hot_order) = (in_flight.clone(), hot_order.clone());
+            async move {
+                let hot = d.key.as_deref() == Some("hot");
+                {
+                    let mut f = in_flight.lock().unwrap();
+                    f.0 += 1;
+                    f.1 = f.1.max(f.0);
+                    if hot {
+                        f.2 += 1;
+                        f.3 = f.3.max(f.2);
+                        hot_order.lock().unwrap().push(d.message.delta);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                let mut f = in_flight.lock().unwrap();
+                f.0 -= 1;
+                if hot {
+                    f.2 -= 1;
+                }
+                Ok(())
+            }
+        })
+    };
+    eventually("everything ran", || running.metrics().succeeded == 36).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let f = *in_flight.lock().unwrap();
+    assert!(f.1 <= 3, "at most 3 handlers at once, saw {}", f.1);
+    assert_eq!(f.3, 1, "the hot key never ran twice at once");
+    assert_eq!(*hot_order.lock().unwrap(), (0..12).collect::<Vec<_>>());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn notifications_wake_an_idle_consumer_without_polling() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("wake"));
+    stream.register().await.unwrap();
+    // A poll interval far longer than the test: only a notification can wake it.
+    let slow_poll = ConsumerConfig { poll_interval: Duration::from_secs(600), ..config(Some(Concurrency::Ordered)) };
+    let group = stream.consumer("g");
+    let calls: Calls = Arc::default();
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let start = |gate: Arc<tokio::sync::Notify>, calls: Calls, wait_first: bool| {
+        move |d: Delivery<Adjustment>| {
+            let (gate, calls) = (gate.clone(), calls.clone());
+            async move {
+                if wait_first && d.message.delta == 1 {
+                    gate.notified().await;
+                }
+                calls.lock().unwrap().push((d.id, d.attempt));
+                Ok(())
+            }
+        }
+    };
+    let a = group.register(slow_poll.clone()).await.unwrap().start(start(gate.clone(), calls.clone(), true));
+    tokio::time::sleep(Duration::from_millis(300)).await; // A is idle now
+    let producer = stream.producer();
+    let first = producer.produce(&adjustment("k", 1), keyed("k")).await.unwrap().id().unwrap();
+    eventually("A woken by the produce", || a.metrics().claimed == 1).await;
+
+    // B claims the successor while A still runs the first: it is deferred. When A finishes,
+    // the hand-off notification wakes B.
+    let b = group.register(slow_poll).await.unwrap().start(start(gate.clone(), calls.clone(), false));
+    let second = producer.produce(&adjustment("k", 2), keyed("k")).await.unwrap().id().unwrap();
+    eventually("the successor deferred", || {
+        futures_lite_block(exception_statuses(&client, stream.name(), "g")) == vec![(second, "deferred".to_string())]
+    })
+    .await;
+    gate.notify_one();
+    eventually("both ran, in order", || calls.lock().unwrap().len() == 2).await;
+    assert_eq!(*calls.lock().unwrap(), vec![(first, 0), (second, 0)]);
+    a.shutdown(Duration::from_secs(5)).await;
+    b.shutdown(Duration::from_secs(5)).await;
+}
+
+/// Runs a future to completion from a synchronous closure (used inside `eventually`).
+fn futures_lite_block<F: std::future::Future>(future: F) -> F::Output {
+    tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(future))
+}

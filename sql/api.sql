@@ -37,10 +37,11 @@ COMMENT ON FUNCTION sqlstreams.produce(text, jsonb, text, text, boolean, text) I
     'Takes: a transaction id before the message id; the key''s compaction head row until commit.';
 COMMENT ON FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean) IS
     'Appends many messages in one call (the fast path); returns their ids in payload order.';
-COMMENT ON FUNCTION sqlstreams.claim(text, text, integer, interval) IS
+COMMENT ON FUNCTION sqlstreams.claim(text, text, integer, interval, uuid, bigint[]) IS
     'Returns the work a consumer may run now under one lease: a claimed range and due exception rows, '
     'in id order; run_after chains same-key rows. Takes: the group''s cursor row until commit. '
-    'Call it in its own READ COMMITTED transaction; an idle call writes nothing.';
+    'Call it in its own READ COMMITTED transaction; an idle call writes nothing. '
+    'ack_lease_token/ack_message_ids first record successes of an earlier claim (one round trip, one commit).';
 COMMENT ON FUNCTION sqlstreams.ack(text, text, uuid, bigint) IS
     'Records a handler success; false when the lease behind lease_token was lost (nothing changed).';
 COMMENT ON FUNCTION sqlstreams.ack_batch(text, text, uuid, bigint[]) IS

@@ -22,6 +22,7 @@ use crate::fence::{self, Now};
 use crate::group::{self, GroupRef};
 use crate::key_gate::{self, Candidate, GatherInput, Verdict};
 use crate::names::{positive_micros, validate_name};
+use crate::outcome;
 use crate::payload::RawJsonb;
 use crate::policy::{self, Policy};
 use crate::range::{self, RangeLease};
@@ -461,12 +462,18 @@ fn new_row(c: &Candidate, status: Status, can_run_after: i64, parked: bool) -> N
 /// range and due exception-queue rows, in message_id order, all under one lease. Rows with a
 /// run_after wait for that earlier row of the same result. Messages that must wait are recorded
 /// deferred, superseded ones superseded; neither is returned. An idle call writes nothing.
+///
+/// `ack_lease_token` and `ack_message_ids` (optional) record successes of an earlier claim
+/// first, in the same transaction: a consumer that acks and claims again pays one round trip
+/// and one commit instead of two.
 #[pg_extern(volatile, parallel_unsafe, name = "claim")]
 fn claim_sql(
     stream: Option<&str>,
     group_name: Option<&str>,
     batch_size: default!(Option<i32>, 100),
     lease: default!(Option<Interval>, "'30 seconds'"),
+    ack_lease_token: default!(Option<pgrx::Uuid>, "NULL"),
+    ack_message_ids: default!(Option<Vec<Option<i64>>>, "NULL"),
 ) -> Result<
     TableIterator<
         'static,
@@ -495,6 +502,20 @@ fn claim_sql(
         }
     };
     let lease_micros = positive_micros("lease", lease.map(|l| l.as_micros()), "'30 seconds'")?;
+    match (ack_lease_token, ack_message_ids) {
+        (Some(token), Some(ids)) => {
+            let ids: Vec<i64> = ids.into_iter().flatten().collect();
+            outcome::ack(stream, group_name, token, &ids)?;
+        }
+        (None, None) => {}
+        _ => {
+            return Err(StreamError::invalid(
+                "ack_lease_token and ack_message_ids go together",
+                "Pass both (to ack an earlier claim's messages first) or neither.",
+            )
+            .into())
+        }
+    }
     let deliveries = claim(stream, group_name, batch, lease_micros)?;
     Ok(TableIterator::new(deliveries.into_iter().map(|d| {
         (d.message_id, d.message_key, d.policy.as_str().to_string(), d.attempt, d.payload, d.lease_token, d.run_after)

@@ -540,3 +540,34 @@ fn release_gives_deliveries_back_without_spending_an_attempt() {
     assert_eq!((again[0].attempt, again[1].run_after), (0, Some(p[1])));
     assert!(!g.ack(&mut c, &batch[1]), "the old token no longer holds them");
 }
+
+#[test]
+fn a_claim_can_carry_the_previous_claims_acks() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "ack-and-claim");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let first = s.produce_many(&mut c, 2, Some("k"));
+    let batch = g.claim(&mut c, 10);
+    let second = s.produce_many(&mut c, 2, Some("k"));
+    let ids: Vec<i64> = batch.iter().map(|d| d.message_id).collect();
+    // One call: ack the first claim, then claim. The successors are not parked behind the
+    // acked messages: the acks are recorded before the claim decides.
+    let rows = c
+        .query(
+            "SELECT message_id, run_after FROM sqlstreams.claim($1, $2, 10, '30 seconds', $3, $4)",
+            &[&s.name, &g.name, &batch[0].lease_token, &ids],
+        )
+        .unwrap();
+    let got: Vec<(i64, Option<i64>)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(got, vec![(second[0], None), (second[1], Some(second[0]))]);
+    assert!(g.exception_rows(&mut c).is_empty());
+    assert!(!g.ack(&mut c, &batch[0]), "already acked by the claim");
+    assert_eq!(first, ids);
+    let err = c
+        .query(
+            "SELECT * FROM sqlstreams.claim($1, $2, 10, '30 seconds', $3)",
+            &[&s.name, &g.name, &batch[0].lease_token],
+        )
+        .unwrap_err();
+    assert_eq!(sqlstate(&err), "22023", "a token without ids is refused");
+}

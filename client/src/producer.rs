@@ -70,7 +70,10 @@ where
     /// Produces one message in its own transaction.
     pub async fn produce(&self, message: &T, options: ProduceOptions) -> Result<Produced> {
         let conn = self.stream.client.conn().await?;
-        self.produce_in(&**conn, message, options).await
+        let statement = conn.prepare_cached(sql::PRODUCE).await?;
+        let args = ProduceArgs::new(&self.stream.name, message, &options)?;
+        let row = conn.query_one(&statement, &args.params()).await?;
+        Ok(produced(&row))
     }
 
     /// Produces one message through `client`: a connection or, for the outbox pattern, your
@@ -83,24 +86,9 @@ where
         message: &T,
         options: ProduceOptions,
     ) -> Result<Produced> {
-        let payload = serde_json::to_string(message)?;
-        let row = client
-            .query_one(
-                sql::PRODUCE,
-                &[
-                    &self.stream.name,
-                    &payload,
-                    &options.message_key,
-                    &options.concurrency.map(Concurrency::as_str),
-                    &options.compaction,
-                    &options.idempotency_key,
-                ],
-            )
-            .await?;
-        Ok(match row.get::<_, Option<i64>>(0) {
-            Some(id) => Produced::Message(id),
-            None => Produced::Duplicate,
-        })
+        let args = ProduceArgs::new(&self.stream.name, message, &options)?;
+        let row = client.query_one(sql::PRODUCE, &args.params()).await?;
+        Ok(produced(&row))
     }
 
     /// Produces many messages in one statement; ids follow the input order.
@@ -108,8 +96,16 @@ where
     where
         I: IntoIterator<Item = (&'a T, Option<&'a str>)>,
     {
+        let (payloads, keys) = encode(messages)?;
+        if payloads.is_empty() {
+            return Ok(vec![]);
+        }
         let conn = self.stream.client.conn().await?;
-        self.produce_batch_in(&**conn, messages, options).await
+        let statement = conn.prepare_cached(sql::PRODUCE_BATCH).await?;
+        let concurrency = options.concurrency.map(Concurrency::as_str);
+        let rows =
+            conn.query(&statement, &[&self.stream.name, &payloads, &keys, &concurrency, &options.compaction]).await?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 
     /// Like [`Producer::produce_batch`], through your connection or transaction.
@@ -118,12 +114,7 @@ where
         C: GenericClient,
         I: IntoIterator<Item = (&'a T, Option<&'a str>)>,
     {
-        let mut payloads = Vec::new();
-        let mut keys = Vec::new();
-        for (message, key) in messages {
-            payloads.push(serde_json::to_string(message)?);
-            keys.push(key);
-        }
+        let (payloads, keys) = encode(messages)?;
         if payloads.is_empty() {
             return Ok(vec![]);
         }
@@ -141,4 +132,50 @@ where
             .await?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
+}
+
+/// The arguments of `sqlstreams.produce`, in order.
+struct ProduceArgs<'a> {
+    stream: &'a str,
+    payload: String,
+    key: Option<&'a str>,
+    concurrency: Option<&'static str>,
+    compaction: bool,
+    idempotency_key: Option<&'a str>,
+}
+
+impl<'a> ProduceArgs<'a> {
+    fn new<T: Serialize>(stream: &'a str, message: &T, options: &'a ProduceOptions) -> Result<Self> {
+        Ok(ProduceArgs {
+            stream,
+            payload: serde_json::to_string(message)?,
+            key: options.message_key.as_deref(),
+            concurrency: options.concurrency.map(Concurrency::as_str),
+            compaction: options.compaction,
+            idempotency_key: options.idempotency_key.as_deref(),
+        })
+    }
+
+    fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 6] {
+        [&self.stream, &self.payload, &self.key, &self.concurrency, &self.compaction, &self.idempotency_key]
+    }
+}
+
+fn produced(row: &tokio_postgres::Row) -> Produced {
+    match row.get::<_, Option<i64>>(0) {
+        Some(id) => Produced::Message(id),
+        None => Produced::Duplicate,
+    }
+}
+
+type Encoded<'a> = (Vec<String>, Vec<Option<&'a str>>);
+
+fn encode<'a, T: Serialize + 'a>(messages: impl IntoIterator<Item = (&'a T, Option<&'a str>)>) -> Result<Encoded<'a>> {
+    let mut payloads = Vec::new();
+    let mut keys = Vec::new();
+    for (message, key) in messages {
+        payloads.push(serde_json::to_string(message)?);
+        keys.push(key);
+    }
+    Ok((payloads, keys))
 }

@@ -17,8 +17,9 @@ pub const PRODUCE: &str = "SELECT sqlstreams.produce($1, $2::text::jsonb, $3, $4
 
 pub const PRODUCE_BATCH: &str = "SELECT sqlstreams.produce_batch($1, $2::text[]::jsonb[], $3, $4, $5)";
 
+/// Claims, first acking `$6` under lease token `$5` when given (one round trip, one commit).
 pub const CLAIM: &str = "SELECT message_id, message_key, concurrency, attempt, payload::text, lease_token, run_after
-        FROM sqlstreams.claim($1, $2, $3, $4::float8 * interval '1 second')";
+        FROM sqlstreams.claim($1, $2, $3, $4::float8 * interval '1 second', $5, $6)";
 
 pub const ACK_BATCH: &str = "SELECT sqlstreams.ack_batch($1, $2, $3, $4)";
 

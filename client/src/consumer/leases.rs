@@ -75,11 +75,14 @@ impl LeaseBook {
     async fn extend(&self, token: Uuid) -> bool {
         let asked_at = Instant::now();
         let result = match self.client.conn().await {
-            Ok(conn) => conn
-                .query_one(sql::EXTEND_LEASE, &[&self.stream, &self.group, &token, &self.lease.as_secs_f64()])
-                .await
-                .map(|r| r.get::<_, bool>(0))
-                .map_err(crate::Error::from),
+            Ok(conn) => match conn.prepare_cached(sql::EXTEND_LEASE).await {
+                Err(e) => Err(e.into()),
+                Ok(extend) => conn
+                    .query_one(&extend, &[&self.stream, &self.group, &token, &self.lease.as_secs_f64()])
+                    .await
+                    .map(|r| r.get::<_, bool>(0))
+                    .map_err(crate::Error::from),
+            },
             Err(e) => Err(e),
         };
         let mut held = self.held.lock().unwrap();

@@ -123,10 +123,20 @@ pub(crate) async fn run<T, H, F>(
                 Err(_) => break,
             }
         }
+        // The last claim's acks go along with this claim (see the writer), so the server sees
+        // its same-key rows resolved before it decides what to hand out next.
         let claimed_at = Instant::now();
-        let rows = match claim(&ctx, permits.len() as i32).await {
+        let acks = ctx.writer.take_acks();
+        if !pipelined {
+            // Acks the writer took before us must be written before this claim decides.
+            ctx.writer.flush().await;
+        }
+        let rows = match claim(&ctx, permits.len() as i32, acks.as_ref()).await {
             Ok(rows) => rows,
             Err(e) => {
+                if let Some((token, ids)) = acks {
+                    ctx.writer.return_acks(token, ids);
+                }
                 warn!(error = %e, "sqlstreams: claim failed; retrying");
                 drop(permits);
                 tokio::select! {
@@ -152,7 +162,10 @@ pub(crate) async fn run<T, H, F>(
         ctx.leases.track(rows[0].token, rows.len(), claimed_at);
         let row_count = rows.len();
         let split = chains_of(rows);
-        pipelined = split.len() * 4 >= row_count;
+        // Claiming again while same-key rows of an ordered or exclusive key still run would
+        // only park their successors; parallel work may overlap with the next claim.
+        pipelined = split.iter().all(|chain| chain.len() == 1 && chain[0].concurrency == Concurrency::Parallel);
+        let _ = row_count;
         for chain in split {
             let permit = permits.pop().expect("a claim returns at most one row per permit");
             chains.spawn(run_chain(ctx.clone(), chain, permit));
@@ -179,12 +192,23 @@ async fn heartbeat(leases: Arc<LeaseBook>, every: Duration, stop: CancellationTo
     }
 }
 
-async fn claim<T, H>(ctx: &Ctx<T, H>, batch: i32) -> Result<Vec<Claimed>> {
+async fn claim<T, H>(ctx: &Ctx<T, H>, batch: i32, acks: Option<&(Uuid, Vec<i64>)>) -> Result<Vec<Claimed>> {
     let span = info_span!("sqlstreams.claim", stream = %ctx.group.stream.name, group = %ctx.group.name, batch);
     async {
         let conn = ctx.group.stream.client.conn().await?;
+        let claim = conn.prepare_cached(sql::CLAIM).await?;
         let rows = conn
-            .query(sql::CLAIM, &[&ctx.group.stream.name, &ctx.group.name, &batch, &ctx.config.lease.as_secs_f64()])
+            .query(
+                &claim,
+                &[
+                    &ctx.group.stream.name,
+                    &ctx.group.name,
+                    &batch,
+                    &ctx.config.lease.as_secs_f64(),
+                    &acks.map(|a| a.0),
+                    &acks.map(|a| &a.1),
+                ],
+            )
             .await?;
         debug!(claimed = rows.len());
         Ok(rows

@@ -1,15 +1,19 @@
 //! The outcome writer: one task and one connection that record a consumer's outcomes in order.
 //!
-//! Acks are pipelined: a chain hands its ack over and starts its next row at once, and
-//! consecutive acks are written as one `ack_batch` per lease token. Fails, delays and releases
-//! are answered (the chain needs to know whether a failure dead-lettered), and every outcome is
-//! written after the acks queued before it, so the server sees a chain's outcomes in order. A
-//! lost connection is retried with backoff; outcomes are idempotent per lease token.
+//! Acks are pipelined: a chain puts its ack in a buffer and starts its next row at once. The
+//! consumer's next claim takes the buffered acks along (`claim(..., ack_lease_token,
+//! ack_message_ids)`: one round trip, one commit); when no claim comes soon, this task writes
+//! them as one `ack_batch` per lease token. Fails, delays and releases are answered (the chain
+//! needs to know whether a failure dead-lettered), and each is written after the acks buffered
+//! before it, so the server sees a chain's outcomes in order. A lost connection is retried with
+//! backoff; outcomes are idempotent per lease token.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot};
+use std::sync::Mutex;
+
+use tokio::sync::{mpsc, oneshot, Notify};
 use tracing::{debug, warn};
 use uuid::Uuid;
 
@@ -22,10 +26,6 @@ use crate::error::Result;
 use crate::sql;
 
 pub(crate) enum Command {
-    Ack {
-        token: Uuid,
-        id: i64,
-    },
     Fail {
         token: Uuid,
         id: i64,
@@ -50,14 +50,19 @@ pub(crate) enum Command {
     },
 }
 
+/// How long buffered acks wait for a claim to carry them before this task writes them.
+const ACK_GRACE: Duration = Duration::from_millis(2);
+
+/// Acks not written yet, in the order they were made.
+type AckBuffer = Arc<Mutex<Vec<(Uuid, i64)>>>;
+
 /// Sends outcomes to the writer task.
 #[derive(Clone)]
 pub(crate) struct Writer {
     tx: mpsc::UnboundedSender<Command>,
+    acks: AckBuffer,
+    acks_waiting: Arc<Notify>,
 }
-
-/// Most acks written by one `ack_batch`.
-const MAX_ACK_BATCH: usize = 1000;
 
 impl Writer {
     pub fn spawn(
@@ -67,12 +72,45 @@ impl Writer {
         counters: Arc<Counters>,
     ) -> (Writer, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(WriterTask { client, stream, group, counters, rx, conn: None }.run());
-        (Writer { tx }, task)
+        let acks = AckBuffer::default();
+        let acks_waiting = Arc::new(Notify::new());
+        let task = WriterTask {
+            client,
+            stream,
+            group,
+            counters,
+            rx,
+            acks: acks.clone(),
+            acks_waiting: acks_waiting.clone(),
+            conn: None,
+        };
+        (Writer { tx, acks, acks_waiting }, tokio::spawn(task.run()))
     }
 
     pub fn ack(&self, token: Uuid, id: i64) {
-        let _sent = self.tx.send(Command::Ack { token, id });
+        self.acks.lock().unwrap().push((token, id));
+        self.acks_waiting.notify_one();
+    }
+
+    /// Takes the buffered acks of one lease token, to send along with a claim.
+    pub fn take_acks(&self) -> Option<(Uuid, Vec<i64>)> {
+        let mut acks = self.acks.lock().unwrap();
+        let token = acks.first()?.0;
+        let mut ids = Vec::new();
+        acks.retain(|(t, id)| {
+            let mine = *t == token;
+            if mine {
+                ids.push(*id);
+            }
+            !mine
+        });
+        Some((token, ids))
+    }
+
+    /// Puts acks back (a claim that carried them failed); they are idempotent.
+    pub fn return_acks(&self, token: Uuid, ids: Vec<i64>) {
+        self.acks.lock().unwrap().extend(ids.into_iter().map(|id| (token, id)));
+        self.acks_waiting.notify_one();
     }
 
     /// The message's new status ('ready' or 'dead'), or `None` when the lease was lost.
@@ -122,63 +160,66 @@ struct WriterTask {
     group: String,
     counters: Arc<Counters>,
     rx: mpsc::UnboundedReceiver<Command>,
+    acks: AckBuffer,
+    acks_waiting: Arc<Notify>,
     conn: Option<deadpool_postgres::Object>,
 }
 
 impl WriterTask {
     async fn run(mut self) {
-        let mut next: Option<Command> = None;
         loop {
-            let command = match next.take() {
-                Some(command) => command,
-                None => match self.rx.recv().await {
-                    Some(command) => command,
-                    None => return, // every sender is gone: the consumer has stopped
-                },
-            };
-            match command {
-                Command::Ack { token, id } => {
-                    // Gather the acks queued behind this one, up to the first other command.
-                    let mut acks = vec![(token, id)];
-                    while acks.len() < MAX_ACK_BATCH {
-                        match self.rx.try_recv() {
-                            Ok(Command::Ack { token, id }) => acks.push((token, id)),
-                            Ok(other) => {
-                                next = Some(other);
-                                break;
-                            }
-                            Err(_) => break,
+            let command = tokio::select! {
+                command = self.rx.recv() => command,
+                _ = self.acks_waiting.notified() => {
+                    // A claim about to be sent carries the acks; write them only if none comes
+                    // within the grace period (or another outcome must follow them).
+                    tokio::select! {
+                        command = self.rx.recv() => command,
+                        _ = tokio::time::sleep(ACK_GRACE) => {
+                            self.write_acks().await;
+                            continue;
                         }
                     }
-                    self.write_acks(acks).await;
                 }
-                Command::Fail { token, id, error, permanent, retry_after, reply } => {
-                    let (stream, group) = (self.stream.clone(), self.group.clone());
-                    let retry_after = retry_after.map(|d| d.as_secs_f64());
-                    let row = self
-                        .query_one(sql::FAIL, &[&stream, &group, &token, &id, &error, &permanent, &retry_after])
-                        .await;
-                    let _sent = reply.send(row.and_then(|r| r.get(0)));
-                }
-                Command::Delay { token, id, delay, reply } => {
-                    let (stream, group) = (self.stream.clone(), self.group.clone());
-                    let row = self.query_one(sql::DELAY, &[&stream, &group, &token, &id, &delay.as_secs_f64()]).await;
-                    let _sent = reply.send(row.is_some_and(|r| r.get(0)));
-                }
-                Command::Release { token, ids, reply } => {
-                    let (stream, group) = (self.stream.clone(), self.group.clone());
-                    let row = self.query_one(sql::RELEASE, &[&stream, &group, &token, &ids]).await;
-                    let _sent = reply.send(row.map(|r| r.get(0)).unwrap_or_default());
-                }
-                Command::Flush { reply } => {
-                    let _sent = reply.send(());
-                }
+            };
+            let Some(command) = command else {
+                self.write_acks().await;
+                return; // every sender is gone: the consumer has stopped
+            };
+            self.handle(command).await;
+        }
+    }
+
+    async fn handle(&mut self, command: Command) {
+        // Every other outcome follows the acks made before it.
+        self.write_acks().await;
+        match command {
+            Command::Fail { token, id, error, permanent, retry_after, reply } => {
+                let (stream, group) = (self.stream.clone(), self.group.clone());
+                let retry_after = retry_after.map(|d| d.as_secs_f64());
+                let row =
+                    self.query_one(sql::FAIL, &[&stream, &group, &token, &id, &error, &permanent, &retry_after]).await;
+                let _sent = reply.send(row.and_then(|r| r.get(0)));
+            }
+            Command::Delay { token, id, delay, reply } => {
+                let (stream, group) = (self.stream.clone(), self.group.clone());
+                let row = self.query_one(sql::DELAY, &[&stream, &group, &token, &id, &delay.as_secs_f64()]).await;
+                let _sent = reply.send(row.is_some_and(|r| r.get(0)));
+            }
+            Command::Release { token, ids, reply } => {
+                let (stream, group) = (self.stream.clone(), self.group.clone());
+                let row = self.query_one(sql::RELEASE, &[&stream, &group, &token, &ids]).await;
+                let _sent = reply.send(row.map(|r| r.get(0)).unwrap_or_default());
+            }
+            Command::Flush { reply } => {
+                let _sent = reply.send(());
             }
         }
     }
 
-    /// Writes acks, one `ack_batch` per token, in the order the tokens first appear.
-    async fn write_acks(&mut self, acks: Vec<(Uuid, i64)>) {
+    /// Writes the buffered acks, one `ack_batch` per token, in the order the tokens appear.
+    async fn write_acks(&mut self) {
+        let acks = std::mem::take(&mut *self.acks.lock().unwrap());
         let mut by_token: Vec<(Uuid, Vec<i64>)> = Vec::new();
         for (token, id) in acks {
             match by_token.iter_mut().find(|(t, _)| *t == token) {
@@ -204,7 +245,10 @@ impl WriterTask {
         let mut backoff = Duration::from_millis(50);
         loop {
             let result = match self.connection().await {
-                Ok(conn) => conn.query_one(statement, params).await.map_err(crate::Error::from),
+                Ok(conn) => match conn.prepare_cached(statement).await {
+                    Ok(prepared) => conn.query_one(&prepared, params).await.map_err(crate::Error::from),
+                    Err(e) => Err(e.into()),
+                },
                 Err(e) => Err(e),
             };
             match result {
@@ -223,7 +267,7 @@ impl WriterTask {
         }
     }
 
-    async fn connection(&mut self) -> Result<&tokio_postgres::Client> {
+    async fn connection(&mut self) -> Result<&deadpool_postgres::Object> {
         if self.conn.as_ref().is_none_or(|c| c.is_closed()) {
             self.conn = Some(self.client.conn().await?);
         }

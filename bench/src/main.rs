@@ -1,0 +1,124 @@
+//! sqlstreams benchmarks: every workload for every system in one run, against the cluster in
+//! `DATABASE_URL` (started by `scripts/rig bench` with durable settings). Writes
+//! `results.md` and SVG plots to `--out` (default `docs/benchmarks`) and prints the ratios.
+//!
+//! Usage: sqlstreams-bench [--quick] [--out DIR] [--only w1,w2,w3,w4,w5]
+
+mod report;
+mod stats;
+mod systems;
+mod workloads;
+
+use std::path::PathBuf;
+
+use report::Results;
+use systems::System;
+use workloads::{Bench, Keys};
+
+const SYSTEMS: [System; 4] = [System::Sql, System::Client, System::Pgq, System::Floor];
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
+    let out = PathBuf::from(value("--out").unwrap_or_else(|| "docs/benchmarks".into()));
+    let only: Vec<String> = value("--only").map(|o| o.split(',').map(str::to_string).collect()).unwrap_or_default();
+    let run = |w: &str| only.is_empty() || only.iter().any(|o| o == w);
+    let url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL is not set: run `scripts/rig bench`")?;
+
+    let bench = Bench::new(&url, quick).await;
+    bench.db.batch_execute("CREATE EXTENSION IF NOT EXISTS sqlstreams; CREATE EXTENSION IF NOT EXISTS pgq;").await?;
+    let mut results =
+        Results { machine: machine(&bench).await, w1: vec![], w2: vec![], w3: vec![], w4: vec![], w5: vec![] };
+    for (k, v) in &results.machine {
+        println!("{k}: {v}");
+    }
+
+    if run("w1") {
+        for system in SYSTEMS {
+            let t = bench.throughput(system, Keys::None).await;
+            println!("W1 {:<20} consumed {:>8.0}/s produced {:>8.0}/s e2e p50 {:>7.1} ms p99 {:>7.1} ms missing {} duplicates {}",
+                system.name(), t.consume_rate, t.produce_rate, t.e2e_p50_ms, t.e2e_p99_ms, t.missing, t.duplicates);
+            results.w1.push(t);
+        }
+    }
+    if run("w2") {
+        for system in [System::Sql, System::Client] {
+            for keys in [Keys::Ordered(1), Keys::Ordered(64), Keys::Ordered(1024), Keys::Exclusive(1024)] {
+                let t = bench.throughput(system, keys).await;
+                println!("W2 {:<20} {:<22} consumed {:>8.0}/s e2e p50 {:>7.1} ms missing {} duplicates {} order violations {}",
+                    system.name(), t.label, t.consume_rate, t.e2e_p50_ms, t.missing, t.duplicates, t.order_violations);
+                results.w2.push(t);
+            }
+        }
+    }
+    if run("w3") {
+        for system in [System::Client, System::Sql, System::Pgq, System::Floor] {
+            let l = bench.quiet(system).await;
+            println!(
+                "W3 {:<20} p50 {:>7.2} ms p99 {:>7.2} ms ({} samples, missing {})",
+                system.name(),
+                l.p50_ms,
+                l.p99_ms,
+                l.samples,
+                l.missing
+            );
+            results.w3.push(l);
+        }
+    }
+    if run("w4") {
+        for l in [bench.hand_off_client().await, bench.hand_off_sql().await] {
+            println!("W4 {:<45} p50 {:>7.3} ms p99 {:>7.3} ms ({} keys)", l.label, l.p50_ms, l.p99_ms, l.samples);
+            results.w4.push(l);
+        }
+    }
+    if run("w5") {
+        for system in SYSTEMS {
+            let i = bench.idle(system).await;
+            println!(
+                "W5 {:<20} {:>6.1} statements/s, {} transaction ids in {:.0} s",
+                system.name(),
+                i.statements_per_second,
+                i.xids,
+                i.seconds
+            );
+            results.w5.push(i);
+        }
+    }
+
+    println!();
+    for line in results.ratios() {
+        println!("{line}");
+    }
+    std::fs::create_dir_all(&out)?;
+    std::fs::write(out.join("results.md"), results.markdown())?;
+    results.plots(&out)?;
+    println!("\nwrote {}", out.join("results.md").display());
+    Ok(())
+}
+
+async fn machine(bench: &Bench) -> Vec<(String, String)> {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let mut facts = vec![("cpu".to_string(), format!("{cores} × {cpu}"))];
+    let version: String = bench.db.query_one("SELECT version()", &[]).await.unwrap().get(0);
+    facts.push(("postgres".into(), version));
+    for setting in ["fsync", "synchronous_commit", "shared_buffers", "wal_level", "track_functions", "max_connections"]
+    {
+        let v: String = bench.db.query_one(&format!("SHOW {setting}"), &[]).await.unwrap().get(0);
+        facts.push((setting.into(), v));
+    }
+    let pgq: String =
+        bench.db.query_one("SELECT extversion FROM pg_extension WHERE extname = 'pgq'", &[]).await.unwrap().get(0);
+    facts.push(("PgQ".into(), format!("{pgq} (Debian postgresql-15-pgq3), ticker called every 50 ms")));
+    facts.push(("mode".into(), if bench.quick { "quick (short runs)".into() } else { "full".to_string() }));
+    facts
+}

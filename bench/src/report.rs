@@ -1,0 +1,283 @@
+//! The results page (markdown) and its plots (SVG), plus the ratios printed at the end.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use crate::systems::System;
+use crate::workloads::{Idle, Latency, Throughput};
+
+pub struct Results {
+    pub machine: Vec<(String, String)>,
+    pub w1: Vec<Throughput>,
+    pub w2: Vec<Throughput>,
+    pub w3: Vec<Latency>,
+    pub w4: Vec<Latency>,
+    pub w5: Vec<Idle>,
+}
+
+fn name(system: Option<System>) -> &'static str {
+    system.map_or("?", System::name)
+}
+
+fn find(rows: &[Throughput], system: System) -> Option<&Throughput> {
+    rows.iter().find(|t| t.system == Some(system))
+}
+
+fn per_call_us(t: &Throughput, function: &str) -> Option<(i64, f64)> {
+    t.functions
+        .iter()
+        .find(|(f, _, _)| f == function)
+        .map(|(_, calls, ms)| (*calls, ms * 1000.0 / (*calls).max(1) as f64))
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if a.is_finite() && b.is_finite() && b != 0.0 {
+        format!("{:.2}×", a / b)
+    } else {
+        "n/a".into()
+    }
+}
+
+impl Results {
+    /// Ratios of sqlstreams to PgQ and to the floor, as lines for the terminal and the page.
+    pub fn ratios(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        let sql = find(&self.w1, System::Sql);
+        let client = find(&self.w1, System::Client);
+        let pgq = find(&self.w1, System::Pgq);
+        let floor = find(&self.w1, System::Floor);
+        for (label, ours) in [("SQL", sql), ("client", client)] {
+            let Some(ours) = ours else { continue };
+            if let Some(pgq) = pgq {
+                lines.push(format!(
+                    "W1 consumed/s, sqlstreams ({label}) / PgQ: {}   e2e p50, sqlstreams / PgQ: {}",
+                    ratio(ours.consume_rate, pgq.consume_rate),
+                    ratio(ours.e2e_p50_ms, pgq.e2e_p50_ms)
+                ));
+            }
+            if let Some(floor) = floor {
+                lines.push(format!(
+                    "W1 consumed/s, sqlstreams ({label}) / floor: {}",
+                    ratio(ours.consume_rate, floor.consume_rate)
+                ));
+            }
+        }
+        if let Some(base) = sql {
+            for t in self.w2.iter().filter(|t| t.system == Some(System::Sql)) {
+                lines.push(format!("W2 {} / W1 (SQL): {}", t.label, ratio(t.consume_rate, base.consume_rate)));
+            }
+        }
+        if let Some(base) = client {
+            for t in self.w2.iter().filter(|t| t.system == Some(System::Client)) {
+                lines.push(format!("W2 {} / W1 (client): {}", t.label, ratio(t.consume_rate, base.consume_rate)));
+            }
+        }
+        let quiet = |s| self.w3.iter().find(|l| l.system == Some(s));
+        if let (Some(ours), Some(pgq)) = (quiet(System::Client), quiet(System::Pgq)) {
+            lines.push(format!("W3 pickup p50, sqlstreams (client) / PgQ: {}", ratio(ours.p50_ms, pgq.p50_ms)));
+        }
+        lines
+    }
+
+    pub fn markdown(&self) -> String {
+        let mut md = String::new();
+        let _ = writeln!(md, "# sqlstreams benchmarks\n");
+        let _ = writeln!(
+            md,
+            "Every number on this page comes from one run of `scripts/rig bench` on the machine below, all systems \
+             side by side against the same durable PostgreSQL cluster. Each run checks that every produced message \
+             was consumed exactly once (missing, duplicates) and, for ordered runs, in order per key.\n"
+        );
+        let _ = writeln!(md, "## Machine\n\n| | |\n|---|---|");
+        for (k, v) in &self.machine {
+            let _ = writeln!(md, "| {k} | {v} |");
+        }
+        let _ = writeln!(md, "\n## Ratios\n");
+        for line in self.ratios() {
+            let _ = writeln!(md, "- {line}");
+        }
+        let _ = writeln!(
+            md,
+            "\n## W1 throughput\n\n2 producers in 100-message transactions (~200-byte JSON), 1 consumer in batches of 100.\n\n\
+             ![throughput](throughput.svg)\n\n{}",
+            throughput_table(&self.w1)
+        );
+        let _ = writeln!(md, "## W2 keyed throughput\n\nW1 with message keys (sqlstreams only: PgQ and the floor have no per-key delivery).\n\n![keyed](keyed.svg)\n\n{}", throughput_table(&self.w2));
+        let _ = writeln!(
+            md,
+            "## W6 claim cost\n\nFrom W1's function statistics (`track_functions = all`), server time per call.\n\n{}",
+            claim_cost_table(&self.w1)
+        );
+        let _ = writeln!(
+            md,
+            "## W3 quiet latency\n\nOne message every 5 ms (200/s), one per transaction; time from the produce call to the handler. \
+             sqlstreams waits for NOTIFY (1 s poll as fallback); PgQ polls every 10 ms with its ticker every 50 ms; \
+             the floor polls every 5 ms.\n\n![latency](latency.svg)\n\n{}",
+            latency_table(&self.w3)
+        );
+        let _ = writeln!(
+            md,
+            "## W4 ordered hand-off\n\nPer key, the head fails once and is retried at once; the time from its resolution to its \
+             successor's handler start (PgQ and the floor: n/a, no per-key order).\n\n{}",
+            latency_table(&self.w4)
+        );
+        let _ = writeln!(md, "## W5 idle cost\n\n10 idle, caught-up consumers polling once a second.\n\n| system | consumers | seconds | statements/s | transaction ids used |\n|---|---|---|---|---|");
+        for i in &self.w5 {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {:.0} | {:.1} | {} |",
+                name(i.system),
+                i.consumers,
+                i.seconds,
+                i.statements_per_second,
+                i.xids
+            );
+        }
+        md
+    }
+
+    pub fn plots(&self, dir: &Path) -> Result<(), Box<dyn std::error::Error>> {
+        let w1: Vec<(String, f64)> = self.w1.iter().map(|t| (name(t.system).to_string(), t.consume_rate)).collect();
+        bars(&dir.join("throughput.svg"), "W1: messages consumed per second", &w1)?;
+        let w2: Vec<(String, f64)> = self
+            .w1
+            .iter()
+            .filter(|t| t.system.is_some_and(System::is_sqlstreams))
+            .chain(&self.w2)
+            .map(|t| {
+                (
+                    format!("{} {}", if t.system == Some(System::Sql) { "SQL" } else { "client" }, t.label),
+                    t.consume_rate,
+                )
+            })
+            .collect();
+        bars(&dir.join("keyed.svg"), "W1/W2: sqlstreams messages consumed per second, by keys", &w2)?;
+        let mut lat: Vec<(String, f64)> = Vec::new();
+        for t in &self.w1 {
+            lat.push((format!("W1 e2e p50 {}", name(t.system)), t.e2e_p50_ms));
+        }
+        for l in &self.w3 {
+            lat.push((format!("W3 p50 {}", name(l.system)), l.p50_ms));
+            lat.push((format!("W3 p99 {}", name(l.system)), l.p99_ms));
+        }
+        bars(&dir.join("latency.svg"), "Latency in milliseconds (lower is better)", &lat)?;
+        Ok(())
+    }
+}
+
+fn throughput_table(rows: &[Throughput]) -> String {
+    let mut t = String::from(
+        "| system | keys | produced | produced/s | consumed/s | e2e p50 ms | e2e p99 ms | missing | duplicates | order violations | WAL bytes/msg |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let _ = writeln!(
+            t,
+            "| {} | {} | {} | {:.0} | {:.0} | {:.1} | {:.1} | {} | {} | {} | {:.0} |",
+            name(r.system),
+            r.label,
+            r.produced,
+            r.produce_rate,
+            r.consume_rate,
+            r.e2e_p50_ms,
+            r.e2e_p99_ms,
+            r.missing,
+            r.duplicates,
+            r.order_violations,
+            r.wal_bytes_per_message
+        );
+    }
+    t
+}
+
+fn claim_cost_table(rows: &[Throughput]) -> String {
+    let mut t = String::from("| system | per 100 messages consumed | server time per call |\n|---|---|---|\n");
+    for r in rows {
+        let per_100 = r.produced.max(1) as f64 / 100.0;
+        let line = match r.system {
+            Some(System::Sql) | Some(System::Client) => {
+                let claim = per_call_us(r, "sqlstreams.claim");
+                let ack = per_call_us(r, "sqlstreams.ack_batch");
+                let trips = claim.map_or(0, |c| c.0) + ack.map_or(0, |a| a.0);
+                format!(
+                    "{:.1} round trips (claim + ack_batch) | claim {:.0} µs, ack_batch {:.0} µs",
+                    trips as f64 / per_100,
+                    claim.map_or(f64::NAN, |c| c.1),
+                    ack.map_or(f64::NAN, |a| a.1)
+                )
+            }
+            Some(System::Pgq) => {
+                let next = per_call_us(r, "pgq.next_batch");
+                let get = per_call_us(r, "pgq.get_batch_events");
+                let finish = per_call_us(r, "pgq.finish_batch");
+                let batches = next.map_or(0, |c| c.0) as f64;
+                format!(
+                    "{:.1} round trips (next_batch, get_batch_events, finish_batch; {:.0} polls in all) | next_batch {:.0} µs, get_batch_events {:.0} µs, finish_batch {:.0} µs",
+                    3.0 * get.map_or(0, |c| c.0) as f64 / per_100,
+                    batches,
+                    next.map_or(f64::NAN, |c| c.1),
+                    get.map_or(f64::NAN, |c| c.1),
+                    finish.map_or(f64::NAN, |c| c.1)
+                )
+            }
+            _ => "2 round trips (select, store cursor) | plain SQL, not tracked".to_string(),
+        };
+        let _ = writeln!(t, "| {} | {line} |", name(r.system));
+    }
+    t
+}
+
+fn latency_table(rows: &[Latency]) -> String {
+    let mut t = String::from("| system | what | samples | p50 ms | p99 ms | missing |\n|---|---|---|---|---|---|\n");
+    for r in rows {
+        let _ = writeln!(
+            t,
+            "| {} | {} | {} | {:.3} | {:.3} | {} |",
+            name(r.system),
+            r.label,
+            r.samples,
+            r.p50_ms,
+            r.p99_ms,
+            r.missing
+        );
+    }
+    t
+}
+
+/// A horizontal bar chart of labelled values.
+fn bars(path: &Path, title: &str, values: &[(String, f64)]) -> Result<(), Box<dyn std::error::Error>> {
+    let height = 80 + 34 * values.len() as u32;
+    let root = SVGBackend::new(path, (900, height)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let max = values.iter().map(|(_, v)| *v).filter(|v| v.is_finite()).fold(0.0f64, f64::max).max(1e-9) * 1.15;
+    let n = values.len() as u32;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(300)
+        .build_cartesian_2d(0f64..max, (0u32..n).into_segmented())?;
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .y_label_formatter(&|y| match y {
+            SegmentValue::CenterOf(i) => values.get(*i as usize).map(|(l, _)| l.clone()).unwrap_or_default(),
+            _ => String::new(),
+        })
+        .draw()?;
+    chart.draw_series(values.iter().enumerate().map(|(i, (_, v))| {
+        let v = if v.is_finite() { *v } else { 0.0 };
+        let (y0, y1) = (SegmentValue::Exact(i as u32), SegmentValue::Exact(i as u32 + 1));
+        Rectangle::new([(0.0, y0), (v, y1)], Palette99::pick(i).filled())
+    }))?;
+    chart.draw_series(values.iter().enumerate().map(|(i, (_, v))| {
+        Text::new(
+            format!("{v:.1}"),
+            (if v.is_finite() { *v } else { 0.0 }, SegmentValue::CenterOf(i as u32)),
+            ("sans-serif", 14),
+        )
+    }))?;
+    root.present()?;
+    Ok(())
+}

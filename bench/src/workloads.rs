@@ -1,0 +1,428 @@
+//! The workloads (see issue "Benchmarks side by side"): W1 throughput, W2 keyed throughput,
+//! W3 quiet latency, W4 ordered hand-off, W5 idle cost; W6 (claim cost) is read from W1's
+//! function statistics. Every run checks that each produced message was consumed exactly once
+//! (and, for ordered runs, in order per key).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::stats::{now_us, quantile};
+use crate::systems::{self, Consumed, ConsumerOpts, Event, Pg, Producer, System};
+
+pub struct Bench {
+    pub url: String,
+    pub db: Pg,
+    pub quick: bool,
+    runs: AtomicUsize,
+}
+
+/// Keys and policy of a throughput run.
+#[derive(Clone, Copy, Debug)]
+pub enum Keys {
+    None,
+    Ordered(usize),
+    Exclusive(usize),
+}
+
+impl Keys {
+    pub fn label(self) -> String {
+        match self {
+            Keys::None => "no keys".into(),
+            Keys::Ordered(1) => "ordered, 1 hot key".into(),
+            Keys::Ordered(n) => format!("ordered, {n} keys"),
+            Keys::Exclusive(n) => format!("exclusive, {n} keys"),
+        }
+    }
+
+    fn policy(self) -> Option<&'static str> {
+        match self {
+            Keys::None => None,
+            Keys::Ordered(_) => Some("ordered"),
+            Keys::Exclusive(_) => Some("exclusive"),
+        }
+    }
+
+    fn key(self, producer: u32, seq: u64) -> Option<String> {
+        let n = match self {
+            Keys::None => return None,
+            Keys::Ordered(n) | Keys::Exclusive(n) => n as u64,
+        };
+        Some(format!("key-{}", (seq * 2 + producer as u64) % n))
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Throughput {
+    pub system: Option<System>,
+    pub label: String,
+    pub produced: usize,
+    pub produce_rate: f64,
+    pub consume_rate: f64,
+    pub e2e_p50_ms: f64,
+    pub e2e_p99_ms: f64,
+    pub missing: usize,
+    pub duplicates: usize,
+    pub order_violations: usize,
+    pub wal_bytes_per_message: f64,
+    /// Function statistics during the run: (function, calls, total milliseconds).
+    pub functions: Vec<(String, i64, f64)>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Latency {
+    pub system: Option<System>,
+    pub label: String,
+    pub samples: usize,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub missing: usize,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Idle {
+    pub system: Option<System>,
+    pub consumers: usize,
+    pub seconds: f64,
+    pub statements_per_second: f64,
+    pub xids: i64,
+}
+
+impl Bench {
+    pub async fn new(url: &str, quick: bool) -> Bench {
+        Bench { url: url.to_string(), db: systems::connect(url).await, quick, runs: AtomicUsize::new(0) }
+    }
+
+    fn run_name(&self, what: &str) -> String {
+        format!("{what}-{}-{}", std::process::id(), self.runs.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn seconds(&self, full: u64, quick: u64) -> Duration {
+        Duration::from_secs(if self.quick { quick } else { full })
+    }
+
+    async fn function_stats(&self) -> Vec<(String, i64, f64)> {
+        self.db
+            .query(
+                "SELECT schemaname || '.' || funcname, sum(calls)::int8, sum(total_time)
+                 FROM pg_stat_user_functions WHERE schemaname IN ('sqlstreams', 'pgq')
+                 GROUP BY 1 ORDER BY 1",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .collect()
+    }
+
+    /// W1 / W2: 2 producers in 100-message transactions for a while, 1 consumer in batches of
+    /// 100 draining everything.
+    pub async fn throughput(&self, system: System, keys: Keys) -> Throughput {
+        let target = systems::setup(&self.db, system, &self.run_name("throughput"), keys.policy()).await;
+        // A client of its own: its connections close at the end and flush their statistics.
+        let client = sqlstreams_client::Client::connect(&self.url).unwrap();
+        self.db.execute("SELECT pg_stat_reset()", &[]).await.unwrap();
+        let wal_start: String = self.db.query_one("SELECT pg_current_wal_lsn()::text", &[]).await.unwrap().get(0);
+        let stop_ticker = CancellationToken::new();
+        let ticker = (system == System::Pgq).then(|| systems::spawn_ticker(self.url.clone(), stop_ticker.clone()));
+        let (sink, mut seen_rx) = mpsc::unbounded_channel();
+        let opts = ConsumerOpts { batch: 100, idle_poll: Duration::from_millis(10), policy: keys.policy() };
+        let consumer = systems::start_consumer(&self.url, &client, &target, opts, sink).await;
+
+        let duration = self.seconds(10, 3);
+        let started = Instant::now();
+        let mut producers = Vec::new();
+        for p in 0..2u32 {
+            let (url, client, target) = (self.url.clone(), client.clone(), target.clone());
+            producers.push(tokio::spawn(async move {
+                let producer = Producer::new(&url, &client, &target).await;
+                let mut seq = 0u64;
+                while started.elapsed() < duration {
+                    let events: Vec<Event> = (0..100)
+                        .map(|_| {
+                            seq += 1;
+                            Event::new(p, seq, keys.key(p, seq))
+                        })
+                        .collect();
+                    producer.send(&events).await;
+                }
+                seq
+            }));
+        }
+        let mut expected = HashSet::new();
+        for (p, handle) in producers.into_iter().enumerate() {
+            let last = handle.await.unwrap();
+            expected.extend((1..=last).map(|seq| (p as u32, seq)));
+        }
+        let produce_elapsed = started.elapsed();
+
+        let mut seen: Vec<Consumed> = Vec::with_capacity(expected.len());
+        let deadline = Instant::now() + Duration::from_secs(180);
+        let mut last_needed = started.elapsed();
+        while seen.len() < expected.len() && Instant::now() < deadline {
+            if let Ok(Some(c)) = tokio::time::timeout(Duration::from_secs(1), seen_rx.recv()).await {
+                seen.push(c);
+                last_needed = started.elapsed();
+            }
+        }
+        consumer.stop().await;
+        stop_ticker.cancel();
+        if let Some(t) = ticker {
+            let _stopped = t.await;
+        }
+        drop(client);
+        while let Ok(c) = seen_rx.try_recv() {
+            seen.push(c);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await; // closed backends flush statistics
+        let wal: f64 = self
+            .db
+            .query_one("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::float8", &[&wal_start])
+            .await
+            .unwrap()
+            .get(0);
+
+        let unique: HashSet<(u32, u64)> = seen.iter().map(|c| (c.producer, c.seq)).collect();
+        let mut latencies: Vec<f64> = seen.iter().map(|c| (c.handled_us - c.produced_us) as f64 / 1000.0).collect();
+        Throughput {
+            system: Some(system),
+            label: keys.label(),
+            produced: expected.len(),
+            produce_rate: expected.len() as f64 / produce_elapsed.as_secs_f64(),
+            consume_rate: unique.len() as f64 / last_needed.as_secs_f64(),
+            e2e_p50_ms: quantile(&mut latencies, 0.5),
+            e2e_p99_ms: quantile(&mut latencies, 0.99),
+            missing: expected.difference(&unique).count(),
+            duplicates: seen.len() - unique.len(),
+            order_violations: if matches!(keys, Keys::Ordered(_)) { order_violations(&seen) } else { 0 },
+            wal_bytes_per_message: wal / expected.len().max(1) as f64,
+            functions: self.function_stats().await,
+        }
+    }
+
+    /// W3: one message every 5 ms (200/s) in its own transaction, for a while; the time from
+    /// the produce call to the handler.
+    pub async fn quiet(&self, system: System) -> Latency {
+        let target = systems::setup(&self.db, system, &self.run_name("quiet"), None).await;
+        let client = sqlstreams_client::Client::connect(&self.url).unwrap();
+        let stop_ticker = CancellationToken::new();
+        let ticker = (system == System::Pgq).then(|| systems::spawn_ticker(self.url.clone(), stop_ticker.clone()));
+        // sqlstreams waits for NOTIFY (polling only as a fallback); the others must poll.
+        let idle_poll = match system {
+            System::Client | System::Sql => Duration::from_secs(1),
+            System::Pgq => Duration::from_millis(10),
+            System::Floor => Duration::from_millis(5),
+        };
+        let (sink, mut seen_rx) = mpsc::unbounded_channel();
+        let consumer = systems::start_consumer(
+            &self.url,
+            &client,
+            &target,
+            ConsumerOpts { batch: 100, idle_poll, policy: None },
+            sink,
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(500)).await; // idle, listening
+        let producer = Producer::new(&self.url, &client, &target).await;
+        let duration = self.seconds(20, 5);
+        let started = Instant::now();
+        let mut sent = 0u64;
+        let mut next = Instant::now();
+        while started.elapsed() < duration {
+            sent += 1;
+            producer.send(&[Event::new(0, sent, None)]).await;
+            next += Duration::from_millis(5);
+            tokio::time::sleep_until(next.into()).await;
+        }
+        let mut seen = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while seen.len() < sent as usize && Instant::now() < deadline {
+            if let Ok(Some(c)) = tokio::time::timeout(Duration::from_secs(1), seen_rx.recv()).await {
+                seen.push(c);
+            }
+        }
+        consumer.stop().await;
+        stop_ticker.cancel();
+        if let Some(t) = ticker {
+            let _stopped = t.await;
+        }
+        let unique: HashSet<u64> = seen.iter().map(|c| c.seq).collect();
+        let mut latencies: Vec<f64> = seen.iter().map(|c| (c.handled_us - c.produced_us) as f64 / 1000.0).collect();
+        Latency {
+            system: Some(system),
+            label: "200 msg/s, one per transaction".into(),
+            samples: seen.len(),
+            p50_ms: quantile(&mut latencies, 0.5),
+            p99_ms: quantile(&mut latencies, 0.99),
+            missing: sent as usize - unique.len(),
+        }
+    }
+
+    /// W4 through the client: per key, the head fails once and is retried at once; the time
+    /// from the head's successful return to its successor's handler start.
+    pub async fn hand_off_client(&self) -> Latency {
+        let target = systems::setup(&self.db, System::Client, &self.run_name("handoff"), Some("ordered")).await;
+        let client = sqlstreams_client::Client::connect(&self.url).unwrap();
+        let stream = client.stream::<Event>(target.stream.clone());
+        let config = sqlstreams_client::ConsumerConfig {
+            concurrency_override: Some(sqlstreams_client::Concurrency::Ordered),
+            poll_interval: Duration::from_secs(1),
+            ..Default::default()
+        };
+        let consumer = stream.consumer(target.group.clone()).register(config).await.unwrap();
+        let head_done: Arc<Mutex<HashMap<String, i64>>> = Arc::default();
+        let (tx, mut rx) = mpsc::unbounded_channel::<(String, i64)>();
+        let running = {
+            let head_done = head_done.clone();
+            consumer.start(move |d: sqlstreams_client::Delivery<Event>| {
+                let (head_done, tx) = (head_done.clone(), tx.clone());
+                async move {
+                    let key = d.key.clone().unwrap();
+                    if d.message.seq == 1 {
+                        if d.attempt == 0 {
+                            return Err(sqlstreams_client::HandlerError::retry_after("fails once", Duration::ZERO));
+                        }
+                        head_done.lock().unwrap().insert(key, now_us());
+                    } else {
+                        let _sent = tx.send((key, now_us()));
+                    }
+                    Ok(())
+                }
+            })
+        };
+        let keys = if self.quick { 50 } else { 200 };
+        let producer = stream.producer();
+        let mut samples = Vec::new();
+        for k in 0..keys {
+            let key = format!("key-{k}");
+            let events = [Event::new(0, 1, Some(key.clone())), Event::new(0, 2, Some(key.clone()))];
+            producer.produce_batch(events.iter().map(|e| (e, Some(key.as_str()))), Default::default()).await.unwrap();
+            let (got, started) = tokio::time::timeout(Duration::from_secs(30), rx.recv()).await.unwrap().unwrap();
+            assert_eq!(got, key);
+            let done = head_done.lock().unwrap()[&key];
+            samples.push((started - done) as f64 / 1000.0);
+        }
+        running.shutdown(Duration::from_secs(10)).await;
+        latency("through the client (same claim, chained)", System::Client, samples)
+    }
+
+    /// W4 through raw SQL calls with batch 1, so the successor needs a claim of its own: the
+    /// time from the head's ack returning to the claim that returns the successor.
+    pub async fn hand_off_sql(&self) -> Latency {
+        let target = systems::setup(&self.db, System::Sql, &self.run_name("handoff-sql"), Some("ordered")).await;
+        let pg = systems::connect(&self.url).await;
+        let (s, g) = (&target.stream, &target.group);
+        let claim = "SELECT message_id, lease_token, attempt FROM sqlstreams.claim($1, $2, 1)";
+        let keys = if self.quick { 50 } else { 200 };
+        let mut samples = Vec::new();
+        for k in 0..keys {
+            let key = format!("key-{k}");
+            let payloads = vec![
+                serde_json::to_string(&Event::new(0, 1, None)).unwrap(),
+                serde_json::to_string(&Event::new(0, 2, None)).unwrap(),
+            ];
+            let ids: Vec<i64> = pg
+                .query(
+                    "SELECT sqlstreams.produce_batch($1, $2::text[]::jsonb[], $3)",
+                    &[s, &payloads, &vec![key.as_str(); 2]],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let head = pg.query_one(claim, &[s, g]).await.unwrap();
+            let token: uuid::Uuid = head.get(1);
+            pg.execute("SELECT sqlstreams.fail($1, $2, $3, $4, 'fails once', false, '0')", &[s, g, &token, &ids[0]])
+                .await
+                .unwrap();
+            let retry = pg.query_one(claim, &[s, g]).await.unwrap();
+            assert_eq!((retry.get::<_, i64>(0), retry.get::<_, i32>(2)), (ids[0], 1));
+            let token: uuid::Uuid = retry.get(1);
+            pg.execute("SELECT sqlstreams.ack($1, $2, $3, $4)", &[s, g, &token, &ids[0]]).await.unwrap();
+            let resolved = now_us();
+            let next = pg.query_one(claim, &[s, g]).await.unwrap();
+            let started = now_us();
+            assert_eq!(next.get::<_, i64>(0), ids[1], "the successor is claimable by the very next claim");
+            let token: uuid::Uuid = next.get(1);
+            pg.execute("SELECT sqlstreams.ack($1, $2, $3, $4)", &[s, g, &token, &ids[1]]).await.unwrap();
+            samples.push((started - resolved) as f64 / 1000.0);
+        }
+        latency("through SQL (ack, then the next claim)", System::Sql, samples)
+    }
+
+    /// W5: idle, caught-up consumers polling once a second (plus, for PgQ, its ticker).
+    pub async fn idle(&self, system: System) -> Idle {
+        let consumers = 10;
+        let target = systems::setup(&self.db, system, &self.run_name("idle"), None).await;
+        let client = sqlstreams_client::Client::connect(&self.url).unwrap();
+        let stop_ticker = CancellationToken::new();
+        let ticker = (system == System::Pgq).then(|| systems::spawn_ticker(self.url.clone(), stop_ticker.clone()));
+        let mut running = Vec::new();
+        for i in 0..consumers {
+            let (sink, _unused) = mpsc::unbounded_channel();
+            let opts = ConsumerOpts { batch: 100, idle_poll: Duration::from_secs(1), policy: None };
+            // PgQ batches belong to one consumer name: ten consumers are ten registrations.
+            let target = match system {
+                System::Pgq => systems::pgq_consumer(&self.db, &target, &format!("consumer-{i}")).await,
+                _ => target.clone(),
+            };
+            running.push(systems::start_consumer(&self.url, &client, &target, opts, sink).await);
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await; // settle: connections made, caught up
+        let counters = "SELECT (xact_commit + xact_rollback)::int8, pg_current_xact_id()::text::int8
+                        FROM pg_stat_database WHERE datname = current_database()";
+        let before = self.db.query_one(counters, &[]).await.unwrap();
+        let duration = self.seconds(20, 5);
+        tokio::time::sleep(duration).await;
+        let after = self.db.query_one(counters, &[]).await.unwrap();
+        for r in running {
+            r.stop().await;
+        }
+        stop_ticker.cancel();
+        if let Some(t) = ticker {
+            let _stopped = t.await;
+        }
+        // Minus the measuring statement itself (one transaction and one xid per reading).
+        let statements = after.get::<_, i64>(0) - before.get::<_, i64>(0) - 1;
+        let xids = after.get::<_, i64>(1) - before.get::<_, i64>(1) - 1;
+        Idle {
+            system: Some(system),
+            consumers,
+            seconds: duration.as_secs_f64(),
+            statements_per_second: statements as f64 / duration.as_secs_f64(),
+            xids,
+        }
+    }
+}
+
+fn latency(label: &str, system: System, mut samples: Vec<f64>) -> Latency {
+    Latency {
+        system: Some(system),
+        label: label.into(),
+        samples: samples.len(),
+        p50_ms: quantile(&mut samples, 0.5),
+        p99_ms: quantile(&mut samples, 0.99),
+        missing: 0,
+    }
+}
+
+/// Per key, consumption must follow message id order.
+fn order_violations(seen: &[Consumed]) -> usize {
+    let mut last: HashMap<&str, i64> = HashMap::new();
+    let mut violations = 0;
+    for c in seen {
+        let key = c.key.as_deref().unwrap_or("");
+        if let Some(previous) = last.insert(key, c.id) {
+            if previous >= c.id {
+                violations += 1;
+            }
+        }
+    }
+    violations
+}

@@ -141,6 +141,7 @@ pub fn claim(stream_name: &str, group_name: &str, batch: i32, lease_micros: i64)
         if is_idle(client, &group, &cursor, &world, now)? {
             return Ok(vec![]);
         }
+        crate::commit::relax_for_outcome(client)?;
         let cursor = cursor::read(client, stream_id, group.id, true)?;
         let token = pgrx::Uuid::from_bytes(*uuid::Uuid::new_v4().as_bytes());
         let claim = Claim {

@@ -44,6 +44,7 @@ fn now() -> i64 {
 pub fn extend(stream: &str, group_name: &str, token: pgrx::Uuid, lease_micros: i64) -> Result<bool> {
     Spi::connect_mut(|client| {
         let group = group::lookup(client, stream, group_name)?;
+        crate::commit::relax_for_outcome(client)?;
         let expires = now().saturating_add(lease_micros);
         let held: i64 = EXTEND
             .run(client, group.stream.id, &[group.id.into(), token.into(), statement::timestamptz(expires)])?
@@ -59,6 +60,7 @@ pub fn extend(stream: &str, group_name: &str, token: pgrx::Uuid, lease_micros: i
 pub fn release(stream: &str, group_name: &str, token: pgrx::Uuid, ids: &[i64]) -> Result<Vec<i64>> {
     Spi::connect_mut(|client| {
         let group = group::lookup(client, stream, group_name)?;
+        crate::commit::relax_for_outcome(client)?;
         let stream_id = group.stream.id;
         let now = now();
         let mut released: Vec<(i64, Option<String>)> = Vec::new();

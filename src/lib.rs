@@ -18,6 +18,7 @@ use pgrx::prelude::*;
 
 mod backoff;
 mod claim;
+mod commit;
 mod cursor;
 mod error;
 mod exception_queue;

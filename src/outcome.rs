@@ -90,6 +90,7 @@ fn now() -> i64 {
 pub fn ack(stream: &str, group_name: &str, token: pgrx::Uuid, ids: &[i64]) -> Result<Vec<i64>> {
     Spi::connect_mut(|client| {
         let group = group::lookup(client, stream, group_name)?;
+        crate::commit::relax_for_outcome(client)?;
         let stream_id = group.stream.id;
         let mut done: Vec<(i64, Option<String>)> = Vec::new();
         for row in ACK_ROWS.run(client, stream_id, &[group.id.into(), token.into(), ids.to_vec().into()])? {
@@ -123,6 +124,7 @@ fn record_failure(
 ) -> Result<Option<Status>> {
     Spi::connect_mut(|client| {
         let group = group::lookup(client, stream, group_name)?;
+        crate::commit::relax_for_outcome(client)?;
         let stream_id = group.stream.id;
         let now = now();
         let mut range = range::for_token(client, stream_id, group.id, token)?;

@@ -571,3 +571,17 @@ fn a_claim_can_carry_the_previous_claims_acks() {
         .unwrap_err();
     assert_eq!(sqlstate(&err), "22023", "a token without ids is refused");
 }
+
+#[test]
+fn outcomes_inside_a_transaction_block_keep_the_callers_durability() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "durability");
+    let g = s.group(&mut c, "g", None);
+    s.produce(&mut c, json!({}), None);
+    let d = g.claim(&mut c, 1).pop().unwrap();
+    let mut tx = c.transaction().unwrap();
+    tx.execute("SELECT sqlstreams.ack($1, $2, $3, $4)", &[&s.name, &g.name, &d.lease_token, &d.message_id]).unwrap();
+    let setting: String = tx.query_one("SHOW synchronous_commit", &[]).unwrap().get(0);
+    assert_eq!(setting, "on", "business writes in the same transaction stay durable");
+    tx.commit().unwrap();
+}

@@ -123,7 +123,7 @@ impl Results {
              successor's handler start (PgQ and the floor: n/a, no per-key order).\n\n{}",
             latency_table(&self.w4)
         );
-        let _ = writeln!(md, "## W5 idle cost\n\n10 idle, caught-up consumers polling once a second.\n\n| system | consumers | seconds | statements/s | transaction ids used |\n|---|---|---|---|---|");
+        let _ = writeln!(md, "## W5 idle cost\n\n10 idle, caught-up consumers polling once a second (autovacuum paused during the measurement: its own transactions are not the consumers' cost).\n\n| system | consumers | seconds | statements/s | transaction ids used |\n|---|---|---|---|---|");
         for i in &self.w5 {
             let _ = writeln!(
                 md,

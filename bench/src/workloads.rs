@@ -377,7 +377,9 @@ impl Bench {
         tokio::time::sleep(Duration::from_secs(2)).await; // settle: connections made, caught up
         // Autovacuum's own transactions (it analyzes after the heavy runs) are not the
         // consumers' cost: pause it for the measurement.
-        self.db.batch_execute("ALTER SYSTEM SET autovacuum = off; SELECT pg_reload_conf();").await.unwrap();
+        // ALTER SYSTEM cannot run in a (multi-statement) transaction: one statement at a time.
+        self.db.execute("ALTER SYSTEM SET autovacuum = off", &[]).await.unwrap();
+        self.db.execute("SELECT pg_reload_conf()", &[]).await.unwrap();
         let quiet = Instant::now() + Duration::from_secs(60);
         while Instant::now() < quiet {
             let workers: i64 = self
@@ -397,7 +399,8 @@ impl Bench {
         let duration = self.seconds(20, 5);
         tokio::time::sleep(duration).await;
         let after = self.db.query_one(counters, &[]).await.unwrap();
-        self.db.batch_execute("ALTER SYSTEM RESET autovacuum; SELECT pg_reload_conf();").await.unwrap();
+        self.db.execute("ALTER SYSTEM RESET autovacuum", &[]).await.unwrap();
+        self.db.execute("SELECT pg_reload_conf()", &[]).await.unwrap();
         for r in running {
             r.stop().await;
         }

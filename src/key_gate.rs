@@ -188,21 +188,24 @@ const TAKE_LEASES: Statement = Statement {
 /// park, then looks again; outcomes take them shared before they release or wake a key. So a
 /// resolution is either seen by the claim or its wake sees the claim's parked rows: no lost
 /// wake-ups between a claim and a concurrent outcome.
-const LOCK_KEYS: Statement = Statement {
-    name: "gate_lock_keys",
-    sql: "SELECT count(pg_advisory_xact_lock(l.lock)) FROM (
-              SELECT DISTINCT ($1::int8 << 32) | (hashtext(k)::int8 & 4294967295) AS lock
-              FROM unnest($2::text[]) AS k ORDER BY 1) l",
-    params: &[INT8OID, TEXTARRAYOID],
-};
+macro_rules! lock_keys {
+    ($name:literal, $lock:literal) => {
+        Statement {
+            name: $name,
+            sql: concat!(
+                "SELECT count(",
+                $lock,
+                "(l.lock)) FROM (
+                     SELECT DISTINCT ($1::int8 << 32) | (hashtext(k)::int8 & 4294967295) AS lock
+                     FROM unnest($2::text[]) AS k ORDER BY 1) l"
+            ),
+            params: &[INT8OID, TEXTARRAYOID],
+        }
+    };
+}
 
-const LOCK_KEYS_SHARED: Statement = Statement {
-    name: "gate_lock_keys_shared",
-    sql: "SELECT count(pg_advisory_xact_lock_shared(l.lock)) FROM (
-              SELECT DISTINCT ($1::int8 << 32) | (hashtext(k)::int8 & 4294967295) AS lock
-              FROM unnest($2::text[]) AS k ORDER BY 1) l",
-    params: &[INT8OID, TEXTARRAYOID],
-};
+const LOCK_KEYS: Statement = lock_keys!("gate_lock_keys", "pg_advisory_xact_lock");
+const LOCK_KEYS_SHARED: Statement = lock_keys!("gate_lock_keys_shared", "pg_advisory_xact_lock_shared");
 
 /// Takes the key locks of `keys` (see `LOCK_KEYS`), exclusively for a claim that parks them,
 /// shared for an outcome that resolves them.

@@ -5,11 +5,11 @@
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
 
-use crate::error::{Result, SqlResult, StreamError};
+use crate::error::{Result, SqlResult};
 use crate::exception_queue::{self, NewRow, Status};
 use crate::group;
 use crate::message;
-use crate::names::{positive_micros, validate_name};
+use crate::names::{positive_micros, required, validate_name};
 use crate::range;
 use crate::statement::{self, Statement};
 
@@ -115,9 +115,7 @@ fn extend_lease(
 ) -> SqlResult<bool> {
     let stream = validate_name("stream", stream)?;
     let group_name = validate_name("group", group_name)?;
-    let token = lease_token.ok_or_else(|| {
-        StreamError::invalid("lease_token must not be NULL", "Pass the lease_token of the claim to extend.")
-    })?;
+    let token = required("lease_token", lease_token, "of the claim to extend")?;
     let lease = positive_micros("lease", lease.map(|l| l.as_micros()), "'30 seconds'")?;
     Ok(extend(stream, group_name, token, lease)?)
 }
@@ -134,13 +132,7 @@ fn release_sql(
 ) -> SqlResult<Vec<i64>> {
     let stream = validate_name("stream", stream)?;
     let group_name = validate_name("group", group_name)?;
-    let token = lease_token.ok_or_else(|| {
-        StreamError::invalid("lease_token must not be NULL", "Pass the lease_token of the claim the ids came from.")
-    })?;
-    let ids: Vec<i64> = message_ids
-        .ok_or_else(|| StreamError::invalid("message_ids must not be NULL", "Pass the ids to release."))?
-        .into_iter()
-        .flatten()
-        .collect();
+    let token = required("lease_token", lease_token, "of the claim the ids came from")?;
+    let ids: Vec<i64> = required("message_ids", message_ids, "to release")?.into_iter().flatten().collect();
     Ok(release(stream, group_name, token, &ids)?)
 }

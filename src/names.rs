@@ -78,6 +78,11 @@ pub fn positive_micros(what: &str, micros: Option<i128>, example: &str) -> Resul
     }
 }
 
+/// An argument that must not be NULL; the refusal says where the value comes from.
+pub fn required<T>(what: &str, value: Option<T>, from: &str) -> Result<T> {
+    value.ok_or_else(|| StreamError::invalid(format!("{what} must not be NULL"), format!("Pass the {what} {from}.")))
+}
+
 /// `'value'` or `NULL`, for error messages.
 pub fn quoted(value: Option<&str>) -> String {
     match value {

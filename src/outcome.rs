@@ -14,7 +14,7 @@ use crate::error::{Result, SqlResult, StreamError};
 use crate::exception_queue::{self, NewRow, Status};
 use crate::group::{self, GroupRef};
 use crate::message;
-use crate::names::{positive_micros, validate_name};
+use crate::names::{self, positive_micros, validate_name};
 use crate::policy::Policy;
 use crate::range::{self, RangeLease};
 use crate::statement::{self, Statement};
@@ -252,12 +252,7 @@ fn defer_chain(
 }
 
 fn required<T>(what: &str, value: Option<T>) -> Result<T> {
-    value.ok_or_else(|| {
-        StreamError::invalid(
-            format!("{what} must not be NULL"),
-            format!("Pass the {what} from the claim result the outcome answers."),
-        )
-    })
+    names::required(what, value, "from the claim result the outcome answers")
 }
 
 /// Records that the handler of a claimed message succeeded. Returns false when the lease behind

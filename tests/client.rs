@@ -57,6 +57,17 @@ fn config(policy: Option<Concurrency>) -> ConsumerConfig {
 /// What handlers did, in order: (message id, attempt).
 type Calls = Arc<Mutex<Vec<(i64, u32)>>>;
 
+/// A handler that records each call and succeeds.
+fn record_calls(
+    calls: &Calls,
+) -> impl Fn(Delivery<Adjustment>) -> std::future::Ready<Result<(), HandlerError>> + Send + Sync + 'static {
+    let calls = calls.clone();
+    move |d| {
+        calls.lock().unwrap().push((d.id, d.attempt));
+        std::future::ready(Ok(()))
+    }
+}
+
 /// Waits (bounded) until `done` holds.
 async fn eventually(what: &str, done: impl Fn() -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
@@ -212,16 +223,7 @@ async fn outbox_produce_follows_the_callers_transaction() {
     assert_eq!(producer.produce_in(&*tx, &adjustment("a", 3), again).await.unwrap(), Produced::Duplicate);
     tx.commit().await.unwrap();
     let calls: Calls = Arc::default();
-    let running = {
-        let calls = calls.clone();
-        consumer.start(move |d: Delivery<Adjustment>| {
-            let calls = calls.clone();
-            async move {
-                calls.lock().unwrap().push((d.id, d.attempt));
-                Ok(())
-            }
-        })
-    };
+    let running = consumer.start(record_calls(&calls));
     eventually("the committed messages", || calls.lock().unwrap().len() == 2).await;
     running.shutdown(Duration::from_secs(5)).await;
     // Same key but no policy: parallel, so they may run in either order.
@@ -241,16 +243,7 @@ async fn an_undecodable_payload_is_dead_with_a_clear_error() {
     conn.execute("SELECT sqlstreams.produce($1, '{\"unexpected\": true}')", &[&stream.name()]).await.unwrap();
     let good = stream.producer().produce(&adjustment("a", 1), ProduceOptions::default()).await.unwrap().id().unwrap();
     let calls: Calls = Arc::default();
-    let running = {
-        let calls = calls.clone();
-        consumer.start(move |d: Delivery<Adjustment>| {
-            let calls = calls.clone();
-            async move {
-                calls.lock().unwrap().push((d.id, d.attempt));
-                Ok(())
-            }
-        })
-    };
+    let running = consumer.start(record_calls(&calls));
     eventually("the good message", || calls.lock().unwrap().len() == 1).await;
     eventually("the bad one dead", || running.metrics().dead == 1).await;
     running.shutdown(Duration::from_secs(5)).await;
@@ -385,16 +378,7 @@ async fn shutdown_past_its_grace_cancels_and_gives_back_the_rest() {
 
     // Nothing is lost: another consumer gets the rest, in order, with no attempt spent.
     let calls: Calls = Arc::default();
-    let next = {
-        let calls = calls.clone();
-        group.register(config(Some(Concurrency::Ordered))).await.unwrap().start(move |d: Delivery<Adjustment>| {
-            let calls = calls.clone();
-            async move {
-                calls.lock().unwrap().push((d.id, d.attempt));
-                Ok(())
-            }
-        })
-    };
+    let next = group.register(config(Some(Concurrency::Ordered))).await.unwrap().start(record_calls(&calls));
     eventually("the rest", || calls.lock().unwrap().len() == 2).await;
     next.shutdown(Duration::from_secs(5)).await;
     assert_eq!(*calls.lock().unwrap(), vec![(ids[1], 0), (ids[2], 0)]);

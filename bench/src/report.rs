@@ -216,7 +216,9 @@ fn claim_cost_table(rows: &[Throughput]) -> String {
                 let ack = per_call_us(r, "sqlstreams.ack_batch").filter(|a| a.0 > 0);
                 let trips = claim.map_or(0, |c| c.0) + ack.map_or(0, |a| a.0);
                 let acks = match ack {
-                    Some((calls, us)) => format!("; ack_batch {us:.0} µs ({calls} calls, when no claim carried the acks)"),
+                    Some((calls, us)) => {
+                        format!("; ack_batch {us:.0} µs ({calls} calls, when no claim carried the acks)")
+                    }
                     None => "; every ack rode along with a claim".to_string(),
                 };
                 format!(

@@ -375,9 +375,9 @@ impl Bench {
             running.push(systems::start_consumer(&self.url, &client, &target, opts, sink).await);
         }
         tokio::time::sleep(Duration::from_secs(2)).await; // settle: connections made, caught up
-        // Autovacuum's own transactions (it analyzes after the heavy runs) are not the
-        // consumers' cost: pause it for the measurement.
-        // ALTER SYSTEM cannot run in a (multi-statement) transaction: one statement at a time.
+                                                          // Autovacuum's own transactions (it analyzes after the heavy runs) are not the
+                                                          // consumers' cost: pause it for the measurement.
+                                                          // ALTER SYSTEM cannot run in a (multi-statement) transaction: one statement at a time.
         self.db.execute("ALTER SYSTEM SET autovacuum = off", &[]).await.unwrap();
         self.db.execute("SELECT pg_reload_conf()", &[]).await.unwrap();
         let quiet = Instant::now() + Duration::from_secs(60);

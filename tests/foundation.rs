@@ -580,6 +580,8 @@ fn outcomes_inside_a_transaction_block_keep_the_callers_durability() {
     s.produce(&mut c, json!({}), None);
     let d = g.claim(&mut c, 1).pop().unwrap();
     let mut tx = c.transaction().unwrap();
+    // The caller's own setting (the test cluster itself runs with it off).
+    tx.batch_execute("SET LOCAL synchronous_commit = on").unwrap();
     tx.execute("SELECT sqlstreams.ack($1, $2, $3, $4)", &[&s.name, &g.name, &d.lease_token, &d.message_id]).unwrap();
     let setting: String = tx.query_one("SHOW synchronous_commit", &[]).unwrap().get(0);
     assert_eq!(setting, "on", "business writes in the same transaction stay durable");

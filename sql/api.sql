@@ -12,7 +12,7 @@ SELECT g.id, g.stream_id, s.name AS stream, g.name, g.concurrency_override, g.ma
        p.superseded
 FROM sqlstreams.consumer_group g
 JOIN sqlstreams.stream s ON s.id = g.stream_id
-CROSS JOIN LATERAL sqlstreams.group_progress(g.id) p;
+CROSS JOIN LATERAL sqlstreams.group_status(s.name, g.name) p;
 
 COMMENT ON SCHEMA sqlstreams IS
     'sqlstreams: durable message streams with consumer groups and per-key parallel/exclusive/ordered delivery';
@@ -53,7 +53,6 @@ COMMENT ON FUNCTION sqlstreams.delay(text, text, uuid, bigint, interval) IS
     'Asks for a message to run again after delay without counting a failure; false when the lease was lost.';
 COMMENT ON FUNCTION sqlstreams.group_status(text, text) IS
     'One group''s claimed and committed cursor, head, lag, open ranges and exception-queue counts.';
-COMMENT ON FUNCTION sqlstreams.group_progress(bigint) IS 'group_status by group id (used by the consumer_groups view).';
 COMMENT ON FUNCTION sqlstreams.blocked_keys(text, text) IS
     'Keys waiting in the exception queue: the oldest unresolved message of each, its status and how many wait behind it.';
 COMMENT ON FUNCTION sqlstreams.dead_messages(text, text) IS 'Dead-lettered messages of a group with their payloads, for triage.';

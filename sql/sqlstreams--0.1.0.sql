@@ -69,7 +69,7 @@ SELECT pg_catalog.pg_extension_config_dump('sqlstreams.consumer_group_id_seq', '
 /* </end connected objects> */
 
 /* <begin connected objects> */
--- src/outcome.rs:265
+-- src/outcome.rs:260
 -- sqlstreams::outcome::ack
 CREATE  FUNCTION "ack"(
 	"stream" TEXT, /* Option < & str > */
@@ -83,7 +83,7 @@ AS 'MODULE_PATHNAME', 'ack_sql_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
--- src/outcome.rs:281
+-- src/outcome.rs:276
 -- sqlstreams::outcome::ack_batch
 CREATE  FUNCTION "ack_batch"(
 	"stream" TEXT, /* Option < & str > */
@@ -97,7 +97,7 @@ AS 'MODULE_PATHNAME', 'ack_batch_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
--- src/inspect.rs:181
+-- src/inspect.rs:134
 -- sqlstreams::inspect::blocked_keys
 CREATE  FUNCTION "blocked_keys"(
 	"stream" TEXT, /* Option < & str > */
@@ -174,7 +174,7 @@ AS 'MODULE_PATHNAME', 'create_stream_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
--- src/inspect.rs:221
+-- src/inspect.rs:174
 -- sqlstreams::inspect::dead_messages
 CREATE  FUNCTION "dead_messages"(
 	"stream" TEXT, /* Option < & str > */
@@ -194,7 +194,7 @@ AS 'MODULE_PATHNAME', 'dead_messages_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
--- src/outcome.rs:338
+-- src/outcome.rs:333
 -- sqlstreams::outcome::delay
 CREATE  FUNCTION "delay"(
 	"stream" TEXT, /* Option < & str > */
@@ -246,7 +246,7 @@ AS 'MODULE_PATHNAME', 'extend_lease_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
--- src/outcome.rs:298
+-- src/outcome.rs:293
 -- sqlstreams::outcome::fail
 CREATE  FUNCTION "fail"(
 	"stream" TEXT, /* Option < & str > */
@@ -263,29 +263,7 @@ AS 'MODULE_PATHNAME', 'fail_sql_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
--- src/inspect.rs:140
--- sqlstreams::inspect::group_progress
-CREATE  FUNCTION "group_progress"(
-	"group_id" bigint /* i64 */
-) RETURNS TABLE (
-	"claimed" bigint,  /* i64 */
-	"committed" bigint,  /* i64 */
-	"head" bigint,  /* i64 */
-	"lag" bigint,  /* i64 */
-	"open_ranges" bigint,  /* i64 */
-	"ready" bigint,  /* i64 */
-	"inflight" bigint,  /* i64 */
-	"deferred" bigint,  /* i64 */
-	"dead" bigint,  /* i64 */
-	"superseded" bigint  /* i64 */
-)
-STRICT STABLE PARALLEL SAFE
-LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', 'group_progress_wrapper';
-/* </end connected objects> */
-
-/* <begin connected objects> */
--- src/inspect.rs:112
+-- src/inspect.rs:105
 -- sqlstreams::inspect::group_status
 CREATE  FUNCTION "group_status"(
 	"stream" TEXT, /* Option < & str > */
@@ -322,7 +300,7 @@ AS 'MODULE_PATHNAME', 'maintain_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
--- src/inspect.rs:260
+-- src/inspect.rs:213
 -- sqlstreams::inspect::open_leases
 CREATE  FUNCTION "open_leases"(
 	"stream" TEXT, /* Option < & str > */
@@ -373,7 +351,7 @@ AS 'MODULE_PATHNAME', 'produce_batch_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
--- src/lease.rs:128
+-- src/lease.rs:126
 -- sqlstreams::lease::release
 CREATE  FUNCTION "release"(
 	"stream" TEXT, /* Option < & str > */
@@ -387,7 +365,7 @@ AS 'MODULE_PATHNAME', 'release_sql_wrapper';
 /* </end connected objects> */
 
 /* <begin connected objects> */
--- src/inspect.rs:299
+-- src/inspect.rs:252
 -- sqlstreams::inspect::stream_head
 CREATE  FUNCTION "stream_head"(
 	"stream_id" bigint /* i64 */
@@ -414,7 +392,7 @@ SELECT g.id, g.stream_id, s.name AS stream, g.name, g.concurrency_override, g.ma
        p.superseded
 FROM sqlstreams.consumer_group g
 JOIN sqlstreams.stream s ON s.id = g.stream_id
-CROSS JOIN LATERAL sqlstreams.group_progress(g.id) p;
+CROSS JOIN LATERAL sqlstreams.group_status(s.name, g.name) p;
 
 COMMENT ON SCHEMA sqlstreams IS
     'sqlstreams: durable message streams with consumer groups and per-key parallel/exclusive/ordered delivery';
@@ -455,7 +433,6 @@ COMMENT ON FUNCTION sqlstreams.delay(text, text, uuid, bigint, interval) IS
     'Asks for a message to run again after delay without counting a failure; false when the lease was lost.';
 COMMENT ON FUNCTION sqlstreams.group_status(text, text) IS
     'One group''s claimed and committed cursor, head, lag, open ranges and exception-queue counts.';
-COMMENT ON FUNCTION sqlstreams.group_progress(bigint) IS 'group_status by group id (used by the consumer_groups view).';
 COMMENT ON FUNCTION sqlstreams.blocked_keys(text, text) IS
     'Keys waiting in the exception queue: the oldest unresolved message of each, its status and how many wait behind it.';
 COMMENT ON FUNCTION sqlstreams.dead_messages(text, text) IS 'Dead-lettered messages of a group with their payloads, for triage.';

@@ -6,18 +6,11 @@ use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
 
 use crate::cursor::{self, committed_now};
-use crate::error::{Result, StreamError};
+use crate::error::Result;
 use crate::group::{self, GroupRef};
 use crate::names::validate_name;
 use crate::payload::RawJsonb;
 use crate::statement::Statement;
-
-const GROUP_BY_ID: Statement = Statement {
-    name: "inspect_group_by_id",
-    sql: "SELECT s.name, g.name FROM sqlstreams.consumer_group g JOIN sqlstreams.stream s ON s.id = g.stream_id
-          WHERE g.id = $1",
-    params: &[INT8OID],
-};
 
 const PROGRESS: Statement = Statement {
     name: "inspect_progress",
@@ -134,46 +127,6 @@ fn group_status(
     let group = resolve(stream, group_name)?;
     let row: ProgressRow = progress(&group)?;
     Ok(TableIterator::once(row))
-}
-
-/// The same, by group id, for the consumer_groups view.
-#[pg_extern(stable, parallel_safe)]
-fn group_progress(
-    group_id: i64,
-) -> std::result::Result<
-    TableIterator<
-        'static,
-        (
-            name!(claimed, i64),
-            name!(committed, i64),
-            name!(head, i64),
-            name!(lag, i64),
-            name!(open_ranges, i64),
-            name!(ready, i64),
-            name!(inflight, i64),
-            name!(deferred, i64),
-            name!(dead, i64),
-            name!(superseded, i64),
-        ),
-    >,
-    ErrorReport,
-> {
-    let names: Option<(String, String)> = Spi::connect(|client| -> Result<_> {
-        let row = GROUP_BY_ID.run(client, 0, &[group_id.into()])?.first();
-        if row.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some((row.get(1)?.expect("stream"), row.get(2)?.expect("group"))))
-    })?;
-    let Some((stream, group)) = names else {
-        return Err(StreamError::invalid(
-            format!("no consumer group has id {group_id}"),
-            "Look the id up in sqlstreams.consumer_groups.",
-        )
-        .into());
-    };
-    let group = resolve(Some(&stream), Some(&group))?;
-    Ok(TableIterator::once(progress(&group)?))
 }
 
 /// Keys whose delivery waits in the exception queue: the oldest unresolved message of each key,

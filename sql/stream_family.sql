@@ -62,6 +62,9 @@ CREATE TABLE sqlstreams.exception_queue_@id@ (
     delays            int         NOT NULL DEFAULT 0,
     can_run_after     timestamptz NOT NULL,
     parked            boolean     NOT NULL DEFAULT false,
+    -- A message of a quarantined range: handed out alone until it resolves, so only its own
+    -- failures and expiries count against it.
+    isolated          boolean     NOT NULL DEFAULT false,
     last_error        text,
     lease_token       uuid,
     lease_expires_at  timestamptz,
@@ -77,6 +80,10 @@ CREATE INDEX exception_queue_@id@_key_idx
 CREATE INDEX exception_queue_@id@_due_idx
     ON sqlstreams.exception_queue_@id@ (consumer_group_id, can_run_after)
     WHERE status IN ('ready', 'deferred');
+-- Unresolved messages of quarantined ranges (usually none).
+CREATE INDEX exception_queue_@id@_isolated_idx
+    ON sqlstreams.exception_queue_@id@ (consumer_group_id, message_id)
+    WHERE isolated AND status IN ('ready', 'inflight', 'deferred');
 -- Inflight rows whose lease may expire.
 CREATE INDEX exception_queue_@id@_inflight_idx
     ON sqlstreams.exception_queue_@id@ (consumer_group_id, lease_expires_at)

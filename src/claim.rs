@@ -1,26 +1,31 @@
 //! `claim`: one call returns what the caller may run now.
 //!
-//! 1. Read-only probe. A caught-up group (nothing new behind the fence, no due exception row, no
+//! 1. Outcomes the call carries (`ack_lease_token`) are recorded first, as any outcome.
+//! 2. Read-only probe. A caught-up group (nothing new behind the fence, no due exception row, no
 //!    expired lease, cursor up to date) returns at once: no write, no transaction id.
-//! 2. Lock the group's cursor row; claims of one group are serialized from here to commit, so
-//!    the gate's view of leases and ranges cannot change under it except by outcomes, which
-//!    only ever resolve things.
-//! 3. Collect candidates: due exception rows (retries, delays, woken or expired rows), then one
-//!    range: an expired one handed out again (or quarantined after `max_reclaims`), else the
-//!    next ids up to the fence's safe head.
-//! 4. Gate them (src/key_gate.rs), record every verdict, store the cursor, return the runs.
+//! 3. Lock the group's cursor row; claims of one group are serialized from here to commit. This
+//!    is the only lock a claim waits for (the lock order is in src/locks.rs): from here on it
+//!    only takes what is free (`SKIP LOCKED`, try-locks), so it never waits while holding the
+//!    cursor row, and an outcome waiting for that row can never be waited for in turn.
+//! 4. Read the clock and the fence *after* the wait: the lease starts when the claim holds what
+//!    it hands out, and the fence bound describes the same moment as the cursor it is applied to.
+//! 5. Collect candidates: a due isolated row alone (a message of a quarantined range), else due
+//!    exception rows (retries, delays, woken or expired rows), then one range: an expired one
+//!    handed out again (or quarantined after `max_reclaims`), else the next ids up to the
+//!    fence's safe head.
+//! 6. Gate them (src/key_gate.rs), record every verdict, store the cursor, return the runs.
 
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
-use crate::backoff;
 use crate::cursor::{self, committed_now, Cursor};
 use crate::error::{Result, StreamError};
 use crate::exception_queue::{self, NewRow, RowUpdate, Status};
 use crate::fence::{self, Now};
 use crate::group::{self, GroupRef};
 use crate::key_gate::{self, Candidate, GatherInput, Verdict};
+use crate::locks;
 use crate::names::{positive_micros, validate_name};
 use crate::outcome;
 use crate::payload::RawJsonb;
@@ -53,7 +58,7 @@ const PROBE: Statement = Statement {
              OR EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@
                         WHERE consumer_group_id = $1 AND status = 'inflight' AND lease_expires_at <= $3),
                 ",
-        committed_now!()
+        committed_now!("$2")
     ),
     params: &[INT8OID, INT8OID, TIMESTAMPTZOID],
 };
@@ -63,13 +68,28 @@ const DUE_EXCEPTIONS: Statement = Statement {
     sql: "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, m.payload
           FROM sqlstreams.exception_queue_@id@ e
           JOIN sqlstreams.message_log_@id@ m ON m.id = e.message_id
-          WHERE e.consumer_group_id = $1
+          WHERE e.consumer_group_id = $1 AND NOT e.isolated
             AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
                  OR (e.status = 'inflight' AND e.lease_expires_at <= $2))
           ORDER BY e.message_id
           LIMIT $3
           FOR UPDATE OF e SKIP LOCKED",
     params: &[INT8OID, TIMESTAMPTZOID, INT4OID],
+};
+
+/// The oldest due row of a quarantined range: it is handed out alone (`isolated`).
+const DUE_ISOLATED: Statement = Statement {
+    name: "claim_due_isolated",
+    sql: "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, m.payload
+          FROM sqlstreams.exception_queue_@id@ e
+          JOIN sqlstreams.message_log_@id@ m ON m.id = e.message_id
+          WHERE e.consumer_group_id = $1 AND e.isolated
+            AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
+                 OR (e.status = 'inflight' AND e.lease_expires_at <= $2))
+          ORDER BY e.message_id
+          LIMIT 1
+          FOR UPDATE OF e SKIP LOCKED",
+    params: &[INT8OID, TIMESTAMPTZOID],
 };
 
 const MESSAGES_BY_ID: Statement = Statement {
@@ -107,11 +127,14 @@ struct Work {
 /// A claim in progress: everything it decided, written at the end.
 struct Claim<'a> {
     group: &'a GroupRef,
+    /// The clock, read once the claim held the cursor row.
     now: i64,
     token: pgrx::Uuid,
     expires: i64,
     batch: i32,
     work: Vec<Work>,
+    /// Keys whose waiting rows may be parked: this claim holds their key locks.
+    parkable: Vec<String>,
     new_rows: Vec<NewRow>,
     updates: Vec<RowUpdate>,
     /// Keys of messages this claim resolved (superseded, dead): their parked rows may wake.
@@ -120,8 +143,25 @@ struct Claim<'a> {
 
 const LEASE_EXPIRED: &str = "the delivery's lease expired before an outcome was recorded";
 
+/// Outcomes a claim records before it claims (`ack_lease_token`, `ack_message_ids`).
+pub struct CarriedAcks {
+    pub token: pgrx::Uuid,
+    pub ids: Vec<i64>,
+}
+
+fn clock() -> i64 {
+    // SAFETY: reads the clock.
+    unsafe { pg_sys::GetCurrentTimestamp() }
+}
+
 /// Claims for `group_name`. See the module documentation.
-pub fn claim(stream_name: &str, group_name: &str, batch: i32, lease_micros: i64) -> Result<Vec<Delivery>> {
+pub fn claim(
+    stream_name: &str,
+    group_name: &str,
+    batch: i32,
+    lease_micros: i64,
+    carried: Option<CarriedAcks>,
+) -> Result<Vec<Delivery>> {
     // SAFETY: reads this backend's isolation level.
     if unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32 {
         return Err(StreamError::WrongTransactionState {
@@ -131,31 +171,34 @@ pub fn claim(stream_name: &str, group_name: &str, batch: i32, lease_micros: i64)
                 .into(),
         });
     }
-    Spi::connect_mut(|client| {
-        let group = group::lookup(client, stream_name, group_name)?;
-        let stream_id = group.stream.id;
-        // SAFETY: reads the clock.
-        let now = unsafe { pg_sys::GetCurrentTimestamp() };
-        let cursor = cursor::read(client, stream_id, group.id, false)?;
-        let world = observe(client, stream_id, &cursor)?;
-        if is_idle(client, &group, &cursor, &world, now)? {
-            return Ok(vec![]);
-        }
-        crate::commit::relax_for_outcome(client)?;
-        let cursor = cursor::read(client, stream_id, group.id, true)?;
-        let token = pgrx::Uuid::from_bytes(*uuid::Uuid::new_v4().as_bytes());
-        let claim = Claim {
-            group: &group,
-            now,
-            token,
-            expires: now.saturating_add(lease_micros),
-            batch,
-            work: vec![],
-            new_rows: vec![],
-            updates: vec![],
-            resolved_keys: vec![],
-        };
-        claim.run(client, &cursor, &world)
+    crate::commit::consumer_call(|| {
+        Spi::connect_mut(|client| {
+            let group = group::lookup(client, stream_name, group_name)?;
+            if let Some(acks) = carried {
+                outcome::ack_in(client, &group, acks.token, &acks.ids)?;
+            }
+            if is_idle(client, &group)? {
+                return Ok(vec![]);
+            }
+            let stream_id = group.stream.id;
+            // The only lock a claim waits for (src/locks.rs). Everything below is read after it.
+            let cursor = cursor::read(client, stream_id, group.id, true)?;
+            let now = clock();
+            let world = observe(client, stream_id, &cursor)?;
+            let claim = Claim {
+                group: &group,
+                now,
+                token: pgrx::Uuid::from_bytes(*uuid::Uuid::new_v4().as_bytes()),
+                expires: now.saturating_add(lease_micros),
+                batch,
+                work: vec![],
+                parkable: vec![],
+                new_rows: vec![],
+                updates: vec![],
+                resolved_keys: vec![],
+            };
+            claim.run(client, &cursor, &world)
+        })
     })
 }
 
@@ -171,10 +214,15 @@ fn observe(client: &SpiClient<'_>, stream_id: i64, cursor: &Cursor) -> Result<No
     Ok(world)
 }
 
-fn is_idle(client: &SpiClient<'_>, group: &GroupRef, cursor: &Cursor, world: &Now, now: i64) -> Result<bool> {
-    let safe = fence::safe_head(cursor.claimed, cursor.observation, world);
+/// The read-only probe: true when a claim now would find nothing to do. It takes no lock, so
+/// what it reads is only used to return early; a claim that goes on reads everything again.
+fn is_idle(client: &SpiClient<'_>, group: &GroupRef) -> Result<bool> {
+    let now = clock();
+    let cursor = cursor::read(client, group.stream.id, group.id, false)?;
+    let world = observe(client, group.stream.id, &cursor)?;
+    let safe = fence::safe_head(cursor.claimed, cursor.observation, &world);
     if safe > cursor.claimed
-        || fence::next_observation(cursor.claimed, safe, cursor.observation, world) != cursor.observation
+        || fence::next_observation(cursor.claimed, safe, cursor.observation, &world) != cursor.observation
     {
         return Ok(false);
     }
@@ -190,15 +238,29 @@ impl Claim<'_> {
     fn run(mut self, client: &SpiClient<'_>, cursor: &Cursor, world: &Now) -> Result<Vec<Delivery>> {
         let stream_id = self.group.stream.id;
         let safe = fence::safe_head(cursor.claimed, cursor.observation, world);
-        self.collect_exceptions(client)?;
+        let isolated = self.collect_isolated(client)?;
+        if !isolated {
+            self.collect_exceptions(client)?;
+        }
+        debug_assert!(!isolated || self.work.len() == 1);
         let room = self.batch - self.work.len() as i32;
-        let (range, claimed) =
-            if room > 0 { self.collect_range(client, cursor, safe, room)? } else { (None, cursor.claimed) };
+        let (range, claimed) = if room > 0 && !isolated {
+            self.collect_range(client, cursor, safe, room)?
+        } else {
+            (None, cursor.claimed)
+        };
         self.work.sort_by_key(|w| w.candidate.message_id);
 
         let candidates: Vec<Candidate> = self.work.iter().map(|w| w.candidate.clone()).collect();
-        let exception_ids: Vec<i64> =
-            self.work.iter().filter(|w| w.origin != Origin::Range).map(|w| w.candidate.message_id).collect();
+        // Exception rows this claim decides (candidates, and expired ones it dead-letters) are
+        // not blockers of the candidates: the gate decides them together.
+        let exception_ids: Vec<i64> = self
+            .work
+            .iter()
+            .filter(|w| w.origin != Origin::Range)
+            .map(|w| w.candidate.message_id)
+            .chain(self.updates.iter().map(|u| u.message_id))
+            .collect();
         let input = GatherInput {
             stream_id,
             group_id: self.group.id,
@@ -208,13 +270,15 @@ impl Claim<'_> {
             now: self.now,
         };
         let mut gated = key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now);
-        let parking = key_gate::deferred_keys(&candidates, &gated.verdicts);
-        if !parking.is_empty() {
+        let waiting = key_gate::deferred_keys(&candidates, &gated.verdicts);
+        if !waiting.is_empty() {
             // Lock the keys about to be parked, then look again: a resolution that committed
-            // meanwhile is seen now, and one still in flight waits for this claim to commit
-            // before its wake-up runs (src/key_gate.rs, LOCK_KEYS). Facts only shrink between
-            // the two looks, so the second can only turn waits into runs.
-            key_gate::lock_keys(client, self.group.id, &parking, false)?;
+            // meanwhile is seen now, and one that commits later waits for this claim before its
+            // wake-up runs (src/key_gate.rs). A key whose lock an outcome holds right now is
+            // not waited for: its rows are left due instead of parked, and the next claim looks
+            // again. Facts only shrink between the two looks, so the second can only turn
+            // waits into runs.
+            self.parkable = locks::try_keys_exclusive(self.group.id, &waiting);
             gated = key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now);
         }
         key_gate::take_leases(client, stream_id, self.group.id, &gated.lease_keys, self.token, self.expires, self.now)?;
@@ -245,14 +309,32 @@ impl Claim<'_> {
         Candidate { message_id: id, key, policy, compaction }
     }
 
-    /// Due exception rows. An inflight row whose lease expired counts as a failed attempt and
-    /// is dead-lettered when that spends the retry budget.
+    /// A due isolated row, alone: the claim hands out nothing else with it, so a failure or an
+    /// expiry of its delivery is its own. Returns whether it is to be handed out (an expired
+    /// one may instead have spent its budget and gone dead).
+    fn collect_isolated(&mut self, client: &SpiClient<'_>) -> Result<bool> {
+        let rows = DUE_ISOLATED.run(
+            client,
+            self.group.stream.id,
+            &[self.group.id.into(), statement::timestamptz(self.now)],
+        )?;
+        self.push_exceptions(rows)?;
+        Ok(!self.work.is_empty())
+    }
+
+    /// Due exception rows, up to the batch size.
     fn collect_exceptions(&mut self, client: &SpiClient<'_>) -> Result<()> {
         let rows = DUE_EXCEPTIONS.run(
             client,
             self.group.stream.id,
             &[self.group.id.into(), statement::timestamptz(self.now), self.batch.into()],
         )?;
+        self.push_exceptions(rows)
+    }
+
+    /// An inflight row whose lease expired counts as a failed attempt and is dead-lettered when
+    /// that spends the retry budget.
+    fn push_exceptions(&mut self, rows: pgrx::spi::SpiTupleTable<'_>) -> Result<()> {
         for row in rows {
             let id: i64 = row.get(1)?.expect("message_id");
             let key: Option<String> = row.get(2)?;
@@ -339,8 +421,10 @@ impl Claim<'_> {
         Ok(id)
     }
 
-    /// A range that kept expiring: each message becomes its own exception row, retried (and
-    /// eventually dead-lettered) on its own, so one poison message cannot block the group.
+    /// A range that kept expiring: each message becomes an isolated exception row, due at once,
+    /// with no failure counted. It is then delivered alone (`collect_isolated`), so only a
+    /// message whose own deliveries fail or expire spends its retry budget: one poison message
+    /// never dead-letters its innocent range-mates.
     fn quarantine(&mut self, range: &RangeLease, rows: pgrx::spi::SpiTupleTable<'_>) -> Result<()> {
         let error = format!(
             "quarantined: the range {}..{} was handed out {} times and its lease expired each time",
@@ -348,31 +432,27 @@ impl Claim<'_> {
             range.last_id,
             range.reclaims + 1
         );
-        let retry = backoff::fail(&self.group.backoff, self.group.max_retries, 0, false, None, self.now);
         for row in rows {
             let c =
                 self.candidate(row.get(1)?.expect("id"), row.get(2)?, row.get(3)?, row.get(4)?.expect("compaction"));
-            let (status, attempts, can_run_after) = match retry {
-                backoff::FailureOutcome::Retry { attempts, can_run_after } => (Status::Ready, attempts, can_run_after),
-                backoff::FailureOutcome::Dead { attempts } => (Status::Dead, attempts, self.now),
-            };
-            if status == Status::Dead {
-                self.resolved_keys.push(c.key.clone());
-            }
             self.new_rows.push(NewRow {
-                message_id: c.message_id,
-                key: c.key,
-                policy: c.policy,
-                compaction: c.compaction,
-                status,
-                attempts,
-                delays: 0,
-                can_run_after,
-                parked: false,
+                isolated: true,
                 last_error: Some(error.clone()),
+                ..new_row(&c, Status::Ready, self.now, false)
             });
         }
         Ok(())
+    }
+
+    /// Where a waiting row goes: parked until `until` when this claim holds its key's lock,
+    /// otherwise left due now (an outcome is resolving the key; the next claim looks again).
+    fn wait_until(&self, c: &Candidate, until: i64) -> (i64, bool) {
+        let locked = c.key.as_ref().is_some_and(|k| self.parkable.contains(k));
+        if locked {
+            (until, true)
+        } else {
+            (self.now, false)
+        }
     }
 
     /// Turns verdicts into row changes; returns the deliveries and the range's pending list.
@@ -381,10 +461,14 @@ impl Claim<'_> {
         let mut pending = Vec::new();
         for (work, verdict) in std::mem::take(&mut self.work).into_iter().zip(verdicts) {
             let c = work.candidate;
-            match (&work.origin, verdict) {
-                (Origin::Range, Verdict::Run { .. }) => pending.push((c.message_id, c.key.clone())),
+            let run_after = match (&work.origin, verdict) {
+                (Origin::Range, Verdict::Run { run_after }) => {
+                    pending.push((c.message_id, c.key.clone()));
+                    run_after
+                }
                 (Origin::Range, Verdict::Defer { until }) => {
-                    self.new_rows.push(new_row(&c, Status::Deferred, until, true));
+                    let (until, parked) = self.wait_until(&c, until);
+                    self.new_rows.push(new_row(&c, Status::Deferred, until, parked));
                     continue;
                 }
                 (Origin::Range, Verdict::Supersede) => {
@@ -392,24 +476,28 @@ impl Claim<'_> {
                     self.new_rows.push(new_row(&c, Status::Superseded, self.now, false));
                     continue;
                 }
-                (Origin::Exception { expired, .. }, Verdict::Run { .. }) => self.updates.push(RowUpdate {
-                    message_id: c.message_id,
-                    status: Status::Inflight,
-                    attempts: work.attempt,
-                    can_run_after: None,
-                    parked: false,
-                    lease: Some((self.token, self.expires)),
-                    last_error: expired.then(|| LEASE_EXPIRED.into()),
-                }),
+                (Origin::Exception { expired, .. }, Verdict::Run { run_after }) => {
+                    self.updates.push(RowUpdate {
+                        message_id: c.message_id,
+                        status: Status::Inflight,
+                        attempts: work.attempt,
+                        can_run_after: None,
+                        parked: false,
+                        lease: Some((self.token, self.expires)),
+                        last_error: expired.then(|| LEASE_EXPIRED.into()),
+                    });
+                    run_after
+                }
                 (Origin::Exception { status, expired }, Verdict::Defer { until }) => {
                     // A retry keeps its status while it waits for its key; a deferred row stays deferred.
                     let status = if status == "deferred" { Status::Deferred } else { Status::Ready };
+                    let (until, parked) = self.wait_until(&c, until);
                     self.updates.push(RowUpdate {
                         message_id: c.message_id,
                         status,
                         attempts: work.attempt,
                         can_run_after: Some(until),
-                        parked: true,
+                        parked,
                         lease: None,
                         last_error: expired.then(|| LEASE_EXPIRED.into()),
                     });
@@ -428,8 +516,7 @@ impl Claim<'_> {
                     });
                     continue;
                 }
-            }
-            let Verdict::Run { run_after } = verdict else { unreachable!("only runs reach here") };
+            };
             deliveries.push(Delivery {
                 message_id: c.message_id,
                 message_key: c.key,
@@ -455,6 +542,7 @@ fn new_row(c: &Candidate, status: Status, can_run_after: i64, parked: bool) -> N
         delays: 0,
         can_run_after,
         parked,
+        isolated: false,
         last_error: None,
     }
 }
@@ -503,12 +591,9 @@ fn claim_sql(
         }
     };
     let lease_micros = positive_micros("lease", lease.map(|l| l.as_micros()), "'30 seconds'")?;
-    match (ack_lease_token, ack_message_ids) {
-        (Some(token), Some(ids)) => {
-            let ids: Vec<i64> = ids.into_iter().flatten().collect();
-            outcome::ack(stream, group_name, token, &ids)?;
-        }
-        (None, None) => {}
+    let carried = match (ack_lease_token, ack_message_ids) {
+        (Some(token), Some(ids)) => Some(CarriedAcks { token, ids: ids.into_iter().flatten().collect() }),
+        (None, None) => None,
         _ => {
             return Err(StreamError::invalid(
                 "ack_lease_token and ack_message_ids go together",
@@ -516,8 +601,8 @@ fn claim_sql(
             )
             .into())
         }
-    }
-    let deliveries = claim(stream, group_name, batch, lease_micros)?;
+    };
+    let deliveries = claim(stream, group_name, batch, lease_micros, carried)?;
     Ok(TableIterator::new(deliveries.into_iter().map(|d| {
         (d.message_id, d.message_key, d.policy.as_str().to_string(), d.attempt, d.payload, d.lease_token, d.run_after)
     })))

@@ -3,29 +3,93 @@
 //! `claim`, `ack`, `ack_batch`, `fail`, `delay`, `release` and `extend_lease` record who has a
 //! message and what became of it. Losing the last few of those records in a crash loses no
 //! message: an unrecorded claim or outcome means the message is delivered again (at least once),
-//! and WAL order keeps every earlier record. So when such a call is its transaction's only
-//! statement (not inside a transaction block), it commits without waiting for the WAL flush
-//! (`synchronous_commit = off` for that transaction only). Under durable settings the flush was
-//! the largest cost of a consumer's cycle. Inside a transaction block the caller's setting
-//! applies: the same transaction may hold business writes that must be durable. `produce` never
-//! does this.
+//! and WAL order keeps every earlier record. So a transaction that wrote nothing but those
+//! records commits without waiting for the WAL flush (`synchronous_commit = off` for that
+//! transaction only); under durable settings the flush was the largest cost of a consumer's
+//! cycle.
+//!
+//! "Nothing but those records" is decided at commit, from this backend's WAL position
+//! (`XactLastRecEnd`): it must not have moved before the first consumer call, between consumer
+//! calls, or after the last one. So `WITH a AS (SELECT sqlstreams.ack_batch(...)) INSERT INTO
+//! biz ...` or `SELECT sqlstreams.produce(...) FROM sqlstreams.claim(...)` keep the caller's
+//! durability: the business row or the produced message moved the WAL position outside a
+//! consumer call. Inside a transaction block the caller's setting always applies. `produce`
+//! never relaxes anything.
+
+use std::cell::Cell;
 
 use pgrx::pg_sys;
-use pgrx::spi::SpiClient;
+use pgrx::prelude::*;
 
-use crate::error::Result;
-use crate::statement::Statement;
+/// What this transaction's consumer calls have seen of its WAL.
+#[derive(Clone, Copy, Default)]
+struct Bracket {
+    /// Where this backend's WAL stood when the last consumer call of the transaction ended.
+    after_last_call: Option<pg_sys::XLogRecPtr>,
+    /// Something other than a consumer call wrote WAL, or a call ran in a transaction block.
+    mixed: bool,
+}
 
-const RELAX: Statement =
-    Statement { name: "commit_relax", sql: "SELECT set_config('synchronous_commit', 'off', true)", params: &[] };
+thread_local! {
+    static BRACKET: Cell<Bracket> = const { Cell::new(Bracket { after_last_call: None, mixed: false }) };
+}
 
-/// Lets this transaction commit without waiting for the WAL flush, when the calling statement
-/// is all the transaction does.
-pub fn relax_for_outcome(client: &SpiClient<'_>) -> Result<()> {
+fn wal_position() -> pg_sys::XLogRecPtr {
+    // SAFETY: reads this backend's end of WAL written by the current transaction (0 when none).
+    unsafe { pg_sys::XactLastRecEnd }
+}
+
+/// Registers the commit hook once per backend (from `_PG_init`).
+pub fn init() {
+    // SAFETY: registers a callback with a null argument; it lives as long as the library.
+    unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) }
+}
+
+/// Runs a consumer call (`f`): notes whether anything else wrote before it, and where the WAL
+/// stands after it.
+pub fn consumer_call<T, E>(f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
+    let mut bracket = BRACKET.get();
     // SAFETY: reads this backend's transaction state.
-    if unsafe { pg_sys::IsTransactionBlock() } {
-        return Ok(());
+    let in_block = unsafe { pg_sys::IsTransactionBlock() };
+    bracket.mixed |= in_block || wal_position() != bracket.after_last_call.unwrap_or(0);
+    BRACKET.set(bracket);
+    let result = f()?;
+    BRACKET.set(Bracket { after_last_call: Some(wal_position()), ..BRACKET.get() });
+    Ok(result)
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    use pg_sys::XactEvent::*;
+    match event {
+        XACT_EVENT_PRE_COMMIT => {
+            let bracket = BRACKET.get();
+            if bracket.after_last_call.is_some_and(|end| !bracket.mixed && end == wal_position()) {
+                relax();
+            }
+        }
+        XACT_EVENT_COMMIT
+        | XACT_EVENT_ABORT
+        | XACT_EVENT_PREPARE
+        | XACT_EVENT_PARALLEL_COMMIT
+        | XACT_EVENT_PARALLEL_ABORT => BRACKET.set(Bracket::default()),
+        _ => {}
     }
-    RELAX.run(client, 0, &[])?;
-    Ok(())
+}
+
+/// `SET LOCAL synchronous_commit = off`, just before the commit record is written.
+fn relax() {
+    // SAFETY: sets a user-settable GUC for the rest of this transaction; valid names and value.
+    unsafe {
+        pg_sys::set_config_option(
+            c"synchronous_commit".as_ptr(),
+            c"off".as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+            pg_sys::GucAction::GUC_ACTION_LOCAL,
+            true,
+            pg_sys::PGERROR as i32,
+            false,
+        );
+    }
 }

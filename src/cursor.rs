@@ -20,13 +20,18 @@ pub struct Cursor {
     pub observation: Option<Observation>,
 }
 
-/// The highest id at or below which everything is resolved, given `claimed` as `$2`.
+/// The highest id at or below which everything is resolved, for group `$1` whose `claimed` is
+/// the SQL expression `$claimed`.
 macro_rules! committed_now {
-    () => {
-        "least($2,
+    ($claimed:literal) => {
+        concat!(
+            "least(",
+            $claimed,
+            ",
                (SELECT min(first_id) - 1 FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1),
                (SELECT min(message_id) - 1 FROM sqlstreams.exception_queue_@id@
                 WHERE consumer_group_id = $1 AND status IN ('ready', 'inflight', 'deferred')))"
+        )
     };
 }
 pub(crate) use committed_now;
@@ -50,7 +55,7 @@ const STORE: Statement = Statement {
         "UPDATE sqlstreams.cursor_@id@
          SET claimed = $2, fence_head = $3, fence_xid = $4,
              committed = greatest(committed, ",
-        committed_now!(),
+        committed_now!("$2"),
         ")
          WHERE consumer_group_id = $1"
     ),
@@ -62,7 +67,7 @@ const ADVANCE: Statement = Statement {
     sql: concat!(
         "UPDATE sqlstreams.cursor_@id@ c SET committed = n.committed
          FROM (SELECT ",
-        committed_now!(),
+        committed_now!("$2"),
         " AS committed) n
          WHERE c.consumer_group_id = $1 AND n.committed > c.committed AND c.claimed = $2
          RETURNING c.committed"
@@ -70,11 +75,16 @@ const ADVANCE: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
-const SEQUENCE_HEAD: Statement = Statement {
-    name: "cursor_sequence_head",
-    sql: "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM sqlstreams.message_log_@id@_seq",
-    params: &[],
-};
+/// The highest message id handed out so far (0 when none), as a SQL expression.
+macro_rules! head_sql {
+    () => {
+        "(SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM sqlstreams.message_log_@id@_seq)"
+    };
+}
+pub(crate) use head_sql;
+
+const SEQUENCE_HEAD: Statement =
+    Statement { name: "cursor_sequence_head", sql: concat!("SELECT ", head_sql!()), params: &[] };
 
 /// Reads the cursor; with `lock`, also locks it until the transaction ends (serializing the
 /// claims of one group).

@@ -14,7 +14,7 @@ use pgrx::spi::SpiClient;
 
 use crate::error::Result;
 use crate::group::GroupRef;
-use crate::key_gate;
+use crate::locks;
 use crate::notify;
 use crate::policy::Policy;
 use crate::statement::{self, Statement};
@@ -52,6 +52,8 @@ pub struct NewRow {
     pub delays: i32,
     pub can_run_after: i64,
     pub parked: bool,
+    /// Delivered alone until resolved (a message of a quarantined range).
+    pub isolated: bool,
     pub last_error: Option<String>,
 }
 
@@ -74,15 +76,27 @@ const INSERT: Statement = Statement {
     name: "eq_insert",
     sql: "INSERT INTO sqlstreams.exception_queue_@id@
               (consumer_group_id, message_id, message_key, concurrency, compaction, status, attempts,
-               delays, can_run_after, parked, last_error, created_at, updated_at)
+               delays, can_run_after, parked, isolated, last_error, created_at, updated_at)
           SELECT $1, u.id, u.message_key, u.concurrency, u.compaction, u.status, u.attempts,
-                 u.delays, u.can_run_after, u.parked, u.last_error, $12, $12
+                 u.delays, u.can_run_after, u.parked, u.isolated, u.last_error, $13, $13
           FROM unnest($2::bigint[], $3::text[], $4::text[], $5::bool[], $6::text[], $7::int[],
-                      $8::int[], $9::timestamptz[], $10::bool[], $11::text[])
-               AS u(id, message_key, concurrency, compaction, status, attempts, delays, can_run_after, parked, last_error)",
+                      $8::int[], $9::timestamptz[], $10::bool[], $11::bool[], $12::text[])
+               AS u(id, message_key, concurrency, compaction, status, attempts, delays, can_run_after, parked,
+                    isolated, last_error)",
     params: &[
-        INT8OID, INT8ARRAYOID, TEXTARRAYOID, TEXTARRAYOID, BOOLARRAYOID, TEXTARRAYOID, INT4ARRAYOID,
-        INT4ARRAYOID, TIMESTAMPTZARRAYOID, BOOLARRAYOID, TEXTARRAYOID, TIMESTAMPTZOID,
+        INT8OID,
+        INT8ARRAYOID,
+        TEXTARRAYOID,
+        TEXTARRAYOID,
+        BOOLARRAYOID,
+        TEXTARRAYOID,
+        INT4ARRAYOID,
+        INT4ARRAYOID,
+        TIMESTAMPTZARRAYOID,
+        BOOLARRAYOID,
+        BOOLARRAYOID,
+        TEXTARRAYOID,
+        TIMESTAMPTZOID,
     ],
 };
 
@@ -172,6 +186,7 @@ pub fn insert(client: &SpiClient<'_>, stream_id: i64, group_id: i64, rows: &[New
     let delays: Vec<i32> = rows.iter().map(|r| r.delays).collect();
     let times: Vec<Option<i64>> = rows.iter().map(|r| Some(r.can_run_after)).collect();
     let parked: Vec<bool> = rows.iter().map(|r| r.parked).collect();
+    let isolated: Vec<bool> = rows.iter().map(|r| r.isolated).collect();
     let errors: Vec<Option<String>> = rows.iter().map(|r| r.last_error.clone()).collect();
     INSERT.run(
         client,
@@ -187,6 +202,7 @@ pub fn insert(client: &SpiClient<'_>, stream_id: i64, group_id: i64, rows: &[New
             delays.into(),
             statement::timestamptz_array(times),
             parked.into(),
+            isolated.into(),
             errors.into(),
             statement::timestamptz(now),
         ],
@@ -239,8 +255,8 @@ pub fn after_outcome(
     }
     let stream_id = group.stream.id;
     if group.may_park() {
-        // Before the key is released or woken: see LOCK_KEYS in src/key_gate.rs.
-        key_gate::lock_keys(client, group.id, keys, true)?;
+        // Before the key is released or woken (src/key_gate.rs, "Parking and wake-ups").
+        locks::keys_shared(group.id, keys);
     }
     if let (Some(token), true) = (token, group.may_hold_key_leases()) {
         RELEASE_KEYS.run(client, stream_id, &[group.id.into(), token.into(), keys.to_vec().into()])?;

@@ -19,33 +19,24 @@
 //! later claim finds it mature.
 //!
 //! "Oldest running transaction" would let any long writing transaction anywhere in the database
-//! hold every stream back. So each producer also takes a shared advisory lock on its stream
-//! (before its transaction id), and when the global bound proves nothing new, the claim reads
-//! the oldest transaction id among that stream's lock holders from `pg_locks`: only this
-//! stream's open producers hold it back. Read-only transactions take no transaction id and
+//! hold every stream back. So each producer also takes its stream's producer lock (shared,
+//! `src/locks.rs`) before its message ids, and when the global bound proves nothing new, the
+//! claim reads the oldest transaction id among that stream's lock holders from `pg_locks`: only
+//! this stream's open producers hold it back. An outbox producer that wrote its business row
+//! first already has a transaction id when it registers; that is fine, since what matters is
+//! that both come before its message ids. Read-only transactions take no transaction id and
 //! hold nothing back either way.
+//!
+//! Every read here describes one moment, so a claim reads `Now` after it holds the cursor row
+//! (`src/claim.rs`): a bound read before waiting for another claim would be applied to an
+//! observation that other claim stored later, which is exactly how a message gets skipped.
 
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::spi::SpiClient;
-use pgrx::IntoDatum;
 
 use crate::error::Result;
+use crate::locks;
 use crate::statement::Statement;
-
-/// First key of the producers' advisory lock (`'SQST'`); the second is the stream id.
-pub const PRODUCER_LOCK_CLASS: i32 = 0x5351_5354;
-
-/// Marks this transaction as a producer of `stream_id` until it ends. Call it before taking a
-/// transaction id; a shared lock, so producers never wait for each other.
-pub fn register_producer(stream_id: i64) {
-    // SAFETY: calls a built-in function with two int4 arguments.
-    unsafe {
-        pgrx::fcinfo::direct_function_call_as_datum(
-            pg_sys::pg_advisory_xact_lock_shared_int4,
-            &[PRODUCER_LOCK_CLASS.into_datum(), (stream_id as i32).into_datum()],
-        );
-    }
-}
 
 /// Transaction ids held by the stream's running producers, as 32-bit values. A holder without a
 /// transaction id has not taken a message id yet and cannot hold anything back. pg_locks is
@@ -53,25 +44,24 @@ pub fn register_producer(stream_id: i64) {
 /// transactions, whose locks stay with the same virtual transaction.
 const PRODUCER_XIDS: Statement = Statement {
     name: "fence_producer_xids",
-    sql: "SELECT coalesce(array_agg(t.transactionid::text::int8), '{}')
+    sql: concat!(
+        "SELECT coalesce(pg_catalog.array_agg(t.transactionid::text::int8), '{}')
           FROM pg_catalog.pg_locks a
           JOIN pg_catalog.pg_locks t
             ON t.virtualtransaction = a.virtualtransaction AND t.locktype = 'transactionid'
            AND t.mode = 'ExclusiveLock' AND t.granted
-          WHERE a.locktype = 'advisory' AND a.granted AND a.objsubid = 2
-            AND a.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
-            AND a.classid = $1::int8::oid AND a.objid = $2::int8::oid",
-    params: &[INT4OID, INT4OID],
+          WHERE a.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
+            AND ",
+        locks::producer_locks_where!()
+    ),
+    params: &[INT8OID, INT8OID],
 };
 
 /// The oldest transaction id (64-bit) among the stream's running producers; `next_xid` when
 /// there is none. Must be called after `next_xid` was read.
 pub fn oldest_producer(client: &SpiClient<'_>, stream_id: i64, next_xid: u64) -> Result<u64> {
-    let xids: Vec<i64> = PRODUCER_XIDS
-        .run(client, 0, &[PRODUCER_LOCK_CLASS.into(), (stream_id as i32).into()])?
-        .first()
-        .get(1)?
-        .unwrap_or_default();
+    let (high, low) = locks::producer_lock_params(stream_id);
+    let xids: Vec<i64> = PRODUCER_XIDS.run(client, 0, &[high.into(), low.into()])?.first().get(1)?.unwrap_or_default();
     Ok(xids
         .into_iter()
         .map(|x| widen_xid(pg_sys::TransactionId::from(x as u32), next_xid))

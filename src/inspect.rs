@@ -5,31 +5,35 @@ use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
 
-use crate::cursor::{self, committed_now};
+use crate::cursor::{self, committed_now, head_sql};
 use crate::error::Result;
 use crate::group::{self, GroupRef};
 use crate::names::validate_name;
 use crate::payload::RawJsonb;
 use crate::statement::Statement;
 
+/// A group's progress in one statement, so every figure describes the same moment (two
+/// statements would let a claim move the cursor between them).
 const PROGRESS: Statement = Statement {
     name: "inspect_progress",
     sql: concat!(
         "SELECT c.claimed, greatest(c.committed, ",
-        committed_now!(),
-        "),
+        committed_now!("c.claimed"),
+        "), ",
+        head_sql!(),
+        ",
                 (SELECT count(*) FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1),
-                count(*) FILTER (WHERE e.status = 'ready'),
-                count(*) FILTER (WHERE e.status = 'inflight'),
-                count(*) FILTER (WHERE e.status = 'deferred'),
-                count(*) FILTER (WHERE e.status = 'dead'),
-                count(*) FILTER (WHERE e.status = 'superseded')
-         FROM sqlstreams.cursor_@id@ c
-         LEFT JOIN sqlstreams.exception_queue_@id@ e ON e.consumer_group_id = c.consumer_group_id
-         WHERE c.consumer_group_id = $1 AND c.claimed = $2
-         GROUP BY c.claimed, c.committed"
+                e.ready, e.inflight, e.deferred, e.dead, e.superseded
+         FROM sqlstreams.cursor_@id@ c,
+              LATERAL (SELECT count(*) FILTER (WHERE status = 'ready') AS ready,
+                              count(*) FILTER (WHERE status = 'inflight') AS inflight,
+                              count(*) FILTER (WHERE status = 'deferred') AS deferred,
+                              count(*) FILTER (WHERE status = 'dead') AS dead,
+                              count(*) FILTER (WHERE status = 'superseded') AS superseded
+                       FROM sqlstreams.exception_queue_@id@ WHERE consumer_group_id = $1) e
+         WHERE c.consumer_group_id = $1"
     ),
-    params: &[INT8OID, INT8OID],
+    params: &[INT8OID],
 };
 
 const BLOCKED_KEYS: Statement = Statement {
@@ -78,13 +82,10 @@ fn resolve(stream: Option<&str>, group_name: Option<&str>) -> Result<GroupRef> {
 /// dead, superseded). `committed` is computed live, so it can be ahead of the stored cursor.
 fn progress(group: &GroupRef) -> Result<(i64, i64, i64, i64, i64, i64, i64, i64, i64, i64)> {
     Spi::connect(|client| {
-        let stream_id = group.stream.id;
-        let claimed = cursor::read(client, stream_id, group.id, false)?.claimed;
-        let head = cursor::sequence_head(client, stream_id)?;
-        let row = PROGRESS.run(client, stream_id, &[group.id.into(), claimed.into()])?.first();
+        let row = PROGRESS.run(client, group.stream.id, &[group.id.into()])?.first();
         let n = |i: usize| -> Result<i64> { Ok(row.get::<i64>(i)?.unwrap_or(0)) };
-        let committed = n(2)?;
-        Ok((claimed, committed, head, head - committed, n(3)?, n(4)?, n(5)?, n(6)?, n(7)?, n(8)?))
+        let (committed, head) = (n(2)?, n(3)?);
+        Ok((n(1)?, committed, head, head - committed, n(4)?, n(5)?, n(6)?, n(7)?, n(8)?, n(9)?))
     })
 }
 

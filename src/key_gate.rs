@@ -9,6 +9,20 @@
 //! - compaction: the key's compaction head.
 //!
 //! Both ordered checks are exact per key: a different key stuck in retry never holds this key.
+//!
+//! ## Parking and wake-ups
+//!
+//! A waiting row is parked until its blocker could clear on its own, and every resolution wakes
+//! the key's parked rows (src/exception_queue.rs). A wake-up must not be lost between a claim
+//! that parks rows of a key and an outcome that resolves that key at the same moment, each
+//! unable to see the other's uncommitted rows. So both take the key's lock (src/locks.rs): an
+//! outcome shared, before it releases or wakes anything; a claim exclusive, before it parks,
+//! and then it gathers the facts again. If the claim got the lock, every earlier outcome on the
+//! key has committed (the claim's second look sees it) and every later one waits for the claim
+//! to commit (its wake-up sees the parked rows). If an outcome holds the lock right now, the
+//! claim does not wait (it holds the cursor row, and the outcome may be a claim's carried ack
+//! waiting for that row): it leaves the row due instead of parked, and the next claim looks
+//! again.
 
 use std::collections::HashMap;
 
@@ -160,10 +174,18 @@ const CHECK_ORDERED: Statement = Statement {
     params: &[INT8OID, TEXTARRAYOID, INT8ARRAYOID, INT8ARRAYOID, INT8OID],
 };
 
+/// Key leases held by another delivery. An expired lease is taken over by this claim, so it is
+/// locked here (`SKIP LOCKED`: a claim never waits); one that cannot be locked is being released
+/// or extended by an outcome right now and counts as held until `$3`.
 const KEY_LEASES: Statement = Statement {
     name: "gate_key_leases",
-    sql: "SELECT message_key, lease_expires_at FROM sqlstreams.message_key_lease_@id@
-          WHERE consumer_group_id = $1 AND message_key = ANY($2) AND lease_expires_at > $3",
+    sql: "WITH taken_over AS (
+              SELECT message_key FROM sqlstreams.message_key_lease_@id@
+              WHERE consumer_group_id = $1 AND message_key = ANY($2) AND lease_expires_at <= $3
+              FOR UPDATE SKIP LOCKED)
+          SELECT l.message_key, greatest(l.lease_expires_at, $3) FROM sqlstreams.message_key_lease_@id@ l
+          WHERE l.consumer_group_id = $1 AND l.message_key = ANY($2)
+            AND l.message_key NOT IN (SELECT message_key FROM taken_over)",
     params: &[INT8OID, TEXTARRAYOID, TIMESTAMPTZOID],
 };
 
@@ -183,41 +205,6 @@ const TAKE_LEASES: Statement = Statement {
     params: &[INT8OID, TEXTARRAYOID, UUIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID],
 };
 
-/// Per-(group, key) advisory locks, taken in key-hash order (so claims and outcomes never
-/// deadlock on them) and held to commit. A claim takes them exclusively on the keys it would
-/// park, then looks again; outcomes take them shared before they release or wake a key. So a
-/// resolution is either seen by the claim or its wake sees the claim's parked rows: no lost
-/// wake-ups between a claim and a concurrent outcome.
-macro_rules! lock_keys {
-    ($name:literal, $lock:literal) => {
-        Statement {
-            name: $name,
-            sql: concat!(
-                "SELECT count(",
-                $lock,
-                "(l.lock)) FROM (
-                     SELECT DISTINCT ($1::int8 << 32) | (hashtext(k)::int8 & 4294967295) AS lock
-                     FROM unnest($2::text[]) AS k ORDER BY 1) l"
-            ),
-            params: &[INT8OID, TEXTARRAYOID],
-        }
-    };
-}
-
-const LOCK_KEYS: Statement = lock_keys!("gate_lock_keys", "pg_advisory_xact_lock");
-const LOCK_KEYS_SHARED: Statement = lock_keys!("gate_lock_keys_shared", "pg_advisory_xact_lock_shared");
-
-/// Takes the key locks of `keys` (see `LOCK_KEYS`), exclusively for a claim that parks them,
-/// shared for an outcome that resolves them.
-pub fn lock_keys(client: &SpiClient<'_>, group_id: i64, keys: &[String], shared: bool) -> Result<()> {
-    if keys.is_empty() {
-        return Ok(());
-    }
-    let statement = if shared { &LOCK_KEYS_SHARED } else { &LOCK_KEYS };
-    statement.run(client, 0, &[group_id.into(), keys.to_vec().into()])?;
-    Ok(())
-}
-
 /// Keys of the candidates the gate defers.
 pub fn deferred_keys(candidates: &[Candidate], verdicts: &[Verdict]) -> Vec<String> {
     let mut keys: Vec<String> = candidates
@@ -236,7 +223,8 @@ pub struct GatherInput<'a> {
     pub stream_id: i64,
     pub group_id: i64,
     pub candidates: &'a [Candidate],
-    /// Ids of candidates that are exception rows (they are not their own blockers).
+    /// Ids of exception rows this claim decides: candidates (not their own blockers) and rows it
+    /// dead-letters (resolved by this claim).
     pub exception_ids: &'a [i64],
     /// First id of the range this claim hands out (its own pending messages are candidates).
     pub own_range_first: Option<i64>,
@@ -309,8 +297,10 @@ pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<HashMap
     Ok(facts)
 }
 
-/// Takes the exclusive leases the gate granted. Claims of a group are serialized, so a key the
-/// gate saw free is free; a key that is not is a broken invariant, not a race to paper over.
+/// Takes the exclusive leases the gate granted. Claims of a group are serialized and only claims
+/// create lease rows; an expired row this claim takes over is locked by `gather`. So a key the
+/// gate saw free is free, and this never waits; a key that is not is a broken invariant, not a
+/// race to paper over.
 pub fn take_leases(
     client: &SpiClient<'_>,
     stream_id: i64,

@@ -1,6 +1,9 @@
 //! What a consumer can do with a lease besides recording outcomes: extend it while handlers are
 //! still running (a heartbeat), and release deliveries it will not start (shutdown, or a lease
 //! too short for the handler's timeout) without spending an attempt.
+//!
+//! Both are outcomes in the lock order of src/locks.rs: the token lock, the token's rows, then
+//! the clock.
 
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
@@ -8,10 +11,24 @@ use pgrx::prelude::*;
 use crate::error::{Result, SqlResult};
 use crate::exception_queue::{self, NewRow, Status};
 use crate::group;
+use crate::locks;
 use crate::message;
 use crate::names::{positive_micros, required, validate_name};
 use crate::range;
 use crate::statement::{self, Statement};
+
+/// Locks everything `token` holds, so the new expiry is computed after any wait for it.
+const LOCK_HELD: Statement = Statement {
+    name: "lease_lock_held",
+    sql: "WITH r AS (SELECT 1 FROM sqlstreams.range_lease_@id@
+                     WHERE consumer_group_id = $1 AND lease_token = $2 FOR UPDATE),
+               e AS (SELECT 1 FROM sqlstreams.exception_queue_@id@
+                     WHERE consumer_group_id = $1 AND lease_token = $2 AND status = 'inflight' FOR UPDATE),
+               k AS (SELECT 1 FROM sqlstreams.message_key_lease_@id@
+                     WHERE consumer_group_id = $1 AND lease_token = $2 FOR UPDATE)
+          SELECT (SELECT count(*) FROM r) + (SELECT count(*) FROM e) + (SELECT count(*) FROM k)",
+    params: &[INT8OID, UUIDOID],
+};
 
 const EXTEND: Statement = Statement {
     name: "lease_extend",
@@ -42,64 +59,71 @@ fn now() -> i64 {
 
 /// Moves every expiry under `token` to now + `lease`; false when nothing is held any more.
 pub fn extend(stream: &str, group_name: &str, token: pgrx::Uuid, lease_micros: i64) -> Result<bool> {
-    Spi::connect_mut(|client| {
-        let group = group::lookup(client, stream, group_name)?;
-        crate::commit::relax_for_outcome(client)?;
-        let expires = now().saturating_add(lease_micros);
-        let held: i64 = EXTEND
-            .run(client, group.stream.id, &[group.id.into(), token.into(), statement::timestamptz(expires)])?
-            .first()
-            .get(1)?
-            .unwrap_or(0);
-        Ok(held > 0)
+    crate::commit::consumer_call(|| {
+        Spi::connect_mut(|client| {
+            let group = group::lookup(client, stream, group_name)?;
+            locks::token(token);
+            LOCK_HELD.run(client, group.stream.id, &[group.id.into(), token.into()])?;
+            let expires = now().saturating_add(lease_micros);
+            let held: i64 = EXTEND
+                .run(client, group.stream.id, &[group.id.into(), token.into(), statement::timestamptz(expires)])?
+                .first()
+                .get(1)?
+                .unwrap_or(0);
+            Ok(held > 0)
+        })
     })
 }
 
 /// Gives deliveries back unstarted: each becomes a `ready` row due at once, its attempts
 /// unchanged. Returns the ids released.
 pub fn release(stream: &str, group_name: &str, token: pgrx::Uuid, ids: &[i64]) -> Result<Vec<i64>> {
-    Spi::connect_mut(|client| {
-        let group = group::lookup(client, stream, group_name)?;
-        crate::commit::relax_for_outcome(client)?;
-        let stream_id = group.stream.id;
-        let now = now();
-        let mut released: Vec<(i64, Option<String>)> = Vec::new();
-        for row in RELEASE_ROWS.run(
-            client,
-            stream_id,
-            &[group.id.into(), token.into(), ids.to_vec().into(), statement::timestamptz(now)],
-        )? {
-            released.push((row.get(1)?.expect("id"), row.get(2)?));
-        }
-        if let Some(mut range) = range::for_token(client, stream_id, group.id, token)? {
-            let removed = range.remove(ids);
-            if !removed.is_empty() {
-                let removed_ids: Vec<i64> = removed.iter().map(|(id, _)| *id).collect();
-                let rows: Vec<NewRow> = message::info(client, &group, &removed_ids)?
-                    .into_iter()
-                    .map(|m| NewRow {
-                        message_id: m.message_id,
-                        key: m.key,
-                        policy: m.policy,
-                        compaction: m.compaction,
-                        status: Status::Ready,
-                        attempts: 0,
-                        delays: 0,
-                        can_run_after: now,
-                        parked: false,
-                        last_error: None,
-                    })
-                    .collect();
-                exception_queue::insert(client, stream_id, group.id, &rows, now)?;
-                range::store_pending(client, stream_id, group.id, &range)?;
-                released.extend(removed);
+    crate::commit::consumer_call(|| {
+        Spi::connect_mut(|client| {
+            let group = group::lookup(client, stream, group_name)?;
+            let stream_id = group.stream.id;
+            locks::token(token);
+            // Released rows are due at once: a clock read before a wait only makes them due sooner.
+            let now = now();
+            let mut released: Vec<(i64, Option<String>)> = Vec::new();
+            for row in RELEASE_ROWS.run(
+                client,
+                stream_id,
+                &[group.id.into(), token.into(), ids.to_vec().into(), statement::timestamptz(now)],
+            )? {
+                released.push((row.get(1)?.expect("id"), row.get(2)?));
             }
-        }
-        let keys = exception_queue::distinct_keys(released.iter().map(|(_, k)| k));
-        exception_queue::after_outcome(client, &group, Some(token), &keys, now)?;
-        let mut ids: Vec<i64> = released.into_iter().map(|(id, _)| id).collect();
-        ids.sort_unstable();
-        Ok(ids)
+            if let Some(mut range) = range::for_token(client, stream_id, group.id, token)? {
+                let removed = range.remove(ids);
+                if !removed.is_empty() {
+                    let removed_ids: Vec<i64> = removed.iter().map(|(id, _)| *id).collect();
+                    let rows: Vec<NewRow> = message::info(client, &group, &removed_ids)?
+                        .into_iter()
+                        .map(|m| NewRow {
+                            message_id: m.message_id,
+                            key: m.key,
+                            policy: m.policy,
+                            compaction: m.compaction,
+                            status: Status::Ready,
+                            attempts: 0,
+                            delays: 0,
+                            can_run_after: now,
+                            parked: false,
+                            isolated: false,
+                            last_error: None,
+                        })
+                        .collect();
+                    exception_queue::insert(client, stream_id, group.id, &rows, now)?;
+                    range::store_pending(client, stream_id, group.id, &range)?;
+                    released.extend(removed);
+                }
+            }
+            let keys = exception_queue::distinct_keys(released.iter().map(|(_, k)| k));
+            exception_queue::after_outcome(client, &group, Some(token), &keys, now)?;
+            let mut ids: Vec<i64> = released.into_iter().map(|(id, _)| id).collect();
+            ids.sort_unstable();
+            Ok(ids)
+        })
     })
 }
 

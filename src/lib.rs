@@ -27,6 +27,7 @@ mod group;
 mod inspect;
 mod key_gate;
 mod lease;
+mod locks;
 mod maintain;
 mod message;
 mod names;
@@ -39,6 +40,12 @@ mod produce;
 mod range;
 mod statement;
 mod stream;
+
+/// Runs once per backend, when the library is loaded.
+#[pg_guard]
+pub extern "C-unwind" fn _PG_init() {
+    commit::init();
+}
 
 extension_sql_file!("../sql/catalog.sql", name = "catalog", bootstrap);
 extension_sql_file!("../sql/api.sql", name = "api", finalize);

@@ -28,14 +28,26 @@ const LOCK_CURSOR: Statement = Statement {
     params: &[INT8OID],
 };
 
+/// Expired exclusive-key leases of consumers that never came back. An expired lease frees its
+/// key either way; this keeps `open_leases` honest. Rows a claim is taking over are skipped.
+const SWEEP_KEY_LEASES: Statement = Statement {
+    name: "maintain_sweep_key_leases",
+    sql: "DELETE FROM sqlstreams.message_key_lease_@id@
+          WHERE (consumer_group_id, message_key) IN (
+              SELECT consumer_group_id, message_key FROM sqlstreams.message_key_lease_@id@
+              WHERE lease_expires_at <= now() FOR UPDATE SKIP LOCKED)",
+    params: &[],
+};
+
 const PURGE_IDEMPOTENCY: Statement = Statement {
     name: "maintain_purge_idempotency",
     sql: "DELETE FROM sqlstreams.idempotency_key_@id@ WHERE expires_at <= now()",
     params: &[],
 };
 
-/// Per stream: (name, partitions through, idempotency keys purged, cursors advanced).
-fn maintain_all() -> Result<Vec<(String, i64, i64, i64)>> {
+/// Per stream: (name, partitions through, idempotency keys purged, cursors advanced, expired
+/// key leases swept).
+fn maintain_all() -> Result<Vec<(String, i64, i64, i64, i64)>> {
     Spi::connect_mut(|client| {
         let mut names = Vec::new();
         for row in STREAMS.run(client, 0, &[])? {
@@ -48,6 +60,7 @@ fn maintain_all() -> Result<Vec<(String, i64, i64, i64)>> {
             partition::ensure(client, &stream, head)?;
             let through = stream::lookup(client, &name)?.partitions_through;
             let purged = PURGE_IDEMPOTENCY.run(client, stream.id, &[])?.len() as i64;
+            let swept = SWEEP_KEY_LEASES.run(client, stream.id, &[])?.len() as i64;
             let mut groups = Vec::new();
             for row in GROUPS.run(client, 0, &[stream.id.into()])? {
                 groups.push(row.get::<i64>(1)?.expect("id"));
@@ -63,15 +76,15 @@ fn maintain_all() -> Result<Vec<(String, i64, i64, i64)>> {
                     advanced += 1;
                 }
             }
-            report.push((name, through, purged, advanced));
+            report.push((name, through, purged, advanced, swept));
         }
         Ok(report)
     })
 }
 
 /// Housekeeping for every stream: creates message_log partitions ahead of the head, purges
-/// expired idempotency keys, and stores each idle group's committed cursor. Idempotent; safe
-/// to run from cron at any frequency.
+/// expired idempotency keys, stores each idle group's committed cursor, and removes expired
+/// exclusive-key leases. Idempotent; safe to run from cron at any frequency.
 #[pg_extern(volatile, parallel_unsafe)]
 fn maintain() -> std::result::Result<
     TableIterator<
@@ -81,6 +94,7 @@ fn maintain() -> std::result::Result<
             name!(partitions_through, i64),
             name!(idempotency_keys_purged, i64),
             name!(cursors_advanced, i64),
+            name!(key_leases_swept, i64),
         ),
     >,
     ErrorReport,

@@ -83,6 +83,20 @@ pub fn required<T>(what: &str, value: Option<T>, from: &str) -> Result<T> {
     value.ok_or_else(|| StreamError::invalid(format!("{what} must not be NULL"), format!("Pass the {what} {from}.")))
 }
 
+/// Checks that a key (`message_key`, `idempotency_key`) fits in an index entry: at most
+/// `policy::MAX_KEY_BYTES` bytes.
+pub fn check_key_length(what: &str, key: &str) -> Result<()> {
+    let max = crate::policy::MAX_KEY_BYTES;
+    if key.len() <= max {
+        return Ok(());
+    }
+    let start: String = key.chars().take(40).collect();
+    Err(StreamError::invalid(
+        format!("{what} '{start}...' is {} bytes long", key.len()),
+        format!("Use a {what} of at most {max} bytes; for a longer natural key, pass a hash of it (such as md5)."),
+    ))
+}
+
 /// `'value'` or `NULL`, for error messages.
 pub fn quoted(value: Option<&str>) -> String {
     match value {

@@ -4,6 +4,9 @@
 //! the message (the lease expired and another consumer took it over, or the outcome was already
 //! recorded) changes nothing and reports "lease lost". A first delivery that succeeds writes no
 //! exception row; it only leaves its range's pending list.
+//!
+//! Locks, in the order of src/locks.rs: the token lock, the token's rows, then the clock, then
+//! the keys' locks (shared) for wake-ups. Outcomes never touch the cursor row.
 
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
@@ -13,6 +16,7 @@ use crate::backoff;
 use crate::error::{Result, SqlResult, StreamError};
 use crate::exception_queue::{self, NewRow, Status};
 use crate::group::{self, GroupRef};
+use crate::locks;
 use crate::message;
 use crate::names::{self, positive_micros, validate_name};
 use crate::policy::Policy;
@@ -88,29 +92,36 @@ fn now() -> i64 {
 
 /// Records success for `ids` delivered under `token`; returns the ids that were recorded.
 pub fn ack(stream: &str, group_name: &str, token: pgrx::Uuid, ids: &[i64]) -> Result<Vec<i64>> {
-    Spi::connect_mut(|client| {
-        let group = group::lookup(client, stream, group_name)?;
-        crate::commit::relax_for_outcome(client)?;
-        let stream_id = group.stream.id;
-        let mut done: Vec<(i64, Option<String>)> = Vec::new();
-        for row in ACK_ROWS.run(client, stream_id, &[group.id.into(), token.into(), ids.to_vec().into()])? {
-            done.push((row.get(1)?.expect("message_id"), row.get(2)?));
-        }
-        if done.len() < ids.len() {
-            if let Some(mut range) = range::for_token(client, stream_id, group.id, token)? {
-                let removed = range.remove(ids);
-                if !removed.is_empty() {
-                    range::store_pending(client, stream_id, group.id, &range)?;
-                    done.extend(removed);
-                }
+    crate::commit::consumer_call(|| {
+        Spi::connect_mut(|client| {
+            let group = group::lookup(client, stream, group_name)?;
+            ack_in(client, &group, token, ids)
+        })
+    })
+}
+
+/// `ack` inside an open SPI connection (a claim carrying acks uses it too).
+pub fn ack_in(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid, ids: &[i64]) -> Result<Vec<i64>> {
+    locks::token(token);
+    let stream_id = group.stream.id;
+    let mut done: Vec<(i64, Option<String>)> = Vec::new();
+    for row in ACK_ROWS.run(client, stream_id, &[group.id.into(), token.into(), ids.to_vec().into()])? {
+        done.push((row.get(1)?.expect("message_id"), row.get(2)?));
+    }
+    if done.len() < ids.len() {
+        if let Some(mut range) = range::for_token(client, stream_id, group.id, token)? {
+            let removed = range.remove(ids);
+            if !removed.is_empty() {
+                range::store_pending(client, stream_id, group.id, &range)?;
+                done.extend(removed);
             }
         }
-        let keys = exception_queue::distinct_keys(done.iter().map(|(_, k)| k));
-        exception_queue::after_outcome(client, &group, Some(token), &keys, now())?;
-        let mut recorded: Vec<i64> = done.into_iter().map(|(id, _)| id).collect();
-        recorded.sort_unstable();
-        Ok(recorded)
-    })
+    }
+    let keys = exception_queue::distinct_keys(done.iter().map(|(_, k)| k));
+    exception_queue::after_outcome(client, group, Some(token), &keys, now())?;
+    let mut recorded: Vec<i64> = done.into_iter().map(|(id, _)| id).collect();
+    recorded.sort_unstable();
+    Ok(recorded)
 }
 
 /// Records a failure or delay of `id` under `token`; `None` when the lease was lost.
@@ -122,63 +133,67 @@ fn record_failure(
     error: Option<String>,
     decide: impl FnOnce(&GroupRef, i32, i32, i64) -> Decision,
 ) -> Result<Option<Status>> {
-    Spi::connect_mut(|client| {
-        let group = group::lookup(client, stream, group_name)?;
-        crate::commit::relax_for_outcome(client)?;
-        let stream_id = group.stream.id;
-        let now = now();
-        let mut range = range::for_token(client, stream_id, group.id, token)?;
-        let row = INFLIGHT_ROW.run(client, stream_id, &[group.id.into(), id.into(), token.into()])?.first();
-        let (key, decision) = if !row.is_empty() {
-            let decision = decide(&group, row.get(3)?.expect("attempts"), row.get(4)?.expect("delays"), now);
-            let (status, attempts, delays, can_run_after) = columns(decision, now);
-            let error = note(decision).or(error);
-            RECORD_FAILURE.run(
-                client,
-                stream_id,
-                &[
-                    group.id.into(),
-                    id.into(),
-                    status.as_str().into(),
-                    attempts.into(),
-                    delays.into(),
-                    statement::timestamptz(can_run_after),
-                    error.into(),
-                    statement::timestamptz(now),
-                ],
-            )?;
-            (row.get::<String>(1)?, decision)
-        } else if let Some(range) = range.as_mut().filter(|r| r.pending.contains(&id)) {
-            range.remove(&[id]);
-            let message = message::info(client, &group, &[id])?.pop().expect("a pending message exists");
-            let decision = decide(&group, 0, 0, now);
-            let (status, attempts, delays, can_run_after) = columns(decision, now);
-            let error = note(decision).or(error);
-            let row = NewRow {
-                message_id: id,
-                key: message.key.clone(),
-                policy: message.policy,
-                compaction: message.compaction,
-                status,
-                attempts,
-                delays,
-                can_run_after,
-                parked: false,
-                last_error: error,
+    crate::commit::consumer_call(|| {
+        Spi::connect_mut(|client| {
+            let group = group::lookup(client, stream, group_name)?;
+            let stream_id = group.stream.id;
+            locks::token(token);
+            let row = INFLIGHT_ROW.run(client, stream_id, &[group.id.into(), id.into(), token.into()])?.first();
+            let mut range = range::for_token(client, stream_id, group.id, token)?;
+            // After the rows' locks: a backoff or delay counts from when the outcome is recorded.
+            let now = now();
+            let (key, decision) = if !row.is_empty() {
+                let decision = decide(&group, row.get(3)?.expect("attempts"), row.get(4)?.expect("delays"), now);
+                let (status, attempts, delays, can_run_after) = columns(decision, now);
+                let error = note(decision).or(error);
+                RECORD_FAILURE.run(
+                    client,
+                    stream_id,
+                    &[
+                        group.id.into(),
+                        id.into(),
+                        status.as_str().into(),
+                        attempts.into(),
+                        delays.into(),
+                        statement::timestamptz(can_run_after),
+                        error.into(),
+                        statement::timestamptz(now),
+                    ],
+                )?;
+                (row.get::<String>(1)?, decision)
+            } else if let Some(range) = range.as_mut().filter(|r| r.pending.contains(&id)) {
+                range.remove(&[id]);
+                let message = message::info(client, &group, &[id])?.pop().expect("a pending message exists");
+                let decision = decide(&group, 0, 0, now);
+                let (status, attempts, delays, can_run_after) = columns(decision, now);
+                let error = note(decision).or(error);
+                let row = NewRow {
+                    message_id: id,
+                    key: message.key.clone(),
+                    policy: message.policy,
+                    compaction: message.compaction,
+                    status,
+                    attempts,
+                    delays,
+                    can_run_after,
+                    parked: false,
+                    isolated: false,
+                    last_error: error,
+                };
+                exception_queue::insert(client, stream_id, group.id, &[row], now)?;
+                (message.key, decision)
+            } else {
+                return Ok(None);
             };
-            exception_queue::insert(client, stream_id, group.id, &[row], now)?;
-            (message.key, decision)
-        } else {
-            return Ok(None);
-        };
-        if let (Decision::Retry { can_run_after, .. }, Some(key)) = (decision, key.as_deref()) {
-            defer_chain(client, &group, token, key, id, can_run_after, range.as_mut(), now)?;
-        }
-        if let Some(range) = &range {
-            range::store_pending(client, stream_id, group.id, range)?;
-        }
-        exception_queue::after_outcome(client, &group, Some(token), &exception_queue::distinct_keys([&key]), now)?;
-        Ok(Some(decision.status()))
+            if let (Decision::Retry { can_run_after, .. }, Some(key)) = (decision, key.as_deref()) {
+                defer_chain(client, &group, token, key, id, can_run_after, range.as_mut(), now)?;
+            }
+            if let Some(range) = &range {
+                range::store_pending(client, stream_id, group.id, range)?;
+            }
+            exception_queue::after_outcome(client, &group, Some(token), &exception_queue::distinct_keys([&key]), now)?;
+            Ok(Some(decision.status()))
+        })
     })
 }
 
@@ -245,6 +260,7 @@ fn defer_chain(
             attempts: 0,
             delays: 0,
             parked: true,
+            isolated: false,
             last_error: None,
         })
         .collect();

@@ -1,7 +1,12 @@
 //! The per-key policies and where a message's policy comes from. Pure logic.
 
 use crate::error::{Result, StreamError};
-use crate::names::quoted;
+use crate::names::{self, quoted};
+
+/// Longest message key, in bytes. Keys are indexed (the exception queue, key leases, compaction
+/// heads), and a btree entry must stay well under Postgres' limit of about 2.7 kB; a key that
+/// passed produce must never make a later claim or outcome fail.
+pub const MAX_KEY_BYTES: usize = 1024;
 
 /// When a keyed message must wait, within one consumer group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -101,6 +106,9 @@ impl<'a> ProduceRequest<'a> {
                 "Pass a non-empty key, or NULL for a message without a key.",
             ));
         }
+        if let Some(key) = message_key {
+            names::check_key_length("message_key", key)?;
+        }
         Ok(ProduceRequest { message_key, concurrency, compaction })
     }
 }
@@ -132,6 +140,8 @@ mod tests {
 
     #[test]
     fn produce_requests_are_validated() {
+        let long = "k".repeat(MAX_KEY_BYTES + 1);
+        assert!(ProduceRequest::validate(Some(&long[1..]), Some("ordered"), false).is_ok(), "the longest key");
         assert!(ProduceRequest::validate(Some("acct-42"), Some("ordered"), false).is_ok());
         assert!(ProduceRequest::validate(Some("acct-42"), Some("exclusive"), true).is_ok());
         assert!(ProduceRequest::validate(Some("acct-42"), None, true).is_ok());
@@ -145,6 +155,7 @@ mod tests {
             (None, None, true),
             (Some("acct-42"), Some("fifo"), false),
             (Some(""), None, false),
+            (Some(&long), None, false),
         ];
         for (key, policy, compaction) in refused {
             assert!(

@@ -8,7 +8,7 @@ use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
 use crate::error::{Result, SqlResult, StreamError};
-use crate::fence;
+use crate::locks;
 use crate::names::validate_name;
 use crate::notify;
 use crate::partition;
@@ -74,7 +74,7 @@ const BATCH_SHAPE: Statement = Statement {
 /// Registers this transaction as a producer of the stream, then takes its transaction id, both
 /// before any message id (the fence's rules, src/fence.rs).
 fn become_producer(stream: &StreamRef) {
-    fence::register_producer(stream.id);
+    locks::register_producer(stream.id);
     // SAFETY: assigns a top-level transaction id (or returns the one already assigned).
     unsafe {
         pg_sys::GetTopTransactionId();
@@ -219,6 +219,9 @@ fn produce(
             "Pass a non-empty idempotency key, or NULL to produce without one.",
         )
         .into());
+    }
+    if let Some(key) = idempotency_key {
+        crate::names::check_key_length("idempotency_key", key)?;
     }
     Ok(produce_one(stream, payload, &request, idempotency_key)?)
 }

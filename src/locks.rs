@@ -1,0 +1,154 @@
+//! Every lock sqlstreams takes, and the one order in which claims and outcomes take them.
+//!
+//! ## The order
+//!
+//! **Claim** (`src/claim.rs`):
+//! 1. the outcomes it carries (`ack_lease_token`), complete, exactly as an outcome below;
+//! 2. the group's cursor row, `FOR UPDATE`: the only lock a claim ever waits for;
+//! 3. then, and only then, the clock and the fence bound (both are read after the wait);
+//! 4. exception rows, range rows and expired key-lease rows with `SKIP LOCKED`, and key locks
+//!    with a try-lock: a claim that holds the cursor row never waits for anything.
+//!
+//! **Outcome** (`ack`, `fail`, `delay`, `release`, `extend_lease`; `src/outcome.rs`,
+//! `src/lease.rs`):
+//! 1. the token lock (outcomes of one lease token run one at a time);
+//! 2. the token's exception rows, then its range row, then its key-lease rows;
+//! 3. the clock;
+//! 4. key locks, shared, in key order; then wake-ups (`SKIP LOCKED`).
+//!
+//! Outcomes never touch the cursor row.
+//!
+//! **Why there is no deadlock.** A claim waits only for a cursor row, and the holder of a cursor
+//! row is a claim that waits for nothing more. An outcome waits for rows or key locks that a
+//! claim holds (which will commit without waiting) or for its own token's lock and rows, which
+//! every outcome of that token takes in the same order; key locks are only ever shared between
+//! outcomes. So no cycle of waits can form between claims and outcomes. (A caller who records
+//! outcomes of two tokens in one transaction, in opposite orders in two sessions, can deadlock
+//! like any two transactions updating two rows in opposite orders.)
+//!
+//! **Produce** takes the producer lock (shared), its transaction id, message ids, then the
+//! compaction-head rows of its keys in key order (`src/produce.rs`). **`maintain()`** takes
+//! cursor rows and expired key leases with `SKIP LOCKED`.
+//!
+//! ## Which locks
+//!
+//! The locks are lock-manager locks of the advisory kind, in classes of their own (the
+//! fourth field of the lock tag). SQL's `pg_advisory_*` functions only reach classes 1 and 2,
+//! so a role with no grants cannot take these locks and cannot hold a stream or a key back.
+//! They show in `pg_locks` as `locktype = 'advisory'` with `objsubid` = the class.
+
+use pgrx::pg_sys;
+
+/// The producer lock of a stream: `(stream id high 32 bits, low 32 bits)`.
+pub const PRODUCER_CLASS: u16 = 0x5350; // 'SP'
+/// The per-(group, key) lock that orders parking against wake-ups (`src/key_gate.rs`).
+pub const KEY_CLASS: u16 = 0x534B; // 'SK'
+/// The per-lease-token lock that serializes outcomes of one token.
+pub const TOKEN_CLASS: u16 = 0x5354; // 'ST'
+
+extern "C-unwind" {
+    /// Postgres' own byte hash (`hash_any`, the hash behind `hashtext`): stable across
+    /// versions and processes.
+    fn hash_bytes(k: *const u8, keylen: std::ffi::c_int) -> u32;
+}
+
+/// Postgres' hash of `bytes`, as `hashtext()` computes it for a deterministic collation.
+pub fn hash(bytes: &[u8]) -> u32 {
+    // SAFETY: reads `bytes` only.
+    unsafe { hash_bytes(bytes.as_ptr(), bytes.len() as std::ffi::c_int) }
+}
+
+fn tag(class: u16, high: u32, low: u32) -> pg_sys::LOCKTAG {
+    pg_sys::LOCKTAG {
+        // SAFETY: reads this backend's database id.
+        locktag_field1: unsafe { pg_sys::MyDatabaseId }.to_u32(),
+        locktag_field2: high,
+        locktag_field3: low,
+        locktag_field4: class,
+        locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
+        locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
+    }
+}
+
+/// Takes a transaction-scoped lock; with `wait = false` only if it is free. Returns whether
+/// this transaction holds it now.
+fn acquire(tag: &pg_sys::LOCKTAG, mode: u32, wait: bool) -> bool {
+    // SAFETY: a transaction-scoped lock-manager lock on a tag built above; released at commit
+    // or abort like any advisory transaction lock.
+    let result = unsafe { pg_sys::LockAcquire(tag, mode as pg_sys::LOCKMODE, false, !wait) };
+    result != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
+}
+
+fn split(id: i64) -> (u32, u32) {
+    ((id as u64 >> 32) as u32, id as u32)
+}
+
+/// Marks this transaction as a producer of `stream_id` until it ends (shared: producers never
+/// wait for each other, and nothing else takes this lock exclusively).
+pub fn register_producer(stream_id: i64) {
+    let (high, low) = split(stream_id);
+    acquire(&tag(PRODUCER_CLASS, high, low), pg_sys::ShareLock, true);
+}
+
+/// The `pg_locks` condition (on alias `a`) that finds the producer locks of a stream whose id
+/// has high bits `$1` and low bits `$2` (`producer_lock_params`), for the fence. 21328 is
+/// `PRODUCER_CLASS`.
+macro_rules! producer_locks_where {
+    () => {
+        "a.locktype = 'advisory' AND a.granted AND a.objsubid = 21328
+            AND a.classid = $1::int8::oid AND a.objid = $2::int8::oid"
+    };
+}
+pub(crate) use producer_locks_where;
+
+/// `PRODUCER_LOCKS_WHERE`'s parameters for a stream.
+pub fn producer_lock_params(stream_id: i64) -> (i64, i64) {
+    let (high, low) = split(stream_id);
+    (high as i64, low as i64)
+}
+
+/// Serializes the outcomes of one lease token (step 1 of an outcome). Waits.
+pub fn token(token: pgrx::Uuid) {
+    let bytes = token.as_bytes();
+    let high = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+    let low = u32::from_be_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]);
+    acquire(&tag(TOKEN_CLASS, high, low), pg_sys::ExclusiveLock, true);
+}
+
+fn key_tag(group_id: i64, key: &str) -> pg_sys::LOCKTAG {
+    tag(KEY_CLASS, group_id as u32, hash(key.as_bytes()))
+}
+
+/// An outcome's key locks (step 4): shared, in key order (`keys` sorted); waits for a claim that
+/// is parking one of them to commit.
+pub fn keys_shared(group_id: i64, keys: &[String]) {
+    for key in keys {
+        acquire(&key_tag(group_id, key), pg_sys::ShareLock, true);
+    }
+}
+
+/// A claim's key locks: exclusive, never waiting. Returns the keys this transaction now holds;
+/// a key another transaction holds (an outcome resolving it right now) is left out.
+pub fn try_keys_exclusive(group_id: i64, keys: &[String]) -> Vec<String> {
+    keys.iter().filter(|key| acquire(&key_tag(group_id, key), pg_sys::ExclusiveLock, false)).cloned().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_producer_class_is_the_one_pg_locks_is_searched_for() {
+        assert!(producer_locks_where!().contains(&format!("objsubid = {PRODUCER_CLASS}")));
+    }
+
+    #[test]
+    fn classes_are_out_of_reach_of_sql_advisory_locks() {
+        // pg_advisory_lock(bigint) uses class 1, pg_advisory_lock(int, int) class 2.
+        for class in [PRODUCER_CLASS, KEY_CLASS, TOKEN_CLASS] {
+            assert!(class > 2);
+        }
+        assert_eq!(split(-1), (u32::MAX, u32::MAX));
+        assert_eq!(split((7 << 32) | 9), (7, 9));
+    }
+}

@@ -4,23 +4,29 @@
 use postgres::Client;
 use sqlstreams_tests::*;
 
-/// Everything a refused call could have changed, for before/after comparison.
-fn footprint(c: &mut Client, s: &Stream) -> Vec<i64> {
+/// Everything a refused call could have changed, for before/after comparison: this test's own
+/// stream, its groups and tables, and streams named like the refused `create_stream` calls.
+/// Nothing here counts objects of other tests, which run at the same time.
+fn footprint(c: &mut Client, s: &Stream) -> Vec<String> {
     let sql = format!(
-        "SELECT (SELECT count(*) FROM sqlstreams.stream),
-                (SELECT count(*) FROM sqlstreams.consumer_group),
-                (SELECT count(*) FROM {log}),
-                (SELECT last_value FROM {log}_seq),
-                (SELECT count(*) FROM {eq}),
-                (SELECT count(*) FROM {ranges}),
-                (SELECT coalesce(sum(claimed), 0)::int8 FROM {cursor})",
+        "SELECT (SELECT s::text FROM sqlstreams.stream s WHERE s.id = $1),
+                (SELECT string_agg(g::text, ';' ORDER BY g.id) FROM sqlstreams.consumer_group g WHERE g.stream_id = $1),
+                (SELECT count(*)::text FROM sqlstreams.stream WHERE name = ANY($2) OR name LIKE 'xxxxxxxxxx%'),
+                (SELECT count(*)::text FROM {log}),
+                (SELECT last_value::text FROM {log}_seq),
+                (SELECT string_agg(e::text, ';' ORDER BY e.message_id) FROM {eq} e),
+                (SELECT string_agg(r::text, ';' ORDER BY r.first_id) FROM {ranges} r),
+                (SELECT string_agg(k::text, ';') FROM {keys} k),
+                (SELECT string_agg(u::text, ';' ORDER BY u.consumer_group_id) FROM {cursor} u)",
         log = s.table("message_log"),
         eq = s.table("exception_queue"),
         ranges = s.table("range_lease"),
+        keys = s.table("message_key_lease"),
         cursor = s.table("cursor"),
     );
-    let row = c.query_one(&sql, &[]).unwrap();
-    (0..7).map(|i| row.get(i)).collect()
+    let refused_names = vec!["".to_string(), "   ".to_string()];
+    let row = c.query_one(&sql, &[&s.id, &refused_names]).unwrap();
+    (0..9).map(|i| row.get::<_, Option<String>>(i).unwrap_or_default()).collect()
 }
 
 /// Runs `sql` ({s}: the stream, {g}: the group, {t}: a live lease token), expecting `state`;
@@ -74,6 +80,13 @@ fn contract_errors_have_their_sqlstates_and_change_nothing() {
         ("SELECT sqlstreams.produce({s}, '{}', NULL, 'exclusive')", "message_key"),
         ("SELECT sqlstreams.produce({s}, '{}', NULL, NULL, true)", "message_key"),
         ("SELECT sqlstreams.produce({s}, NULL)", "payload"),
+        ("SELECT sqlstreams.produce({s}, '{}', repeat('k', 1025))", "1025 bytes"),
+        ("SELECT sqlstreams.produce({s}, '{}', repeat('é', 513))", "1026 bytes"),
+        ("SELECT sqlstreams.produce({s}, '{}', idempotency_key => repeat('i', 1025))", "1025 bytes"),
+        (
+            "SELECT sqlstreams.produce_batch({s}, ARRAY['{}', '{}']::jsonb[], ARRAY['k', repeat('k', 2000)])",
+            "2000 bytes",
+        ),
         ("SELECT sqlstreams.produce_batch({s}, ARRAY['{}']::jsonb[], ARRAY[NULL], 'ordered')", "message_key"),
         ("SELECT sqlstreams.produce_batch({s}, ARRAY['{}']::jsonb[], ARRAY['k'], 'ordered', true)", "compaction"),
         ("SELECT sqlstreams.create_group({s}, {g}, 'fifo')", "'fifo'"),

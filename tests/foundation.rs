@@ -135,17 +135,56 @@ fn a_range_that_keeps_expiring_is_quarantined() {
     let later = s.produce(&mut c, json!({"later": true}), None);
     let batch = g.claim(&mut c, 10);
     assert_eq!(ids(&batch), vec![later]);
+    assert!(g.ack(&mut c, &batch[0]));
     let rows = g.exception_rows(&mut c);
     assert_eq!(rows.iter().map(|r| r.message_id).collect::<Vec<_>>(), produced);
     for row in &rows {
-        assert_eq!((row.status.as_str(), row.attempts), ("ready", 1));
+        assert_eq!((row.status.as_str(), row.attempts), ("ready", 0), "quarantine itself counts no failure");
         assert!(row.last_error.as_deref().unwrap().contains("quarantined"), "{:?}", row.last_error);
     }
-    // Each quarantined message is retried on its own.
-    g.make_due(&mut c);
-    let retries = g.claim(&mut c, 10);
-    assert_eq!(ids(&retries), produced);
-    assert!(retries.iter().all(|d| d.attempt == 1));
+    // Each quarantined message is delivered alone, at once.
+    for id in &produced {
+        let alone = g.claim(&mut c, 10);
+        assert_eq!(ids(&alone), vec![*id], "one quarantined message per claim");
+        assert_eq!(alone[0].attempt, 0);
+        assert!(g.ack(&mut c, &alone[0]));
+    }
+    assert!(g.exception_rows(&mut c).is_empty());
+    assert!(g.claim(&mut c, 10).is_empty());
+}
+
+#[test]
+fn quarantine_never_dead_letters_innocent_range_mates() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "quarantine-poison");
+    // No retries: any failure counted against a message is final.
+    let g = s.group_with(&mut c, "g", None, 0);
+    let produced = s.produce_many(&mut c, 3, None);
+    let poison = produced[1];
+    for _ in 0..3 {
+        assert_eq!(ids(&g.claim(&mut c, 10)), produced);
+        g.expire_leases(&mut c); // the poison message crashes the consumer every time
+    }
+    assert!(g.claim(&mut c, 10).is_empty(), "this claim quarantines the range");
+    assert_eq!(g.statuses(&mut c).iter().filter(|(_, s)| s == "ready").count(), 3);
+
+    let mut ran = vec![];
+    for _ in 0..6 {
+        let batch = g.claim(&mut c, 10);
+        assert!(batch.len() <= 1, "quarantined messages are delivered alone: {batch:?}");
+        for d in &batch {
+            ran.push(d.message_id);
+            if d.message_id == poison {
+                g.expire_leases(&mut c); // crashes again, now alone: its own fault
+            } else {
+                assert!(g.ack(&mut c, d));
+            }
+        }
+    }
+    assert_eq!(ran, produced, "each message ran once on its own");
+    let rows = g.exception_rows(&mut c);
+    assert_eq!(rows.len(), 1, "the innocent messages succeeded: {rows:?}");
+    assert_eq!((rows[0].message_id, rows[0].status.as_str(), rows[0].attempts), (poison, "dead", 1));
 }
 
 #[test]
@@ -586,4 +625,48 @@ fn outcomes_inside_a_transaction_block_keep_the_callers_durability() {
     let setting: String = tx.query_one("SHOW synchronous_commit", &[]).unwrap().get(0);
     assert_eq!(setting, "on", "business writes in the same transaction stay durable");
     tx.commit().unwrap();
+}
+
+#[test]
+fn status_is_one_consistent_reading_while_consumers_claim() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "status-under-load");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let keys: Vec<String> = (0..3000).map(|i| format!("k{}", i % 50)).collect();
+    let payloads: Vec<serde_json::Value> = (0..3000).map(|i| json!({ "n": i })).collect();
+    c.execute("SELECT sqlstreams.produce_batch($1, $2, $3)", &[&s.name, &payloads, &keys]).unwrap();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let consumers: Vec<_> = (0..3)
+        .map(|_| {
+            let (g, done) = (g.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut c = connect();
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    let batch = g.claim(&mut c, 5);
+                    g.ack_batch(&mut c, &batch);
+                }
+            })
+        })
+        .collect();
+    // Every reading is taken while claims move the cursor; each must succeed and be coherent.
+    for _ in 0..1500 {
+        for sql in [
+            "SELECT claimed, committed, head, lag FROM sqlstreams.group_status($1, $2)",
+            "SELECT claimed, committed, head, lag FROM sqlstreams.consumer_groups WHERE stream = $1 AND name = $2",
+        ] {
+            let row = c
+                .query_one(sql, &[&s.name, &g.name])
+                .unwrap_or_else(|e| panic!("status while claims move the cursor: {}", describe(&e)));
+            let (claimed, committed, head, lag): (i64, i64, i64, i64) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
+            assert!(
+                committed <= claimed && claimed <= head && lag == head - committed,
+                "{claimed} {committed} {head} {lag}"
+            );
+        }
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in consumers {
+        t.join().unwrap();
+    }
 }

@@ -408,3 +408,55 @@ fn compaction_ignores_non_compacted_messages_and_ordered_groups() {
     // Others skip only compacted messages that are no longer the head.
     assert_eq!(ids(&exclusive.claim(&mut c, 10)), vec![plain, head]);
 }
+
+#[test]
+fn maintain_sweeps_the_key_lease_of_a_consumer_that_never_came_back() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "key-lease-sweep");
+    let g = s.group(&mut c, "g", Some("exclusive"));
+    s.produce(&mut c, json!({}), Some("k"));
+    let crashed = g.claim(&mut c, 10);
+    assert_eq!(crashed.len(), 1);
+    let leases = |c: &mut Client| -> Vec<String> {
+        c.query("SELECT kind FROM sqlstreams.open_leases($1, $2) ORDER BY kind", &[&s.name, &g.name])
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    };
+    assert_eq!(leases(&mut c), vec!["key", "range"]);
+    g.expire_leases(&mut c);
+    let swept: i64 =
+        c.query_one("SELECT key_leases_swept FROM sqlstreams.maintain() WHERE stream = $1", &[&s.name]).unwrap().get(0);
+    assert_eq!(swept, 1);
+    assert_eq!(leases(&mut c), vec!["range"], "the expired range waits for its reclaim; the key lease is gone");
+    let again = g.claim(&mut c, 10);
+    assert_eq!((ids(&again), again[0].attempt), (ids(&crashed), 1), "the key is free for the reclaim");
+    assert!(g.ack(&mut c, &again[0]));
+    assert!(leases(&mut c).is_empty());
+}
+
+#[test]
+fn the_longest_key_survives_every_failure_path() {
+    let mut c = connect();
+    let key = "k".repeat(1024);
+    for policy in ["exclusive", "ordered"] {
+        let s = Stream::create(&mut c, "long-key");
+        let g = s.group_with(&mut c, policy, Some(policy), 1);
+        let first = s.produce(&mut c, json!({}), Some(&key));
+        let second = s.produce(&mut c, json!({}), Some(&key));
+        let batch = g.claim(&mut c, 1);
+        assert_eq!(ids(&batch), vec![first]);
+        // Another consumer finds the key busy: the second message is deferred (indexed by key).
+        assert!(g.claim(&mut c, 10).is_empty());
+        assert_eq!(g.fail(&mut c, &batch[0], "boom", false, Some("0 seconds")).as_deref(), Some("ready"));
+        g.make_due(&mut c);
+        let retry = g.claim(&mut c, 10);
+        assert!(retry.iter().any(|d| d.message_id == first), "{policy}: {retry:?}");
+        g.expire_leases(&mut c);
+        let rest = g.drain(&mut c);
+        assert!(rest.contains(&second), "{policy}: {rest:?}");
+        assert!(g.statuses(&mut c).iter().all(|(id, s)| *id == first && s == "dead"), "{policy}");
+        assert!(s.produce_with(&mut c, json!({}), Some(&format!("{key}x")), None, false).is_err());
+    }
+}

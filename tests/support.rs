@@ -41,6 +41,14 @@ pub fn sqlstate(err: &postgres::Error) -> String {
     err.code().map(|c| c.code().to_string()).unwrap_or_else(|| format!("no SQLSTATE: {err}"))
 }
 
+/// An error from Postgres with its SQLSTATE and message, for assertion messages.
+pub fn describe(err: &postgres::Error) -> String {
+    match err.as_db_error() {
+        Some(db) => format!("{}: {}", db.code().code(), db.message()),
+        None => err.to_string(),
+    }
+}
+
 /// A stream created for one test.
 #[derive(Clone, Debug)]
 pub struct Stream {

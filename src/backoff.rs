@@ -1,4 +1,6 @@
-//! Retry backoff and the outcome of a failure against a group's budgets. Pure logic.
+//! Retry backoff, and what a failure or a delay does against a group's budgets. Pure logic.
+
+use crate::exception_queue::Setback;
 
 /// A group's retry settings, in microseconds.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -22,32 +24,34 @@ impl Backoff {
     }
 }
 
-/// What a failure does to a message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FailureOutcome {
-    /// Run again at `can_run_after` (microseconds since the Postgres epoch).
-    Retry { attempts: i32, can_run_after: i64 },
-    /// Dead-lettered: permanent, or the retry budget is spent.
-    Dead { attempts: i32 },
-}
-
-/// Applies one failure to a message that had failed `previous_attempts` times.
-/// `max_retries` retries follow the first run, so the budget is spent when
+/// Applies one failure to a message that had failed `previous_attempts` times (and been delayed
+/// `delays` times). `max_retries` retries follow the first run, so the budget is spent when
 /// `attempts > max_retries`. `retry_after` overrides the backoff for this one retry.
 pub fn fail(
     backoff: &Backoff,
     max_retries: i32,
     previous_attempts: i32,
+    delays: i32,
     permanent: bool,
     retry_after_micros: Option<i64>,
     now: i64,
-) -> FailureOutcome {
+) -> Setback {
     let attempts = previous_attempts + 1;
     if permanent || attempts > max_retries {
-        return FailureOutcome::Dead { attempts };
+        return Setback::Dead { attempts, delays, note: None };
     }
     let wait = retry_after_micros.unwrap_or_else(|| backoff.delay_micros(attempts));
-    FailureOutcome::Retry { attempts, can_run_after: now.saturating_add(wait.max(0)) }
+    Setback::Retry { attempts, delays, can_run_after: now.saturating_add(wait.max(0)) }
+}
+
+/// Applies one requested delay: it counts in `delays`, never against the retry budget, and
+/// dead-letters only when the group's `max_delays` budget (if any) is spent.
+pub fn delay(max_delays: Option<i32>, attempts: i32, previous_delays: i32, delay_micros: i64, now: i64) -> Setback {
+    let delays = previous_delays + 1;
+    if max_delays.is_some_and(|max| delays > max) {
+        return Setback::Dead { attempts, delays, note: Some("dead-lettered: the group's max_delays budget is spent") };
+    }
+    Setback::Retry { attempts, delays, can_run_after: now.saturating_add(delay_micros) }
 }
 
 #[cfg(test)]
@@ -75,28 +79,35 @@ mod tests {
         let mut attempts = 0;
         let mut outcomes = vec![];
         loop {
-            let outcome = fail(&B, 3, attempts, false, None, 0);
+            let outcome = fail(&B, 3, attempts, 2, false, None, 0);
             outcomes.push(outcome);
             match outcome {
-                FailureOutcome::Retry { attempts: a, .. } => attempts = a,
-                FailureOutcome::Dead { .. } => break,
+                Setback::Retry { attempts: a, .. } => attempts = a,
+                Setback::Dead { .. } => break,
             }
         }
         assert_eq!(
             outcomes,
             vec![
-                FailureOutcome::Retry { attempts: 1, can_run_after: SECOND },
-                FailureOutcome::Retry { attempts: 2, can_run_after: 2 * SECOND },
-                FailureOutcome::Retry { attempts: 3, can_run_after: 4 * SECOND },
-                FailureOutcome::Dead { attempts: 4 },
+                Setback::Retry { attempts: 1, delays: 2, can_run_after: SECOND },
+                Setback::Retry { attempts: 2, delays: 2, can_run_after: 2 * SECOND },
+                Setback::Retry { attempts: 3, delays: 2, can_run_after: 4 * SECOND },
+                Setback::Dead { attempts: 4, delays: 2, note: None },
             ]
         );
     }
 
     #[test]
     fn permanent_and_override() {
-        assert_eq!(fail(&B, 3, 0, true, None, 0), FailureOutcome::Dead { attempts: 1 });
-        assert_eq!(fail(&B, 0, 0, false, None, 0), FailureOutcome::Dead { attempts: 1 });
-        assert_eq!(fail(&B, 3, 0, false, Some(0), 7), FailureOutcome::Retry { attempts: 1, can_run_after: 7 });
+        assert_eq!(fail(&B, 3, 0, 0, true, None, 0), Setback::Dead { attempts: 1, delays: 0, note: None });
+        assert_eq!(fail(&B, 0, 0, 0, false, None, 0), Setback::Dead { attempts: 1, delays: 0, note: None });
+        assert_eq!(fail(&B, 3, 0, 0, false, Some(0), 7), Setback::Retry { attempts: 1, delays: 0, can_run_after: 7 });
+    }
+
+    #[test]
+    fn delays_count_apart_from_failures_and_have_their_own_budget() {
+        assert_eq!(delay(None, 2, 9, SECOND, 5), Setback::Retry { attempts: 2, delays: 10, can_run_after: 5 + SECOND });
+        assert_eq!(delay(Some(1), 0, 0, SECOND, 0), Setback::Retry { attempts: 0, delays: 1, can_run_after: SECOND });
+        assert!(matches!(delay(Some(1), 0, 1, SECOND, 0), Setback::Dead { delays: 2, note: Some(_), .. }));
     }
 }

@@ -17,21 +17,23 @@
 
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
-use pgrx::spi::SpiClient;
+use pgrx::spi::{SpiClient, SpiTupleTable};
 
+use crate::clock;
+use crate::concurrency::Concurrency;
 use crate::cursor::{self, committed_now, Cursor};
 use crate::error::{Result, StreamError};
-use crate::exception_queue::{self, NewRow, RowUpdate, Status};
-use crate::fence::{self, Now};
-use crate::group::{self, GroupRef};
+use crate::exception_queue::{self, Change, Expired, Held, Status};
+use crate::fence::{self, Reading};
+use crate::group::GroupRef;
 use crate::key_gate::{self, Candidate, GatherInput, Verdict};
 use crate::locks;
+use crate::message::{self, Message};
 use crate::names::{positive_micros, validate_name};
 use crate::outcome;
 use crate::payload::RawJsonb;
-use crate::policy::{self, Policy};
 use crate::range::{self, RangeLease};
-use crate::statement::{self, Statement};
+use crate::statement::{self, Columns, Statement};
 use pgrx::pg_sys::panic::ErrorReport;
 
 /// Largest `batch_size` a claim accepts.
@@ -41,7 +43,7 @@ pub const MAX_BATCH: i32 = 10_000;
 pub struct Delivery {
     pub message_id: i64,
     pub message_key: Option<String>,
-    pub policy: Policy,
+    pub concurrency: Concurrency,
     pub attempt: i32,
     pub payload: RawJsonb,
     pub lease_token: pgrx::Uuid,
@@ -56,70 +58,46 @@ const PROBE: Statement = Statement {
              OR EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@
                         WHERE consumer_group_id = $1 AND status IN ('ready', 'deferred') AND can_run_after <= $3)
              OR EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@
-                        WHERE consumer_group_id = $1 AND status = 'inflight' AND lease_expires_at <= $3),
-                ",
-        committed_now!("$2")
+                        WHERE consumer_group_id = $1 AND status = 'inflight' AND lease_expires_at <= $3)
+             AS work_due, ",
+        committed_now!("$2"),
+        " AS committed"
     ),
     params: &[INT8OID, INT8OID, TIMESTAMPTZOID],
 };
 
-const DUE_EXCEPTIONS: Statement = Statement {
-    name: "claim_due_exceptions",
-    sql: "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, m.payload
-          FROM sqlstreams.exception_queue_@id@ e
-          JOIN sqlstreams.message_log_@id@ m ON m.id = e.message_id
-          WHERE e.consumer_group_id = $1 AND NOT e.isolated
-            AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
-                 OR (e.status = 'inflight' AND e.lease_expires_at <= $2))
-          ORDER BY e.message_id
-          LIMIT $3
-          FOR UPDATE OF e SKIP LOCKED",
-    params: &[INT8OID, TIMESTAMPTZOID, INT4OID],
-};
-
-/// The oldest due row of a quarantined range: it is handed out alone (`isolated`).
-const DUE_ISOLATED: Statement = Statement {
-    name: "claim_due_isolated",
-    sql: "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, m.payload
-          FROM sqlstreams.exception_queue_@id@ e
-          JOIN sqlstreams.message_log_@id@ m ON m.id = e.message_id
-          WHERE e.consumer_group_id = $1 AND e.isolated
-            AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
-                 OR (e.status = 'inflight' AND e.lease_expires_at <= $2))
-          ORDER BY e.message_id
-          LIMIT 1
-          FOR UPDATE OF e SKIP LOCKED",
-    params: &[INT8OID, TIMESTAMPTZOID],
-};
-
-const MESSAGES_BY_ID: Statement = Statement {
-    name: "claim_messages_by_id",
-    sql: "SELECT id, message_key, concurrency, compaction, payload FROM sqlstreams.message_log_@id@
-          WHERE id = ANY($1) ORDER BY id",
-    params: &[INT8ARRAYOID],
-};
-
-const FRESH_MESSAGES: Statement = Statement {
-    name: "claim_fresh_messages",
-    sql: "SELECT id, message_key, concurrency, compaction, payload FROM sqlstreams.message_log_@id@
-          WHERE id > $1 AND id <= $2 ORDER BY id LIMIT $3",
-    params: &[INT8OID, INT8OID, INT4OID],
-};
-
-/// Where a candidate came from.
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Origin {
-    Range,
-    /// An exception row with its status before this claim; `expired` when its lease ran out.
-    Exception {
-        status: String,
-        expired: bool,
-    },
+/// Due exception rows: retries, delays, woken or expired parked rows, expired deliveries.
+macro_rules! due_rows {
+    ($isolated:literal, $limit:literal) => {
+        concat!(
+            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, m.payload
+             FROM sqlstreams.exception_queue_@id@ e
+             JOIN sqlstreams.message_log_@id@ m ON m.id = e.message_id
+             WHERE e.consumer_group_id = $1 AND e.isolated = ",
+            $isolated,
+            "
+               AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
+                    OR (e.status = 'inflight' AND e.lease_expires_at <= $2))
+             ORDER BY e.message_id
+             LIMIT ",
+            $limit,
+            "
+             FOR UPDATE OF e SKIP LOCKED"
+        )
+    };
 }
 
+const DUE_ROWS: Statement =
+    Statement { name: "claim_due_rows", sql: due_rows!("false", "$3"), params: &[INT8OID, TIMESTAMPTZOID, INT4OID] };
+
+/// The oldest due row of a quarantined range: it is handed out alone.
+const DUE_ISOLATED: Statement =
+    Statement { name: "claim_due_isolated", sql: due_rows!("true", "1"), params: &[INT8OID, TIMESTAMPTZOID] };
+
+/// A message the claim could hand out, where it stands, and its attempt number if it runs.
 struct Work {
     candidate: Candidate,
-    origin: Origin,
+    held: Held,
     attempt: i32,
     payload: RawJsonb,
 }
@@ -135,23 +113,17 @@ struct Claim<'a> {
     work: Vec<Work>,
     /// Keys whose waiting rows may be parked: this claim holds their key locks.
     parkable: Vec<String>,
-    new_rows: Vec<NewRow>,
-    updates: Vec<RowUpdate>,
+    changes: Vec<Change>,
+    /// Exception rows this claim resolves before gating (expired deliveries that went dead).
+    dead_on_expiry: Vec<i64>,
     /// Keys of messages this claim resolved (superseded, dead): their parked rows may wake.
     resolved_keys: Vec<Option<String>>,
 }
-
-const LEASE_EXPIRED: &str = "the delivery's lease expired before an outcome was recorded";
 
 /// Outcomes a claim records before it claims (`ack_lease_token`, `ack_message_ids`).
 pub struct CarriedAcks {
     pub token: pgrx::Uuid,
     pub ids: Vec<i64>,
-}
-
-fn clock() -> i64 {
-    // SAFETY: reads the clock.
-    unsafe { pg_sys::GetCurrentTimestamp() }
 }
 
 /// Claims for `group_name`. See the module documentation.
@@ -171,78 +143,73 @@ pub fn claim(
                 .into(),
         });
     }
-    crate::commit::consumer_call(|| {
-        Spi::connect_mut(|client| {
-            let group = group::lookup(client, stream_name, group_name)?;
-            if let Some(acks) = carried {
-                outcome::ack_in(client, &group, acks.token, &acks.ids)?;
-            }
-            if is_idle(client, &group)? {
-                return Ok(vec![]);
-            }
-            let stream_id = group.stream.id;
-            // The only lock a claim waits for (src/locks.rs). Everything below is read after it.
-            let cursor = cursor::read(client, stream_id, group.id, true)?;
-            let now = clock();
-            let world = observe(client, stream_id, &cursor)?;
-            let claim = Claim {
-                group: &group,
-                now,
-                token: pgrx::Uuid::from_bytes(*uuid::Uuid::new_v4().as_bytes()),
-                expires: now.saturating_add(lease_micros),
-                batch,
-                work: vec![],
-                parkable: vec![],
-                new_rows: vec![],
-                updates: vec![],
-                resolved_keys: vec![],
-            };
-            claim.run(client, &cursor, &world)
-        })
+    crate::commit::consumer_call(stream_name, group_name, |client, group| {
+        if let Some(acks) = carried {
+            outcome::ack_in(client, group, acks.token, &acks.ids)?;
+        }
+        if is_idle(client, group)? {
+            return Ok(vec![]);
+        }
+        // The only lock a claim waits for (src/locks.rs). Everything below is read after it.
+        let cursor = cursor::read(client, group.stream.id, group.id, true)?;
+        let now = clock::now();
+        let reading = read_fence(client, group.stream.id, &cursor)?;
+        let claim = Claim {
+            group,
+            now,
+            token: pgrx::Uuid::from_bytes(*uuid::Uuid::new_v4().as_bytes()),
+            expires: now.saturating_add(lease_micros),
+            batch,
+            work: vec![],
+            parkable: vec![],
+            changes: vec![],
+            dead_on_expiry: vec![],
+            resolved_keys: vec![],
+        };
+        claim.run(client, &cursor, &reading)
     })
 }
 
 /// What the fence needs to know now. The global bound is cheap; only when it proves nothing new
 /// does the claim look up this stream's own running producers.
-fn observe(client: &SpiClient<'_>, stream_id: i64, cursor: &Cursor) -> Result<Now> {
+fn read_fence(client: &SpiClient<'_>, stream_id: i64, cursor: &Cursor) -> Result<Reading> {
     let head = cursor::sequence_head(client, stream_id)?;
-    let world = fence::read_now(head);
-    if head > cursor.claimed && fence::safe_head(cursor.claimed, cursor.observation, &world) <= cursor.claimed {
-        let bound = fence::oldest_producer(client, stream_id, world.next_xid)?;
-        return Ok(world.with_producer_bound(bound));
+    let reading = fence::read(head);
+    if head > cursor.claimed && fence::safe_head(cursor.claimed, cursor.observation, &reading) <= cursor.claimed {
+        let bound = fence::oldest_producer(client, stream_id, reading.next_xid)?;
+        return Ok(reading.with_producer_bound(bound));
     }
-    Ok(world)
+    Ok(reading)
 }
 
 /// The read-only probe: true when a claim now would find nothing to do. It takes no lock, so
 /// what it reads is only used to return early; a claim that goes on reads everything again.
 fn is_idle(client: &SpiClient<'_>, group: &GroupRef) -> Result<bool> {
-    let now = clock();
+    let now = clock::now();
     let cursor = cursor::read(client, group.stream.id, group.id, false)?;
-    let world = observe(client, group.stream.id, &cursor)?;
-    let safe = fence::safe_head(cursor.claimed, cursor.observation, &world);
+    let reading = read_fence(client, group.stream.id, &cursor)?;
+    let safe = fence::safe_head(cursor.claimed, cursor.observation, &reading);
     if safe > cursor.claimed
-        || fence::next_observation(cursor.claimed, safe, cursor.observation, &world) != cursor.observation
+        || fence::next_observation(cursor.claimed, safe, cursor.observation, &reading) != cursor.observation
     {
         return Ok(false);
     }
     let probe = PROBE
         .run(client, group.stream.id, &[group.id.into(), cursor.claimed.into(), statement::timestamptz(now)])?
         .first();
-    let work_due: bool = probe.get(1)?.expect("probe");
-    let committed: i64 = probe.get(2)?.expect("committed");
+    let work_due: bool = probe.required("work_due")?;
+    let committed: i64 = probe.required("committed")?;
     Ok(!work_due && committed <= cursor.committed)
 }
 
 impl Claim<'_> {
-    fn run(mut self, client: &SpiClient<'_>, cursor: &Cursor, world: &Now) -> Result<Vec<Delivery>> {
+    fn run(mut self, client: &SpiClient<'_>, cursor: &Cursor, reading: &Reading) -> Result<Vec<Delivery>> {
         let stream_id = self.group.stream.id;
-        let safe = fence::safe_head(cursor.claimed, cursor.observation, world);
+        let safe = fence::safe_head(cursor.claimed, cursor.observation, reading);
         let isolated = self.collect_isolated(client)?;
         if !isolated {
-            self.collect_exceptions(client)?;
+            self.collect_rows(client)?;
         }
-        debug_assert!(!isolated || self.work.len() == 1);
         let room = self.batch - self.work.len() as i32;
         let (range, claimed) = if room > 0 && !isolated {
             self.collect_range(client, cursor, safe, room)?
@@ -252,14 +219,14 @@ impl Claim<'_> {
         self.work.sort_by_key(|w| w.candidate.message_id);
 
         let candidates: Vec<Candidate> = self.work.iter().map(|w| w.candidate.clone()).collect();
-        // Exception rows this claim decides (candidates, and expired ones it dead-letters) are
-        // not blockers of the candidates: the gate decides them together.
+        // Rows this claim decides (candidates, and expired ones it dead-letters) are not blockers
+        // of the candidates: the gate decides them together.
         let exception_ids: Vec<i64> = self
             .work
             .iter()
-            .filter(|w| w.origin != Origin::Range)
+            .filter(|w| w.held != Held::Range)
             .map(|w| w.candidate.message_id)
-            .chain(self.updates.iter().map(|u| u.message_id))
+            .chain(self.dead_on_expiry.iter().copied())
             .collect();
         let input = GatherInput {
             stream_id,
@@ -284,8 +251,7 @@ impl Claim<'_> {
         key_gate::take_leases(client, stream_id, self.group.id, &gated.lease_keys, self.token, self.expires, self.now)?;
 
         let (deliveries, pending) = self.record(gated.verdicts);
-        exception_queue::insert(client, stream_id, self.group.id, &self.new_rows, self.now)?;
-        exception_queue::update(client, stream_id, self.group.id, &self.updates, self.now)?;
+        exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;
         if let Some(mut range) = range {
             (range.pending, range.pending_keys) = pending.into_iter().unzip();
             if range.reclaims == 0 {
@@ -296,17 +262,11 @@ impl Claim<'_> {
                 range::release_to(client, stream_id, self.group.id, &range, self.token, self.expires)?;
             }
         }
-        let observation = fence::next_observation(claimed, safe, cursor.observation, world);
+        let observation = fence::next_observation(claimed, safe, cursor.observation, reading);
         cursor::store(client, stream_id, self.group.id, claimed, observation)?;
         let keys = exception_queue::distinct_keys(&self.resolved_keys);
-        exception_queue::after_outcome(client, self.group, None, &keys, self.now)?;
+        exception_queue::after_resolution(client, self.group, None, &keys, self.now)?;
         Ok(deliveries)
-    }
-
-    fn candidate(&self, id: i64, key: Option<String>, requested: Option<String>, compaction: bool) -> Candidate {
-        let requested = requested.map(|p| Policy::from_stored(&p));
-        let policy = policy::resolve(self.group.concurrency_override, requested, key.is_some());
-        Candidate { message_id: id, key, policy, compaction }
     }
 
     /// A due isolated row, alone: the claim hands out nothing else with it, so a failure or an
@@ -318,52 +278,48 @@ impl Claim<'_> {
             self.group.stream.id,
             &[self.group.id.into(), statement::timestamptz(self.now)],
         )?;
-        self.push_exceptions(rows)?;
+        self.push_rows(rows)?;
         Ok(!self.work.is_empty())
     }
 
     /// Due exception rows, up to the batch size.
-    fn collect_exceptions(&mut self, client: &SpiClient<'_>) -> Result<()> {
-        let rows = DUE_EXCEPTIONS.run(
+    fn collect_rows(&mut self, client: &SpiClient<'_>) -> Result<()> {
+        let rows = DUE_ROWS.run(
             client,
             self.group.stream.id,
             &[self.group.id.into(), statement::timestamptz(self.now), self.batch.into()],
         )?;
-        self.push_exceptions(rows)
+        self.push_rows(rows)
     }
 
-    /// An inflight row whose lease expired counts as a failed attempt and is dead-lettered when
-    /// that spends the retry budget.
-    fn push_exceptions(&mut self, rows: pgrx::spi::SpiTupleTable<'_>) -> Result<()> {
+    fn push_rows(&mut self, rows: SpiTupleTable<'_>) -> Result<()> {
         for row in rows {
-            let id: i64 = row.get(1)?.expect("message_id");
-            let key: Option<String> = row.get(2)?;
-            let policy = Policy::from_stored(&row.get::<String>(3)?.expect("concurrency"));
-            let compaction: bool = row.get(4)?.expect("compaction");
-            let status: String = row.get(5)?.expect("status");
-            let mut attempts: i32 = row.get(6)?.expect("attempts");
-            let expired = status == "inflight";
+            let id: i64 = row.required("message_id")?;
+            let key: Option<String> = row.value("message_key")?;
+            let status = Status::from_stored(&row.required::<String>("status")?)?;
+            let mut attempts: i32 = row.required("attempts")?;
+            let expired = status == Status::Inflight;
             if expired {
-                attempts += 1;
-                if attempts > self.group.max_retries {
-                    self.updates.push(RowUpdate {
-                        message_id: id,
-                        status: Status::Dead,
-                        attempts,
-                        can_run_after: None,
-                        parked: false,
-                        lease: None,
-                        last_error: Some(LEASE_EXPIRED.into()),
-                    });
-                    self.resolved_keys.push(key);
-                    continue;
+                match exception_queue::expire(id, attempts, self.group.max_retries) {
+                    Expired::Again { attempts: counted } => attempts = counted,
+                    Expired::Dead(update) => {
+                        self.changes.push(Change::Update(update));
+                        self.dead_on_expiry.push(id);
+                        self.resolved_keys.push(key);
+                        continue;
+                    }
                 }
             }
             self.work.push(Work {
-                candidate: Candidate { message_id: id, key, policy, compaction },
-                origin: Origin::Exception { status, expired },
+                candidate: Candidate {
+                    message_id: id,
+                    concurrency: Concurrency::from_stored(&row.required::<String>("concurrency")?)?,
+                    key,
+                    compaction: row.required("compaction")?,
+                },
+                held: Held::Row { status, expired },
                 attempt: attempts,
-                payload: row.get(7)?.expect("payload"),
+                payload: row.required("payload")?,
             });
         }
         Ok(())
@@ -380,27 +336,25 @@ impl Claim<'_> {
     ) -> Result<(Option<RangeLease>, i64)> {
         let stream_id = self.group.stream.id;
         if let Some(mut expired) = range::oldest_expired(client, stream_id, self.group.id, self.now)? {
-            let rows = MESSAGES_BY_ID.run(client, stream_id, &[expired.pending.clone().into()])?;
+            let messages = message::by_id(client, self.group, &expired.pending)?;
             if expired.reclaims >= self.group.max_reclaims {
-                self.quarantine(&expired, rows)?;
+                for m in &messages {
+                    self.changes.push(Change::Insert(exception_queue::quarantine(&m.candidate, &expired, self.now)));
+                }
                 range::delete(client, stream_id, self.group.id, expired.first_id)?;
             } else {
                 expired.reclaims += 1;
-                for row in rows {
-                    self.push_range_message(row, expired.reclaims)?;
-                }
+                self.push_range(messages, expired.reclaims);
                 return Ok((Some(expired), cursor.claimed));
             }
         }
         if safe <= cursor.claimed {
             return Ok((None, cursor.claimed));
         }
-        let rows = FRESH_MESSAGES.run(client, stream_id, &[cursor.claimed.into(), safe.into(), room.into()])?;
-        let taken = rows.len();
-        let mut last = cursor.claimed;
-        for row in rows {
-            last = self.push_range_message(row, 0)?;
-        }
+        let messages = message::after(client, self.group, cursor.claimed, safe, room)?;
+        let taken = messages.len();
+        let last = messages.last().map_or(cursor.claimed, |m| m.candidate.message_id);
+        self.push_range(messages, 0);
         // A full batch ends at its last message; otherwise the range covers every id up to
         // the safe head, including ids of rolled-back producers that will never appear.
         let claimed = if taken as i32 == room { last } else { safe };
@@ -414,136 +368,50 @@ impl Claim<'_> {
         Ok((range, claimed))
     }
 
-    fn push_range_message(&mut self, row: pgrx::spi::SpiHeapTupleData<'_>, attempt: i32) -> Result<i64> {
-        let id: i64 = row.get(1)?.expect("id");
-        let candidate = self.candidate(id, row.get(2)?, row.get(3)?, row.get(4)?.expect("compaction"));
-        self.work.push(Work { candidate, origin: Origin::Range, attempt, payload: row.get(5)?.expect("payload") });
-        Ok(id)
+    fn push_range(&mut self, messages: Vec<Message>, attempt: i32) {
+        self.work.extend(messages.into_iter().map(|m| Work {
+            candidate: m.candidate,
+            held: Held::Range,
+            attempt,
+            payload: m.payload,
+        }));
     }
 
-    /// A range that kept expiring: each message becomes an isolated exception row, due at once,
-    /// with no failure counted. It is then delivered alone (`collect_isolated`), so only a
-    /// message whose own deliveries fail or expire spends its retry budget: one poison message
-    /// never dead-letters its innocent range-mates.
-    fn quarantine(&mut self, range: &RangeLease, rows: pgrx::spi::SpiTupleTable<'_>) -> Result<()> {
-        let error = format!(
-            "quarantined: the range {}..{} was handed out {} times and its lease expired each time",
-            range.first_id,
-            range.last_id,
-            range.reclaims + 1
-        );
-        for row in rows {
-            let c =
-                self.candidate(row.get(1)?.expect("id"), row.get(2)?, row.get(3)?, row.get(4)?.expect("compaction"));
-            self.new_rows.push(NewRow {
-                isolated: true,
-                last_error: Some(error.clone()),
-                ..new_row(&c, Status::Ready, self.now, false)
-            });
-        }
-        Ok(())
-    }
-
-    /// Where a waiting row goes: parked until `until` when this claim holds its key's lock,
-    /// otherwise left due now (an outcome is resolving the key; the next claim looks again).
-    fn wait_until(&self, c: &Candidate, until: i64) -> (i64, bool) {
-        let locked = c.key.as_ref().is_some_and(|k| self.parkable.contains(k));
-        if locked {
-            (until, true)
-        } else {
-            (self.now, false)
-        }
-    }
-
-    /// Turns verdicts into row changes; returns the deliveries and the range's pending list.
+    /// Turns verdicts into queue changes; returns the deliveries and the range's pending list.
     fn record(&mut self, verdicts: Vec<Verdict>) -> (Vec<Delivery>, Vec<(i64, Option<String>)>) {
         let mut deliveries = Vec::new();
         let mut pending = Vec::new();
         for (work, verdict) in std::mem::take(&mut self.work).into_iter().zip(verdicts) {
             let c = work.candidate;
-            let run_after = match (&work.origin, verdict) {
-                (Origin::Range, Verdict::Run { run_after }) => {
-                    pending.push((c.message_id, c.key.clone()));
-                    run_after
-                }
-                (Origin::Range, Verdict::Defer { until }) => {
-                    let (until, parked) = self.wait_until(&c, until);
-                    self.new_rows.push(new_row(&c, Status::Deferred, until, parked));
-                    continue;
-                }
-                (Origin::Range, Verdict::Supersede) => {
-                    self.resolved_keys.push(c.key.clone());
-                    self.new_rows.push(new_row(&c, Status::Superseded, self.now, false));
-                    continue;
-                }
-                (Origin::Exception { expired, .. }, Verdict::Run { run_after }) => {
-                    self.updates.push(RowUpdate {
+            match verdict {
+                Verdict::Run { run_after } => {
+                    match exception_queue::hand_out(&work.held, c.message_id, work.attempt, self.token, self.expires) {
+                        Some(update) => self.changes.push(Change::Update(update)),
+                        None => pending.push((c.message_id, c.key.clone())),
+                    }
+                    deliveries.push(Delivery {
                         message_id: c.message_id,
-                        status: Status::Inflight,
-                        attempts: work.attempt,
-                        can_run_after: None,
-                        parked: false,
-                        lease: Some((self.token, self.expires)),
-                        last_error: expired.then(|| LEASE_EXPIRED.into()),
+                        message_key: c.key,
+                        concurrency: c.concurrency,
+                        attempt: work.attempt,
+                        payload: work.payload,
+                        lease_token: self.token,
+                        run_after,
                     });
-                    run_after
                 }
-                (Origin::Exception { status, expired }, Verdict::Defer { until }) => {
-                    // A retry keeps its status while it waits for its key; a deferred row stays deferred.
-                    let status = if status == "deferred" { Status::Deferred } else { Status::Ready };
-                    let (until, parked) = self.wait_until(&c, until);
-                    self.updates.push(RowUpdate {
-                        message_id: c.message_id,
-                        status,
-                        attempts: work.attempt,
-                        can_run_after: Some(until),
-                        parked,
-                        lease: None,
-                        last_error: expired.then(|| LEASE_EXPIRED.into()),
-                    });
-                    continue;
+                Verdict::Defer { until } => {
+                    // Parked only under this claim's key lock; otherwise due now (src/key_gate.rs).
+                    let parked = c.key.as_ref().is_some_and(|k| self.parkable.contains(k));
+                    let until = if parked { until } else { self.now };
+                    self.changes.push(exception_queue::defer_behind(&work.held, &c, work.attempt, until, parked));
                 }
-                (Origin::Exception { .. }, Verdict::Supersede) => {
-                    self.resolved_keys.push(c.key.clone());
-                    self.updates.push(RowUpdate {
-                        message_id: c.message_id,
-                        status: Status::Superseded,
-                        attempts: work.attempt,
-                        can_run_after: None,
-                        parked: false,
-                        lease: None,
-                        last_error: None,
-                    });
-                    continue;
+                Verdict::Supersede => {
+                    self.changes.push(exception_queue::supersede(&work.held, &c, work.attempt, self.now));
+                    self.resolved_keys.push(c.key);
                 }
-            };
-            deliveries.push(Delivery {
-                message_id: c.message_id,
-                message_key: c.key,
-                policy: c.policy,
-                attempt: work.attempt,
-                payload: work.payload,
-                lease_token: self.token,
-                run_after,
-            });
+            }
         }
         (deliveries, pending)
-    }
-}
-
-fn new_row(c: &Candidate, status: Status, can_run_after: i64, parked: bool) -> NewRow {
-    NewRow {
-        message_id: c.message_id,
-        key: c.key.clone(),
-        policy: c.policy,
-        compaction: c.compaction,
-        status,
-        attempts: 0,
-        delays: 0,
-        can_run_after,
-        parked,
-        isolated: false,
-        last_error: None,
     }
 }
 
@@ -604,6 +472,14 @@ fn claim_sql(
     };
     let deliveries = claim(stream, group_name, batch, lease_micros, carried)?;
     Ok(TableIterator::new(deliveries.into_iter().map(|d| {
-        (d.message_id, d.message_key, d.policy.as_str().to_string(), d.attempt, d.payload, d.lease_token, d.run_after)
+        (
+            d.message_id,
+            d.message_key,
+            d.concurrency.as_str().to_string(),
+            d.attempt,
+            d.payload,
+            d.lease_token,
+            d.run_after,
+        )
     })))
 }

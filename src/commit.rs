@@ -20,6 +20,10 @@ use std::cell::Cell;
 
 use pgrx::pg_sys;
 use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
+
+use crate::error::Result;
+use crate::group::{self, GroupRef};
 
 /// What this transaction's consumer calls have seen of its WAL.
 #[derive(Clone, Copy, Default)]
@@ -45,15 +49,22 @@ pub fn init() {
     unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) }
 }
 
-/// Runs a consumer call (`f`): notes whether anything else wrote before it, and where the WAL
-/// stands after it.
-pub fn consumer_call<T, E>(f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
+/// Runs a consumer call on group `group_name` of `stream`: looks the group up, runs `f`, and
+/// notes whether anything else wrote before the call and where the WAL stands after it.
+pub fn consumer_call<T>(
+    stream: &str,
+    group_name: &str,
+    f: impl FnOnce(&SpiClient<'_>, &GroupRef) -> Result<T>,
+) -> Result<T> {
     let mut bracket = BRACKET.get();
     // SAFETY: reads this backend's transaction state.
     let in_block = unsafe { pg_sys::IsTransactionBlock() };
     bracket.mixed |= in_block || wal_position() != bracket.after_last_call.unwrap_or(0);
     BRACKET.set(bracket);
-    let result = f()?;
+    let result = Spi::connect_mut(|client| {
+        let group = group::lookup(client, stream, group_name)?;
+        f(client, &group)
+    })?;
     BRACKET.set(Bracket { after_last_call: Some(wal_position()), ..BRACKET.get() });
     Ok(result)
 }

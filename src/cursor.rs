@@ -11,7 +11,7 @@ use pgrx::spi::SpiClient;
 
 use crate::error::Result;
 use crate::fence::Observation;
-use crate::statement::Statement;
+use crate::statement::{Columns, Statement};
 
 #[derive(Clone, Copy, Debug)]
 pub struct Cursor {
@@ -84,18 +84,18 @@ macro_rules! head_sql {
 pub(crate) use head_sql;
 
 const SEQUENCE_HEAD: Statement =
-    Statement { name: "cursor_sequence_head", sql: concat!("SELECT ", head_sql!()), params: &[] };
+    Statement { name: "cursor_sequence_head", sql: concat!("SELECT ", head_sql!(), " AS head"), params: &[] };
 
 /// Reads the cursor; with `lock`, also locks it until the transaction ends (serializing the
 /// claims of one group).
 pub fn read(client: &SpiClient<'_>, stream_id: i64, group_id: i64, lock: bool) -> Result<Cursor> {
     let statement = if lock { &READ_LOCKED } else { &READ };
     let row = statement.run(client, stream_id, &[group_id.into()])?.first();
-    let head: Option<i64> = row.get(3)?;
-    let xid: Option<i64> = row.get(4)?;
+    let head: Option<i64> = row.value("fence_head")?;
+    let xid: Option<i64> = row.value("fence_xid")?;
     Ok(Cursor {
-        claimed: row.get(1)?.expect("claimed"),
-        committed: row.get(2)?.expect("committed"),
+        claimed: row.required("claimed")?,
+        committed: row.required("committed")?,
         observation: head.zip(xid).map(|(head, xid)| Observation { head, xid: xid as u64 }),
     })
 }
@@ -128,10 +128,10 @@ pub fn advance(client: &SpiClient<'_>, stream_id: i64, group_id: i64, claimed: i
     if rows.is_empty() {
         return Ok(None);
     }
-    Ok(rows.first().get(1)?)
+    rows.first().value("committed")
 }
 
 /// The highest message id handed out so far (0 when none).
 pub fn sequence_head(client: &SpiClient<'_>, stream_id: i64) -> Result<i64> {
-    Ok(SEQUENCE_HEAD.run(client, stream_id, &[])?.first().get(1)?.expect("sequence row"))
+    SEQUENCE_HEAD.run(client, stream_id, &[])?.first().required("head")
 }

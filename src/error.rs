@@ -23,6 +23,14 @@ pub enum StreamError {
     #[error("{message}")]
     WrongTransactionState { message: String, hint: String },
 
+    /// Something must be done first (for example `ALTER EXTENSION sqlstreams UPDATE`).
+    #[error("{message}")]
+    WrongPrerequisite { message: String, hint: String },
+
+    /// A broken invariant of the extension itself (a bug, never the caller's doing).
+    #[error("internal error: {0}")]
+    Internal(String),
+
     #[error(transparent)]
     Spi(#[from] pgrx::spi::Error),
 }
@@ -41,7 +49,8 @@ impl StreamError {
             }
             StreamError::InvalidArgument { .. } => PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
             StreamError::WrongTransactionState { .. } => PgSqlErrorCode::ERRCODE_INVALID_TRANSACTION_STATE,
-            StreamError::Spi(_) => PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+            StreamError::WrongPrerequisite { .. } => PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            StreamError::Internal(_) | StreamError::Spi(_) => PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
         }
     }
 
@@ -54,8 +63,9 @@ impl StreamError {
                 "Create it first with sqlstreams.create_group('{stream}', '{group}'), or check the name in sqlstreams.consumer_groups."
             )),
             StreamError::InvalidArgument { hint, .. }
-            | StreamError::WrongTransactionState { hint, .. } => Some(hint.clone()),
-            StreamError::Spi(_) => None,
+            | StreamError::WrongTransactionState { hint, .. }
+            | StreamError::WrongPrerequisite { hint, .. } => Some(hint.clone()),
+            StreamError::Internal(_) | StreamError::Spi(_) => None,
         }
     }
 }

@@ -27,7 +27,7 @@
 //! that both come before its message ids. Read-only transactions take no transaction id and
 //! hold nothing back either way.
 //!
-//! Every read here describes one moment, so a claim reads `Now` after it holds the cursor row
+//! Every read here describes one moment, so a claim takes its `Reading` after it holds the cursor row
 //! (`src/claim.rs`): a bound read before waiting for another claim would be applied to an
 //! observation that other claim stored later, which is exactly how a message gets skipped.
 
@@ -36,7 +36,7 @@ use pgrx::spi::SpiClient;
 
 use crate::error::Result;
 use crate::locks;
-use crate::statement::Statement;
+use crate::statement::{Columns, Statement};
 
 /// Transaction ids held by the stream's running producers, as 32-bit values. A holder without a
 /// transaction id has not taken a message id yet and cannot hold anything back. pg_locks is
@@ -45,7 +45,7 @@ use crate::statement::Statement;
 const PRODUCER_XIDS: Statement = Statement {
     name: "fence_producer_xids",
     sql: concat!(
-        "SELECT coalesce(pg_catalog.array_agg(t.transactionid::text::int8), '{}')
+        "SELECT coalesce(pg_catalog.array_agg(t.transactionid::text::int8), '{}') AS xids
           FROM pg_catalog.pg_locks a
           JOIN pg_catalog.pg_locks t
             ON t.virtualtransaction = a.virtualtransaction AND t.locktype = 'transactionid'
@@ -61,7 +61,7 @@ const PRODUCER_XIDS: Statement = Statement {
 /// there is none. Must be called after `next_xid` was read.
 pub fn oldest_producer(client: &SpiClient<'_>, stream_id: i64, next_xid: u64) -> Result<u64> {
     let (high, low) = locks::producer_lock_params(stream_id);
-    let xids: Vec<i64> = PRODUCER_XIDS.run(client, 0, &[high.into(), low.into()])?.first().get(1)?.unwrap_or_default();
+    let xids: Vec<i64> = PRODUCER_XIDS.run(client, 0, &[high.into(), low.into()])?.first().required("xids")?;
     Ok(xids
         .into_iter()
         .map(|x| widen_xid(pg_sys::TransactionId::from(x as u32), next_xid))
@@ -83,9 +83,9 @@ impl Observation {
     }
 }
 
-/// What a claim reads of the world, in this order: `head`, then `next_xid`, then `oldest_running`.
+/// One reading of the fence, taken in this order: `head`, then `next_xid`, then `oldest_running`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Now {
+pub struct Reading {
     /// Highest message id handed out so far (0 when none).
     pub head: i64,
     /// Next transaction id to be assigned (64-bit).
@@ -94,64 +94,69 @@ pub struct Now {
     pub oldest_running: u64,
 }
 
-impl Now {
+impl Reading {
     fn observation(&self) -> Observation {
         Observation { head: self.head, xid: self.next_xid }
     }
 }
 
-impl Now {
+impl Reading {
     /// Tightens the bound with the oldest running producer of this stream (a transaction that
     /// does not produce to it cannot hold one of its ids).
-    pub fn with_producer_bound(self, oldest_producer: u64) -> Now {
-        Now { oldest_running: self.oldest_running.max(oldest_producer), ..self }
+    pub fn with_producer_bound(self, oldest_producer: u64) -> Reading {
+        Reading { oldest_running: self.oldest_running.max(oldest_producer), ..self }
     }
 }
 
 /// The highest id a group may claim up to.
-pub fn safe_head(claimed: i64, stored: Option<Observation>, now: &Now) -> i64 {
+pub fn safe_head(claimed: i64, stored: Option<Observation>, reading: &Reading) -> i64 {
     let mut safe = claimed;
-    if let Some(obs) = stored.filter(|o| o.is_mature(now.oldest_running)) {
+    if let Some(obs) = stored.filter(|o| o.is_mature(reading.oldest_running)) {
         safe = safe.max(obs.head);
     }
-    if now.observation().is_mature(now.oldest_running) {
-        safe = safe.max(now.head);
+    if reading.observation().is_mature(reading.oldest_running) {
+        safe = safe.max(reading.head);
     }
     safe
 }
 
 /// The observation to keep in the cursor after a claim that advanced `claimed` to
 /// `new_claimed` (it may stop short of `safe` because of its batch size).
-pub fn next_observation(new_claimed: i64, safe: i64, stored: Option<Observation>, now: &Now) -> Option<Observation> {
+pub fn next_observation(
+    new_claimed: i64,
+    safe: i64,
+    stored: Option<Observation>,
+    reading: &Reading,
+) -> Option<Observation> {
     if safe > new_claimed {
         // A known-safe head is left to claim: keep it (as an already mature observation).
-        let source = [stored, Some(now.observation())]
+        let source = [stored, Some(reading.observation())]
             .into_iter()
             .flatten()
-            .filter(|o| o.is_mature(now.oldest_running) && o.head >= safe)
+            .filter(|o| o.is_mature(reading.oldest_running) && o.head >= safe)
             .min_by_key(|o| o.xid)
             .expect("safe > claimed comes from a mature observation");
         return Some(Observation { head: safe, xid: source.xid });
     }
-    if now.head <= new_claimed {
+    if reading.head <= new_claimed {
         return None; // nothing beyond the cursor to wait for
     }
     match stored {
         // An older pending observation matures sooner than a fresh one.
-        Some(obs) if !obs.is_mature(now.oldest_running) && obs.head > new_claimed => Some(obs),
-        _ => Some(now.observation()),
+        Some(obs) if !obs.is_mature(reading.oldest_running) && obs.head > new_claimed => Some(obs),
+        _ => Some(reading.observation()),
     }
 }
 
-/// Reads `Now` for a stream whose sequence's last value is `head`. The caller must have read
+/// Reads the fence for a stream whose sequence's last value is `head`. The caller must have read
 /// `head` before calling this; the order of the reads is the proof.
-pub fn read_now(head: i64) -> Now {
+pub fn read(head: i64) -> Reading {
     // SAFETY: plain reads of shared transaction state under Postgres' own locks.
     unsafe {
         let next = pg_sys::ReadNextFullTransactionId().value;
         let snapshot = pg_sys::GetLatestSnapshot();
         let oldest = widen_xid((*snapshot).xmin, next);
-        Now { head, next_xid: next, oldest_running: oldest.min(next) }
+        Reading { head, next_xid: next, oldest_running: oldest.min(next) }
     }
 }
 
@@ -172,8 +177,8 @@ pub fn widen_xid(xid: pg_sys::TransactionId, next: u64) -> u64 {
 mod tests {
     use super::*;
 
-    fn now(head: i64, next_xid: u64, oldest_running: u64) -> Now {
-        Now { head, next_xid, oldest_running }
+    fn now(head: i64, next_xid: u64, oldest_running: u64) -> Reading {
+        Reading { head, next_xid, oldest_running }
     }
 
     #[test]

@@ -5,10 +5,10 @@ use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
 use crate::backoff::Backoff;
+use crate::concurrency::Concurrency;
 use crate::error::{Result, SqlResult, StreamError};
 use crate::names::{positive_micros, validate_name, StartAt};
-use crate::policy::Policy;
-use crate::statement::Statement;
+use crate::statement::{Columns, Statement};
 use crate::stream::{self, StreamRef};
 
 /// A consumer group with its stream and settings.
@@ -16,7 +16,7 @@ use crate::stream::{self, StreamRef};
 pub struct GroupRef {
     pub stream: StreamRef,
     pub id: i64,
-    pub concurrency_override: Option<Policy>,
+    pub concurrency_override: Option<Concurrency>,
     pub max_retries: i32,
     pub backoff: Backoff,
     pub max_delays: Option<i32>,
@@ -26,21 +26,21 @@ pub struct GroupRef {
 impl GroupRef {
     /// Whether any exclusive key lease can exist for this group.
     pub fn may_hold_key_leases(&self) -> bool {
-        !matches!(self.concurrency_override, Some(Policy::Parallel | Policy::Ordered))
+        !matches!(self.concurrency_override, Some(Concurrency::Parallel | Concurrency::Ordered))
     }
 
     /// Whether any row of this group can be parked behind a same-key message.
     pub fn may_park(&self) -> bool {
-        self.concurrency_override != Some(Policy::Parallel)
+        self.concurrency_override != Some(Concurrency::Parallel)
     }
 }
 
 const LOOKUP: Statement = Statement {
     name: "group_lookup",
-    sql: "SELECT s.id, s.partition_size, s.partitions_through,
-                 g.id, g.concurrency_override, g.max_retries,
-                 (extract(epoch FROM g.backoff_base) * 1e6)::int8,
-                 (extract(epoch FROM g.backoff_cap) * 1e6)::int8,
+    sql: "SELECT s.id AS stream_id, s.partition_size, s.partitions_through,
+                 g.id AS group_id, g.concurrency_override, g.max_retries,
+                 (extract(epoch FROM g.backoff_base) * 1e6)::int8 AS backoff_base,
+                 (extract(epoch FROM g.backoff_cap) * 1e6)::int8 AS backoff_cap,
                  g.backoff_exponent, g.max_delays, g.max_reclaims
           FROM sqlstreams.stream s
           LEFT JOIN sqlstreams.consumer_group g ON g.stream_id = s.id AND g.name = $2
@@ -92,32 +92,35 @@ pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str) -> Result<Group
         return Err(StreamError::UnknownStream(stream.to_string()));
     }
     let stream_ref = StreamRef {
-        id: row.get(1)?.expect("stream id"),
-        partition_size: row.get(2)?.expect("partition_size"),
-        partitions_through: row.get(3)?.expect("partitions_through"),
+        id: row.required("stream_id")?,
+        partition_size: row.required("partition_size")?,
+        partitions_through: row.required("partitions_through")?,
     };
-    let Some(id) = row.get::<i64>(4)? else {
+    let Some(id) = row.value::<i64>("group_id")? else {
         return Err(StreamError::UnknownGroup { stream: stream.to_string(), group: group.to_string() });
     };
     Ok(GroupRef {
         stream: stream_ref,
         id,
-        concurrency_override: row.get::<String>(5)?.map(|p| Policy::from_stored(&p)),
-        max_retries: row.get(6)?.expect("max_retries"),
+        concurrency_override: row
+            .value::<String>("concurrency_override")?
+            .map(|c| Concurrency::from_stored(&c))
+            .transpose()?,
+        max_retries: row.required("max_retries")?,
         backoff: Backoff {
-            base_micros: row.get(7)?.expect("backoff_base"),
-            cap_micros: row.get(8)?.expect("backoff_cap"),
-            exponent: row.get(9)?.expect("backoff_exponent"),
+            base_micros: row.required("backoff_base")?,
+            cap_micros: row.required("backoff_cap")?,
+            exponent: row.required("backoff_exponent")?,
         },
-        max_delays: row.get(10)?,
-        max_reclaims: row.get(11)?.expect("max_reclaims"),
+        max_delays: row.value("max_delays")?,
+        max_reclaims: row.required("max_reclaims")?,
     })
 }
 
 /// A group's settings, validated.
 #[derive(Clone, Debug)]
 pub struct GroupSettings {
-    pub concurrency_override: Option<Policy>,
+    pub concurrency_override: Option<Concurrency>,
     pub max_retries: i32,
     pub start_at: StartAt,
     pub backoff: Backoff,
@@ -136,7 +139,7 @@ pub fn create(stream: &str, name: &str, settings: &GroupSettings) -> Result<i64>
                 &[
                     stream.id.into(),
                     name.into(),
-                    settings.concurrency_override.map(Policy::as_str).into(),
+                    settings.concurrency_override.map(Concurrency::as_str).into(),
                     settings.max_retries.into(),
                     settings.backoff.base_micros.into(),
                     settings.backoff.cap_micros.into(),
@@ -146,8 +149,8 @@ pub fn create(stream: &str, name: &str, settings: &GroupSettings) -> Result<i64>
                 ],
             )?
             .first();
-        let id: i64 = row.get(1)?.expect("group id");
-        let created: bool = row.get(2)?.expect("created");
+        let id: i64 = row.required("id")?;
+        let created: bool = row.required("created")?;
         if created {
             PLACE_CURSOR.run(client, stream.id, &[id.into(), (settings.start_at == StartAt::Head).into()])?;
         }
@@ -178,7 +181,8 @@ fn settings(
     max_delays: Option<i32>,
     max_reclaims: Option<i32>,
 ) -> Result<GroupSettings> {
-    let concurrency_override = concurrency_override.map(|p| Policy::parse("concurrency_override", p)).transpose()?;
+    let concurrency_override =
+        concurrency_override.map(|p| Concurrency::parse("concurrency_override", p)).transpose()?;
     let max_retries = match max_retries {
         Some(n) if n >= 0 => n,
         other => {

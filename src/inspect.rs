@@ -5,12 +5,15 @@ use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
 
+use pgrx::spi::SpiHeapTupleData;
+
 use crate::cursor::{self, committed_now, head_sql};
-use crate::error::Result;
+use crate::error::{Result, StreamError};
+use crate::exception_queue::unresolved;
 use crate::group::{self, GroupRef};
 use crate::names::validate_name;
 use crate::payload::RawJsonb;
-use crate::statement::Statement;
+use crate::statement::{Columns, Statement};
 
 /// A group's progress in one statement, so every figure describes the same moment (two
 /// statements would let a claim move the cursor between them).
@@ -19,10 +22,10 @@ const PROGRESS: Statement = Statement {
     sql: concat!(
         "SELECT c.claimed, greatest(c.committed, ",
         committed_now!("c.claimed"),
-        "), ",
+        ") AS committed, ",
         head_sql!(),
-        ",
-                (SELECT count(*) FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1),
+        " AS head,
+                (SELECT count(*) FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1) AS open_ranges,
                 e.ready, e.inflight, e.deferred, e.dead, e.superseded
          FROM sqlstreams.cursor_@id@ c,
               LATERAL (SELECT count(*) FILTER (WHERE status = 'ready') AS ready,
@@ -38,13 +41,16 @@ const PROGRESS: Statement = Statement {
 
 const BLOCKED_KEYS: Statement = Statement {
     name: "inspect_blocked_keys",
-    sql: "SELECT DISTINCT ON (e.message_key)
-                 e.message_key, e.message_id, e.status, e.attempts, e.can_run_after, e.last_error,
-                 count(*) OVER (PARTITION BY e.message_key) - 1
-          FROM sqlstreams.exception_queue_@id@ e
-          WHERE e.consumer_group_id = $1 AND e.message_key IS NOT NULL
-            AND e.status IN ('ready', 'inflight', 'deferred')
-          ORDER BY e.message_key, e.message_id",
+    sql: concat!(
+        "SELECT DISTINCT ON (e.message_key)
+                e.message_key, e.message_id, e.status, e.attempts, e.can_run_after, e.last_error,
+                count(*) OVER (PARTITION BY e.message_key) - 1 AS waiting_behind
+         FROM sqlstreams.exception_queue_@id@ e
+         WHERE e.consumer_group_id = $1 AND e.message_key IS NOT NULL AND e.status IN ",
+        unresolved!(),
+        "
+         ORDER BY e.message_key, e.message_id"
+    ),
     params: &[INT8OID],
 };
 
@@ -60,7 +66,8 @@ const DEAD: Statement = Statement {
 
 const LEASES: Statement = Statement {
     name: "inspect_leases",
-    sql: "SELECT 'range', first_id, last_id, NULL::text, lease_token, lease_expires_at, cardinality(pending)
+    sql: "SELECT 'range' AS kind, first_id, last_id, NULL::text AS message_key, lease_token, lease_expires_at,
+                 cardinality(pending) AS pending
           FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1
           UNION ALL
           SELECT 'exception', message_id, message_id, message_key, lease_token, lease_expires_at, 1
@@ -72,35 +79,56 @@ const LEASES: Statement = Statement {
     params: &[INT8OID],
 };
 
+/// The group named by a call's arguments.
 fn resolve(stream: Option<&str>, group_name: Option<&str>) -> Result<GroupRef> {
     let stream = validate_name("stream", stream)?;
     let group_name = validate_name("group", group_name)?;
     Spi::connect(|client| group::lookup(client, stream, group_name))
 }
 
-/// A group's progress: (claimed, committed, head, lag, open ranges, ready, inflight, deferred,
-/// dead, superseded). `committed` is computed live, so it can be ahead of the stored cursor.
-fn progress(group: &GroupRef) -> Result<(i64, i64, i64, i64, i64, i64, i64, i64, i64, i64)> {
+/// Runs a read-only per-group listing and decodes each row: the body every inspection function
+/// shares.
+fn list<T>(
+    stream: Option<&str>,
+    group_name: Option<&str>,
+    statement: &Statement,
+    decode: impl Fn(&SpiHeapTupleData<'_>) -> Result<T>,
+) -> Result<Vec<T>> {
+    let group = resolve(stream, group_name)?;
     Spi::connect(|client| {
-        let row = PROGRESS.run(client, group.stream.id, &[group.id.into()])?.first();
-        let n = |i: usize| -> Result<i64> { Ok(row.get::<i64>(i)?.unwrap_or(0)) };
-        let (committed, head) = (n(2)?, n(3)?);
-        Ok((n(1)?, committed, head, head - committed, n(4)?, n(5)?, n(6)?, n(7)?, n(8)?, n(9)?))
+        statement.read(client, group.stream.id, &[group.id.into()])?.map(|row| decode(&row)).collect()
     })
 }
 
-type ProgressRow = (
-    name!(claimed, i64),
-    name!(committed, i64),
-    name!(head, i64),
-    name!(lag, i64),
-    name!(open_ranges, i64),
-    name!(ready, i64),
-    name!(inflight, i64),
-    name!(deferred, i64),
-    name!(dead, i64),
-    name!(superseded, i64),
-);
+/// One group's progress. `committed` is computed live, so it can be ahead of the stored cursor.
+struct Progress {
+    claimed: i64,
+    committed: i64,
+    head: i64,
+    open_ranges: i64,
+    ready: i64,
+    inflight: i64,
+    deferred: i64,
+    dead: i64,
+    superseded: i64,
+}
+
+fn progress(stream: Option<&str>, group_name: Option<&str>) -> Result<Progress> {
+    let rows = list(stream, group_name, &PROGRESS, |row| {
+        Ok(Progress {
+            claimed: row.required("claimed")?,
+            committed: row.required("committed")?,
+            head: row.required("head")?,
+            open_ranges: row.required("open_ranges")?,
+            ready: row.required("ready")?,
+            inflight: row.required("inflight")?,
+            deferred: row.required("deferred")?,
+            dead: row.required("dead")?,
+            superseded: row.required("superseded")?,
+        })
+    })?;
+    rows.into_iter().next().ok_or_else(|| StreamError::Internal("the group has no cursor row".into()))
+}
 
 /// One group's cursor, head, lag and exception-queue counts by status.
 #[pg_extern(stable, parallel_safe)]
@@ -125,9 +153,19 @@ fn group_status(
     >,
     ErrorReport,
 > {
-    let group = resolve(stream, group_name)?;
-    let row: ProgressRow = progress(&group)?;
-    Ok(TableIterator::once(row))
+    let p = progress(stream, group_name)?;
+    Ok(TableIterator::once((
+        p.claimed,
+        p.committed,
+        p.head,
+        p.head - p.committed,
+        p.open_ranges,
+        p.ready,
+        p.inflight,
+        p.deferred,
+        p.dead,
+        p.superseded,
+    )))
 }
 
 /// Keys whose delivery waits in the exception queue: the oldest unresolved message of each key,
@@ -151,21 +189,16 @@ fn blocked_keys(
     >,
     ErrorReport,
 > {
-    let group = resolve(stream, group_name)?;
-    let rows = Spi::connect(|client| -> Result<Vec<_>> {
-        let mut out = Vec::new();
-        for row in BLOCKED_KEYS.run(client, group.stream.id, &[group.id.into()])? {
-            out.push((
-                row.get(1)?.expect("key"),
-                row.get(2)?.expect("id"),
-                row.get(3)?.expect("status"),
-                row.get(4)?.expect("attempts"),
-                row.get(5)?.expect("can_run_after"),
-                row.get(6)?,
-                row.get(7)?.expect("count"),
-            ));
-        }
-        Ok(out)
+    let rows = list(stream, group_name, &BLOCKED_KEYS, |row| {
+        Ok((
+            row.required("message_key")?,
+            row.required("message_id")?,
+            row.required("status")?,
+            row.required("attempts")?,
+            row.required("can_run_after")?,
+            row.value("last_error")?,
+            row.required("waiting_behind")?,
+        ))
     })?;
     Ok(TableIterator::new(rows))
 }
@@ -191,21 +224,16 @@ fn dead_messages(
     >,
     ErrorReport,
 > {
-    let group = resolve(stream, group_name)?;
-    let rows = Spi::connect(|client| -> Result<Vec<_>> {
-        let mut out = Vec::new();
-        for row in DEAD.run(client, group.stream.id, &[group.id.into()])? {
-            out.push((
-                row.get(1)?.expect("id"),
-                row.get(2)?,
-                row.get(3)?.expect("attempts"),
-                row.get(4)?.expect("delays"),
-                row.get(5)?,
-                row.get(6)?.expect("updated_at"),
-                row.get(7)?.expect("payload"),
-            ));
-        }
-        Ok(out)
+    let rows = list(stream, group_name, &DEAD, |row| {
+        Ok((
+            row.required("message_id")?,
+            row.value("message_key")?,
+            row.required("attempts")?,
+            row.required("delays")?,
+            row.value("last_error")?,
+            row.required("updated_at")?,
+            row.required("payload")?,
+        ))
     })?;
     Ok(TableIterator::new(rows))
 }
@@ -230,21 +258,16 @@ fn open_leases(
     >,
     ErrorReport,
 > {
-    let group = resolve(stream, group_name)?;
-    let rows = Spi::connect(|client| -> Result<Vec<_>> {
-        let mut out = Vec::new();
-        for row in LEASES.run(client, group.stream.id, &[group.id.into()])? {
-            out.push((
-                row.get(1)?.expect("kind"),
-                row.get(2)?,
-                row.get(3)?,
-                row.get(4)?,
-                row.get(5)?.expect("token"),
-                row.get(6)?.expect("expiry"),
-                row.get(7)?,
-            ));
-        }
-        Ok(out)
+    let rows = list(stream, group_name, &LEASES, |row| {
+        Ok((
+            row.required("kind")?,
+            row.value("first_id")?,
+            row.value("last_id")?,
+            row.value("message_key")?,
+            row.required("lease_token")?,
+            row.required("lease_expires_at")?,
+            row.value("pending")?,
+        ))
     })?;
     Ok(TableIterator::new(rows))
 }

@@ -29,9 +29,9 @@ use std::collections::HashMap;
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::SpiClient;
 
+use crate::concurrency::Concurrency;
 use crate::error::Result;
-use crate::policy::Policy;
-use crate::statement::{self, Statement};
+use crate::statement::{self, Columns, Statement};
 
 /// A row that would wait is parked at least this long (microseconds), unless a resolution wakes
 /// it earlier. Keeps a blocked row from being re-examined by every claim.
@@ -42,8 +42,8 @@ pub const MIN_PARK_MICROS: i64 = 1_000_000;
 pub struct Candidate {
     pub message_id: i64,
     pub key: Option<String>,
-    /// Resolved for the group (see `policy::resolve`).
-    pub policy: Policy,
+    /// Resolved for the group (see `concurrency::resolve`).
+    pub concurrency: Concurrency,
     pub compaction: bool,
 }
 
@@ -111,11 +111,14 @@ pub fn gate(candidates: &[Candidate], facts: &HashMap<String, KeyFacts>, lease_e
             };
             let facts = facts.get(key).unwrap_or(&no_facts);
             // Ordered delivery must run every message, so it never supersedes.
-            if c.compaction && c.policy != Policy::Ordered && facts.compaction_head.is_some_and(|h| h > c.message_id) {
+            if c.compaction
+                && c.concurrency != Concurrency::Ordered
+                && facts.compaction_head.is_some_and(|h| h > c.message_id)
+            {
                 return Verdict::Supersede;
             }
             let state = states.entry(key).or_default();
-            if c.policy == Policy::Parallel {
+            if c.concurrency == Concurrency::Parallel {
                 state.parallel_running = true;
                 return Verdict::Run { run_after: None };
             }
@@ -123,8 +126,8 @@ pub fn gate(candidates: &[Candidate], facts: &HashMap<String, KeyFacts>, lease_e
                 return Verdict::Defer { until };
             }
             let earlier = |b: Option<Blocker>| b.filter(|b| b.message_id < c.message_id).map(|b| b.clears_at);
-            let blocked = match c.policy {
-                Policy::Ordered => [
+            let blocked = match c.concurrency {
+                Concurrency::Ordered => [
                     earlier(facts.unresolved),
                     earlier(facts.pending_elsewhere),
                     state.parallel_running.then_some(lease_expires),
@@ -132,7 +135,7 @@ pub fn gate(candidates: &[Candidate], facts: &HashMap<String, KeyFacts>, lease_e
                 .into_iter()
                 .flatten()
                 .min(),
-                Policy::Exclusive if !state.lease_taken => facts.leased_until,
+                Concurrency::Exclusive if !state.lease_taken => facts.leased_until,
                 _ => None,
             };
             if let Some(clears_at) = blocked {
@@ -140,7 +143,7 @@ pub fn gate(candidates: &[Candidate], facts: &HashMap<String, KeyFacts>, lease_e
                 state.blocked_until = Some(until);
                 return Verdict::Defer { until };
             }
-            if c.policy == Policy::Exclusive && !state.lease_taken {
+            if c.concurrency == Concurrency::Exclusive && !state.lease_taken {
                 state.lease_taken = true;
                 lease_keys.push(key.to_string());
             }
@@ -158,8 +161,8 @@ pub fn gate(candidates: &[Candidate], facts: &HashMap<String, KeyFacts>, lease_e
 /// in another open range.
 const CHECK_ORDERED: Statement = Statement {
     name: "gate_check_ordered",
-    sql: "SELECT 1, k.message_key, min(e.message_id),
-                 min(CASE WHEN e.status = 'inflight' THEN e.lease_expires_at ELSE e.can_run_after END)
+    sql: "SELECT 1 AS kind, k.message_key, min(e.message_id) AS blocker,
+                 min(CASE WHEN e.status = 'inflight' THEN e.lease_expires_at ELSE e.can_run_after END) AS clears_at
           FROM unnest($2::text[], $3::bigint[]) AS k(message_key, upto)
           JOIN sqlstreams.exception_queue_@id@ e
             ON e.consumer_group_id = $1 AND e.message_key = k.message_key AND e.message_id < k.upto
@@ -183,7 +186,8 @@ const KEY_LEASES: Statement = Statement {
               SELECT message_key FROM sqlstreams.message_key_lease_@id@
               WHERE consumer_group_id = $1 AND message_key = ANY($2) AND lease_expires_at <= $3
               FOR UPDATE SKIP LOCKED)
-          SELECT l.message_key, greatest(l.lease_expires_at, $3) FROM sqlstreams.message_key_lease_@id@ l
+          SELECT l.message_key, greatest(l.lease_expires_at, $3) AS held_until
+          FROM sqlstreams.message_key_lease_@id@ l
           WHERE l.consumer_group_id = $1 AND l.message_key = ANY($2)
             AND l.message_key NOT IN (SELECT message_key FROM taken_over)",
     params: &[INT8OID, TEXTARRAYOID, TIMESTAMPTZOID],
@@ -239,15 +243,15 @@ pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<HashMap
     let mut compacted: Vec<&str> = Vec::new();
     for c in input.candidates {
         let Some(key) = c.key.as_deref() else { continue };
-        match c.policy {
-            Policy::Ordered => {
+        match c.concurrency {
+            Concurrency::Ordered => {
                 let upto = ordered.entry(key).or_default();
                 *upto = (*upto).max(c.message_id);
             }
-            Policy::Exclusive => exclusive.push(key),
-            Policy::Parallel => {}
+            Concurrency::Exclusive => exclusive.push(key),
+            Concurrency::Parallel => {}
         }
-        if c.compaction && c.policy != Policy::Ordered {
+        if c.compaction && c.concurrency != Concurrency::Ordered {
             compacted.push(key);
         }
     }
@@ -266,9 +270,10 @@ pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<HashMap
             &[input.group_id.into(), keys.into(), uptos.into(), input.exception_ids.to_vec().into(), own.into()],
         )?;
         for row in rows {
-            let kind: i32 = row.get(1)?.expect("kind");
-            let key: String = row.get(2)?.expect("key");
-            let blocker = Blocker { message_id: row.get(3)?.expect("id"), clears_at: timestamp(row.get(4)?) };
+            let kind: i32 = row.required("kind")?;
+            let key: String = row.required("message_key")?;
+            let blocker =
+                Blocker { message_id: row.required("blocker")?, clears_at: timestamp(row.value("clears_at")?) };
             let facts = facts.entry(key).or_default();
             if kind == 1 {
                 facts.unresolved = Some(blocker);
@@ -284,14 +289,14 @@ pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<HashMap
             &[input.group_id.into(), exclusive.into(), statement::timestamptz(input.now)],
         )?;
         for row in rows {
-            let key: String = row.get(1)?.expect("key");
-            facts.entry(key).or_default().leased_until = Some(timestamp(row.get(2)?));
+            let key: String = row.required("message_key")?;
+            facts.entry(key).or_default().leased_until = Some(timestamp(row.value("held_until")?));
         }
     }
     if !compacted.is_empty() {
         for row in COMPACTION_HEADS.run(client, input.stream_id, &[compacted.into()])? {
-            let key: String = row.get(1)?.expect("key");
-            facts.entry(key).or_default().compaction_head = row.get(2)?;
+            let key: String = row.required("message_key")?;
+            facts.entry(key).or_default().compaction_head = row.value("message_id")?;
         }
     }
     Ok(facts)
@@ -331,17 +336,17 @@ pub fn take_leases(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use Policy::*;
+    use Concurrency::*;
 
     const NOW: i64 = 1_000_000_000;
     const LEASE: i64 = NOW + 30_000_000;
 
-    fn c(id: i64, key: Option<&str>, policy: Policy) -> Candidate {
-        Candidate { message_id: id, key: key.map(str::to_string), policy, compaction: false }
+    fn c(id: i64, key: Option<&str>, concurrency: Concurrency) -> Candidate {
+        Candidate { message_id: id, key: key.map(str::to_string), concurrency, compaction: false }
     }
 
-    fn compacted(id: i64, key: &str, policy: Policy) -> Candidate {
-        Candidate { compaction: true, ..c(id, Some(key), policy) }
+    fn compacted(id: i64, key: &str, concurrency: Concurrency) -> Candidate {
+        Candidate { compaction: true, ..c(id, Some(key), concurrency) }
     }
 
     fn facts(key: &str, f: KeyFacts) -> HashMap<String, KeyFacts> {

@@ -5,17 +5,17 @@
 //! Both are outcomes in the lock order of src/locks.rs: the token lock, the token's rows, then
 //! the clock.
 
-use pgrx::pg_sys::{self, BuiltinOid::*};
+use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
 
+use crate::clock;
+use crate::commit::consumer_call;
 use crate::error::{Result, SqlResult};
-use crate::exception_queue::{self, NewRow, Status};
-use crate::group;
+use crate::exception_queue;
 use crate::locks;
-use crate::message;
 use crate::names::{positive_micros, required, validate_name};
 use crate::range;
-use crate::statement::{self, Statement};
+use crate::statement::{self, Columns, Statement};
 
 /// Locks everything `token` holds, so the new expiry is computed after any wait for it.
 const LOCK_HELD: Statement = Statement {
@@ -38,92 +38,42 @@ const EXTEND: Statement = Statement {
                      WHERE consumer_group_id = $1 AND lease_token = $2 AND status = 'inflight' RETURNING 1),
                k AS (UPDATE sqlstreams.message_key_lease_@id@ SET lease_expires_at = $3
                      WHERE consumer_group_id = $1 AND lease_token = $2 RETURNING 1)
-          SELECT (SELECT count(*) FROM r) + (SELECT count(*) FROM e) + (SELECT count(*) FROM k)",
+          SELECT (SELECT count(*) FROM r) + (SELECT count(*) FROM e) + (SELECT count(*) FROM k) AS held",
     params: &[INT8OID, UUIDOID, TIMESTAMPTZOID],
 };
 
-const RELEASE_ROWS: Statement = Statement {
-    name: "lease_release_rows",
-    sql: "UPDATE sqlstreams.exception_queue_@id@
-          SET status = 'ready', lease_token = NULL, lease_expires_at = NULL, can_run_after = $4,
-              parked = false, updated_at = $4
-          WHERE consumer_group_id = $1 AND lease_token = $2 AND status = 'inflight' AND message_id = ANY($3)
-          RETURNING message_id, message_key",
-    params: &[INT8OID, UUIDOID, INT8ARRAYOID, TIMESTAMPTZOID],
-};
-
-fn now() -> i64 {
-    // SAFETY: reads the clock.
-    unsafe { pg_sys::GetCurrentTimestamp() }
-}
-
 /// Moves every expiry under `token` to now + `lease`; false when nothing is held any more.
 pub fn extend(stream: &str, group_name: &str, token: pgrx::Uuid, lease_micros: i64) -> Result<bool> {
-    crate::commit::consumer_call(|| {
-        Spi::connect_mut(|client| {
-            let group = group::lookup(client, stream, group_name)?;
-            locks::token(token);
-            LOCK_HELD.run(client, group.stream.id, &[group.id.into(), token.into()])?;
-            let expires = now().saturating_add(lease_micros);
-            let held: i64 = EXTEND
-                .run(client, group.stream.id, &[group.id.into(), token.into(), statement::timestamptz(expires)])?
-                .first()
-                .get(1)?
-                .unwrap_or(0);
-            Ok(held > 0)
-        })
+    consumer_call(stream, group_name, |client, group| {
+        locks::token(token);
+        LOCK_HELD.run(client, group.stream.id, &[group.id.into(), token.into()])?;
+        let expires = clock::now().saturating_add(lease_micros);
+        let held: i64 = EXTEND
+            .run(client, group.stream.id, &[group.id.into(), token.into(), statement::timestamptz(expires)])?
+            .first()
+            .required("held")?;
+        Ok(held > 0)
     })
 }
 
-/// Gives deliveries back unstarted: each becomes a `ready` row due at once, its attempts
-/// unchanged. Returns the ids released.
+/// Gives deliveries back unstarted (src/exception_queue/lifecycle.rs, `give_back`). Returns the
+/// ids released.
 pub fn release(stream: &str, group_name: &str, token: pgrx::Uuid, ids: &[i64]) -> Result<Vec<i64>> {
-    crate::commit::consumer_call(|| {
-        Spi::connect_mut(|client| {
-            let group = group::lookup(client, stream, group_name)?;
-            let stream_id = group.stream.id;
-            locks::token(token);
-            // Released rows are due at once: a clock read before a wait only makes them due sooner.
-            let now = now();
-            let mut released: Vec<(i64, Option<String>)> = Vec::new();
-            for row in RELEASE_ROWS.run(
-                client,
-                stream_id,
-                &[group.id.into(), token.into(), ids.to_vec().into(), statement::timestamptz(now)],
-            )? {
-                released.push((row.get(1)?.expect("id"), row.get(2)?));
-            }
-            if let Some(mut range) = range::for_token(client, stream_id, group.id, token)? {
-                let removed = range.remove(ids);
-                if !removed.is_empty() {
-                    let removed_ids: Vec<i64> = removed.iter().map(|(id, _)| *id).collect();
-                    let rows: Vec<NewRow> = message::info(client, &group, &removed_ids)?
-                        .into_iter()
-                        .map(|m| NewRow {
-                            message_id: m.message_id,
-                            key: m.key,
-                            policy: m.policy,
-                            compaction: m.compaction,
-                            status: Status::Ready,
-                            attempts: 0,
-                            delays: 0,
-                            can_run_after: now,
-                            parked: false,
-                            isolated: false,
-                            last_error: None,
-                        })
-                        .collect();
-                    exception_queue::insert(client, stream_id, group.id, &rows, now)?;
-                    range::store_pending(client, stream_id, group.id, &range)?;
-                    released.extend(removed);
-                }
-            }
-            let keys = exception_queue::distinct_keys(released.iter().map(|(_, k)| k));
-            exception_queue::after_outcome(client, &group, Some(token), &keys, now)?;
-            let mut ids: Vec<i64> = released.into_iter().map(|(id, _)| id).collect();
-            ids.sort_unstable();
-            Ok(ids)
-        })
+    consumer_call(stream, group_name, |client, group| {
+        let stream_id = group.stream.id;
+        locks::token(token);
+        let mut range = range::for_token(client, stream_id, group.id, token)?;
+        // Given-back rows are due at once: a clock read before a wait only makes them due sooner.
+        let now = clock::now();
+        let given = exception_queue::give_back(client, group, token, ids, range.as_mut(), now)?;
+        if let Some(range) = &range {
+            range::store_pending(client, stream_id, group.id, range)?;
+        }
+        let keys = exception_queue::distinct_keys(given.iter().map(|(_, k)| k));
+        exception_queue::after_resolution(client, group, Some(token), &keys, now)?;
+        let mut ids: Vec<i64> = given.into_iter().map(|(id, _)| id).collect();
+        ids.sort_unstable();
+        Ok(ids)
     })
 }
 

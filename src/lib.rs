@@ -1,7 +1,7 @@
 //! sqlstreams: durable message streams inside PostgreSQL, with consumer groups and per-key
 //! `parallel` / `exclusive` / `ordered` delivery.
 //!
-//! The SQL API (design/SQL-API.md) is a set of functions in schema `sqlstreams`. Each
+//! The SQL API (docs/sql-api.md) is a set of functions in schema `sqlstreams`. Each
 //! `#[pg_extern]` here is a thin shim: it validates and converts its arguments, calls plain Rust
 //! that returns `Result<_, StreamError>`, and converts the error into an `ErrorReport` with the
 //! contract's SQLSTATE. Pure decisions (policy resolution, the key gate, the fence, backoff)
@@ -18,7 +18,9 @@ use pgrx::prelude::*;
 
 mod backoff;
 mod claim;
+mod clock;
 mod commit;
+mod concurrency;
 mod cursor;
 mod error;
 mod exception_queue;
@@ -35,11 +37,11 @@ mod notify;
 mod outcome;
 mod partition;
 mod payload;
-mod policy;
 mod produce;
 mod range;
 mod statement;
 mod stream;
+mod version;
 
 /// Runs once per backend, when the library is loaded.
 #[pg_guard]
@@ -47,5 +49,5 @@ pub extern "C-unwind" fn _PG_init() {
     commit::init();
 }
 
-extension_sql_file!("../sql/catalog.sql", name = "catalog", bootstrap);
-extension_sql_file!("../sql/api.sql", name = "api", finalize);
+// The install and upgrade scripts are written by hand (sql/sqlstreams--*.sql); `scripts/rig test`
+// checks that they declare exactly the functions this library exports.

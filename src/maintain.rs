@@ -9,7 +9,7 @@ use pgrx::prelude::*;
 use crate::cursor;
 use crate::error::Result;
 use crate::partition;
-use crate::statement::Statement;
+use crate::statement::{Columns, Statement};
 use crate::stream;
 
 const STREAMS: Statement =
@@ -51,7 +51,7 @@ fn maintain_all() -> Result<Vec<(String, i64, i64, i64, i64)>> {
     Spi::connect_mut(|client| {
         let mut names = Vec::new();
         for row in STREAMS.run(client, 0, &[])? {
-            names.push(row.get::<String>(1)?.expect("name"));
+            names.push(row.required::<String>("name")?);
         }
         let mut report = Vec::new();
         for name in names {
@@ -63,7 +63,7 @@ fn maintain_all() -> Result<Vec<(String, i64, i64, i64, i64)>> {
             let swept = SWEEP_KEY_LEASES.run(client, stream.id, &[])?.len() as i64;
             let mut groups = Vec::new();
             for row in GROUPS.run(client, 0, &[stream.id.into()])? {
-                groups.push(row.get::<i64>(1)?.expect("id"));
+                groups.push(row.required::<i64>("id")?);
             }
             let mut advanced = 0;
             for group in groups {
@@ -71,7 +71,7 @@ fn maintain_all() -> Result<Vec<(String, i64, i64, i64, i64)>> {
                 if locked.is_empty() {
                     continue;
                 }
-                let claimed: i64 = locked.get(1)?.expect("claimed");
+                let claimed: i64 = locked.required("claimed")?;
                 if cursor::advance(client, stream.id, group, claimed)?.is_some() {
                     advanced += 1;
                 }

@@ -1,33 +1,62 @@
-//! What the stream's log says about messages, with their policy resolved for a group.
+//! Reading the stream's log (`message_log_<id>`), with each message's concurrency resolved for
+//! the group that reads it.
 
 use pgrx::pg_sys::BuiltinOid::*;
-use pgrx::spi::SpiClient;
+use pgrx::spi::{SpiClient, SpiHeapTupleData, SpiTupleTable};
 
+use crate::concurrency::{self, Concurrency};
 use crate::error::Result;
 use crate::group::GroupRef;
 use crate::key_gate::Candidate;
-use crate::policy::{self, Policy};
-use crate::statement::Statement;
+use crate::payload::RawJsonb;
+use crate::statement::{Columns, Statement};
 
-const INFO: Statement = Statement {
-    name: "message_info",
-    sql: "SELECT id, message_key, concurrency, compaction FROM sqlstreams.message_log_@id@
+const BY_ID: Statement = Statement {
+    name: "message_by_id",
+    sql: "SELECT id, message_key, concurrency, compaction, payload FROM sqlstreams.message_log_@id@
           WHERE id = ANY($1) ORDER BY id",
     params: &[INT8ARRAYOID],
 };
 
-/// The messages `ids` (those that exist), in id order, as the group sees them.
-pub fn info(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64]) -> Result<Vec<Candidate>> {
-    let mut out = Vec::with_capacity(ids.len());
-    for row in INFO.run(client, group.stream.id, &[ids.to_vec().into()])? {
-        let key: Option<String> = row.get(2)?;
-        let requested = row.get::<String>(3)?.map(|p| Policy::from_stored(&p));
-        out.push(Candidate {
-            message_id: row.get(1)?.expect("id"),
-            policy: policy::resolve(group.concurrency_override, requested, key.is_some()),
-            key,
-            compaction: row.get(4)?.expect("compaction"),
-        });
-    }
-    Ok(out)
+const AFTER: Statement = Statement {
+    name: "message_after",
+    sql: "SELECT id, message_key, concurrency, compaction, payload FROM sqlstreams.message_log_@id@
+          WHERE id > $1 AND id <= $2 ORDER BY id LIMIT $3",
+    params: &[INT8OID, INT8OID, INT4OID],
+};
+
+/// A message as a group's claim sees it.
+pub struct Message {
+    pub candidate: Candidate,
+    pub payload: RawJsonb,
+}
+
+fn candidate(row: &SpiHeapTupleData<'_>, group: &GroupRef) -> Result<Candidate> {
+    let key: Option<String> = row.value("message_key")?;
+    let requested = row.value::<String>("concurrency")?.map(|c| Concurrency::from_stored(&c)).transpose()?;
+    Ok(Candidate {
+        message_id: row.required("id")?,
+        concurrency: concurrency::resolve(group.concurrency_override, requested, key.is_some()),
+        key,
+        compaction: row.required("compaction")?,
+    })
+}
+
+fn messages(rows: SpiTupleTable<'_>, group: &GroupRef) -> Result<Vec<Message>> {
+    rows.map(|row| Ok(Message { candidate: candidate(&row, group)?, payload: row.required("payload")? })).collect()
+}
+
+/// The messages `ids` (those that exist), in id order, with their payloads.
+pub fn by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64]) -> Result<Vec<Message>> {
+    messages(BY_ID.run(client, group.stream.id, &[ids.to_vec().into()])?, group)
+}
+
+/// The messages `ids` (those that exist), in id order, as the gate sees them.
+pub fn candidates(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64]) -> Result<Vec<Candidate>> {
+    BY_ID.run(client, group.stream.id, &[ids.to_vec().into()])?.map(|row| candidate(&row, group)).collect()
+}
+
+/// Up to `limit` messages with ids in `(after, upto]`, in id order, with their payloads.
+pub fn after(client: &SpiClient<'_>, group: &GroupRef, after: i64, upto: i64, limit: i32) -> Result<Vec<Message>> {
+    messages(AFTER.run(client, group.stream.id, &[after.into(), upto.into(), limit.into()])?, group)
 }

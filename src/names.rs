@@ -86,7 +86,7 @@ pub fn required<T>(what: &str, value: Option<T>, from: &str) -> Result<T> {
 /// Checks that a key (`message_key`, `idempotency_key`) fits in an index entry: at most
 /// `policy::MAX_KEY_BYTES` bytes.
 pub fn check_key_length(what: &str, key: &str) -> Result<()> {
-    let max = crate::policy::MAX_KEY_BYTES;
+    let max = crate::concurrency::MAX_KEY_BYTES;
     if key.len() <= max {
         return Ok(());
     }

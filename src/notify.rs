@@ -21,6 +21,13 @@ pub fn channel(stream_id: i64) -> String {
     format!("sqlstreams_{stream_id}")
 }
 
+/// The channel a stream's consumers LISTEN on (produce NOTIFYs it at commit); the `channel`
+/// column of `sqlstreams.streams`, so clients never spell it themselves.
+#[pgrx::pg_extern(immutable, parallel_safe)]
+fn stream_channel(stream_id: i64) -> String {
+    channel(stream_id)
+}
+
 thread_local! {
     static LAST: RefCell<Option<(u32, u32, i64)>> = const { RefCell::new(None) };
 }

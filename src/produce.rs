@@ -7,23 +7,23 @@ use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
+use crate::concurrency::{Concurrency, ProduceRequest};
 use crate::error::{Result, SqlResult, StreamError};
 use crate::locks;
 use crate::names::validate_name;
 use crate::notify;
 use crate::partition;
 use crate::payload::{RawJsonb, RawJsonbArray};
-use crate::policy::{Policy, ProduceRequest};
-use crate::statement::Statement;
+use crate::statement::{Columns, Statement};
 use crate::stream::{self, StreamRef};
 use pgrx::pg_sys::panic::ErrorReport;
 
 const NEXT_ID: Statement =
-    Statement { name: "produce_next_id", sql: "SELECT nextval('sqlstreams.message_log_@id@_seq')", params: &[] };
+    Statement { name: "produce_next_id", sql: "SELECT nextval('sqlstreams.message_log_@id@_seq') AS id", params: &[] };
 
 const NEXT_IDS: Statement = Statement {
     name: "produce_next_ids",
-    sql: "SELECT array(SELECT nextval('sqlstreams.message_log_@id@_seq') FROM generate_series(1, $1))",
+    sql: "SELECT array(SELECT nextval('sqlstreams.message_log_@id@_seq') FROM generate_series(1, $1)) AS ids",
     params: &[INT4OID],
 };
 
@@ -67,7 +67,8 @@ const COMPACTION_HEADS: Statement = Statement {
 
 const BATCH_SHAPE: Statement = Statement {
     name: "produce_batch_shape",
-    sql: "SELECT coalesce(cardinality($1), 0), array_position($1, NULL), coalesce(array_ndims($1), 1)",
+    sql: "SELECT coalesce(cardinality($1), 0) AS count, array_position($1, NULL) AS first_null,
+                 coalesce(array_ndims($1), 1) AS dimensions",
     params: &[JSONBARRAYOID],
 };
 
@@ -84,10 +85,10 @@ fn become_producer(stream: &StreamRef) {
 fn next_ids(client: &SpiClient<'_>, stream: &StreamRef, count: i32) -> Result<Vec<i64>> {
     become_producer(stream);
     if count == 1 {
-        let id: i64 = NEXT_ID.run(client, stream.id, &[])?.first().get(1)?.expect("nextval");
+        let id: i64 = NEXT_ID.run(client, stream.id, &[])?.first().required("id")?;
         return Ok(vec![id]);
     }
-    Ok(NEXT_IDS.run(client, stream.id, &[count.into()])?.first().get(1)?.expect("ids"))
+    NEXT_IDS.run(client, stream.id, &[count.into()])?.first().required("ids")
 }
 
 fn finish(
@@ -127,7 +128,7 @@ pub fn produce_one(
             &[
                 id.into(),
                 request.message_key.into(),
-                request.concurrency.map(Policy::as_str).into(),
+                request.concurrency.map(Concurrency::as_str).into(),
                 request.compaction.into(),
                 payload.into(),
             ],
@@ -148,14 +149,14 @@ pub fn produce_many(
     Spi::connect_mut(|client| {
         let stream = stream::lookup(client, stream_name)?;
         let shape = BATCH_SHAPE.run(client, 0, &[payloads.into()])?.first();
-        let count: i32 = shape.get(1)?.expect("cardinality");
-        if let Some(position) = shape.get::<i32>(2)? {
+        let count: i32 = shape.required("count")?;
+        if let Some(position) = shape.value::<i32>("first_null")? {
             return Err(StreamError::invalid(
                 format!("payload {position} of the batch is NULL"),
                 "Every message needs a payload; use 'null'::jsonb or '{}' for an empty one.",
             ));
         }
-        if shape.get::<i32>(3)? != Some(1) {
+        if shape.value::<i32>("dimensions")? != Some(1) {
             return Err(StreamError::invalid(
                 "payloads must be a one-dimensional array",
                 "Pass one jsonb per message, such as ARRAY['{\"a\":1}', '{\"a\":2}']::jsonb[].",
@@ -168,7 +169,7 @@ pub fn produce_many(
                 "Pass one key per payload (NULL for a message without a key), or no message_keys at all.",
             ));
         }
-        let policy = concurrency.map(|c| Policy::parse("concurrency", c)).transpose()?;
+        let policy = concurrency.map(|c| Concurrency::parse("concurrency", c)).transpose()?;
         for key in &keys {
             ProduceRequest::validate(*key, concurrency, compaction)?;
         }
@@ -183,7 +184,7 @@ pub fn produce_many(
             &[
                 ids.clone().into(),
                 keys.clone().into(),
-                policy.map(Policy::as_str).into(),
+                policy.map(Concurrency::as_str).into(),
                 compaction.into(),
                 payloads.into(),
             ],

@@ -8,7 +8,7 @@ use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::SpiClient;
 
 use crate::error::Result;
-use crate::statement::{self, Statement};
+use crate::statement::{self, Columns, Statement};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct RangeLease {
@@ -98,11 +98,11 @@ fn from_row(row: pgrx::spi::SpiTupleTable<'_>) -> Result<Option<RangeLease>> {
         return Ok(None);
     }
     Ok(Some(RangeLease {
-        first_id: row.get(1)?.expect("first_id"),
-        last_id: row.get(2)?.expect("last_id"),
-        reclaims: row.get(3)?.expect("reclaims"),
-        pending: row.get(4)?.expect("pending"),
-        pending_keys: row.get(5)?.expect("pending_keys"),
+        first_id: row.required("first_id")?,
+        last_id: row.required("last_id")?,
+        reclaims: row.required("reclaims")?,
+        pending: row.required("pending")?,
+        pending_keys: row.required("pending_keys")?,
     }))
 }
 

@@ -1,10 +1,12 @@
-//! SQL statements, prepared once per backend and per stream.
+//! SQL statements, prepared once per backend and per stream, and typed access to their rows.
 //!
 //! Each module declares its SQL as `Statement` constants. Table names inside are written with
 //! the `@id@` placeholder and rendered with the stream's numeric id, never with user text; all
 //! values travel as parameters. The first execution in a backend prepares and keeps the plan
 //! (`SPI_keepplan`); later executions reuse it. A plan whose tables are dropped is re-planned by
 //! Postgres' plan cache, so a recreated stream with a reused id still works.
+//!
+//! Rows are read by column name (`Columns`), never by position.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -12,7 +14,10 @@ use std::rc::Rc;
 
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::{self, PgBuiltInOids, PgOid};
-use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiResult, SpiTupleTable};
+use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiHeapTupleData, SpiResult, SpiTupleTable};
+use pgrx::{FromDatum, IntoDatum};
+
+use crate::error::{Result, StreamError};
 
 /// One SQL statement with typed parameters.
 pub struct Statement {
@@ -27,7 +32,7 @@ pub struct Statement {
 pub type StreamId = i64;
 
 thread_local! {
-    static PLANS: RefCell<HashMap<(StreamId, &'static str), Rc<OwnedPreparedStatement>>> =
+    static PLANS: RefCell<HashMap<(StreamId, &'static str, bool), Rc<OwnedPreparedStatement>>> =
         RefCell::new(HashMap::new());
 }
 
@@ -48,18 +53,37 @@ impl Statement {
         stream_id: StreamId,
         args: &[DatumWithOid<'_>],
     ) -> SpiResult<SpiTupleTable<'conn>> {
-        let plan = self.plan(client, stream_id)?;
+        let plan = self.plan(client, stream_id, false)?;
         client.select(&*plan, None, args)
     }
 
-    fn plan(&self, client: &SpiClient<'_>, stream_id: StreamId) -> SpiResult<Rc<OwnedPreparedStatement>> {
-        let key = (stream_id, self.name);
+    /// Runs a read-only statement for a function declared `stable`: it reads the caller's
+    /// snapshot and cannot write.
+    pub fn read<'conn>(
+        &self,
+        client: &SpiClient<'conn>,
+        stream_id: StreamId,
+        args: &[DatumWithOid<'_>],
+    ) -> SpiResult<SpiTupleTable<'conn>> {
+        let plan = self.plan(client, stream_id, true)?;
+        client.select(&*plan, None, args)
+    }
+
+    fn plan(
+        &self,
+        client: &SpiClient<'_>,
+        stream_id: StreamId,
+        read_only: bool,
+    ) -> SpiResult<Rc<OwnedPreparedStatement>> {
+        let key = (stream_id, self.name, read_only);
         if let Some(plan) = PLANS.with(|plans| plans.borrow().get(&key).cloned()) {
             return Ok(plan);
         }
         let types: Vec<PgOid> = self.params.iter().map(|oid| PgOid::BuiltIn(*oid)).collect();
         let sql = render(self.sql, stream_id);
-        let plan = Rc::new(client.prepare_mut(sql.as_str(), &types)?.keep());
+        let prepared =
+            if read_only { client.prepare(sql.as_str(), &types)? } else { client.prepare_mut(sql.as_str(), &types)? };
+        let plan = Rc::new(prepared.keep());
         PLANS.with(|plans| plans.borrow_mut().insert(key, plan.clone()));
         Ok(plan)
     }
@@ -67,7 +91,7 @@ impl Statement {
 
 /// Forgets the cached plans of a dropped stream.
 pub fn forget_stream(stream_id: StreamId) {
-    PLANS.with(|plans| plans.borrow_mut().retain(|(id, _), _| *id != stream_id));
+    PLANS.with(|plans| plans.borrow_mut().retain(|(id, _, _), _| *id != stream_id));
 }
 
 /// A `timestamptz` parameter from Postgres microseconds.
@@ -83,4 +107,28 @@ pub fn timestamptz_array<'a>(micros: Vec<Option<pg_sys::TimestampTz>>) -> DatumW
         .map(|m| m.map(|m| pgrx::datum::TimestampWithTimeZone::try_from(m).expect("finite timestamp")))
         .collect();
     DatumWithOid::from(values)
+}
+
+/// Typed access to a result row by column name.
+pub trait Columns {
+    /// The column's value; `None` for SQL NULL.
+    fn value<T: FromDatum + IntoDatum>(&self, column: &str) -> Result<Option<T>>;
+
+    /// The column's value, which the statement guarantees is not NULL.
+    fn required<T: FromDatum + IntoDatum>(&self, column: &str) -> Result<T> {
+        self.value(column)?.ok_or_else(|| StreamError::Internal(format!("column {column} is unexpectedly NULL")))
+    }
+}
+
+impl Columns for SpiHeapTupleData<'_> {
+    fn value<T: FromDatum + IntoDatum>(&self, column: &str) -> Result<Option<T>> {
+        Ok(self.get_by_name(column)?)
+    }
+}
+
+/// The current row of a table (after `first()`).
+impl Columns for SpiTupleTable<'_> {
+    fn value<T: FromDatum + IntoDatum>(&self, column: &str) -> Result<Option<T>> {
+        Ok(self.get_by_name(column)?)
+    }
 }

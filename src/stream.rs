@@ -1,4 +1,10 @@
 //! Streams: `create_stream`, `drop_stream`, and looking a stream up by name.
+//!
+//! A stream's table family is defined in the versioned install script
+//! (`sqlstreams.create_stream_tables`, sql/sqlstreams--<version>.sql), so every schema change is
+//! a new version whose upgrade script migrates every existing stream. Each stream records the
+//! version its tables have (`schema_version`); the library refuses a stream whose tables are
+//! not the ones it was built for, instead of failing half-way through a call.
 
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
@@ -6,8 +12,7 @@ use pgrx::spi::SpiClient;
 
 use crate::error::{Result, SqlResult, StreamError};
 use crate::names::{positive_micros, validate_name};
-use crate::partition;
-use crate::statement::{self, Statement};
+use crate::statement::{self, Columns, Statement};
 
 /// What the claim and produce paths need to know about a stream.
 #[derive(Clone, Debug)]
@@ -19,18 +24,25 @@ pub struct StreamRef {
 
 const LOOKUP: Statement = Statement {
     name: "stream_lookup",
-    sql: "SELECT id, partition_size, partitions_through FROM sqlstreams.stream WHERE name = $1",
+    sql: "SELECT id, partition_size, partitions_through, schema_version FROM sqlstreams.stream WHERE name = $1",
     params: &[TEXTOID],
 };
 
 const INSERT: Statement = Statement {
     name: "stream_insert",
-    sql: "INSERT INTO sqlstreams.stream (name, partition_size, partitions_through, idempotency_ttl)
-          VALUES ($1, $2, 1, make_interval(secs => $3 / 1e6))
+    sql: "INSERT INTO sqlstreams.stream (name, partition_size, partitions_through, idempotency_ttl, schema_version)
+          SELECT $1, $2, 1, make_interval(secs => $3 / 1e6), e.extversion
+          FROM pg_catalog.pg_extension e WHERE e.extname = 'sqlstreams'
           ON CONFLICT (name) DO NOTHING
           RETURNING id",
     params: &[TEXTOID, INT8OID, INT8OID],
 };
+
+const CREATE_TABLES: Statement =
+    Statement { name: "stream_create_tables", sql: "SELECT sqlstreams.create_stream_tables($1)", params: &[INT8OID] };
+
+const DROP_TABLES: Statement =
+    Statement { name: "stream_drop_tables", sql: "SELECT sqlstreams.drop_stream_tables($1)", params: &[INT8OID] };
 
 const SET_TTL: Statement = Statement {
     name: "stream_set_ttl",
@@ -44,24 +56,26 @@ const DELETE: Statement =
 
 /// The stream called `name`, or `UnknownStream`.
 pub fn lookup(client: &SpiClient<'_>, name: &str) -> Result<StreamRef> {
+    crate::version::check(client)?;
     let row = LOOKUP.run(client, 0, &[name.into()])?.first();
     if row.is_empty() {
         return Err(StreamError::UnknownStream(name.to_string()));
     }
+    crate::version::check_stream(name, &row.required::<String>("schema_version")?)?;
     Ok(StreamRef {
-        id: row.get(1)?.expect("id"),
-        partition_size: row.get(2)?.expect("partition_size"),
-        partitions_through: row.get(3)?.expect("partitions_through"),
+        id: row.required("id")?,
+        partition_size: row.required("partition_size")?,
+        partitions_through: row.required("partitions_through")?,
     })
 }
 
 /// Creates the stream and its table family, or returns the id of the existing stream of that
-/// name. The family is created in the caller's transaction, from `sql/stream_family.sql`.
+/// name. The family is created in the caller's transaction, by `sqlstreams.create_stream_tables`.
 pub fn create(name: &str, partition_size: i64, idempotency_ttl_micros: i64) -> Result<i64> {
     Spi::connect_mut(|client| {
         let inserted = INSERT.run(client, 0, &[name.into(), partition_size.into(), idempotency_ttl_micros.into()])?;
         // No row: the name exists (ON CONFLICT DO NOTHING).
-        let inserted: Option<i64> = if inserted.is_empty() { None } else { inserted.first().get(1)? };
+        let inserted: Option<i64> = if inserted.is_empty() { None } else { inserted.first().value("id")? };
         let Some(id) = inserted else {
             let existing = lookup(client, name)?;
             if existing.partition_size != partition_size {
@@ -79,10 +93,7 @@ pub fn create(name: &str, partition_size: i64, idempotency_ttl_micros: i64) -> R
             SET_TTL.run(client, 0, &[existing.id.into(), idempotency_ttl_micros.into()])?;
             return Ok(existing.id);
         };
-        let family = statement::render(include_str!("../sql/stream_family.sql"), id);
-        client.update(family.as_str(), None, &[])?;
-        let stream = lookup(client, name)?;
-        partition::ensure(client, &stream, 0)?;
+        CREATE_TABLES.run(client, 0, &[id.into()])?;
         Ok(id)
     })
 }
@@ -95,14 +106,7 @@ pub fn drop(name: &str) -> Result<bool> {
             Err(StreamError::UnknownStream(_)) => return Ok(false),
             Err(other) => return Err(other),
         };
-        let drop_family = statement::render(
-            "DROP TABLE sqlstreams.message_log_@id@, sqlstreams.cursor_@id@, sqlstreams.range_lease_@id@,
-                        sqlstreams.exception_queue_@id@, sqlstreams.message_key_lease_@id@,
-                        sqlstreams.compaction_head_@id@, sqlstreams.idempotency_key_@id@;
-             DROP SEQUENCE sqlstreams.message_log_@id@_seq;",
-            stream.id,
-        );
-        client.update(drop_family.as_str(), None, &[])?;
+        DROP_TABLES.run(client, 0, &[stream.id.into()])?;
         DELETE.run(client, 0, &[stream.id.into()])?;
         statement::forget_stream(stream.id);
         Ok(true)

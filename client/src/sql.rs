@@ -6,6 +6,9 @@ pub const CREATE_STREAM: &str =
 
 pub const STREAM_ID: &str = "SELECT id FROM sqlstreams.streams WHERE name = $1";
 
+/// The channel the stream's consumers LISTEN on (the extension NOTIFYs it on commit).
+pub const STREAM_CHANNEL: &str = "SELECT channel FROM sqlstreams.streams WHERE name = $1";
+
 pub const CREATE_GROUP: &str = "SELECT sqlstreams.create_group($1, $2, $3, $4::int4, $5,
         backoff_base => $6::float8 * interval '1 second',
         backoff_cap => $7::float8 * interval '1 second',
@@ -30,8 +33,3 @@ pub const DELAY: &str = "SELECT sqlstreams.delay($1, $2, $3, $4, $5::float8 * in
 pub const RELEASE: &str = "SELECT sqlstreams.release($1, $2, $3, $4)";
 
 pub const EXTEND_LEASE: &str = "SELECT sqlstreams.extend_lease($1, $2, $3, $4::float8 * interval '1 second')";
-
-/// The channel a stream's consumers LISTEN on (the extension NOTIFYs it on commit).
-pub fn channel(stream_id: i64) -> String {
-    format!("sqlstreams_{stream_id}")
-}

@@ -75,8 +75,17 @@ where
 
     /// The stream's id (its tables are named by it), or `UnknownObject`.
     pub async fn id(&self) -> Result<i64> {
+        self.column(sql::STREAM_ID).await
+    }
+
+    /// The channel its consumers LISTEN on, as the extension names it.
+    pub(crate) async fn channel(&self) -> Result<String> {
+        self.column(sql::STREAM_CHANNEL).await
+    }
+
+    async fn column<C: for<'a> tokio_postgres::types::FromSql<'a>>(&self, query: &str) -> Result<C> {
         let conn = self.client.conn().await?;
-        match conn.query_opt(sql::STREAM_ID, &[&self.name]).await? {
+        match conn.query_opt(query, &[&self.name]).await? {
             Some(row) => Ok(row.get(0)),
             None => Err(Error::UnknownObject {
                 message: format!("stream \"{}\" does not exist", self.name),

@@ -12,18 +12,16 @@ use tokio_postgres::{AsyncMessage, NoTls};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use crate::sql;
-
 pub(crate) fn spawn(
     config: tokio_postgres::Config,
-    stream_id: i64,
+    channel: String,
     wake: Arc<Notify>,
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut backoff = Duration::from_millis(100);
         while !stop.is_cancelled() {
-            match listen(&config, stream_id, &wake, &stop).await {
+            match listen(&config, &channel, &wake, &stop).await {
                 Ok(()) => return,
                 Err(e) => {
                     debug!(error = %e, "sqlstreams: listener reconnecting");
@@ -43,13 +41,12 @@ pub(crate) fn spawn(
 /// Listens until stopped (`Ok`) or the connection fails (`Err`, and the caller reconnects).
 async fn listen(
     config: &tokio_postgres::Config,
-    stream_id: i64,
+    channel: &str,
     wake: &Notify,
     stop: &CancellationToken,
 ) -> Result<(), String> {
     let (client, mut connection) = config.connect(NoTls).await.map_err(|e| e.to_string())?;
     let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-    let channel = sql::channel(stream_id);
     let statement = format!("LISTEN \"{channel}\"");
     let listen = client.batch_execute(&statement);
     tokio::pin!(listen);

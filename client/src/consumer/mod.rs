@@ -161,8 +161,8 @@ where
         )
         .await?;
         drop(conn);
-        let stream_id = self.stream.id().await?;
-        Ok(Consumer { group: self.clone(), config, stream_id, counters: Arc::new(Counters::default()) })
+        let channel = self.stream.channel().await?;
+        Ok(Consumer { group: self.clone(), config, channel, counters: Arc::new(Counters::default()) })
     }
 }
 
@@ -170,7 +170,8 @@ where
 pub struct Consumer<T> {
     group: ConsumerGroup<T>,
     config: ConsumerConfig,
-    stream_id: i64,
+    /// The stream's wake-up channel.
+    channel: String,
     counters: Arc<Counters>,
 }
 
@@ -195,7 +196,7 @@ where
         let task = tokio::spawn(runner::run(
             self.group,
             self.config,
-            self.stream_id,
+            self.channel,
             Arc::new(handler),
             counters.clone(),
             stop.clone(),

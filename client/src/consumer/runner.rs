@@ -65,7 +65,7 @@ struct Ctx<T, H> {
 pub(crate) async fn run<T, H, F>(
     group: ConsumerGroup<T>,
     config: ConsumerConfig,
-    stream_id: i64,
+    channel: String,
     handler: Arc<H>,
     counters: Arc<Counters>,
     stop: CancellationToken,
@@ -81,7 +81,7 @@ pub(crate) async fn run<T, H, F>(
     let leases = Arc::new(LeaseBook::new(client.clone(), stream, group_name, config.lease));
     let wake = Arc::new(Notify::new());
     let background = CancellationToken::new();
-    let listener = listener::spawn(client.inner.config.clone(), stream_id, wake.clone(), background.clone());
+    let listener = listener::spawn(client.inner.config.clone(), channel, wake.clone(), background.clone());
     let heartbeat = tokio::spawn(heartbeat(leases.clone(), config.lease / 3, background.clone()));
     let semaphore = Arc::new(Semaphore::new(config.message_concurrency));
     let ctx = Arc::new(Ctx {

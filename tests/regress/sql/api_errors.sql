@@ -15,3 +15,8 @@ SELECT name FROM sqlstreams.streams ORDER BY id;
 -- The API is documented in the catalog.
 SELECT p.proname, obj_description(p.oid, 'pg_proc') IS NOT NULL AS documented
 FROM pg_proc p WHERE p.pronamespace = 'sqlstreams'::regnamespace ORDER BY 1;
+-- Every function runs with a pinned search_path: nothing a caller creates on their own path
+-- is picked up by the extension's SQL.
+SELECT p.proname, p.proconfig FROM pg_proc p
+WHERE p.pronamespace = 'sqlstreams'::regnamespace
+  AND p.proconfig IS DISTINCT FROM ARRAY['search_path=pg_catalog, pg_temp'];

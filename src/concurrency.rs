@@ -1,4 +1,6 @@
-//! The per-key policies and where a message's policy comes from. Pure logic.
+//! Concurrency: the per-key policy (`parallel`, `exclusive`, `ordered`) a group applies to a
+//! message, and where it comes from. Pure logic. The SQL API calls it `concurrency` (a message's
+//! request) and `concurrency_override` (a group's), the Rust client `Concurrency`.
 
 use crate::error::{Result, StreamError};
 use crate::names::{self, quoted};
@@ -8,9 +10,9 @@ use crate::names::{self, quoted};
 /// passed produce must never make a later claim or outcome fail.
 pub const MAX_KEY_BYTES: usize = 1024;
 
-/// When a keyed message must wait, within one consumer group.
+/// When a keyed message must wait, within one consumer group: its concurrency policy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Policy {
+pub enum Concurrency {
     /// Same-key messages may run concurrently and out of order.
     Parallel,
     /// One delivery per key at a time (a key lease); a later message may overtake a retry.
@@ -19,36 +21,37 @@ pub enum Policy {
     Ordered,
 }
 
-impl Policy {
+impl Concurrency {
     pub fn as_str(self) -> &'static str {
         match self {
-            Policy::Parallel => "parallel",
-            Policy::Exclusive => "exclusive",
-            Policy::Ordered => "ordered",
+            Concurrency::Parallel => "parallel",
+            Concurrency::Exclusive => "exclusive",
+            Concurrency::Ordered => "ordered",
         }
     }
 
     /// Parses a policy name; `what` names the argument in the error.
-    pub fn parse(what: &str, value: &str) -> Result<Policy> {
+    pub fn parse(what: &str, value: &str) -> Result<Concurrency> {
         match value {
-            "parallel" => Ok(Policy::Parallel),
-            "exclusive" => Ok(Policy::Exclusive),
-            "ordered" => Ok(Policy::Ordered),
+            "parallel" => Ok(Concurrency::Parallel),
+            "exclusive" => Ok(Concurrency::Exclusive),
+            "ordered" => Ok(Concurrency::Ordered),
             other => Err(StreamError::invalid(
-                format!("{what} '{other}' is not a policy"),
+                format!("{what} '{other}' is not a concurrency policy"),
                 "Use 'parallel', 'exclusive' or 'ordered' (or NULL for the default).",
             )),
         }
     }
 
-    /// Parses a policy stored by the extension itself (always valid).
-    pub fn from_stored(value: &str) -> Policy {
-        Policy::parse("stored policy", value).expect("the table constraint admits only valid policies")
+    /// Parses a policy the extension stored itself (a check constraint admits only valid ones).
+    pub fn from_stored(value: &str) -> Result<Concurrency> {
+        Concurrency::parse("stored concurrency", value)
+            .map_err(|_| StreamError::Internal(format!("unknown stored concurrency {value:?}")))
     }
 
     /// Whether same-key rows of this policy are chained behind each other in a claim result.
     pub fn is_keyed_gate(self) -> bool {
-        self != Policy::Parallel
+        self != Concurrency::Parallel
     }
 }
 
@@ -57,18 +60,18 @@ impl Policy {
 /// A group's override covers every keyed message from every producer; without it the message's
 /// own request applies, and a keyed message that requested nothing is parallel. A message
 /// without a key is always parallel: there is nothing to order it against.
-pub fn resolve(group_override: Option<Policy>, requested: Option<Policy>, has_key: bool) -> Policy {
+pub fn resolve(group_override: Option<Concurrency>, requested: Option<Concurrency>, has_key: bool) -> Concurrency {
     if !has_key {
-        return Policy::Parallel;
+        return Concurrency::Parallel;
     }
-    group_override.or(requested).unwrap_or(Policy::Parallel)
+    group_override.or(requested).unwrap_or(Concurrency::Parallel)
 }
 
 /// What a producer asked for, validated before anything is written.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProduceRequest<'a> {
     pub message_key: Option<&'a str>,
-    pub concurrency: Option<Policy>,
+    pub concurrency: Option<Concurrency>,
     pub compaction: bool,
 }
 
@@ -78,8 +81,8 @@ impl<'a> ProduceRequest<'a> {
         concurrency: Option<&str>,
         compaction: bool,
     ) -> Result<ProduceRequest<'a>> {
-        let concurrency = concurrency.map(|c| Policy::parse("concurrency", c)).transpose()?;
-        if concurrency == Some(Policy::Ordered) && compaction {
+        let concurrency = concurrency.map(|c| Concurrency::parse("concurrency", c)).transpose()?;
+        if concurrency == Some(Concurrency::Ordered) && compaction {
             return Err(StreamError::invalid(
                 "an ordered message cannot use compaction",
                 "Ordered delivery must run every message, while compaction lets a newer message supersede an older one: \
@@ -87,7 +90,7 @@ impl<'a> ProduceRequest<'a> {
             ));
         }
         if message_key.is_none() {
-            if let Some(policy @ (Policy::Exclusive | Policy::Ordered)) = concurrency {
+            if let Some(policy @ (Concurrency::Exclusive | Concurrency::Ordered)) = concurrency {
                 return Err(StreamError::invalid(
                     format!("concurrency '{}' requires a message_key", policy.as_str()),
                     "Pass the key the policy orders by (an account, an order, a user), or omit concurrency.",
@@ -116,7 +119,7 @@ impl<'a> ProduceRequest<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use Policy::*;
+    use Concurrency::*;
 
     #[test]
     fn override_beats_request_and_keyless_is_parallel() {
@@ -132,9 +135,9 @@ mod tests {
     #[test]
     fn policy_names_round_trip() {
         for p in [Parallel, Exclusive, Ordered] {
-            assert_eq!(Policy::parse("concurrency", p.as_str()).unwrap(), p);
+            assert_eq!(Concurrency::parse("concurrency", p.as_str()).unwrap(), p);
         }
-        let err = Policy::parse("concurrency", "serial").unwrap_err().to_string();
+        let err = Concurrency::parse("concurrency", "serial").unwrap_err().to_string();
         assert!(err.contains("'serial'"), "{err}");
     }
 

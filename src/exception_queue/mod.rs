@@ -1,30 +1,40 @@
-//! The exception queue: rows for every (group, message) that left the happy path, and the two
-//! things that happen when a message resolves: its exclusive key lease is released, and rows
-//! parked behind its key are woken.
+//! The exception queue (`exception_queue_<stream id>`): one row per (group, message) that left
+//! the happy path. A message that succeeds on its first delivery never gets a row.
 //!
-//! Parking: a row that must wait (deferred, or a retry whose key is busy) gets
-//! `parked = true` and `can_run_after` = the latest time its blocker could clear on its own (a
-//! retry time, a lease expiry). Every resolution wakes the key's parked rows that can now run,
-//! so a successor is claimable by the very next claim; the timer only bounds a wait whose
-//! blocker vanished without an outcome (a crashed consumer). A due row that a claim finds still
-//! blocked is parked again, so no claim examines the same blocked row twice in a row.
+//! This file says what a row is and how rows are stored; `lifecycle.rs` holds every state change
+//! a row can go through, one named function each, so the whole life of a failed message reads
+//! top to bottom in one place.
+
+mod lifecycle;
+
+pub use lifecycle::*;
 
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::SpiClient;
 
-use crate::error::Result;
-use crate::group::GroupRef;
-use crate::locks;
-use crate::notify;
-use crate::policy::Policy;
-use crate::statement::{self, Statement};
+use crate::concurrency::Concurrency;
+use crate::error::{Result, StreamError};
+use crate::statement::{self, Columns, Statement};
+
+/// The statuses of unresolved rows, as a SQL list: `status IN unresolved!()`.
+macro_rules! unresolved {
+    () => {
+        "('ready', 'inflight', 'deferred')"
+    };
+}
+pub(crate) use unresolved;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Status {
+    /// Waiting until `can_run_after` (retry backoff or a requested delay).
     Ready,
+    /// Handed out from the queue under a lease.
     Inflight,
+    /// Never ran: its key was busy or an earlier same-key message was unresolved.
     Deferred,
+    /// Failed permanently or spent its budget; kept for triage. Resolved.
     Dead,
+    /// A newer compacted message of its key replaced it; never runs. Resolved.
     Superseded,
 }
 
@@ -38,6 +48,14 @@ impl Status {
             Status::Superseded => "superseded",
         }
     }
+
+    /// Parses a status the table stored (its check constraint admits only these).
+    pub fn from_stored(value: &str) -> Result<Status> {
+        [Status::Ready, Status::Inflight, Status::Deferred, Status::Dead, Status::Superseded]
+            .into_iter()
+            .find(|s| s.as_str() == value)
+            .ok_or_else(|| StreamError::Internal(format!("unknown exception-queue status {value:?}")))
+    }
 }
 
 /// A row to insert for a message that had none.
@@ -45,24 +63,27 @@ impl Status {
 pub struct NewRow {
     pub message_id: i64,
     pub key: Option<String>,
-    pub policy: Policy,
+    pub concurrency: Concurrency,
     pub compaction: bool,
     pub status: Status,
     pub attempts: i32,
     pub delays: i32,
     pub can_run_after: i64,
+    /// Waiting for a blocker: woken early when the blocker resolves (`lifecycle::wake`).
     pub parked: bool,
     /// Delivered alone until resolved (a message of a quarantined range).
     pub isolated: bool,
     pub last_error: Option<String>,
 }
 
-/// A change to an existing row, decided by a claim.
+/// A change to an existing row.
 #[derive(Clone, Debug)]
 pub struct RowUpdate {
     pub message_id: i64,
     pub status: Status,
     pub attempts: i32,
+    /// `None` keeps the row's count.
+    pub delays: Option<i32>,
     /// `None` keeps the row's time.
     pub can_run_after: Option<i64>,
     pub parked: bool,
@@ -70,6 +91,20 @@ pub struct RowUpdate {
     pub lease: Option<(pgrx::Uuid, i64)>,
     /// `None` keeps the row's last error.
     pub last_error: Option<String>,
+}
+
+/// One change to the queue.
+#[derive(Clone, Debug)]
+pub enum Change {
+    Insert(NewRow),
+    Update(RowUpdate),
+}
+
+/// The inflight row a token holds, as an outcome sees it (locked).
+pub struct Inflight {
+    pub key: Option<String>,
+    pub attempts: i32,
+    pub delays: i32,
 }
 
 const INSERT: Statement = Statement {
@@ -103,17 +138,19 @@ const INSERT: Statement = Statement {
 const UPDATE: Statement = Statement {
     name: "eq_update",
     sql: "UPDATE sqlstreams.exception_queue_@id@ e
-          SET status = u.status, attempts = u.attempts, can_run_after = coalesce(u.can_run_after, e.can_run_after),
+          SET status = u.status, attempts = u.attempts, delays = coalesce(u.delays, e.delays),
+              can_run_after = coalesce(u.can_run_after, e.can_run_after),
               parked = u.parked, lease_token = u.lease_token, lease_expires_at = u.lease_expires_at,
-              last_error = coalesce(u.last_error, e.last_error), updated_at = $10
-          FROM unnest($2::bigint[], $3::text[], $4::int[], $5::timestamptz[], $6::bool[], $7::uuid[],
-                      $8::timestamptz[], $9::text[])
-               AS u(id, status, attempts, can_run_after, parked, lease_token, lease_expires_at, last_error)
+              last_error = coalesce(u.last_error, e.last_error), updated_at = $11
+          FROM unnest($2::bigint[], $3::text[], $4::int[], $5::int[], $6::timestamptz[], $7::bool[], $8::uuid[],
+                      $9::timestamptz[], $10::text[])
+               AS u(id, status, attempts, delays, can_run_after, parked, lease_token, lease_expires_at, last_error)
           WHERE e.consumer_group_id = $1 AND e.message_id = u.id",
     params: &[
         INT8OID,
         INT8ARRAYOID,
         TEXTARRAYOID,
+        INT4ARRAYOID,
         INT4ARRAYOID,
         TIMESTAMPTZARRAYOID,
         BOOLARRAYOID,
@@ -124,54 +161,26 @@ const UPDATE: Statement = Statement {
     ],
 };
 
-/// Wakes, per key, the parked rows that may run once the key's last resolution is recorded: an
-/// exclusive row always (it only needs the key lease), an ordered row only when no unparked
-/// ready or inflight row of its key precedes it. At most `$4` rows per key, in id order, which
-/// is what one claim can chain. Rows a claim holds are skipped: that claim is deciding them and
-/// sees this resolution (it waits for this transaction's key locks before it parks anything).
-const WAKE: Statement = Statement {
-    name: "eq_wake",
-    sql: "WITH candidates AS (
-              SELECT w.message_id
-              FROM unnest($2::text[]) AS k(message_key)
-              CROSS JOIN LATERAL (
-                  SELECT p.message_id FROM sqlstreams.exception_queue_@id@ p
-                  WHERE p.consumer_group_id = $1 AND p.message_key = k.message_key AND p.parked
-                    AND (p.concurrency <> 'ordered' OR p.message_id < coalesce(
-                            (SELECT min(b.message_id) FROM sqlstreams.exception_queue_@id@ b
-                             WHERE b.consumer_group_id = $1 AND b.message_key = k.message_key
-                               AND b.status IN ('ready', 'inflight') AND NOT b.parked),
-                            9223372036854775807))
-                  ORDER BY p.message_id
-                  LIMIT $4) w
-          ), free AS (
-              SELECT e.message_id FROM sqlstreams.exception_queue_@id@ e
-              WHERE e.consumer_group_id = $1 AND e.message_id IN (SELECT message_id FROM candidates) AND e.parked
-              FOR UPDATE SKIP LOCKED
-          )
-          UPDATE sqlstreams.exception_queue_@id@ e
-          SET parked = false, can_run_after = $3, updated_at = $3
-          FROM free
-          WHERE e.consumer_group_id = $1 AND e.message_id = free.message_id",
-    params: &[INT8OID, TEXTARRAYOID, TIMESTAMPTZOID, INT4OID],
+const INFLIGHT: Statement = Statement {
+    name: "eq_inflight",
+    sql: "SELECT message_key, attempts, delays FROM sqlstreams.exception_queue_@id@
+          WHERE consumer_group_id = $1 AND message_id = $2 AND status = 'inflight' AND lease_token = $3
+          FOR UPDATE",
+    params: &[INT8OID, INT8OID, UUIDOID],
 };
 
-/// Releases `token`'s exclusive leases on `keys` once nothing of that key is left under the
-/// token (a chain keeps its key until its last row resolves).
-const RELEASE_KEYS: Statement = Statement {
-    name: "eq_release_keys",
-    sql: "DELETE FROM sqlstreams.message_key_lease_@id@ l
-          WHERE l.consumer_group_id = $1 AND l.lease_token = $2 AND l.message_key = ANY($3)
-            AND NOT EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@ r, unnest(r.pending_keys) AS pk(message_key)
-                            WHERE r.consumer_group_id = $1 AND r.lease_token = $2 AND pk.message_key = l.message_key)
-            AND NOT EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
-                            WHERE e.consumer_group_id = $1 AND e.message_key = l.message_key
-                              AND e.status = 'inflight' AND e.lease_token = $2)",
-    params: &[INT8OID, UUIDOID, TEXTARRAYOID],
-};
-
-/// Rows one claim can chain per key; also the wake batch.
-pub const WAKE_PER_KEY: i32 = 1000;
+/// Writes `changes`: every insert in one statement, every update in another.
+pub fn write(client: &SpiClient<'_>, stream_id: i64, group_id: i64, changes: Vec<Change>, now: i64) -> Result<()> {
+    let (mut inserts, mut updates) = (Vec::new(), Vec::new());
+    for change in changes {
+        match change {
+            Change::Insert(row) => inserts.push(row),
+            Change::Update(row) => updates.push(row),
+        }
+    }
+    insert(client, stream_id, group_id, &inserts, now)?;
+    update(client, stream_id, group_id, &updates, now)
+}
 
 pub fn insert(client: &SpiClient<'_>, stream_id: i64, group_id: i64, rows: &[NewRow], now: i64) -> Result<()> {
     if rows.is_empty() {
@@ -179,7 +188,7 @@ pub fn insert(client: &SpiClient<'_>, stream_id: i64, group_id: i64, rows: &[New
     }
     let ids: Vec<i64> = rows.iter().map(|r| r.message_id).collect();
     let keys: Vec<Option<String>> = rows.iter().map(|r| r.key.clone()).collect();
-    let policies: Vec<&str> = rows.iter().map(|r| r.policy.as_str()).collect();
+    let concurrencies: Vec<&str> = rows.iter().map(|r| r.concurrency.as_str()).collect();
     let compaction: Vec<bool> = rows.iter().map(|r| r.compaction).collect();
     let statuses: Vec<&str> = rows.iter().map(|r| r.status.as_str()).collect();
     let attempts: Vec<i32> = rows.iter().map(|r| r.attempts).collect();
@@ -195,7 +204,7 @@ pub fn insert(client: &SpiClient<'_>, stream_id: i64, group_id: i64, rows: &[New
             group_id.into(),
             ids.into(),
             keys.into(),
-            policies.into(),
+            concurrencies.into(),
             compaction.into(),
             statuses.into(),
             attempts.into(),
@@ -217,6 +226,7 @@ pub fn update(client: &SpiClient<'_>, stream_id: i64, group_id: i64, rows: &[Row
     let ids: Vec<i64> = rows.iter().map(|r| r.message_id).collect();
     let statuses: Vec<&str> = rows.iter().map(|r| r.status.as_str()).collect();
     let attempts: Vec<i32> = rows.iter().map(|r| r.attempts).collect();
+    let delays: Vec<Option<i32>> = rows.iter().map(|r| r.delays).collect();
     let times: Vec<Option<i64>> = rows.iter().map(|r| r.can_run_after).collect();
     let parked: Vec<bool> = rows.iter().map(|r| r.parked).collect();
     let tokens: Vec<Option<pgrx::Uuid>> = rows.iter().map(|r| r.lease.map(|(t, _)| t)).collect();
@@ -230,6 +240,7 @@ pub fn update(client: &SpiClient<'_>, stream_id: i64, group_id: i64, rows: &[Row
             ids.into(),
             statuses.into(),
             attempts.into(),
+            delays.into(),
             statement::timestamptz_array(times),
             parked.into(),
             tokens.into(),
@@ -241,37 +252,24 @@ pub fn update(client: &SpiClient<'_>, stream_id: i64, group_id: i64, rows: &[Row
     Ok(())
 }
 
-/// After outcomes under `token` touched `keys`: releases the exclusive leases nothing holds any
-/// more and wakes the rows parked behind those keys. Signals idle consumers when a row woke.
-pub fn after_outcome(
+/// The inflight row of `message_id` under `token`, locked; `None` when the token does not hold
+/// it (the lease was lost, or the message is in a range instead).
+pub fn inflight(
     client: &SpiClient<'_>,
-    group: &GroupRef,
-    token: Option<pgrx::Uuid>,
-    keys: &[String],
-    now: i64,
-) -> Result<()> {
-    if keys.is_empty() {
-        return Ok(());
+    stream_id: i64,
+    group_id: i64,
+    message_id: i64,
+    token: pgrx::Uuid,
+) -> Result<Option<Inflight>> {
+    let row = INFLIGHT.run(client, stream_id, &[group_id.into(), message_id.into(), token.into()])?.first();
+    if row.is_empty() {
+        return Ok(None);
     }
-    let stream_id = group.stream.id;
-    if group.may_park() {
-        // Before the key is released or woken (src/key_gate.rs, "Parking and wake-ups").
-        locks::keys_shared(group.id, keys);
-    }
-    if let (Some(token), true) = (token, group.may_hold_key_leases()) {
-        RELEASE_KEYS.run(client, stream_id, &[group.id.into(), token.into(), keys.to_vec().into()])?;
-    }
-    if group.may_park() {
-        let woken = WAKE.run(
-            client,
-            stream_id,
-            &[group.id.into(), keys.to_vec().into(), statement::timestamptz(now), WAKE_PER_KEY.into()],
-        )?;
-        if !woken.is_empty() {
-            notify::signal(client, stream_id)?;
-        }
-    }
-    Ok(())
+    Ok(Some(Inflight {
+        key: row.value("message_key")?,
+        attempts: row.required("attempts")?,
+        delays: row.required("delays")?,
+    }))
 }
 
 /// Sorted, de-duplicated keys of the keyed messages among `keys`.

@@ -1,0 +1,557 @@
+-- sqlstreams 0.2.0: durable message streams with consumer groups and per-key
+-- parallel / exclusive / ordered delivery. See docs/sql-api.md for the API and
+-- docs/semantics.md for the behaviour.
+--
+-- This script is written by hand. `scripts/rig test` checks it against the library: every
+-- function the library exports is declared here with the same signature, and a fresh install
+-- of this version has the same catalog as 0.1.0 upgraded by sqlstreams--0.1.0--0.2.0.sql.
+--
+-- Every function runs with search_path = pg_catalog, pg_temp, so no object a caller can create
+-- in a schema on their own search_path is ever picked up by the extension's SQL.
+
+\echo Use "CREATE EXTENSION sqlstreams" to load this file. \quit
+
+-- Stream tables are not extension members, so DROP EXTENSION leaves them behind (pg_dump keeps
+-- them for the same reason). Refuse to reuse stream ids over such leftovers.
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_class
+               WHERE relnamespace = 'sqlstreams'::regnamespace AND relname ~ '^message_log_[0-9]+$') THEN
+        RAISE EXCEPTION 'schema sqlstreams still holds the streams of an earlier installation'
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'Remove them with DROP SCHEMA sqlstreams CASCADE (this deletes those streams), then CREATE EXTENSION sqlstreams.';
+    END IF;
+END
+$$;
+
+----------------------------------------------------------------------------------------------
+-- 1. The catalog: which streams and consumer groups exist, and their settings.
+----------------------------------------------------------------------------------------------
+
+CREATE TABLE sqlstreams.stream (
+    id                 bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    name               text        NOT NULL UNIQUE,
+    -- message_log_<id> is range-partitioned by message id in blocks of this many ids.
+    partition_size     bigint      NOT NULL CHECK (partition_size > 0),
+    -- Every id below this value has a partition; produce() extends it ahead of the head.
+    partitions_through bigint      NOT NULL,
+    -- How long an idempotency key suppresses a repeated produce.
+    idempotency_ttl    interval    NOT NULL DEFAULT '1 day',
+    created_at         timestamptz NOT NULL DEFAULT now(),
+    -- The extension version whose table family the stream has: the installed version when the
+    -- stream was created, moved forward by every upgrade script that migrates the family.
+    schema_version     text        NOT NULL
+);
+
+CREATE TABLE sqlstreams.consumer_group (
+    id                   bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    stream_id            bigint      NOT NULL REFERENCES sqlstreams.stream (id) ON DELETE CASCADE,
+    name                 text        NOT NULL,
+    -- NULL: each message's requested concurrency applies (keyed messages default to parallel).
+    concurrency_override text        CHECK (concurrency_override IN ('parallel', 'exclusive', 'ordered')),
+    -- Retries after the first failed run; max_retries = 3 means four runs in all.
+    max_retries          int         NOT NULL CHECK (max_retries >= 0),
+    -- Retry backoff: least(backoff_cap, backoff_base * backoff_exponent ^ (attempts - 1)).
+    backoff_base         interval    NOT NULL,
+    backoff_cap          interval    NOT NULL,
+    backoff_exponent     float8      NOT NULL CHECK (backoff_exponent >= 1),
+    -- Requested delays allowed per message before it is dead-lettered; NULL: unbounded.
+    max_delays           int         CHECK (max_delays >= 0),
+    -- Times an expired range lease is handed out again before its messages are quarantined
+    -- into the exception queue one by one.
+    max_reclaims         int         NOT NULL CHECK (max_reclaims >= 0),
+    created_at           timestamptz NOT NULL DEFAULT now(),
+    UNIQUE (stream_id, name)
+);
+
+SELECT pg_catalog.pg_extension_config_dump('sqlstreams.stream', '');
+SELECT pg_catalog.pg_extension_config_dump('sqlstreams.consumer_group', '');
+SELECT pg_catalog.pg_extension_config_dump('sqlstreams.stream_id_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('sqlstreams.consumer_group_id_seq', '');
+
+----------------------------------------------------------------------------------------------
+-- 2. The table family of one stream, named by its numeric id (never by its name: names are
+--    data). create_stream() calls create_stream_tables(); an upgrade script that changes the
+--    family migrates every existing stream and moves stream.schema_version forward.
+----------------------------------------------------------------------------------------------
+
+CREATE FUNCTION sqlstreams.create_stream_tables(stream_id bigint) RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $function$
+BEGIN
+    EXECUTE replace($family$
+        -- Message ids. CACHE 1 is load-bearing: the claim fence (src/fence.rs) reads last_value
+        -- as the highest id handed out, which per-backend caching would break.
+        CREATE SEQUENCE sqlstreams.message_log_@id@_seq AS bigint MINVALUE 1 CACHE 1;
+
+        -- The stream itself: append-only, range-partitioned by id (sqlstreams.add_partitions).
+        CREATE TABLE sqlstreams.message_log_@id@ (
+            id          bigint      NOT NULL,
+            message_key text,
+            -- The producer's requested concurrency; a group's concurrency_override wins over it.
+            concurrency text        CHECK (concurrency IN ('parallel', 'exclusive', 'ordered')),
+            compaction  boolean     NOT NULL DEFAULT false,
+            payload     jsonb       NOT NULL,
+            produced_at timestamptz NOT NULL DEFAULT now(),
+            PRIMARY KEY (id)
+        ) PARTITION BY RANGE (id);
+
+        -- One row per consumer group: the group's cursor and the claim fence's pending observation.
+        --   claimed:   every id <= claimed has been handed out in some range.
+        --   committed: every id <= committed is resolved for the group; never moves backward.
+        --   fence_head/fence_xid: "ids <= fence_head are safe once every transaction older than
+        --   fence_xid has ended" (src/fence.rs).
+        CREATE TABLE sqlstreams.cursor_@id@ (
+            consumer_group_id bigint PRIMARY KEY,
+            claimed           bigint NOT NULL,
+            committed         bigint NOT NULL,
+            fence_head        bigint,
+            fence_xid         bigint,
+            CHECK (committed <= claimed)
+        );
+
+        -- Open range claims: ids first_id .. last_id handed to one consumer under a lease.
+        -- pending lists the range's messages without an outcome yet (with their keys, for the
+        -- ordered check of other claims). The row is deleted when pending becomes empty.
+        CREATE TABLE sqlstreams.range_lease_@id@ (
+            consumer_group_id bigint      NOT NULL,
+            first_id          bigint      NOT NULL,
+            last_id           bigint      NOT NULL,
+            lease_token       uuid        NOT NULL,
+            lease_expires_at  timestamptz NOT NULL,
+            reclaims          int         NOT NULL DEFAULT 0,
+            pending           bigint[]    NOT NULL,
+            pending_keys      text[]      NOT NULL,
+            PRIMARY KEY (consumer_group_id, first_id),
+            CHECK (cardinality(pending) = cardinality(pending_keys))
+        );
+
+        -- Every (group, message) that left the happy path (docs/semantics.md; the states and
+        -- what moves a row between them: src/exception_queue/lifecycle.rs). A waiting row is
+        -- "parked": can_run_after is the latest time its blocker could clear on its own, and
+        -- resolving the blocker wakes it earlier.
+        CREATE TABLE sqlstreams.exception_queue_@id@ (
+            consumer_group_id bigint      NOT NULL,
+            message_id        bigint      NOT NULL,
+            message_key       text,
+            concurrency       text        NOT NULL CHECK (concurrency IN ('parallel', 'exclusive', 'ordered')),
+            compaction        boolean     NOT NULL DEFAULT false,
+            status            text        NOT NULL
+                              CHECK (status IN ('ready', 'inflight', 'deferred', 'dead', 'superseded')),
+            attempts          int         NOT NULL DEFAULT 0,
+            delays            int         NOT NULL DEFAULT 0,
+            can_run_after     timestamptz NOT NULL,
+            parked            boolean     NOT NULL DEFAULT false,
+            last_error        text,
+            lease_token       uuid,
+            lease_expires_at  timestamptz,
+            created_at        timestamptz NOT NULL DEFAULT now(),
+            updated_at        timestamptz NOT NULL DEFAULT now(),
+            -- (Columns added by upgrades come last, so a fresh install and an upgraded stream
+            -- have the same columns in the same order.)
+            -- 0.2.0: a message of a quarantined range, handed out alone until it resolves, so
+            -- only its own failures and expiries count against it.
+            isolated          boolean     NOT NULL DEFAULT false,
+            PRIMARY KEY (consumer_group_id, message_id),
+            CHECK ((status = 'inflight') = (lease_token IS NOT NULL))
+        );
+        -- The same-key predecessor lookup (ordered check 1) and the blocked-keys view.
+        CREATE INDEX exception_queue_@id@_key_idx
+            ON sqlstreams.exception_queue_@id@ (consumer_group_id, message_key, message_id);
+        -- Due work: retries, delays and parked rows whose time has come.
+        CREATE INDEX exception_queue_@id@_due_idx
+            ON sqlstreams.exception_queue_@id@ (consumer_group_id, can_run_after)
+            WHERE status IN ('ready', 'deferred');
+        -- Inflight rows whose lease may expire.
+        CREATE INDEX exception_queue_@id@_inflight_idx
+            ON sqlstreams.exception_queue_@id@ (consumer_group_id, lease_expires_at)
+            WHERE status = 'inflight';
+        -- The lowest unresolved id bounds the committed cursor.
+        CREATE INDEX exception_queue_@id@_unresolved_idx
+            ON sqlstreams.exception_queue_@id@ (consumer_group_id, message_id)
+            WHERE status IN ('ready', 'inflight', 'deferred');
+        -- Rows a resolution may wake.
+        CREATE INDEX exception_queue_@id@_parked_idx
+            ON sqlstreams.exception_queue_@id@ (consumer_group_id, message_key, message_id)
+            WHERE parked;
+        -- Unresolved messages of quarantined ranges (usually none).
+        CREATE INDEX exception_queue_@id@_isolated_idx
+            ON sqlstreams.exception_queue_@id@ (consumer_group_id, message_id)
+            WHERE isolated AND status IN ('ready', 'inflight', 'deferred');
+
+        -- Exclusive delivery: one live lease per (group, key).
+        CREATE TABLE sqlstreams.message_key_lease_@id@ (
+            consumer_group_id bigint      NOT NULL,
+            message_key       text        NOT NULL,
+            lease_token       uuid        NOT NULL,
+            lease_expires_at  timestamptz NOT NULL,
+            PRIMARY KEY (consumer_group_id, message_key)
+        );
+
+        -- Compaction: the newest compacted message id per key, for every group of the stream.
+        CREATE TABLE sqlstreams.compaction_head_@id@ (
+            message_key text   PRIMARY KEY,
+            message_id  bigint NOT NULL
+        );
+
+        -- Idempotent produce: a key seen within the stream's idempotency_ttl produces nothing.
+        CREATE TABLE sqlstreams.idempotency_key_@id@ (
+            idempotency_key text        PRIMARY KEY,
+            message_id      bigint      NOT NULL,
+            expires_at      timestamptz NOT NULL
+        );
+    $family$, '@id@', stream_id::text);
+    -- The first partition; produce() adds the next ones ahead of the head.
+    PERFORM sqlstreams.add_partitions(stream_id, 1);
+END
+$function$;
+
+CREATE FUNCTION sqlstreams.drop_stream_tables(stream_id bigint) RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $function$
+BEGIN
+    EXECUTE replace($family$
+        DROP TABLE sqlstreams.message_log_@id@, sqlstreams.cursor_@id@, sqlstreams.range_lease_@id@,
+                   sqlstreams.exception_queue_@id@, sqlstreams.message_key_lease_@id@,
+                   sqlstreams.compaction_head_@id@, sqlstreams.idempotency_key_@id@;
+        DROP SEQUENCE sqlstreams.message_log_@id@_seq;
+    $family$, '@id@', stream_id::text);
+END
+$function$;
+
+-- Partitions of message_log_<id>: blocks of partition_size ids, created ahead of the head. A
+-- partition is created as a plain table and then attached: ATTACH PARTITION takes only a SHARE
+-- UPDATE EXCLUSIVE lock on the parent, which blocks neither producers nor claims, while CREATE
+-- TABLE ... PARTITION OF would take an ACCESS EXCLUSIVE lock until the creating transaction
+-- commits. Creation is serialized per stream by the stream's catalog row.
+CREATE FUNCTION sqlstreams.add_partitions(stream_id bigint, upto bigint) RETURNS bigint
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $function$
+DECLARE
+    size    bigint;
+    through bigint;
+    part    bigint;
+BEGIN
+    SELECT s.partition_size, s.partitions_through INTO size, through
+    FROM sqlstreams.stream s WHERE s.id = stream_id FOR UPDATE;
+    WHILE through <= upto LOOP
+        part := (through - 1) / size;
+        EXECUTE replace(replace(replace(replace($partition$
+            CREATE TABLE sqlstreams.message_log_@id@_p@part@
+                (LIKE sqlstreams.message_log_@id@ INCLUDING DEFAULTS INCLUDING CONSTRAINTS);
+            ALTER TABLE sqlstreams.message_log_@id@ ATTACH PARTITION sqlstreams.message_log_@id@_p@part@
+                FOR VALUES FROM (@from@) TO (@to@);
+        $partition$, '@id@', stream_id::text), '@part@', part::text),
+            '@from@', (part * size + 1)::text), '@to@', ((part + 1) * size + 1)::text);
+        through := (part + 1) * size + 1;
+    END LOOP;
+    UPDATE sqlstreams.stream s SET partitions_through = through
+    WHERE s.id = stream_id AND s.partitions_through <> through;
+    RETURN through;
+END
+$function$;
+
+----------------------------------------------------------------------------------------------
+-- 3. The API: functions of the library (src/), each a thin shim over plain Rust.
+----------------------------------------------------------------------------------------------
+
+-- Streams and groups (src/stream.rs, src/group.rs)
+CREATE FUNCTION sqlstreams.create_stream(
+    name text,
+    partition_size bigint DEFAULT 1000000,
+    idempotency_ttl interval DEFAULT '1 day'
+) RETURNS bigint
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'create_stream_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+CREATE FUNCTION sqlstreams.drop_stream(name text) RETURNS boolean
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'drop_stream_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+CREATE FUNCTION sqlstreams.create_group(
+    stream text,
+    name text,
+    concurrency_override text DEFAULT NULL,
+    max_retries integer DEFAULT 3,
+    start_at text DEFAULT 'beginning',
+    backoff_base interval DEFAULT '1 second',
+    backoff_cap interval DEFAULT '5 minutes',
+    backoff_exponent double precision DEFAULT 2.0,
+    max_delays integer DEFAULT NULL,
+    max_reclaims integer DEFAULT 2
+) RETURNS bigint
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'create_group_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+CREATE FUNCTION sqlstreams.drop_group(stream text, name text) RETURNS boolean
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'drop_group_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+-- Producing (src/produce.rs)
+CREATE FUNCTION sqlstreams.produce(
+    stream text,
+    payload jsonb,
+    message_key text DEFAULT NULL,
+    concurrency text DEFAULT NULL,
+    compaction boolean DEFAULT false,
+    idempotency_key text DEFAULT NULL
+) RETURNS bigint
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'produce_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+CREATE FUNCTION sqlstreams.produce_batch(
+    stream text,
+    payloads jsonb[],
+    message_keys text[] DEFAULT NULL,
+    concurrency text DEFAULT NULL,
+    compaction boolean DEFAULT false
+) RETURNS SETOF bigint
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'produce_batch_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+-- Consuming (src/claim.rs, src/outcome.rs, src/lease.rs)
+CREATE FUNCTION sqlstreams.claim(
+    stream text,
+    group_name text,
+    batch_size integer DEFAULT 100,
+    lease interval DEFAULT '30 seconds',
+    ack_lease_token uuid DEFAULT NULL,
+    ack_message_ids bigint[] DEFAULT NULL
+) RETURNS TABLE (
+    message_id bigint,
+    message_key text,
+    concurrency text,
+    attempt integer,
+    payload jsonb,
+    lease_token uuid,
+    run_after bigint
+)
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'claim_sql_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+CREATE FUNCTION sqlstreams.ack(stream text, group_name text, lease_token uuid, message_id bigint)
+RETURNS boolean
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'ack_sql_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+CREATE FUNCTION sqlstreams.ack_batch(stream text, group_name text, lease_token uuid, message_ids bigint[])
+RETURNS bigint[]
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'ack_batch_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+CREATE FUNCTION sqlstreams.fail(
+    stream text,
+    group_name text,
+    lease_token uuid,
+    message_id bigint,
+    error text,
+    permanent boolean DEFAULT false,
+    retry_after interval DEFAULT NULL
+) RETURNS text
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'fail_sql_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+CREATE FUNCTION sqlstreams.delay(stream text, group_name text, lease_token uuid, message_id bigint, delay interval)
+RETURNS boolean
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'delay_sql_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+CREATE FUNCTION sqlstreams.extend_lease(
+    stream text,
+    group_name text,
+    lease_token uuid,
+    lease interval DEFAULT '30 seconds'
+) RETURNS boolean
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'extend_lease_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+CREATE FUNCTION sqlstreams.release(stream text, group_name text, lease_token uuid, message_ids bigint[])
+RETURNS bigint[]
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'release_sql_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+-- What a user can always see (src/inspect.rs)
+CREATE FUNCTION sqlstreams.group_status(stream text, group_name text)
+RETURNS TABLE (
+    claimed bigint,
+    committed bigint,
+    head bigint,
+    lag bigint,
+    open_ranges bigint,
+    ready bigint,
+    inflight bigint,
+    deferred bigint,
+    dead bigint,
+    superseded bigint
+)
+STABLE PARALLEL SAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'group_status_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+CREATE FUNCTION sqlstreams.blocked_keys(stream text, group_name text)
+RETURNS TABLE (
+    message_key text,
+    oldest_message_id bigint,
+    status text,
+    attempts integer,
+    can_run_after timestamptz,
+    last_error text,
+    waiting_behind bigint
+)
+STABLE PARALLEL SAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'blocked_keys_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+CREATE FUNCTION sqlstreams.dead_messages(stream text, group_name text)
+RETURNS TABLE (
+    message_id bigint,
+    message_key text,
+    attempts integer,
+    delays integer,
+    last_error text,
+    died_at timestamptz,
+    payload jsonb
+)
+STABLE PARALLEL SAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'dead_messages_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+CREATE FUNCTION sqlstreams.open_leases(stream text, group_name text)
+RETURNS TABLE (
+    kind text,
+    first_id bigint,
+    last_id bigint,
+    message_key text,
+    lease_token uuid,
+    lease_expires_at timestamptz,
+    pending integer
+)
+STABLE PARALLEL SAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'open_leases_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+CREATE FUNCTION sqlstreams.stream_head(stream_id bigint) RETURNS bigint
+STRICT STABLE PARALLEL SAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'stream_head_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+CREATE FUNCTION sqlstreams.stream_channel(stream_id bigint) RETURNS text
+STRICT IMMUTABLE PARALLEL SAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'stream_channel_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+-- Housekeeping (src/maintain.rs)
+CREATE FUNCTION sqlstreams.maintain()
+RETURNS TABLE (
+    stream text,
+    partitions_through bigint,
+    idempotency_keys_purged bigint,
+    cursors_advanced bigint,
+    key_leases_swept bigint
+)
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'maintain_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
+----------------------------------------------------------------------------------------------
+-- 4. Views.
+----------------------------------------------------------------------------------------------
+
+CREATE VIEW sqlstreams.streams AS
+SELECT s.id, s.name, s.partition_size, s.idempotency_ttl, s.created_at,
+       sqlstreams.stream_head(s.id) AS head,
+       s.schema_version,
+       sqlstreams.stream_channel(s.id) AS channel
+FROM sqlstreams.stream s;
+
+CREATE VIEW sqlstreams.consumer_groups AS
+SELECT g.id, g.stream_id, s.name AS stream, g.name, g.concurrency_override, g.max_retries,
+       g.backoff_base, g.backoff_cap, g.backoff_exponent, g.max_delays, g.max_reclaims, g.created_at,
+       p.claimed, p.committed, p.head, p.lag, p.open_ranges, p.ready, p.inflight, p.deferred, p.dead,
+       p.superseded
+FROM sqlstreams.consumer_group g
+JOIN sqlstreams.stream s ON s.id = g.stream_id
+CROSS JOIN LATERAL sqlstreams.group_status(s.name, g.name) p;
+
+----------------------------------------------------------------------------------------------
+-- 5. Documentation, for \d+ and \df+.
+----------------------------------------------------------------------------------------------
+
+COMMENT ON SCHEMA sqlstreams IS
+    'sqlstreams: durable message streams with consumer groups and per-key parallel/exclusive/ordered delivery';
+COMMENT ON TABLE sqlstreams.stream IS 'Catalog of streams; read it through the sqlstreams.streams view.';
+COMMENT ON TABLE sqlstreams.consumer_group IS 'Catalog of consumer groups and their settings; see sqlstreams.consumer_groups.';
+COMMENT ON VIEW sqlstreams.streams IS
+    'Every stream with its id (its tables are named by it), head (highest message id handed out), '
+    'the version its tables were built by, and the channel its consumers LISTEN on.';
+COMMENT ON VIEW sqlstreams.consumer_groups IS
+    'Every consumer group with its settings, cursor (claimed, committed), lag and exception-queue counts.';
+
+COMMENT ON FUNCTION sqlstreams.create_stream_tables(bigint) IS
+    'Internal: creates the table family of a stream (called by create_stream).';
+COMMENT ON FUNCTION sqlstreams.drop_stream_tables(bigint) IS
+    'Internal: drops the table family of a stream (called by drop_stream).';
+COMMENT ON FUNCTION sqlstreams.add_partitions(bigint, bigint) IS
+    'Internal: creates message_log partitions of a stream until they cover upto, and returns the new partitions_through.';
+
+COMMENT ON FUNCTION sqlstreams.create_stream(text, bigint, interval) IS
+    'Creates a stream and its table family and returns its id; an existing name returns its id. '
+    'Takes: the stream catalog row, DDL locks on the new tables.';
+COMMENT ON FUNCTION sqlstreams.drop_stream(text) IS
+    'Drops a stream with its groups, messages and exception queue; false when no such stream exists.';
+COMMENT ON FUNCTION sqlstreams.create_group(text, text, text, integer, text, interval, interval, double precision, integer, integer) IS
+    'Creates a consumer group (or updates the settings of an existing one) and returns its id. '
+    'concurrency_override: NULL, parallel, exclusive or ordered; start_at: beginning or head.';
+COMMENT ON FUNCTION sqlstreams.drop_group(text, text) IS
+    'Drops a consumer group with its cursor, leases and exception-queue rows; false when it does not exist.';
+COMMENT ON FUNCTION sqlstreams.produce(text, jsonb, text, text, boolean, text) IS
+    'Appends a message in the caller''s transaction and returns its id (NULL for a repeated idempotency_key). '
+    'Takes: the stream''s producer lock (shared) and a transaction id before the message id; the key''s '
+    'compaction head row until commit.';
+COMMENT ON FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean) IS
+    'Appends many messages in one call (the fast path); returns their ids in payload order.';
+COMMENT ON FUNCTION sqlstreams.claim(text, text, integer, interval, uuid, bigint[]) IS
+    'Returns the work a consumer may run now under one lease: a claimed range and due exception rows, '
+    'in id order; run_after chains same-key rows. Takes: the group''s cursor row until commit (the only '
+    'lock it waits for). Call it in its own READ COMMITTED transaction; an idle call writes nothing. '
+    'ack_lease_token/ack_message_ids first record successes of an earlier claim (one round trip, one commit).';
+COMMENT ON FUNCTION sqlstreams.ack(text, text, uuid, bigint) IS
+    'Records a handler success; false when the lease behind lease_token was lost (nothing changed).';
+COMMENT ON FUNCTION sqlstreams.ack_batch(text, text, uuid, bigint[]) IS
+    'Records success for many messages of one claim; returns the ids recorded.';
+COMMENT ON FUNCTION sqlstreams.fail(text, text, uuid, bigint, text, boolean, interval) IS
+    'Records a handler failure; returns ready (retry scheduled) or dead, NULL when the lease was lost. '
+    'The rest of the message''s same-key chain is recorded deferred.';
+COMMENT ON FUNCTION sqlstreams.delay(text, text, uuid, bigint, interval) IS
+    'Asks for a message to run again after delay without counting a failure; false when the lease was lost.';
+COMMENT ON FUNCTION sqlstreams.extend_lease(text, text, uuid, interval) IS
+    'Extends every lease held under a claim''s token (a heartbeat while handlers run); false when nothing is held any more.';
+COMMENT ON FUNCTION sqlstreams.release(text, text, uuid, bigint[]) IS
+    'Gives claimed deliveries back unstarted, due at once and without counting an attempt; returns the ids released.';
+COMMENT ON FUNCTION sqlstreams.group_status(text, text) IS
+    'One group''s claimed and committed cursor, head, lag, open ranges and exception-queue counts.';
+COMMENT ON FUNCTION sqlstreams.blocked_keys(text, text) IS
+    'Keys waiting in the exception queue: the oldest unresolved message of each, its status and how many wait behind it.';
+COMMENT ON FUNCTION sqlstreams.dead_messages(text, text) IS 'Dead-lettered messages of a group with their payloads, for triage.';
+COMMENT ON FUNCTION sqlstreams.open_leases(text, text) IS 'Range, exception-row and exclusive-key leases a group holds now.';
+COMMENT ON FUNCTION sqlstreams.stream_head(bigint) IS 'The highest message id handed out on a stream, by stream id.';
+COMMENT ON FUNCTION sqlstreams.stream_channel(bigint) IS 'The channel a stream''s consumers LISTEN on; produce NOTIFYs it at commit.';
+COMMENT ON FUNCTION sqlstreams.maintain() IS
+    'Housekeeping for every stream: partitions ahead of the head, expired idempotency keys, idle groups'' '
+    'committed cursors, expired exclusive-key leases. Idempotent; run it from cron at any frequency.';

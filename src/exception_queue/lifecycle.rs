@@ -1,0 +1,427 @@
+//! The life of a message in a consumer group, told by its exception-queue row. Every state
+//! change is one function here; the claim (src/claim.rs), the outcomes (src/outcome.rs) and the
+//! lease calls (src/lease.rs) decide *when*, these functions decide *what*.
+//!
+//! ```text
+//! message of a claimed range (no row)
+//!   ├─ handler succeeds ........................ no row, ever            (succeed: range side)
+//!   ├─ fails or is delayed ..................... ready | dead            setback_first_delivery
+//!   ├─ must wait for its key ................... deferred (parked)       defer_behind
+//!   ├─ a newer compacted message of its key .... superseded             supersede
+//!   ├─ an earlier row of its chain failed ...... deferred (parked)       defer_chain
+//!   ├─ given back unstarted .................... ready, due now          give_back
+//!   └─ its range kept expiring ................. ready, isolated, due now quarantine
+//! ready | deferred, once due
+//!   ├─ the gate lets it run .................... inflight (leased)       hand_out
+//!   ├─ still blocked ........................... same status, parked     defer_behind
+//!   └─ superseded .............................. superseded             supersede
+//! inflight
+//!   ├─ ack ..................................... row deleted            succeed
+//!   ├─ fail / delay ............................ ready | dead            setback_again
+//!   ├─ lease runs out, next claim .............. attempt counted: handed out again | dead   expire
+//!   ├─ later rows of its chain ................. deferred (parked)       defer_chain
+//!   └─ given back unstarted .................... ready, due now          give_back
+//! parked (any waiting row)
+//!   └─ its key's blocker resolves .............. due now                wake (after_resolution)
+//! dead, superseded: resolved, kept for triage.
+//! ```
+//!
+//! `ready`, `inflight` and `deferred` are unresolved: they hold the group's `committed` cursor
+//! and, for ordered keys, every later message of the key.
+
+use pgrx::pg_sys::BuiltinOid::*;
+use pgrx::spi::SpiClient;
+
+use super::{Change, NewRow, RowUpdate, Status};
+use crate::concurrency::Concurrency;
+use crate::error::Result;
+use crate::group::GroupRef;
+use crate::key_gate::Candidate;
+use crate::locks;
+use crate::message;
+use crate::notify;
+use crate::range::RangeLease;
+use crate::statement::{self, Columns, Statement};
+
+/// What a failure or a delay does to a message, once its budgets are applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Setback {
+    /// Run again at `can_run_after`.
+    Retry { attempts: i32, delays: i32, can_run_after: i64 },
+    /// Dead-lettered; `note` replaces the caller's error text (why a budget ended it).
+    Dead { attempts: i32, delays: i32, note: Option<&'static str> },
+}
+
+impl Setback {
+    pub fn status(self) -> Status {
+        match self {
+            Setback::Retry { .. } => Status::Ready,
+            Setback::Dead { .. } => Status::Dead,
+        }
+    }
+
+    fn columns(self, now: i64) -> (i32, i32, i64) {
+        match self {
+            Setback::Retry { attempts, delays, can_run_after } => (attempts, delays, can_run_after),
+            Setback::Dead { attempts, delays, .. } => (attempts, delays, now),
+        }
+    }
+
+    fn error(self, error: Option<String>) -> Option<String> {
+        match self {
+            Setback::Dead { note: Some(note), .. } => Some(note.to_string()),
+            _ => error,
+        }
+    }
+}
+
+/// Where a message stands when a claim decides it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Held {
+    /// In the range this claim hands out: it has no row.
+    Range,
+    /// An exception row with its status before this claim; `expired` when it was inflight and
+    /// its lease ran out.
+    Row { status: Status, expired: bool },
+}
+
+/// Why an expired delivery's row records it.
+pub const LEASE_EXPIRED: &str = "the delivery's lease expired before an outcome was recorded";
+
+fn new_row(c: &Candidate, status: Status, can_run_after: i64) -> NewRow {
+    NewRow {
+        message_id: c.message_id,
+        key: c.key.clone(),
+        concurrency: c.concurrency,
+        compaction: c.compaction,
+        status,
+        attempts: 0,
+        delays: 0,
+        can_run_after,
+        parked: false,
+        isolated: false,
+        last_error: None,
+    }
+}
+
+/// The first delivery (from a range) failed or was delayed: its first row, `ready` or `dead`.
+pub fn setback_first_delivery(c: &Candidate, setback: Setback, error: Option<String>, now: i64) -> NewRow {
+    let (attempts, delays, can_run_after) = setback.columns(now);
+    NewRow { attempts, delays, last_error: setback.error(error), ..new_row(c, setback.status(), can_run_after) }
+}
+
+/// A delivery from the queue failed or was delayed: `inflight` → `ready` or `dead`.
+pub fn setback_again(message_id: i64, setback: Setback, error: Option<String>, now: i64) -> RowUpdate {
+    let (attempts, delays, can_run_after) = setback.columns(now);
+    RowUpdate {
+        message_id,
+        status: setback.status(),
+        attempts,
+        delays: Some(delays),
+        can_run_after: Some(can_run_after),
+        parked: false,
+        lease: None,
+        last_error: setback.error(error),
+    }
+}
+
+/// The gate lets it run under the claim's lease: a row goes `inflight`; a range message needs
+/// no row (its range lease covers it).
+pub fn hand_out(held: &Held, message_id: i64, attempts: i32, token: pgrx::Uuid, expires: i64) -> Option<RowUpdate> {
+    let Held::Row { expired, .. } = held else { return None };
+    Some(RowUpdate {
+        message_id,
+        status: Status::Inflight,
+        attempts,
+        delays: None,
+        can_run_after: None,
+        parked: false,
+        lease: Some((token, expires)),
+        last_error: expired.then(|| LEASE_EXPIRED.into()),
+    })
+}
+
+/// It must wait (its key is leased, or an earlier message of its key is unresolved): a range
+/// message becomes `deferred`; a row keeps its status (a retry stays `ready`) and waits. Parked
+/// rows wait until `until` unless a resolution of their key wakes them first.
+pub fn defer_behind(held: &Held, c: &Candidate, attempts: i32, until: i64, parked: bool) -> Change {
+    match held {
+        Held::Range => Change::Insert(NewRow { parked, ..new_row(c, Status::Deferred, until) }),
+        Held::Row { status, expired } => Change::Update(RowUpdate {
+            message_id: c.message_id,
+            status: if *status == Status::Deferred { Status::Deferred } else { Status::Ready },
+            attempts,
+            delays: None,
+            can_run_after: Some(until),
+            parked,
+            lease: None,
+            last_error: expired.then(|| LEASE_EXPIRED.into()),
+        }),
+    }
+}
+
+/// A newer compacted message of its key exists: `superseded`, resolved, never runs.
+pub fn supersede(held: &Held, c: &Candidate, attempts: i32, now: i64) -> Change {
+    match held {
+        Held::Range => Change::Insert(new_row(c, Status::Superseded, now)),
+        Held::Row { .. } => Change::Update(RowUpdate {
+            message_id: c.message_id,
+            status: Status::Superseded,
+            attempts,
+            delays: None,
+            can_run_after: None,
+            parked: false,
+            lease: None,
+            last_error: None,
+        }),
+    }
+}
+
+/// What a claim does with an `inflight` row whose lease ran out.
+pub enum Expired {
+    /// The lost delivery counts as a failed attempt; the row may be handed out again.
+    Again { attempts: i32 },
+    /// That attempt spent the retry budget.
+    Dead(RowUpdate),
+}
+
+/// An expired delivery counts as a failed attempt (`attempts` is the row's count before it).
+pub fn expire(message_id: i64, attempts: i32, max_retries: i32) -> Expired {
+    let attempts = attempts + 1;
+    if attempts <= max_retries {
+        return Expired::Again { attempts };
+    }
+    Expired::Dead(RowUpdate {
+        message_id,
+        status: Status::Dead,
+        attempts,
+        delays: None,
+        can_run_after: None,
+        parked: false,
+        lease: None,
+        last_error: Some(LEASE_EXPIRED.into()),
+    })
+}
+
+/// A message of a range that kept expiring: an isolated `ready` row, due now, with no failure
+/// counted. It is handed out alone until it resolves, so only its own deliveries count against
+/// it: one poison message never dead-letters its innocent range-mates.
+pub fn quarantine(c: &Candidate, range: &RangeLease, now: i64) -> NewRow {
+    let error = format!(
+        "quarantined: the range {}..{} was handed out {} times and its lease expired each time",
+        range.first_id,
+        range.last_id,
+        range.reclaims + 1
+    );
+    NewRow { isolated: true, last_error: Some(error), ..new_row(c, Status::Ready, now) }
+}
+
+/// Later inflight rows of a key under the same token: the rest of a failed row's chain.
+/// Ordered rows wait for the failed row's retry; exclusive ones only for the key.
+const DEFER_CHAIN_ROWS: Statement = Statement {
+    name: "eq_defer_chain_rows",
+    sql: "UPDATE sqlstreams.exception_queue_@id@
+          SET status = 'deferred', lease_token = NULL, lease_expires_at = NULL, parked = true,
+              can_run_after = CASE WHEN concurrency = 'ordered' THEN $5 ELSE $6 END, updated_at = $6
+          WHERE consumer_group_id = $1 AND message_key = $3 AND lease_token = $2 AND status = 'inflight'
+            AND message_id > $4 AND concurrency <> 'parallel'",
+    params: &[INT8OID, UUIDOID, TEXTOID, INT8OID, TIMESTAMPTZOID, TIMESTAMPTZOID],
+};
+
+/// A chained row failed or was delayed: the rest of its chain (the later gated rows of its key
+/// under the same token, in the queue and in the range) becomes `deferred` without running.
+/// Ordered ones wait for the failed row (`ordered_until`); exclusive ones only for the key,
+/// which `after_resolution` releases.
+#[allow(clippy::too_many_arguments)]
+pub fn defer_chain(
+    client: &SpiClient<'_>,
+    group: &GroupRef,
+    token: pgrx::Uuid,
+    key: &str,
+    after: i64,
+    ordered_until: i64,
+    range: Option<&mut RangeLease>,
+    now: i64,
+) -> Result<()> {
+    let stream_id = group.stream.id;
+    DEFER_CHAIN_ROWS.run(
+        client,
+        stream_id,
+        &[
+            group.id.into(),
+            token.into(),
+            key.into(),
+            after.into(),
+            statement::timestamptz(ordered_until),
+            statement::timestamptz(now),
+        ],
+    )?;
+    let Some(range) = range else { return Ok(()) };
+    let later = range.pending_after(key, after);
+    if later.is_empty() {
+        return Ok(());
+    }
+    let chained: Vec<Candidate> =
+        message::candidates(client, group, &later)?.into_iter().filter(|m| m.concurrency.is_keyed_gate()).collect();
+    let ids: Vec<i64> = chained.iter().map(|m| m.message_id).collect();
+    range.remove(&ids);
+    let rows: Vec<NewRow> = chained
+        .iter()
+        .map(|m| {
+            let until = if m.concurrency == Concurrency::Ordered { ordered_until } else { now };
+            NewRow { parked: true, ..new_row(m, Status::Deferred, until) }
+        })
+        .collect();
+    super::insert(client, stream_id, group.id, &rows, now)
+}
+
+const GIVE_BACK_ROWS: Statement = Statement {
+    name: "eq_give_back_rows",
+    sql: "UPDATE sqlstreams.exception_queue_@id@
+          SET status = 'ready', lease_token = NULL, lease_expires_at = NULL, can_run_after = $4,
+              parked = false, updated_at = $4
+          WHERE consumer_group_id = $1 AND lease_token = $2 AND status = 'inflight' AND message_id = ANY($3)
+          RETURNING message_id, message_key",
+    params: &[INT8OID, UUIDOID, INT8ARRAYOID, TIMESTAMPTZOID],
+};
+
+/// Deliveries given back unstarted (shutdown, or a lease too short for the handler): each is
+/// `ready` and due now, its attempts unchanged; a range message gets such a row. Returns the
+/// (id, key) pairs given back.
+pub fn give_back(
+    client: &SpiClient<'_>,
+    group: &GroupRef,
+    token: pgrx::Uuid,
+    ids: &[i64],
+    range: Option<&mut RangeLease>,
+    now: i64,
+) -> Result<Vec<(i64, Option<String>)>> {
+    let stream_id = group.stream.id;
+    let mut given: Vec<(i64, Option<String>)> = Vec::new();
+    for row in GIVE_BACK_ROWS.run(
+        client,
+        stream_id,
+        &[group.id.into(), token.into(), ids.to_vec().into(), statement::timestamptz(now)],
+    )? {
+        given.push((row.required("message_id")?, row.value("message_key")?));
+    }
+    if let Some(range) = range {
+        let removed = range.remove(ids);
+        if !removed.is_empty() {
+            let removed_ids: Vec<i64> = removed.iter().map(|(id, _)| *id).collect();
+            let rows: Vec<NewRow> = message::candidates(client, group, &removed_ids)?
+                .iter()
+                .map(|m| new_row(m, Status::Ready, now))
+                .collect();
+            super::insert(client, stream_id, group.id, &rows, now)?;
+            given.extend(removed);
+        }
+    }
+    Ok(given)
+}
+
+const SUCCEED_ROWS: Statement = Statement {
+    name: "eq_succeed_rows",
+    sql: "DELETE FROM sqlstreams.exception_queue_@id@
+          WHERE consumer_group_id = $1 AND lease_token = $2 AND status = 'inflight' AND message_id = ANY($3)
+          RETURNING message_id, message_key",
+    params: &[INT8OID, UUIDOID, INT8ARRAYOID],
+};
+
+/// Handlers of deliveries from the queue succeeded: their rows are deleted. Returns the (id,
+/// key) pairs deleted. (A first delivery that succeeds only leaves its range: src/outcome.rs.)
+pub fn succeed(
+    client: &SpiClient<'_>,
+    group: &GroupRef,
+    token: pgrx::Uuid,
+    ids: &[i64],
+) -> Result<Vec<(i64, Option<String>)>> {
+    let mut done = Vec::new();
+    for row in SUCCEED_ROWS.run(client, group.stream.id, &[group.id.into(), token.into(), ids.to_vec().into()])? {
+        done.push((row.required("message_id")?, row.value("message_key")?));
+    }
+    Ok(done)
+}
+
+/// Wakes, per key, the parked rows that may run once the key's last resolution is recorded: an
+/// exclusive row always (it only needs the key lease), an ordered row only when no unparked
+/// ready or inflight row of its key precedes it. At most `$4` rows per key, in id order, which
+/// is what one claim can chain. Rows a claim holds are skipped: that claim is deciding them and
+/// sees this resolution (src/key_gate.rs, "Parking and wake-ups").
+const WAKE: Statement = Statement {
+    name: "eq_wake",
+    sql: "WITH candidates AS (
+              SELECT w.message_id
+              FROM unnest($2::text[]) AS k(message_key)
+              CROSS JOIN LATERAL (
+                  SELECT p.message_id FROM sqlstreams.exception_queue_@id@ p
+                  WHERE p.consumer_group_id = $1 AND p.message_key = k.message_key AND p.parked
+                    AND (p.concurrency <> 'ordered' OR p.message_id < coalesce(
+                            (SELECT min(b.message_id) FROM sqlstreams.exception_queue_@id@ b
+                             WHERE b.consumer_group_id = $1 AND b.message_key = k.message_key
+                               AND b.status IN ('ready', 'inflight') AND NOT b.parked),
+                            9223372036854775807))
+                  ORDER BY p.message_id
+                  LIMIT $4) w
+          ), free AS (
+              SELECT e.message_id FROM sqlstreams.exception_queue_@id@ e
+              WHERE e.consumer_group_id = $1 AND e.message_id IN (SELECT message_id FROM candidates) AND e.parked
+              FOR UPDATE SKIP LOCKED
+          )
+          UPDATE sqlstreams.exception_queue_@id@ e
+          SET parked = false, can_run_after = $3, updated_at = $3
+          FROM free
+          WHERE e.consumer_group_id = $1 AND e.message_id = free.message_id",
+    params: &[INT8OID, TEXTARRAYOID, TIMESTAMPTZOID, INT4OID],
+};
+
+/// Releases `token`'s exclusive leases on `keys` once nothing of that key is left under the
+/// token (a chain keeps its key until its last row resolves).
+const RELEASE_KEYS: Statement = Statement {
+    name: "eq_release_keys",
+    sql: "DELETE FROM sqlstreams.message_key_lease_@id@ l
+          WHERE l.consumer_group_id = $1 AND l.lease_token = $2 AND l.message_key = ANY($3)
+            AND NOT EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@ r, unnest(r.pending_keys) AS pk(message_key)
+                            WHERE r.consumer_group_id = $1 AND r.lease_token = $2 AND pk.message_key = l.message_key)
+            AND NOT EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
+                            WHERE e.consumer_group_id = $1 AND e.message_key = l.message_key
+                              AND e.status = 'inflight' AND e.lease_token = $2)",
+    params: &[INT8OID, UUIDOID, TEXTARRAYOID],
+};
+
+/// Rows one claim can chain per key; also the wake batch.
+pub const WAKE_PER_KEY: i32 = 1000;
+
+/// After outcomes under `token` resolved messages of `keys` (or a claim resolved some itself,
+/// `token` = None): releases the exclusive leases nothing holds any more and wakes the rows
+/// parked behind those keys. Signals idle consumers when a row woke.
+pub fn after_resolution(
+    client: &SpiClient<'_>,
+    group: &GroupRef,
+    token: Option<pgrx::Uuid>,
+    keys: &[String],
+    now: i64,
+) -> Result<()> {
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let stream_id = group.stream.id;
+    if group.may_park() {
+        // Before the key is released or woken (src/key_gate.rs, "Parking and wake-ups").
+        locks::keys_shared(group.id, keys);
+    }
+    if let (Some(token), true) = (token, group.may_hold_key_leases()) {
+        RELEASE_KEYS.run(client, stream_id, &[group.id.into(), token.into(), keys.to_vec().into()])?;
+    }
+    if group.may_park() {
+        let woken = WAKE.run(
+            client,
+            stream_id,
+            &[group.id.into(), keys.to_vec().into(), statement::timestamptz(now), WAKE_PER_KEY.into()],
+        )?;
+        if !woken.is_empty() {
+            notify::signal(client, stream_id)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,66 @@
+-- Upgrade test, phase 2: the streams tests/upgrade/before.sql left under the released 0.1.0,
+-- upgraded in place, then used: nothing lost, every exception row intact, every function working.
+ALTER EXTENSION sqlstreams UPDATE;
+SELECT extversion FROM pg_extension WHERE extname = 'sqlstreams';
+SELECT id, name, schema_version FROM sqlstreams.streams ORDER BY id;
+
+-- Every row of every stream table is as it was, except the quarantine fix-up: rows quarantined
+-- under 0.1.0 that never ran since lose the failure 0.1.0 charged them.
+SELECT 'before' AS side, t, row FROM (SELECT * FROM upgrade_snapshot EXCEPT SELECT * FROM upgrade_rows) gone
+UNION ALL
+SELECT 'after', t, row FROM (SELECT * FROM upgrade_rows EXCEPT SELECT * FROM upgrade_snapshot) came
+ORDER BY t, row, side;
+SELECT message_id, status, attempts, isolated FROM sqlstreams.exception_queue_3 ORDER BY message_id;
+
+-- Ordered: the open range and the inflight retry answer with their 0.1.0 tokens.
+SELECT sqlstreams.ack_batch('upgrade.ordered', 'g', token, ids) FROM upgrade_claims WHERE name = 'ordered-range';
+SELECT sqlstreams.ack('upgrade.ordered', 'g', token, 6) FROM upgrade_claims WHERE name = 'ordered-inflight';
+-- The retry of 1 comes due: it runs first, then 2 and 5 behind it; 7 (key b) is free.
+UPDATE sqlstreams.exception_queue_1 SET can_run_after = now() - interval '1 second' WHERE status IN ('ready', 'deferred');
+CREATE TEMP TABLE d AS SELECT * FROM sqlstreams.claim('upgrade.ordered', 'g');
+SELECT message_id, message_key, attempt, run_after FROM d ORDER BY message_id;
+SELECT sqlstreams.ack_batch('upgrade.ordered', 'g', (SELECT lease_token FROM d LIMIT 1), (SELECT array_agg(message_id) FROM d));
+SELECT claimed, committed, head, lag, open_ranges, ready, inflight, deferred, dead FROM sqlstreams.group_status('upgrade.ordered', 'g');
+DROP TABLE d;
+
+-- Exclusive: the held key's 0.1.0 lease is released by its ack, which wakes the deferred 3;
+-- 2 stays superseded and the poison message dead.
+SELECT sqlstreams.ack('upgrade.exclusive', 'g', token, 1) FROM upgrade_claims WHERE name = 'exclusive-held';
+CREATE TEMP TABLE d AS SELECT * FROM sqlstreams.claim('upgrade.exclusive', 'g');
+SELECT message_id, message_key, attempt, run_after FROM d;
+SELECT sqlstreams.ack('upgrade.exclusive', 'g', lease_token, message_id) FROM d;
+DROP TABLE d;
+SELECT message_id, message_key, attempts, last_error FROM sqlstreams.dead_messages('upgrade.exclusive', 'g');
+SELECT count(*) AS open_leases FROM sqlstreams.open_leases('upgrade.exclusive', 'g');
+SELECT claimed, committed, dead, superseded FROM sqlstreams.group_status('upgrade.exclusive', 'g');
+
+-- Quarantine: each quarantined message is now delivered alone, at once.
+CREATE TEMP TABLE d AS SELECT * FROM sqlstreams.claim('upgrade.quarantine', 'g');
+SELECT message_id, attempt FROM d;
+SELECT sqlstreams.ack('upgrade.quarantine', 'g', lease_token, message_id) FROM d;
+DROP TABLE d;
+CREATE TEMP TABLE d AS SELECT * FROM sqlstreams.claim('upgrade.quarantine', 'g');
+SELECT message_id, attempt FROM d;
+SELECT sqlstreams.ack('upgrade.quarantine', 'g', lease_token, message_id) FROM d;
+DROP TABLE d;
+SELECT claimed, committed, lag FROM sqlstreams.group_status('upgrade.quarantine', 'g');
+
+-- Idempotency keys recorded under 0.1.0 still suppress repeats.
+SELECT sqlstreams.produce('upgrade.idempotent', '{"n": 1}', idempotency_key => 'order-1') AS repeated;
+CREATE TEMP TABLE d AS SELECT * FROM sqlstreams.claim('upgrade.idempotent', 'g');
+SELECT message_id, payload FROM d;
+SELECT sqlstreams.ack('upgrade.idempotent', 'g', lease_token, message_id) FROM d;
+DROP TABLE d;
+
+-- New messages on an upgraded stream, a new partition, a new group, a new stream.
+SELECT count(*) FROM sqlstreams.produce_batch('upgrade.ordered', ARRAY['{"n": 8}', '{"n": 9}']::jsonb[], ARRAY['a', 'd']);
+SELECT sqlstreams.create_group('upgrade.ordered', 'late', start_at => 'beginning');
+SELECT count(*) FROM sqlstreams.claim('upgrade.ordered', 'late', 100);
+SELECT sqlstreams.create_stream('upgrade.new', partition_size => 2);
+SELECT sqlstreams.create_group('upgrade.new', 'g', 'ordered');
+SELECT count(*) FROM sqlstreams.produce_batch('upgrade.new', ARRAY['{}', '{}', '{}', '{}']::jsonb[], ARRAY['x', 'x', 'y', 'x']);
+SELECT message_id, message_key, run_after FROM sqlstreams.claim('upgrade.new', 'g') ORDER BY message_id;
+SELECT name, schema_version FROM sqlstreams.streams WHERE name = 'upgrade.new';
+SELECT stream, cursors_advanced >= 0 AS ran FROM sqlstreams.maintain() ORDER BY stream;
+SELECT sqlstreams.drop_group('upgrade.ordered', 'late');
+SELECT stream, name, claimed, committed, lag FROM sqlstreams.consumer_groups ORDER BY stream, name;

@@ -1,4 +1,4 @@
--- The apply-balance story from the seeds, in plain SQL: ordered delivery through a failure.
+-- The apply-balance story from the ordering guide, in plain SQL: ordered delivery through a failure.
 \pset footer off
 \set QUIET on
 \set ON_ERROR_STOP on
@@ -24,7 +24,7 @@ SELECT message_id, message_key, concurrency, attempt, payload, run_after FROM de
 SELECT sqlstreams.fail('ledger.adjustments', 'apply-balance', lease_token, message_id, 'insufficient funds') AS new_status
 FROM delivery WHERE message_id = 1;
 
-\echo '== The seeds'' inspect query: 1 waits for its retry, 2-4 are deferred and never ran'
+\echo '== The ordering guide''s inspect query: 1 waits for its retry, 2-4 are deferred and never ran'
 SELECT
     message_id,
     message_key,

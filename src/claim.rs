@@ -33,7 +33,7 @@ use crate::names::{positive_micros, validate_name};
 use crate::outcome;
 use crate::payload::RawJsonb;
 use crate::range::{self, RangeLease};
-use crate::statement::{self, Columns, Statement};
+use crate::statement::{self, Access, Columns, Statement};
 use pgrx::pg_sys::panic::ErrorReport;
 
 /// Largest `batch_size` a claim accepts.
@@ -173,7 +173,7 @@ pub fn claim(
 /// What the fence needs to know now. The global bound is cheap; only when it proves nothing new
 /// does the claim look up this stream's own running producers.
 fn read_fence(client: &SpiClient<'_>, stream_id: i64, cursor: &Cursor) -> Result<Reading> {
-    let head = cursor::sequence_head(client, stream_id)?;
+    let head = cursor::sequence_head(client, stream_id, Access::Write)?;
     let reading = fence::read(head);
     if head > cursor.claimed && fence::safe_head(cursor.claimed, cursor.observation, &reading) <= cursor.claimed {
         let bound = fence::oldest_producer(client, stream_id, reading.next_xid)?;
@@ -254,13 +254,7 @@ impl Claim<'_> {
         exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;
         if let Some(mut range) = range {
             (range.pending, range.pending_keys) = pending.into_iter().unzip();
-            if range.reclaims == 0 {
-                if !range.pending.is_empty() {
-                    range::insert(client, stream_id, self.group.id, &range, self.token, self.expires)?;
-                }
-            } else {
-                range::release_to(client, stream_id, self.group.id, &range, self.token, self.expires)?;
-            }
+            range::lease(client, stream_id, self.group.id, &range, self.token, self.expires)?;
         }
         let observation = fence::next_observation(claimed, safe, cursor.observation, reading);
         cursor::store(client, stream_id, self.group.id, claimed, observation)?;

@@ -24,6 +24,7 @@ use pgrx::spi::SpiClient;
 
 use crate::error::Result;
 use crate::group::{self, GroupRef};
+use crate::statement::Access;
 
 /// What this transaction's consumer calls have seen of its WAL.
 #[derive(Clone, Copy, Default)]
@@ -62,7 +63,7 @@ pub fn consumer_call<T>(
     bracket.mixed |= in_block || wal_position() != bracket.after_last_call.unwrap_or(0);
     BRACKET.set(bracket);
     let result = Spi::connect_mut(|client| {
-        let group = group::lookup(client, stream, group_name)?;
+        let group = group::lookup(client, stream, group_name, Access::Write)?;
         f(client, &group)
     })?;
     BRACKET.set(Bracket { after_last_call: Some(wal_position()), ..BRACKET.get() });

@@ -11,7 +11,7 @@ use pgrx::spi::SpiClient;
 
 use crate::error::Result;
 use crate::fence::Observation;
-use crate::statement::{Columns, Statement};
+use crate::statement::{Access, Columns, Statement};
 
 #[derive(Clone, Copy, Debug)]
 pub struct Cursor {
@@ -132,6 +132,6 @@ pub fn advance(client: &SpiClient<'_>, stream_id: i64, group_id: i64, claimed: i
 }
 
 /// The highest message id handed out so far (0 when none).
-pub fn sequence_head(client: &SpiClient<'_>, stream_id: i64) -> Result<i64> {
-    SEQUENCE_HEAD.run(client, stream_id, &[])?.first().required("head")
+pub fn sequence_head(client: &SpiClient<'_>, stream_id: i64, access: Access) -> Result<i64> {
+    SEQUENCE_HEAD.exec(client, stream_id, &[], access)?.first().required("head")
 }

@@ -1,7 +1,7 @@
 //! The one error type of the extension and its single conversion into a Postgres error.
 //!
 //! Every refused call raises one of these before it writes anything, so a refusal changes
-//! nothing. The SQLSTATEs are part of the SQL contract (design/SQL-API.md).
+//! nothing. The SQLSTATEs are part of the SQL contract (docs/sql-api.md).
 
 use pgrx::pg_sys::errcodes::PgSqlErrorCode;
 use pgrx::pg_sys::panic::ErrorReport;

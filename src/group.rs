@@ -8,8 +8,9 @@ use crate::backoff::Backoff;
 use crate::concurrency::Concurrency;
 use crate::error::{Result, SqlResult, StreamError};
 use crate::names::{positive_micros, validate_name, StartAt};
-use crate::statement::{Columns, Statement};
+use crate::statement::{Access, Columns, Statement};
 use crate::stream::{self, StreamRef};
+use crate::version;
 
 /// A consumer group with its stream and settings.
 #[derive(Clone, Debug)]
@@ -37,7 +38,7 @@ impl GroupRef {
 
 const LOOKUP: Statement = Statement {
     name: "group_lookup",
-    sql: "SELECT s.id AS stream_id, s.partition_size, s.partitions_through,
+    sql: "SELECT s.id AS stream_id, s.partition_size, s.partitions_through, s.schema_version,
                  g.id AS group_id, g.concurrency_override, g.max_retries,
                  (extract(epoch FROM g.backoff_base) * 1e6)::int8 AS backoff_base,
                  (extract(epoch FROM g.backoff_cap) * 1e6)::int8 AS backoff_cap,
@@ -86,11 +87,13 @@ const DELETE: Statement = Statement {
 };
 
 /// The group `group` of stream `stream`, or `UnknownStream` / `UnknownGroup`.
-pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str) -> Result<GroupRef> {
-    let row = LOOKUP.run(client, 0, &[stream.into(), group.into()])?.first();
+pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str, access: Access) -> Result<GroupRef> {
+    version::check(client, access)?;
+    let row = LOOKUP.exec(client, 0, &[stream.into(), group.into()], access)?.first();
     if row.is_empty() {
         return Err(StreamError::UnknownStream(stream.to_string()));
     }
+    version::check_stream(stream, &row.required::<String>("schema_version")?)?;
     let stream_ref = StreamRef {
         id: row.required("stream_id")?,
         partition_size: row.required("partition_size")?,
@@ -104,7 +107,7 @@ pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str) -> Result<Group
         id,
         concurrency_override: row
             .value::<String>("concurrency_override")?
-            .map(|c| Concurrency::from_stored(&c))
+            .map(|c: String| Concurrency::from_stored(&c))
             .transpose()?,
         max_retries: row.required("max_retries")?,
         backoff: Backoff {
@@ -160,7 +163,7 @@ pub fn create(stream: &str, name: &str, settings: &GroupSettings) -> Result<i64>
 
 /// Drops a group with its cursor, leases and exception rows. False when it does not exist.
 pub fn drop(stream: &str, name: &str) -> Result<bool> {
-    Spi::connect_mut(|client| match lookup(client, stream, name) {
+    Spi::connect_mut(|client| match lookup(client, stream, name, Access::Write) {
         Ok(group) => {
             DELETE.run(client, group.stream.id, &[group.id.into()])?;
             Ok(true)

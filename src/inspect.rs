@@ -13,7 +13,7 @@ use crate::exception_queue::unresolved;
 use crate::group::{self, GroupRef};
 use crate::names::validate_name;
 use crate::payload::RawJsonb;
-use crate::statement::{Columns, Statement};
+use crate::statement::{Access, Columns, Statement};
 
 /// A group's progress in one statement, so every figure describes the same moment (two
 /// statements would let a claim move the cursor between them).
@@ -83,7 +83,7 @@ const LEASES: Statement = Statement {
 fn resolve(stream: Option<&str>, group_name: Option<&str>) -> Result<GroupRef> {
     let stream = validate_name("stream", stream)?;
     let group_name = validate_name("group", group_name)?;
-    Spi::connect(|client| group::lookup(client, stream, group_name))
+    Spi::connect(|client| group::lookup(client, stream, group_name, Access::Read))
 }
 
 /// Runs a read-only per-group listing and decodes each row: the body every inspection function
@@ -275,5 +275,5 @@ fn open_leases(
 /// The highest message id handed out on a stream (0 when none), by stream id.
 #[pg_extern(stable, parallel_safe)]
 fn stream_head(stream_id: i64) -> std::result::Result<i64, ErrorReport> {
-    Ok(Spi::connect(|client| cursor::sequence_head(client, stream_id))?)
+    Ok(Spi::connect(|client| cursor::sequence_head(client, stream_id, Access::Read))?)
 }

@@ -431,7 +431,7 @@ mod tests {
 
     #[test]
     fn exclusive_ignores_earlier_unresolved_rows() {
-        // 101 waits for its retry; exclusive may run 102 first (the seeds' reorder).
+        // 101 waits for its retry; exclusive may run 102 first (the ordering guide's reorder).
         let f = facts(
             "acct-42",
             KeyFacts { unresolved: Some(Blocker { message_id: 101, clears_at: NOW + 9 }), ..Default::default() },

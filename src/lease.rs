@@ -13,7 +13,7 @@ use crate::commit::consumer_call;
 use crate::error::{Result, SqlResult};
 use crate::exception_queue;
 use crate::locks;
-use crate::names::{positive_micros, required, validate_name};
+use crate::names::{self, positive_micros, Answer};
 use crate::range;
 use crate::statement::{self, Columns, Statement};
 
@@ -87,11 +87,9 @@ fn extend_lease(
     lease_token: Option<pgrx::Uuid>,
     lease: default!(Option<Interval>, "'30 seconds'"),
 ) -> SqlResult<bool> {
-    let stream = validate_name("stream", stream)?;
-    let group_name = validate_name("group", group_name)?;
-    let token = required("lease_token", lease_token, "of the claim to extend")?;
+    let a = Answer::validate(stream, group_name, lease_token)?;
     let lease = positive_micros("lease", lease.map(|l| l.as_micros()), "'30 seconds'")?;
-    Ok(extend(stream, group_name, token, lease)?)
+    Ok(extend(a.stream, a.group, a.token, lease)?)
 }
 
 /// Gives claimed deliveries back without running them (for a consumer shutting down): each is
@@ -104,9 +102,6 @@ fn release_sql(
     lease_token: Option<pgrx::Uuid>,
     message_ids: Option<Vec<Option<i64>>>,
 ) -> SqlResult<Vec<i64>> {
-    let stream = validate_name("stream", stream)?;
-    let group_name = validate_name("group", group_name)?;
-    let token = required("lease_token", lease_token, "of the claim the ids came from")?;
-    let ids: Vec<i64> = required("message_ids", message_ids, "to release")?.into_iter().flatten().collect();
-    Ok(release(stream, group_name, token, &ids)?)
+    let a = Answer::validate(stream, group_name, lease_token)?;
+    Ok(release(a.stream, a.group, a.token, &names::message_ids(message_ids)?)?)
 }

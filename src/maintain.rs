@@ -9,7 +9,7 @@ use pgrx::prelude::*;
 use crate::cursor;
 use crate::error::Result;
 use crate::partition;
-use crate::statement::{Columns, Statement};
+use crate::statement::{Access, Columns, Statement};
 use crate::stream;
 
 const STREAMS: Statement =
@@ -56,7 +56,7 @@ fn maintain_all() -> Result<Vec<(String, i64, i64, i64, i64)>> {
         let mut report = Vec::new();
         for name in names {
             let stream = stream::lookup(client, &name)?;
-            let head = cursor::sequence_head(client, stream.id)?;
+            let head = cursor::sequence_head(client, stream.id, Access::Write)?;
             partition::ensure(client, &stream, head)?;
             let through = stream::lookup(client, &name)?.partitions_through;
             let purged = PURGE_IDEMPOTENCY.run(client, stream.id, &[])?.len() as i64;

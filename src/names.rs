@@ -83,6 +83,34 @@ pub fn required<T>(what: &str, value: Option<T>, from: &str) -> Result<T> {
     value.ok_or_else(|| StreamError::invalid(format!("{what} must not be NULL"), format!("Pass the {what} {from}.")))
 }
 
+/// The arguments every call that answers a claim starts with, validated: the stream, the
+/// group and the lease token of the claim.
+pub struct Answer<'a> {
+    pub stream: &'a str,
+    pub group: &'a str,
+    pub token: pgrx::Uuid,
+}
+
+impl<'a> Answer<'a> {
+    pub fn validate(stream: Option<&'a str>, group: Option<&'a str>, token: Option<pgrx::Uuid>) -> Result<Self> {
+        Ok(Answer {
+            stream: validate_name("stream", stream)?,
+            group: validate_name("group", group)?,
+            token: required("lease_token", token, "from the claim result the call answers")?,
+        })
+    }
+}
+
+/// Message ids from the claim result a call answers (NULL elements are ignored).
+pub fn message_ids(ids: Option<Vec<Option<i64>>>) -> Result<Vec<i64>> {
+    Ok(required("message_ids", ids, "from the claim result the call answers")?.into_iter().flatten().collect())
+}
+
+/// A message id from the claim result a call answers.
+pub fn message_id(id: Option<i64>) -> Result<i64> {
+    required("message_id", id, "from the claim result the call answers")
+}
+
 /// Checks that a key (`message_key`, `idempotency_key`) fits in an index entry: at most
 /// `policy::MAX_KEY_BYTES` bytes.
 pub fn check_key_length(what: &str, key: &str) -> Result<()> {

@@ -20,7 +20,7 @@ use crate::exception_queue::{self, Setback, Status};
 use crate::group::GroupRef;
 use crate::locks;
 use crate::message;
-use crate::names::{self, positive_micros, validate_name};
+use crate::names::{self, positive_micros, Answer};
 use crate::range;
 
 /// Records success for `ids` delivered under `token`; returns the ids that were recorded.
@@ -94,10 +94,6 @@ fn record_setback(
     })
 }
 
-fn required<T>(what: &str, value: Option<T>) -> Result<T> {
-    names::required(what, value, "from the claim result the outcome answers")
-}
-
 /// Records that the handler of a claimed message succeeded. Returns false when the lease behind
 /// lease_token was lost (expired and taken over, or already resolved): nothing changed.
 #[pg_extern(volatile, parallel_unsafe, name = "ack")]
@@ -107,11 +103,9 @@ fn ack_sql(
     lease_token: Option<pgrx::Uuid>,
     message_id: Option<i64>,
 ) -> SqlResult<bool> {
-    let stream = validate_name("stream", stream)?;
-    let group_name = validate_name("group", group_name)?;
-    let token = required("lease_token", lease_token)?;
-    let id = required("message_id", message_id)?;
-    Ok(!ack(stream, group_name, token, &[id])?.is_empty())
+    let a = Answer::validate(stream, group_name, lease_token)?;
+    let id = names::message_id(message_id)?;
+    Ok(!ack(a.stream, a.group, a.token, &[id])?.is_empty())
 }
 
 /// Records success for many messages of one claim in one call; returns the ids recorded (an id
@@ -123,11 +117,8 @@ fn ack_batch(
     lease_token: Option<pgrx::Uuid>,
     message_ids: Option<Vec<Option<i64>>>,
 ) -> SqlResult<Vec<i64>> {
-    let stream = validate_name("stream", stream)?;
-    let group_name = validate_name("group", group_name)?;
-    let token = required("lease_token", lease_token)?;
-    let ids: Vec<i64> = required("message_ids", message_ids)?.into_iter().flatten().collect();
-    Ok(ack(stream, group_name, token, &ids)?)
+    let a = Answer::validate(stream, group_name, lease_token)?;
+    Ok(ack(a.stream, a.group, a.token, &names::message_ids(message_ids)?)?)
 }
 
 /// Records that a handler failed. Returns the message's new status: 'ready' (a retry is
@@ -143,10 +134,8 @@ fn fail_sql(
     permanent: default!(Option<bool>, false),
     retry_after: default!(Option<Interval>, "NULL"),
 ) -> SqlResult<Option<String>> {
-    let stream = validate_name("stream", stream)?;
-    let group_name = validate_name("group", group_name)?;
-    let token = required("lease_token", lease_token)?;
-    let id = required("message_id", message_id)?;
+    let a = Answer::validate(stream, group_name, lease_token)?;
+    let id = names::message_id(message_id)?;
     let retry_after = match retry_after.map(|i| i.as_micros()) {
         Some(m) if m < 0 => {
             return Err(StreamError::invalid(
@@ -159,7 +148,7 @@ fn fail_sql(
     };
     let permanent = permanent.unwrap_or(false);
     let error = Some(error.unwrap_or_else(|| "(no error message)".to_string()));
-    let status = record_setback(stream, group_name, token, id, error, |group, attempts, delays, now| {
+    let status = record_setback(a.stream, a.group, a.token, id, error, |group, attempts, delays, now| {
         backoff::fail(&group.backoff, group.max_retries, attempts, delays, permanent, retry_after, now)
     })?;
     Ok(status.map(|s| s.as_str().to_string()))
@@ -175,12 +164,10 @@ fn delay_sql(
     message_id: Option<i64>,
     delay: Option<Interval>,
 ) -> SqlResult<bool> {
-    let stream = validate_name("stream", stream)?;
-    let group_name = validate_name("group", group_name)?;
-    let token = required("lease_token", lease_token)?;
-    let id = required("message_id", message_id)?;
+    let a = Answer::validate(stream, group_name, lease_token)?;
+    let id = names::message_id(message_id)?;
     let delay = positive_micros("delay", delay.map(|d| d.as_micros()), "'10 seconds'")?;
-    let status = record_setback(stream, group_name, token, id, None, |group, attempts, delays, now| {
+    let status = record_setback(a.stream, a.group, a.token, id, None, |group, attempts, delays, now| {
         backoff::delay(group.max_delays, attempts, delays, delay, now)
     })?;
     Ok(status.is_some())

@@ -64,20 +64,16 @@ const OLDEST_EXPIRED: Statement = Statement {
     params: &[INT8OID, TIMESTAMPTZOID],
 };
 
-const INSERT: Statement = Statement {
-    name: "range_insert",
+/// A new range, or an expired one handed out again (its row is locked by `oldest_expired`).
+const LEASE: Statement = Statement {
+    name: "range_lease",
     sql: "INSERT INTO sqlstreams.range_lease_@id@
               (consumer_group_id, first_id, last_id, lease_token, lease_expires_at, reclaims, pending, pending_keys)
-          VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+          VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+          ON CONFLICT (consumer_group_id, first_id) DO UPDATE
+          SET lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expires_at,
+              reclaims = EXCLUDED.reclaims, pending = EXCLUDED.pending, pending_keys = EXCLUDED.pending_keys",
     params: &[INT8OID, INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID, INT4OID, INT8ARRAYOID, TEXTARRAYOID],
-};
-
-const RELEASE: Statement = Statement {
-    name: "range_release",
-    sql: "UPDATE sqlstreams.range_lease_@id@
-          SET lease_token = $3, lease_expires_at = $4, reclaims = $5, pending = $6, pending_keys = $7
-          WHERE consumer_group_id = $1 AND first_id = $2",
-    params: &[INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID, INT4OID, INT8ARRAYOID, TEXTARRAYOID],
 };
 
 const SET_PENDING: Statement = Statement {
@@ -121,34 +117,9 @@ pub fn oldest_expired(client: &SpiClient<'_>, stream_id: i64, group_id: i64, now
     from_row(OLDEST_EXPIRED.run(client, stream_id, &[group_id.into(), statement::timestamptz(now)])?.first())
 }
 
-/// Opens a new range lease.
-pub fn insert(
-    client: &SpiClient<'_>,
-    stream_id: i64,
-    group_id: i64,
-    range: &RangeLease,
-    token: pgrx::Uuid,
-    expires: i64,
-) -> Result<()> {
-    INSERT.run(
-        client,
-        stream_id,
-        &[
-            group_id.into(),
-            range.first_id.into(),
-            range.last_id.into(),
-            token.into(),
-            statement::timestamptz(expires),
-            range.reclaims.into(),
-            range.pending.clone().into(),
-            range.pending_keys.clone().into(),
-        ],
-    )?;
-    Ok(())
-}
-
-/// Hands an expired range out again under a new token (or deletes it when nothing is left).
-pub fn release_to(
+/// Leases `range` under `token` until `expires`: a new range, or an expired one handed out
+/// again. A range with nothing pending is not kept.
+pub fn lease(
     client: &SpiClient<'_>,
     stream_id: i64,
     group_id: i64,
@@ -157,14 +128,16 @@ pub fn release_to(
     expires: i64,
 ) -> Result<()> {
     if range.pending.is_empty() {
-        return delete(client, stream_id, group_id, range.first_id);
+        // A fresh range (no reclaims yet) was never stored.
+        return if range.reclaims > 0 { delete(client, stream_id, group_id, range.first_id) } else { Ok(()) };
     }
-    RELEASE.run(
+    LEASE.run(
         client,
         stream_id,
         &[
             group_id.into(),
             range.first_id.into(),
+            range.last_id.into(),
             token.into(),
             statement::timestamptz(expires),
             range.reclaims.into(),

@@ -19,6 +19,14 @@ use pgrx::{FromDatum, IntoDatum};
 
 use crate::error::{Result, StreamError};
 
+/// Whether a call may write. Inspection functions are declared `stable`: they read the
+/// caller's snapshot through read-only SPI; everything else takes a fresh snapshot per statement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    Write,
+}
+
 /// One SQL statement with typed parameters.
 pub struct Statement {
     /// Unique name, used as the cache key together with the stream id.
@@ -67,6 +75,20 @@ impl Statement {
     ) -> SpiResult<SpiTupleTable<'conn>> {
         let plan = self.plan(client, stream_id, true)?;
         client.select(&*plan, None, args)
+    }
+
+    /// Runs the statement with `access`: `read` for `Access::Read`, `run` otherwise.
+    pub fn exec<'conn>(
+        &self,
+        client: &SpiClient<'conn>,
+        stream_id: StreamId,
+        args: &[DatumWithOid<'_>],
+        access: Access,
+    ) -> SpiResult<SpiTupleTable<'conn>> {
+        match access {
+            Access::Read => self.read(client, stream_id, args),
+            Access::Write => self.run(client, stream_id, args),
+        }
     }
 
     fn plan(

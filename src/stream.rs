@@ -12,7 +12,7 @@ use pgrx::spi::SpiClient;
 
 use crate::error::{Result, SqlResult, StreamError};
 use crate::names::{positive_micros, validate_name};
-use crate::statement::{self, Columns, Statement};
+use crate::statement::{self, Access, Columns, Statement};
 
 /// What the claim and produce paths need to know about a stream.
 #[derive(Clone, Debug)]
@@ -56,7 +56,7 @@ const DELETE: Statement =
 
 /// The stream called `name`, or `UnknownStream`.
 pub fn lookup(client: &SpiClient<'_>, name: &str) -> Result<StreamRef> {
-    crate::version::check(client)?;
+    crate::version::check(client, Access::Write)?;
     let row = LOOKUP.run(client, 0, &[name.into()])?.first();
     if row.is_empty() {
         return Err(StreamError::UnknownStream(name.to_string()));

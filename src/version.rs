@@ -8,7 +8,7 @@ use std::cell::Cell;
 use pgrx::spi::SpiClient;
 
 use crate::error::{Result, StreamError};
-use crate::statement::{Columns, Statement};
+use crate::statement::{Access, Columns, Statement};
 
 /// The version of this library, which is the version of the SQL it was written against.
 pub const LIBRARY: &str = env!("CARGO_PKG_VERSION");
@@ -32,11 +32,11 @@ fn mismatch(what: String) -> StreamError {
 }
 
 /// Checks (once per backend) that the installed extension SQL is this library's version.
-pub fn check(client: &SpiClient<'_>) -> Result<()> {
+pub fn check(client: &SpiClient<'_>, access: Access) -> Result<()> {
     if MATCHED.get() {
         return Ok(());
     }
-    let installed: String = INSTALLED.run(client, 0, &[])?.first().required("extversion")?;
+    let installed: String = INSTALLED.exec(client, 0, &[], access)?.first().required("extversion")?;
     if installed != LIBRARY {
         return Err(mismatch(format!(
             "the sqlstreams library is version {LIBRARY} but the installed extension is {installed}"

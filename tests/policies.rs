@@ -4,8 +4,8 @@
 use postgres::Client;
 use sqlstreams_tests::*;
 
-/// The seeds' inspect query, exactly as the user wrote it.
-const SEEDS_INSPECT: &str = "SELECT
+/// The ordering guide's inspect query, exactly as the user wrote it.
+const GUIDE_INSPECT: &str = "SELECT
     message_id,
     message_key,
     status,
@@ -15,10 +15,10 @@ FROM sqlstreams.exception_queue_1
 WHERE consumer_group_id = 7 AND message_key = 'acct-42'
 ORDER BY message_id;";
 
-/// A database of its own, so the seeds' ids come out as written: stream 1, group 7, 101-104.
-fn seeds_database() -> Client {
+/// A database of its own, so the ordering guide's ids come out as written: stream 1, group 7, 101-104.
+fn guide_database() -> Client {
     let mut admin = connect();
-    let name = unique("seeds").replace('-', "_");
+    let name = unique("guide").replace('-', "_");
     admin.batch_execute(&format!("CREATE DATABASE {name}")).unwrap();
     let url = database_url();
     let base = url.rsplit_once('/').map(|(base, _)| base).unwrap();
@@ -27,7 +27,7 @@ fn seeds_database() -> Client {
     c
 }
 
-/// Sets the seeds' stage: returns the group; messages 1-100 are applied already.
+/// Sets the ordering guide's stage: returns the group; messages 1-100 are applied already.
 fn apply_balance_stage(c: &mut Client, policy: &str) -> Group {
     let s = Stream::named(c, "ledger.adjustments");
     assert_eq!(s.id, 1);
@@ -99,8 +99,8 @@ enum Outcome {
 }
 
 #[test]
-fn seeds_ordered_delivery_through_a_failure() {
-    let mut c = seeds_database();
+fn guide_ordered_delivery_through_a_failure() {
+    let mut c = guide_database();
     let g = apply_balance_stage(&mut c, "ordered");
     assert_eq!(produce_deltas(&mut c, &g), vec![101, 102, 103, 104]);
 
@@ -108,7 +108,7 @@ fn seeds_ordered_delivery_through_a_failure() {
     let ran = run_result(&mut c, &g, &batch, |d| if d.message_id == 101 { Outcome::Fail } else { Outcome::Ack });
     assert_eq!(ran, vec![101], "102-104 wait without running");
 
-    let rows = c.query(SEEDS_INSPECT, &[]).unwrap();
+    let rows = c.query(GUIDE_INSPECT, &[]).unwrap();
     let seen: Vec<(i64, String, String, i32)> = rows.iter().map(|r| (r.get(0), r.get(1), r.get(2), r.get(3))).collect();
     assert_eq!(
         seen,
@@ -133,12 +133,12 @@ fn seeds_ordered_delivery_through_a_failure() {
         log.extend(run_result(&mut c, &g, &batch, |_| Outcome::Ack));
     }
     assert_eq!(log, vec![101, 102, 103, 104], "the retry of 101 runs first, then 102, 103, 104");
-    assert!(c.query(SEEDS_INSPECT, &[]).unwrap().is_empty(), "success deletes the rows");
+    assert!(c.query(GUIDE_INSPECT, &[]).unwrap().is_empty(), "success deletes the rows");
 }
 
 #[test]
-fn seeds_dead_releases_and_delay_holds() {
-    let mut c = seeds_database();
+fn guide_dead_releases_and_delay_holds() {
+    let mut c = guide_database();
     let g = apply_balance_stage(&mut c, "ordered");
     produce_deltas(&mut c, &g);
 
@@ -146,7 +146,7 @@ fn seeds_dead_releases_and_delay_holds() {
     let batch = g.claim(&mut c, 100);
     assert_eq!(run_result(&mut c, &g, &batch, |_| Outcome::Delay), vec![101]);
     let statuses: Vec<(i64, String)> =
-        c.query(SEEDS_INSPECT, &[]).unwrap().iter().map(|r| (r.get(0), r.get(2))).collect();
+        c.query(GUIDE_INSPECT, &[]).unwrap().iter().map(|r| (r.get(0), r.get(2))).collect();
     assert_eq!(
         statuses,
         vec![(101, "ready".into()), (102, "deferred".into()), (103, "deferred".into()), (104, "deferred".into())]
@@ -165,13 +165,13 @@ fn seeds_dead_releases_and_delay_holds() {
     }
     assert_eq!(log, vec![101, 102, 103, 104]);
     let statuses: Vec<(i64, String)> =
-        c.query(SEEDS_INSPECT, &[]).unwrap().iter().map(|r| (r.get(0), r.get(2))).collect();
+        c.query(GUIDE_INSPECT, &[]).unwrap().iter().map(|r| (r.get(0), r.get(2))).collect();
     assert_eq!(statuses, vec![(101, "dead".into())], "the dead row stays for triage");
 }
 
 #[test]
-fn seeds_exclusive_lets_102_overtake_the_retry_of_101() {
-    let mut c = seeds_database();
+fn guide_exclusive_lets_102_overtake_the_retry_of_101() {
+    let mut c = guide_database();
     let g = apply_balance_stage(&mut c, "exclusive");
     let (first, second) = (
         g.stream.produce(&mut c, json!({"delta": -500}), Some("acct-42")),

@@ -1,7 +1,7 @@
-//! The seeds' apply-balance program: ordered delivery through a failure.
+//! The ordering guide's apply-balance program: ordered delivery through a failure.
 //!
 //! Group `apply-balance` applies balance adjustments from `ledger.adjustments` in order per
-//! account. On a fresh database the stage matches the seeds exactly: the stream is stream 1,
+//! account. On a fresh database the stage matches the ordering guide exactly: the stream is stream 1,
 //! six other groups already exist so `apply-balance` is group 7, and earlier traffic took ids
 //! 1-100, so acct-42's four deltas are messages 101-104. Message 101's first run fails; 102-104
 //! wait without running; the retry of 101 runs first, then 102, 103 and 104.
@@ -101,7 +101,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
     };
 
-    // While 101 waits for its retry, show the seeds' inspect query.
+    // While 101 waits for its retry, show the ordering guide's inspect query.
     let inspect = format!(
         "SELECT\n    message_id,\n    message_key,\n    status,\n    attempts,\n    can_run_after\nFROM sqlstreams.exception_queue_{stream_id}\nWHERE consumer_group_id = {group_id} AND message_key = 'acct-42'\nORDER BY message_id;"
     );

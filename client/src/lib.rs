@@ -1,5 +1,6 @@
-//! Async Rust client for [sqlstreams](https://github.com/): durable message streams inside
-//! PostgreSQL with consumer groups and per-key `parallel`, `exclusive` and `ordered` delivery.
+//! Async Rust client for sqlstreams: durable message streams inside PostgreSQL with consumer
+//! groups and per-key `parallel`, `exclusive` and `ordered` delivery. The extension, its SQL API
+//! (`docs/sql-api.md`) and its semantics (`docs/semantics.md`) live in the same repository.
 //!
 //! The client is thin: every decision (what may run, in which order, what a failure does) is
 //! made inside Postgres by the extension's SQL functions. The client serializes messages, runs
@@ -56,6 +57,7 @@
 mod client;
 mod consumer;
 mod error;
+mod pool;
 mod producer;
 mod sql;
 mod stream;

@@ -69,7 +69,7 @@ where
 
     /// Produces one message in its own transaction.
     pub async fn produce(&self, message: &T, options: ProduceOptions) -> Result<Produced> {
-        let conn = self.stream.client.conn().await?;
+        let conn = self.stream.pool.conn().await?;
         let statement = conn.prepare_cached(sql::PRODUCE).await?;
         let args = ProduceArgs::new(&self.stream.name, message, &options)?;
         let row = conn.query_one(&statement, &args.params()).await?;
@@ -100,7 +100,7 @@ where
         if payloads.is_empty() {
             return Ok(vec![]);
         }
-        let conn = self.stream.client.conn().await?;
+        let conn = self.stream.pool.conn().await?;
         let statement = conn.prepare_cached(sql::PRODUCE_BATCH).await?;
         let concurrency = options.concurrency.map(Concurrency::as_str);
         let rows =

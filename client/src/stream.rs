@@ -6,9 +6,9 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::client::Client;
 use crate::consumer::ConsumerGroup;
 use crate::error::{Error, Result};
+use crate::pool::Pool;
 use crate::producer::Producer;
 use crate::sql;
 
@@ -29,14 +29,14 @@ impl Default for StreamConfig {
 
 /// A stream whose messages are `T`, serialized as JSON.
 pub struct Stream<T> {
-    pub(crate) client: Client,
+    pub(crate) pool: Pool,
     pub(crate) name: String,
     _messages: PhantomData<fn() -> T>,
 }
 
 impl<T> Clone for Stream<T> {
     fn clone(&self) -> Self {
-        Stream { client: self.client.clone(), name: self.name.clone(), _messages: PhantomData }
+        Stream { pool: self.pool.clone(), name: self.name.clone(), _messages: PhantomData }
     }
 }
 
@@ -50,8 +50,8 @@ impl<T> Stream<T>
 where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
 {
-    pub(crate) fn new(client: Client, name: String) -> Self {
-        Stream { client, name, _messages: PhantomData }
+    pub(crate) fn new(pool: Pool, name: String) -> Self {
+        Stream { pool, name, _messages: PhantomData }
     }
 
     /// The stream's name.
@@ -66,7 +66,7 @@ where
 
     /// Creates the stream with `config` if it does not exist; returns its id.
     pub async fn register_with(&self, config: StreamConfig) -> Result<i64> {
-        let conn = self.client.conn().await?;
+        let conn = self.pool.conn().await?;
         let row = conn
             .query_one(sql::CREATE_STREAM, &[&self.name, &config.partition_size, &config.idempotency_ttl.as_secs_f64()])
             .await?;
@@ -84,7 +84,7 @@ where
     }
 
     async fn column<C: for<'a> tokio_postgres::types::FromSql<'a>>(&self, query: &str) -> Result<C> {
-        let conn = self.client.conn().await?;
+        let conn = self.pool.conn().await?;
         match conn.query_opt(query, &[&self.name]).await? {
             Some(row) => Ok(row.get(0)),
             None => Err(Error::UnknownObject {

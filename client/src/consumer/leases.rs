@@ -9,7 +9,7 @@ use tokio::time::Instant;
 use tracing::warn;
 use uuid::Uuid;
 
-use crate::client::Client;
+use crate::pool::Pool;
 use crate::sql;
 
 struct Held {
@@ -21,7 +21,7 @@ struct Held {
 }
 
 pub(crate) struct LeaseBook {
-    client: Client,
+    pool: Pool,
     stream: String,
     group: String,
     lease: Duration,
@@ -29,8 +29,8 @@ pub(crate) struct LeaseBook {
 }
 
 impl LeaseBook {
-    pub fn new(client: Client, stream: String, group: String, lease: Duration) -> Self {
-        LeaseBook { client, stream, group, lease, held: Mutex::new(HashMap::new()) }
+    pub fn new(pool: Pool, stream: String, group: String, lease: Duration) -> Self {
+        LeaseBook { pool, stream, group, lease, held: Mutex::new(HashMap::new()) }
     }
 
     /// Starts tracking a claim of `rows` rows taken at `claimed_at`.
@@ -74,7 +74,7 @@ impl LeaseBook {
 
     async fn extend(&self, token: Uuid) -> bool {
         let asked_at = Instant::now();
-        let result = match self.client.conn().await {
+        let result = match self.pool.conn().await {
             Ok(conn) => match conn.prepare_cached(sql::EXTEND_LEASE).await {
                 Err(e) => Err(e.into()),
                 Ok(extend) => conn

@@ -139,7 +139,7 @@ where
     /// Creates the group, or updates the settings of the existing one, and returns a consumer.
     pub async fn register(&self, config: ConsumerConfig) -> Result<Consumer<T>> {
         config.validate()?;
-        let conn = self.stream.client.conn().await?;
+        let conn = self.stream.pool.conn().await?;
         let start_at = match config.start_at {
             StartAt::Beginning => "beginning",
             StartAt::Head => "head",

@@ -75,13 +75,13 @@ pub(crate) async fn run<T, H, F>(
     H: Fn(Delivery<T>) -> F + Send + Sync + 'static,
     F: Future<Output = Result<(), HandlerError>> + Send + 'static,
 {
-    let client = group.stream.client.clone();
+    let pool = group.stream.pool.clone();
     let (stream, group_name) = (group.stream.name.clone(), group.name.clone());
-    let (writer, writer_task) = Writer::spawn(client.clone(), stream.clone(), group_name.clone(), counters.clone());
-    let leases = Arc::new(LeaseBook::new(client.clone(), stream, group_name, config.lease));
+    let (writer, writer_task) = Writer::spawn(pool.clone(), stream.clone(), group_name.clone(), counters.clone());
+    let leases = Arc::new(LeaseBook::new(pool.clone(), stream, group_name, config.lease));
     let wake = Arc::new(Notify::new());
     let background = CancellationToken::new();
-    let listener = listener::spawn(client.inner.config.clone(), channel, wake.clone(), background.clone());
+    let listener = listener::spawn(pool.config().clone(), channel, wake.clone(), background.clone());
     let heartbeat = tokio::spawn(heartbeat(leases.clone(), config.lease / 3, background.clone()));
     let semaphore = Arc::new(Semaphore::new(config.message_concurrency));
     let ctx = Arc::new(Ctx {
@@ -195,7 +195,7 @@ async fn heartbeat(leases: Arc<LeaseBook>, every: Duration, stop: CancellationTo
 async fn claim<T, H>(ctx: &Ctx<T, H>, batch: i32, acks: Option<&(Uuid, Vec<i64>)>) -> Result<Vec<Claimed>> {
     let span = info_span!("sqlstreams.claim", stream = %ctx.group.stream.name, group = %ctx.group.name, batch);
     async {
-        let conn = ctx.group.stream.client.conn().await?;
+        let conn = ctx.group.stream.pool.conn().await?;
         let claim = conn.prepare_cached(sql::CLAIM).await?;
         let rows = conn
             .query(

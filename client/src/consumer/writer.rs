@@ -20,9 +20,9 @@ use uuid::Uuid;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
-use crate::client::Client;
 use crate::consumer::metrics::Counters;
 use crate::error::Result;
+use crate::pool::Pool;
 use crate::sql;
 
 pub(crate) enum Command {
@@ -66,7 +66,7 @@ pub(crate) struct Writer {
 
 impl Writer {
     pub fn spawn(
-        client: Client,
+        pool: Pool,
         stream: String,
         group: String,
         counters: Arc<Counters>,
@@ -75,7 +75,7 @@ impl Writer {
         let acks = AckBuffer::default();
         let acks_waiting = Arc::new(Notify::new());
         let task = WriterTask {
-            client,
+            pool,
             stream,
             group,
             counters,
@@ -155,7 +155,7 @@ impl Writer {
 }
 
 struct WriterTask {
-    client: Client,
+    pool: Pool,
     stream: String,
     group: String,
     counters: Arc<Counters>,
@@ -269,7 +269,7 @@ impl WriterTask {
 
     async fn connection(&mut self) -> Result<&deadpool_postgres::Object> {
         if self.conn.as_ref().is_none_or(|c| c.is_closed()) {
-            self.conn = Some(self.client.conn().await?);
+            self.conn = Some(self.pool.conn().await?);
         }
         Ok(self.conn.as_ref().expect("just connected"))
     }

@@ -1,105 +1,42 @@
--- The seeds' "Ordered delivery through a failure", with the seeds' own ids: stream
+-- The ordering guide's "Ordered delivery through a failure", with the guide's own ids: stream
 -- ledger.adjustments is stream 1, group apply-balance is group 7, and the four deltas of
 -- acct-42 are messages 101-104. "The handler ran" means "claim handed the message out".
 -- Time passing (a retry coming due) is simulated by moving can_run_after; nothing sleeps.
 CREATE EXTENSION sqlstreams;
 SELECT sqlstreams.create_stream('ledger.adjustments') AS stream_id;
- stream_id 
------------
-         1
-(1 row)
-
 SELECT sqlstreams.create_group('ledger.adjustments', 'audit-' || n) AS other_groups
 FROM generate_series(1, 6) AS n;
- other_groups 
---------------
-            1
-            2
-            3
-            4
-            5
-            6
-(6 rows)
-
 SELECT sqlstreams.create_group('ledger.adjustments', 'apply-balance',
                                concurrency_override => 'ordered') AS group_id;
- group_id 
-----------
-        7
-(1 row)
 
 -- Messages 1-100: earlier traffic on other accounts, applied already.
 SELECT count(*) AS produced FROM sqlstreams.produce_batch('ledger.adjustments',
     ARRAY(SELECT jsonb_build_object('account', 'acct-' || n, 'delta', n) FROM generate_series(1, 100) n),
     ARRAY(SELECT 'acct-' || n FROM generate_series(1, 100) n));
- produced 
-----------
-      100
-(1 row)
-
 CREATE TEMP TABLE delivery AS SELECT * FROM sqlstreams.claim('ledger.adjustments', 'apply-balance', 100);
 SELECT cardinality(sqlstreams.ack_batch('ledger.adjustments', 'apply-balance',
                    (SELECT lease_token FROM delivery LIMIT 1),
                    ARRAY(SELECT message_id FROM delivery))) AS applied;
- applied 
----------
-     100
-(1 row)
-
 DROP TABLE delivery;
+
 -- The four deltas of acct-42.
 SELECT sqlstreams.produce('ledger.adjustments', '{"account": "acct-42", "delta": -500}', 'acct-42') AS message_id;
- message_id 
-------------
-        101
-(1 row)
-
 SELECT sqlstreams.produce('ledger.adjustments', '{"account": "acct-42", "delta": 200}', 'acct-42') AS message_id;
- message_id 
-------------
-        102
-(1 row)
-
 SELECT sqlstreams.produce('ledger.adjustments', '{"account": "acct-42", "delta": 75}', 'acct-42') AS message_id;
- message_id 
-------------
-        103
-(1 row)
-
 SELECT sqlstreams.produce('ledger.adjustments', '{"account": "acct-42", "delta": -20}', 'acct-42') AS message_id;
- message_id 
-------------
-        104
-(1 row)
 
 -- One claim: 101 may start now, 102-104 are chained behind it (run_after).
 CREATE TEMP TABLE delivery AS SELECT * FROM sqlstreams.claim('ledger.adjustments', 'apply-balance');
 SELECT message_id, message_key, concurrency, attempt, payload, run_after FROM delivery ORDER BY message_id;
- message_id | message_key | concurrency | attempt |                payload                | run_after 
-------------+-------------+-------------+---------+---------------------------------------+-----------
-        101 | acct-42     | ordered     |       0 | {"delta": -500, "account": "acct-42"} |          
-        102 | acct-42     | ordered     |       0 | {"delta": 200, "account": "acct-42"}  |       101
-        103 | acct-42     | ordered     |       0 | {"delta": 75, "account": "acct-42"}   |       102
-        104 | acct-42     | ordered     |       0 | {"delta": -20, "account": "acct-42"}  |       103
-(4 rows)
 
 -- 101's handler errors. The server records the rest of its chain deferred; their handlers
 -- never started, so an outcome for them is refused.
 SELECT sqlstreams.fail('ledger.adjustments', 'apply-balance', lease_token, 101, 'insufficient funds')
 FROM delivery WHERE message_id = 101;
- fail  
--------
- ready
-(1 row)
-
 SELECT sqlstreams.ack('ledger.adjustments', 'apply-balance', lease_token, 102) AS ack_102_refused
 FROM delivery WHERE message_id = 102;
- ack_102_refused 
------------------
- f
-(1 row)
 
--- The seeds' inspect query (can_run_after shown as "in the future?", since it is a timestamp).
+-- The ordering guide's inspect query (can_run_after shown as "in the future?", since it is a timestamp).
 SELECT
     message_id,
     message_key,
@@ -109,80 +46,26 @@ SELECT
 FROM sqlstreams.exception_queue_1
 WHERE consumer_group_id = 7 AND message_key = 'acct-42'
 ORDER BY message_id;
- message_id | message_key |  status  | attempts | waiting_for_retry 
-------------+-------------+----------+----------+-------------------
-        101 | acct-42     | ready    |        1 | t
-        102 | acct-42     | deferred |        0 | t
-        103 | acct-42     | deferred |        0 | t
-        104 | acct-42     | deferred |        0 | t
-(4 rows)
-
 SELECT * FROM sqlstreams.claim('ledger.adjustments', 'apply-balance');  -- nothing may run yet
- message_id | message_key | concurrency | attempt | payload | lease_token | run_after 
-------------+-------------+-------------+---------+---------+-------------+-----------
-(0 rows)
-
 SELECT message_key, oldest_message_id, status, attempts, waiting_behind
 FROM sqlstreams.blocked_keys('ledger.adjustments', 'apply-balance');
- message_key | oldest_message_id | status | attempts | waiting_behind 
--------------+-------------------+--------+----------+----------------
- acct-42     |               101 | ready  |        1 |              3
-(1 row)
 
 -- 101's retry comes due: it runs first, alone.
 UPDATE sqlstreams.exception_queue_1 SET can_run_after = now() WHERE consumer_group_id = 7 AND message_id = 101;
 DROP TABLE delivery;
 CREATE TEMP TABLE delivery AS SELECT * FROM sqlstreams.claim('ledger.adjustments', 'apply-balance');
 SELECT message_id, attempt, run_after FROM delivery;
- message_id | attempt | run_after 
-------------+---------+-----------
-        101 |       1 |          
-(1 row)
 
 -- Its success deletes its row and releases 102, then 103, then 104, in the very next claim.
 SELECT sqlstreams.ack('ledger.adjustments', 'apply-balance', lease_token, 101) FROM delivery;
- ack 
------
- t
-(1 row)
-
 SELECT message_id, status, attempts FROM sqlstreams.exception_queue_1
 WHERE consumer_group_id = 7 AND message_key = 'acct-42' ORDER BY message_id;
- message_id |  status  | attempts 
-------------+----------+----------
-        102 | deferred |        0
-        103 | deferred |        0
-        104 | deferred |        0
-(3 rows)
-
 DROP TABLE delivery;
 CREATE TEMP TABLE delivery AS SELECT * FROM sqlstreams.claim('ledger.adjustments', 'apply-balance');
 SELECT message_id, attempt, run_after FROM delivery ORDER BY message_id;
- message_id | attempt | run_after 
-------------+---------+-----------
-        102 |       0 |          
-        103 |       0 |       102
-        104 |       0 |       103
-(3 rows)
-
 SELECT cardinality(sqlstreams.ack_batch('ledger.adjustments', 'apply-balance',
                    (SELECT lease_token FROM delivery LIMIT 1),
                    ARRAY(SELECT message_id FROM delivery))) AS applied;
- applied 
----------
-       3
-(1 row)
-
 SELECT count(*) AS rows_left FROM sqlstreams.exception_queue_1 WHERE consumer_group_id = 7;
- rows_left 
------------
-         0
-(1 row)
-
 SELECT claimed, committed, lag, ready, deferred, dead
 FROM sqlstreams.consumer_groups WHERE id = 7;
- claimed | committed | lag | ready | deferred | dead 
----------+-----------+-----+-------+----------+------
-     104 |       104 |   0 |     0 |        0 |    0
-(1 row)
-

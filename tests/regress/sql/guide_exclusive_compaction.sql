@@ -1,203 +1,57 @@
--- The seeds' other two examples: the exclusive 101/102 reorder and the compaction 102/103
+-- The ordering guide's other two examples: the exclusive 101/102 reorder and the compaction 102/103
 -- supersession; and the refusal of ordered + compaction.
 SELECT sqlstreams.drop_stream('ledger.adjustments');
- drop_stream 
--------------
- t
-(1 row)
-
 SELECT sqlstreams.create_stream('ledger.adjustments') AS stream_id;
- stream_id 
------------
-         3
-(1 row)
-
 SELECT sqlstreams.create_group('ledger.adjustments', 'apply-balance', 'exclusive') AS group_id;
- group_id 
-----------
-        9
-(1 row)
-
 SELECT count(*) FROM sqlstreams.produce_batch('ledger.adjustments',
     ARRAY(SELECT '{}'::jsonb FROM generate_series(1, 100)));
- count 
--------
-   100
-(1 row)
-
 CREATE TEMP TABLE delivery AS SELECT * FROM sqlstreams.claim('ledger.adjustments', 'apply-balance', 100);
 SELECT cardinality(sqlstreams.ack_batch('ledger.adjustments', 'apply-balance',
                    (SELECT lease_token FROM delivery LIMIT 1), ARRAY(SELECT message_id FROM delivery))) AS applied;
- applied 
----------
-     100
-(1 row)
-
 DROP TABLE delivery;
+
 -- Exclusive: 101 subtracts 500 from acct-42 and fails; 102 adds 200.
 SELECT sqlstreams.produce('ledger.adjustments', '{"account": "acct-42", "delta": -500}', 'acct-42') AS message_id;
- message_id 
-------------
-        101
-(1 row)
-
 SELECT sqlstreams.produce('ledger.adjustments', '{"account": "acct-42", "delta": 200}', 'acct-42') AS message_id;
- message_id 
-------------
-        102
-(1 row)
-
 CREATE TEMP TABLE delivery AS SELECT * FROM sqlstreams.claim('ledger.adjustments', 'apply-balance');
 SELECT message_id, concurrency, run_after FROM delivery ORDER BY message_id;
- message_id | concurrency | run_after 
-------------+-------------+-----------
-        101 | exclusive   |          
-        102 | exclusive   |       101
-(2 rows)
-
 SELECT kind, message_key FROM sqlstreams.open_leases('ledger.adjustments', 'apply-balance') ORDER BY kind;
- kind  | message_key 
--------+-------------
- key   | acct-42
- range | 
-(2 rows)
-
 SELECT sqlstreams.fail('ledger.adjustments', 'apply-balance', lease_token, 101, 'insufficient funds') FROM delivery WHERE message_id = 101;
- fail  
--------
- ready
-(1 row)
-
 -- The failure released the key before 101's retry is due, so 102 runs first.
 SELECT kind, message_key FROM sqlstreams.open_leases('ledger.adjustments', 'apply-balance') ORDER BY kind;
- kind | message_key 
-------+-------------
-(0 rows)
-
 DROP TABLE delivery;
 CREATE TEMP TABLE delivery AS SELECT * FROM sqlstreams.claim('ledger.adjustments', 'apply-balance');
 SELECT message_id, attempt, run_after FROM delivery;
- message_id | attempt | run_after 
-------------+---------+-----------
-        102 |       0 |          
-(1 row)
-
 SELECT sqlstreams.ack('ledger.adjustments', 'apply-balance', lease_token, 102) FROM delivery;
- ack 
------
- t
-(1 row)
-
 -- Then the retry of 101.
 UPDATE sqlstreams.exception_queue_3 SET can_run_after = now() WHERE message_id = 101;
 DROP TABLE delivery;
 CREATE TEMP TABLE delivery AS SELECT * FROM sqlstreams.claim('ledger.adjustments', 'apply-balance');
 SELECT message_id, attempt FROM delivery;
- message_id | attempt 
-------------+---------
-        101 |       1
-(1 row)
-
 SELECT sqlstreams.ack('ledger.adjustments', 'apply-balance', lease_token, 101) FROM delivery;
- ack 
------
- t
-(1 row)
 
 -- Compaction: updates 102 and 103 arrive while 101 runs; 102 is superseded by 103.
 SELECT sqlstreams.create_stream('account.state') AS stream_id;
- stream_id 
------------
-         4
-(1 row)
-
 SELECT sqlstreams.create_group('account.state', 'cache', 'exclusive') AS group_id;
- group_id 
-----------
-       10
-(1 row)
-
 SELECT count(*) FROM sqlstreams.produce_batch('account.state', ARRAY(SELECT '{}'::jsonb FROM generate_series(1, 100)));
- count 
--------
-   100
-(1 row)
-
 DROP TABLE delivery;
 CREATE TEMP TABLE delivery AS SELECT * FROM sqlstreams.claim('account.state', 'cache', 100);
 SELECT cardinality(sqlstreams.ack_batch('account.state', 'cache',
                    (SELECT lease_token FROM delivery LIMIT 1), ARRAY(SELECT message_id FROM delivery))) AS applied;
- applied 
----------
-     100
-(1 row)
-
 SELECT sqlstreams.produce('account.state', '{"balance": 1000}', 'acct-42', compaction => true) AS message_id;
- message_id 
-------------
-        101
-(1 row)
-
 DROP TABLE delivery;
 CREATE TEMP TABLE delivery AS SELECT * FROM sqlstreams.claim('account.state', 'cache');
 SELECT message_id FROM delivery;  -- 101 runs
- message_id 
-------------
-        101
-(1 row)
-
 SELECT sqlstreams.produce('account.state', '{"balance": 500}', 'acct-42', compaction => true) AS message_id;
- message_id 
-------------
-        102
-(1 row)
-
 SELECT sqlstreams.produce('account.state', '{"balance": 700}', 'acct-42', compaction => true) AS message_id;
- message_id 
-------------
-        103
-(1 row)
-
 SELECT * FROM sqlstreams.claim('account.state', 'cache');  -- 102 and 103 wait for the key
- message_id | message_key | concurrency | attempt | payload | lease_token | run_after 
-------------+-------------+-------------+---------+---------+-------------+-----------
-(0 rows)
-
 SELECT message_id, status FROM sqlstreams.exception_queue_4 ORDER BY message_id;
- message_id |   status   
-------------+------------
-        102 | superseded
-        103 | deferred
-(2 rows)
-
 SELECT sqlstreams.ack('account.state', 'cache', lease_token, 101) FROM delivery;
- ack 
------
- t
-(1 row)
-
 DROP TABLE delivery;
 CREATE TEMP TABLE delivery AS SELECT * FROM sqlstreams.claim('account.state', 'cache');
 SELECT message_id, payload FROM delivery;  -- only the latest state runs
- message_id |     payload      
-------------+------------------
-        103 | {"balance": 700}
-(1 row)
-
 SELECT message_id, status FROM sqlstreams.exception_queue_4 ORDER BY message_id;
- message_id |   status   
-------------+------------
-        102 | superseded
-        103 | inflight
-(2 rows)
 
 -- Ordered delivery refuses compaction, and writes nothing.
 SELECT sqlstreams.produce('account.state', '{"balance": 1}', 'acct-42', 'ordered', true);
-ERROR:  sqlstreams: an ordered message cannot use compaction
-HINT:  Ordered delivery must run every message, while compaction lets a newer message supersede an older one: produce with compaction => false, or request 'exclusive' delivery for latest-state messages.
 SELECT head FROM sqlstreams.streams WHERE name = 'account.state';
- head 
-------
-  103
-(1 row)
-

@@ -1,4 +1,4 @@
--- The same failure, resolved the two other ways the seeds name: a permanent failure (dead
+-- The same failure, resolved the two other ways the ordering guide names: a permanent failure (dead
 -- releases the next message) and a requested delay (keeps the key waiting).
 SELECT sqlstreams.drop_stream('ledger.adjustments');
 SELECT sqlstreams.create_stream('ledger.adjustments') AS stream_id;

@@ -1,0 +1,50 @@
+//! The connection pool every part of the client draws from, and how to open a connection
+//! outside it (a consumer's LISTEN connection).
+
+use std::sync::Arc;
+
+use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod};
+use tokio_postgres::NoTls;
+
+use crate::error::{Error, Result};
+
+/// A pool of connections to one database. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Pool {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: deadpool_postgres::Pool,
+    /// For connections outside the pool.
+    config: tokio_postgres::Config,
+}
+
+impl Pool {
+    pub fn new(url: &str, size: usize) -> Result<Pool> {
+        let config: tokio_postgres::Config =
+            url.parse().map_err(|e| Error::Config(format!("connection string: {e}")))?;
+        let manager =
+            Manager::from_config(config.clone(), NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        let pool = deadpool_postgres::Pool::builder(manager)
+            .max_size(size)
+            .build()
+            .map_err(|e| Error::Config(e.to_string()))?;
+        Ok(Pool { inner: Arc::new(Inner { pool, config }) })
+    }
+
+    /// A pooled connection.
+    pub async fn conn(&self) -> Result<deadpool_postgres::Object> {
+        Ok(self.inner.pool.get().await?)
+    }
+
+    /// The deadpool pool itself.
+    pub fn deadpool(&self) -> &deadpool_postgres::Pool {
+        &self.inner.pool
+    }
+
+    /// Settings for a connection outside the pool.
+    pub fn config(&self) -> &tokio_postgres::Config {
+        &self.inner.config
+    }
+}

@@ -332,9 +332,11 @@ impl Claim<'_> {
         if let Some(mut expired) = range::oldest_expired(client, stream_id, self.group.id, self.now)? {
             let messages = message::by_id(client, self.group, &expired.pending)?;
             if expired.reclaims >= self.group.max_reclaims {
-                for m in &messages {
-                    self.changes.push(Change::Insert(exception_queue::quarantine(&m.candidate, &expired, self.now)));
-                }
+                // Written at once, so this claim's gate sees them as unresolved predecessors of
+                // later same-key messages it hands out.
+                let rows: Vec<_> =
+                    messages.iter().map(|m| exception_queue::quarantine(&m.candidate, &expired, self.now)).collect();
+                exception_queue::insert(client, stream_id, self.group.id, &rows, self.now)?;
                 range::delete(client, stream_id, self.group.id, expired.first_id)?;
             } else {
                 expired.reclaims += 1;

@@ -1,5 +1,5 @@
 //! What a user can always see: each group's progress, blocked keys, open leases and dead rows.
-//! Read-only functions over a stream's table family (the views in sql/api.sql build on them).
+//! Read-only functions over a stream's table family (the views in the install script build on them).
 
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::pg_sys::BuiltinOid::*;

@@ -13,7 +13,7 @@
 //! ## Parking and wake-ups
 //!
 //! A waiting row is parked until its blocker could clear on its own, and every resolution wakes
-//! the key's parked rows (src/exception_queue.rs). A wake-up must not be lost between a claim
+//! the key's parked rows (src/exception_queue/lifecycle.rs). A wake-up must not be lost between a claim
 //! that parks rows of a key and an outcome that resolves that key at the same moment, each
 //! unable to see the other's uncommitted rows. So both take the key's lock (src/locks.rs): an
 //! outcome shared, before it releases or wakes anything; a claim exclusive, before it parks,

@@ -112,7 +112,7 @@ pub fn message_id(id: Option<i64>) -> Result<i64> {
 }
 
 /// Checks that a key (`message_key`, `idempotency_key`) fits in an index entry: at most
-/// `policy::MAX_KEY_BYTES` bytes.
+/// `concurrency::MAX_KEY_BYTES` bytes.
 pub fn check_key_length(what: &str, key: &str) -> Result<()> {
     let max = crate::concurrency::MAX_KEY_BYTES;
     if key.len() <= max {

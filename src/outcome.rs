@@ -49,9 +49,17 @@ pub fn ack_in(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid, ids: 
     Ok(recorded)
 }
 
+/// Which outcome a setback answers.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SetbackKind {
+    Fail,
+    Delay,
+}
+
 /// Records a setback (a failure or a delay) of `id` under `token`: `decide` applies it to the
 /// message's (attempts, delays) at `now`. Returns the new status; `None` when the lease was lost.
 fn record_setback(
+    kind: SetbackKind,
     stream: &str,
     group_name: &str,
     token: pgrx::Uuid,
@@ -83,8 +91,17 @@ fn record_setback(
         } else {
             return Ok(None);
         };
-        if let (Setback::Retry { can_run_after, .. }, Some(key)) = (setback, key.as_deref()) {
-            exception_queue::defer_chain(client, group, token, key, id, can_run_after, range.as_mut(), now)?;
+        // The rest of the chain waits without running, except after a failure that
+        // dead-lettered: `fail` returned 'dead', so the caller may start the next row. A delay
+        // always stops the caller's chain (it returns only true), even one the delay budget
+        // dead-lettered; its successors are then due at once.
+        let chain_waits = match setback {
+            Setback::Retry { can_run_after, .. } => Some(can_run_after),
+            Setback::Dead { .. } if kind == SetbackKind::Delay => Some(now),
+            Setback::Dead { .. } => None,
+        };
+        if let (Some(until), Some(key)) = (chain_waits, key.as_deref()) {
+            exception_queue::defer_chain(client, group, token, key, id, until, range.as_mut(), now)?;
         }
         if let Some(range) = &range {
             range::store_pending(client, stream_id, group.id, range)?;
@@ -148,9 +165,10 @@ fn fail_sql(
     };
     let permanent = permanent.unwrap_or(false);
     let error = Some(error.unwrap_or_else(|| "(no error message)".to_string()));
-    let status = record_setback(a.stream, a.group, a.token, id, error, |group, attempts, delays, now| {
-        backoff::fail(&group.backoff, group.max_retries, attempts, delays, permanent, retry_after, now)
-    })?;
+    let status =
+        record_setback(SetbackKind::Fail, a.stream, a.group, a.token, id, error, |group, attempts, delays, now| {
+            backoff::fail(&group.backoff, group.max_retries, attempts, delays, permanent, retry_after, now)
+        })?;
     Ok(status.map(|s| s.as_str().to_string()))
 }
 
@@ -167,8 +185,9 @@ fn delay_sql(
     let a = Answer::validate(stream, group_name, lease_token)?;
     let id = names::message_id(message_id)?;
     let delay = positive_micros("delay", delay.map(|d| d.as_micros()), "'10 seconds'")?;
-    let status = record_setback(a.stream, a.group, a.token, id, None, |group, attempts, delays, now| {
-        backoff::delay(group.max_delays, attempts, delays, delay, now)
-    })?;
+    let status =
+        record_setback(SetbackKind::Delay, a.stream, a.group, a.token, id, None, |group, attempts, delays, now| {
+            backoff::delay(group.max_delays, attempts, delays, delay, now)
+        })?;
     Ok(status.is_some())
 }

@@ -460,3 +460,44 @@ fn the_longest_key_survives_every_failure_path() {
         assert!(s.produce_with(&mut c, json!({}), Some(&format!("{key}x")), None, false).is_err());
     }
 }
+
+#[test]
+fn a_quarantined_ordered_message_holds_its_key_in_the_claim_that_quarantines_it() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "quarantine-ordered");
+    let g = s.group(&mut c, "g", Some("ordered")); // max_reclaims = 2
+    let first = s.produce_many(&mut c, 2, Some("k"));
+    for _ in 0..3 {
+        assert_eq!(ids(&g.claim(&mut c, 10)), first);
+        g.expire_leases(&mut c);
+    }
+    let later = s.produce(&mut c, json!({}), Some("k"));
+    // This claim quarantines 1 and 2 and takes 3 fresh: 3 must wait behind them.
+    assert!(g.claim(&mut c, 10).is_empty(), "3 must not overtake its quarantined predecessors");
+    let mut ran = vec![];
+    for _ in 0..5 {
+        for d in g.claim(&mut c, 10) {
+            ran.push(d.message_id);
+            assert!(g.ack(&mut c, &d));
+        }
+    }
+    assert_eq!(ran, vec![first[0], first[1], later], "in key order, each quarantined message alone");
+}
+
+#[test]
+fn a_delay_that_spends_the_budget_still_lets_the_chain_go_on() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "delay-budget-chain");
+    let id: i64 =
+        c.query_one("SELECT sqlstreams.create_group($1, 'g', 'ordered', max_delays => 0)", &[&s.name]).unwrap().get(0);
+    let g = Group { stream: s.clone(), name: "g".into(), id };
+    let p = s.produce_many(&mut c, 2, Some("k"));
+    let batch = g.claim(&mut c, 10);
+    assert_eq!(batch[1].run_after, Some(p[0]));
+    // delay() returns only true: the caller stops its chain, so the server must not leave the
+    // successor in the range (it would wait for the lease to run out).
+    assert!(g.delay(&mut c, &batch[0], "1 minute"));
+    assert_eq!(g.statuses(&mut c), vec![(p[0], "dead".to_string()), (p[1], "deferred".to_string())]);
+    let next = g.claim(&mut c, 10);
+    assert_eq!((ids(&next), next[0].run_after), (vec![p[1]], None), "the dead predecessor released it at once");
+}

@@ -3,20 +3,36 @@
 -- intact and every function works, and that the catalog equals a fresh 0.2.0 install.
 --
 -- What changes:
--- - every stream's tables are migrated here (exception_queue gains `isolated`), and each stream
---   records the version of its tables (stream.schema_version); the table family and partitions
---   are now created by SQL functions of the versioned script instead of library code;
+-- - lanes: every message gets a lane (sqlstreams.lane: its key's hash, or blocks of ids), each
+--   group a position and a hold per lane; claims of ordered and exclusive groups hold a lane at
+--   a time, which replaces the per-key leases (message_key_lease_<id> is dropped). Ranges that
+--   were open before the upgrade keep working across lanes (lane NULL) until they resolve.
+-- - every stream's tables are migrated here and each stream records the version of its tables
+--   (stream.schema_version); the table family and partitions are created by SQL functions of
+--   the versioned script instead of library code. Filling the lane of every message rewrites
+--   each stream's log once: time the upgrade of a large stream.
 -- - quarantined messages are no longer charged a failure: rows quarantined under 0.1.0 that
---   have not run since get the same treatment (isolated, the charge taken back);
+--   have not run since get the same treatment (isolated, the charge taken back, due at once);
 -- - every function runs with a pinned search_path;
--- - maintain() also sweeps expired key leases; streams shows schema_version and the channel.
+-- - maintain() reports the expired lane holds it clears; streams shows schema_version, the
+--   channel and the lanes; open_leases shows lanes.
 
 \echo Use "ALTER EXTENSION sqlstreams UPDATE TO '0.2.0'" to load this file. \quit
 
--- The catalog: which version each stream's tables are.
+-- The catalog: which version each stream's tables are, and its lanes.
 ALTER TABLE sqlstreams.stream ADD COLUMN schema_version text;
 UPDATE sqlstreams.stream SET schema_version = '0.1.0';
 ALTER TABLE sqlstreams.stream ALTER COLUMN schema_version SET NOT NULL;
+ALTER TABLE sqlstreams.stream ADD COLUMN lanes integer NOT NULL DEFAULT 16 CHECK (lanes BETWEEN 1 AND 1024);
+
+-- The lane of a message: every message of a key lands in one lane (Postgres' own text hash,
+-- as hashtext computes it); messages without a key go round in blocks of 64 ids, so a claim's
+-- batch of unkeyed messages stays close together in the log. A SQL-standard body: parsed once,
+-- inlined into the statements that use it, immune to the caller's search_path.
+CREATE FUNCTION sqlstreams.lane(message_key text, message_id bigint, lanes integer) RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN CASE WHEN message_key IS NULL THEN ((message_id / 64) % lanes)::integer
+            ELSE ((pg_catalog.hashtext(message_key)::bigint & 4294967295) % lanes)::integer END;
 
 -- The table family, now in the versioned script.
 CREATE FUNCTION sqlstreams.create_stream_tables(stream_id bigint) RETURNS void
@@ -38,21 +54,45 @@ BEGIN
             compaction  boolean     NOT NULL DEFAULT false,
             payload     jsonb       NOT NULL,
             produced_at timestamptz NOT NULL DEFAULT now(),
+            -- (Columns added by upgrades come last; see exception_queue.)
+            -- 0.2.0: sqlstreams.lane(message_key, id, stream.lanes).
+            lane        integer     NOT NULL,
             PRIMARY KEY (id)
         ) PARTITION BY RANGE (id);
+        -- A claim takes the next messages of one lane.
+        CREATE INDEX message_log_@id@_lane_idx ON sqlstreams.message_log_@id@ (lane, id);
 
-        -- One row per consumer group: the group's cursor and the claim fence's pending observation.
-        --   claimed:   every id <= claimed has been handed out in some range.
+        -- One row per consumer group: the group's cursor and its claim fence (src/fence.rs).
+        --   claimed:   every id <= claimed has been handed out in some range (the lanes' lowest
+        --              position; stored by maintain(), computed live by group_status).
         --   committed: every id <= committed is resolved for the group; never moves backward.
-        --   fence_head/fence_xid: "ids <= fence_head are safe once every transaction older than
-        --   fence_xid has ended" (src/fence.rs).
+        --   fence_head/fence_xid: a pending observation, "ids <= fence_head are safe once every
+        --              transaction older than fence_xid has ended".
+        --   fence_safe: every id <= fence_safe is proven safe (committed or rolled back).
         CREATE TABLE sqlstreams.cursor_@id@ (
             consumer_group_id bigint PRIMARY KEY,
             claimed           bigint NOT NULL,
             committed         bigint NOT NULL,
             fence_head        bigint,
             fence_xid         bigint,
+            -- 0.2.0
+            fence_safe        bigint NOT NULL DEFAULT 0,
             CHECK (committed <= claimed)
+        );
+
+        -- Each group's position in each lane, and which claim holds the lane. A group whose
+        -- messages may be ordered or exclusive hands out one claim's deliveries per lane at a
+        -- time (held_by, until held_until or until they all resolve): every message of a key
+        -- is in one lane, so no two consumers ever hold the same key.
+        CREATE TABLE sqlstreams.lane_@id@ (
+            consumer_group_id bigint      NOT NULL,
+            lane              integer     NOT NULL,
+            -- Every message of this lane with id <= claimed has been handed out.
+            claimed           bigint      NOT NULL,
+            held_by           uuid,
+            held_until        timestamptz,
+            PRIMARY KEY (consumer_group_id, lane),
+            CHECK ((held_by IS NULL) = (held_until IS NULL))
         );
 
         -- Open range claims: ids first_id .. last_id handed to one consumer under a lease.
@@ -67,6 +107,9 @@ BEGIN
             reclaims          int         NOT NULL DEFAULT 0,
             pending           bigint[]    NOT NULL,
             pending_keys      text[]      NOT NULL,
+            -- 0.2.0: the lane every message of the range is in; NULL for a range claimed
+            -- before lanes existed (0.1.0), which may hold messages of every lane.
+            lane              integer,
             PRIMARY KEY (consumer_group_id, first_id),
             CHECK (cardinality(pending) = cardinality(pending_keys))
         );
@@ -97,19 +140,21 @@ BEGIN
             -- 0.2.0: a message of a quarantined range, handed out alone until it resolves, so
             -- only its own failures and expiries count against it.
             isolated          boolean     NOT NULL DEFAULT false,
+            -- 0.2.0: the message's lane.
+            lane              integer     NOT NULL,
             PRIMARY KEY (consumer_group_id, message_id),
             CHECK ((status = 'inflight') = (lease_token IS NOT NULL))
         );
         -- The same-key predecessor lookup (ordered check 1) and the blocked-keys view.
         CREATE INDEX exception_queue_@id@_key_idx
             ON sqlstreams.exception_queue_@id@ (consumer_group_id, message_key, message_id);
-        -- Due work: retries, delays and parked rows whose time has come.
+        -- Due work of a lane: retries, delays and parked rows whose time has come.
         CREATE INDEX exception_queue_@id@_due_idx
-            ON sqlstreams.exception_queue_@id@ (consumer_group_id, can_run_after)
+            ON sqlstreams.exception_queue_@id@ (consumer_group_id, lane, can_run_after)
             WHERE status IN ('ready', 'deferred');
-        -- Inflight rows whose lease may expire.
+        -- Inflight rows of a lane whose lease may expire.
         CREATE INDEX exception_queue_@id@_inflight_idx
-            ON sqlstreams.exception_queue_@id@ (consumer_group_id, lease_expires_at)
+            ON sqlstreams.exception_queue_@id@ (consumer_group_id, lane, lease_expires_at)
             WHERE status = 'inflight';
         -- The lowest unresolved id bounds the committed cursor.
         CREATE INDEX exception_queue_@id@_unresolved_idx
@@ -121,17 +166,8 @@ BEGIN
             WHERE parked;
         -- Unresolved messages of quarantined ranges (usually none).
         CREATE INDEX exception_queue_@id@_isolated_idx
-            ON sqlstreams.exception_queue_@id@ (consumer_group_id, message_id)
+            ON sqlstreams.exception_queue_@id@ (consumer_group_id, lane, message_id)
             WHERE isolated AND status IN ('ready', 'inflight', 'deferred');
-
-        -- Exclusive delivery: one live lease per (group, key).
-        CREATE TABLE sqlstreams.message_key_lease_@id@ (
-            consumer_group_id bigint      NOT NULL,
-            message_key       text        NOT NULL,
-            lease_token       uuid        NOT NULL,
-            lease_expires_at  timestamptz NOT NULL,
-            PRIMARY KEY (consumer_group_id, message_key)
-        );
 
         -- Compaction: the newest compacted message id per key, for every group of the stream.
         CREATE TABLE sqlstreams.compaction_head_@id@ (
@@ -146,8 +182,8 @@ BEGIN
             expires_at      timestamptz NOT NULL
         );
     $family$, '@id@', stream_id::text);
-    -- The first partition; produce() adds the next ones ahead of the head.
-    PERFORM sqlstreams.add_partitions(stream_id, 1);
+    -- The first partition; claims and maintain() add the next ones ahead of the head.
+    PERFORM sqlstreams.add_partitions(stream_id, 1, true);
 END
 $function$;
 
@@ -157,20 +193,22 @@ SET search_path = pg_catalog, pg_temp
 AS $function$
 BEGIN
     EXECUTE replace($family$
-        DROP TABLE sqlstreams.message_log_@id@, sqlstreams.cursor_@id@, sqlstreams.range_lease_@id@,
-                   sqlstreams.exception_queue_@id@, sqlstreams.message_key_lease_@id@,
+        DROP TABLE sqlstreams.message_log_@id@, sqlstreams.cursor_@id@, sqlstreams.lane_@id@,
+                   sqlstreams.range_lease_@id@, sqlstreams.exception_queue_@id@,
                    sqlstreams.compaction_head_@id@, sqlstreams.idempotency_key_@id@;
         DROP SEQUENCE sqlstreams.message_log_@id@_seq;
     $family$, '@id@', stream_id::text);
 END
 $function$;
 
--- Partitions of message_log_<id>: blocks of partition_size ids, created ahead of the head. A
--- partition is created as a plain table and then attached: ATTACH PARTITION takes only a SHARE
--- UPDATE EXCLUSIVE lock on the parent, which blocks neither producers nor claims, while CREATE
--- TABLE ... PARTITION OF would take an ACCESS EXCLUSIVE lock until the creating transaction
--- commits. Creation is serialized per stream by the stream's catalog row.
-CREATE FUNCTION sqlstreams.add_partitions(stream_id bigint, upto bigint) RETURNS bigint
+-- Partitions of message_log_<id>: blocks of partition_size ids, created ahead of the head by
+-- claims and maintain() (without waiting: `wait` false), and by a producer only for an id no
+-- partition holds yet (src/partition.rs). A partition is created as a plain table and then
+-- attached: ATTACH PARTITION takes only a SHARE UPDATE EXCLUSIVE lock on the parent, which
+-- blocks neither producers nor claims, while CREATE TABLE ... PARTITION OF would take an ACCESS
+-- EXCLUSIVE lock until the creating transaction commits. Creation is serialized per stream by
+-- the stream's catalog row. Returns the new partitions_through (NULL when skipped).
+CREATE FUNCTION sqlstreams.add_partitions(stream_id bigint, upto bigint, wait boolean) RETURNS bigint
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $function$
@@ -179,8 +217,17 @@ DECLARE
     through bigint;
     part    bigint;
 BEGIN
-    SELECT s.partition_size, s.partitions_through INTO size, through
-    FROM sqlstreams.stream s WHERE s.id = stream_id FOR UPDATE;
+    IF wait THEN
+        SELECT s.partition_size, s.partitions_through INTO size, through
+        FROM sqlstreams.stream s WHERE s.id = stream_id FOR UPDATE;
+    ELSE
+        -- Another transaction is creating partitions of this stream: leave it to that one.
+        SELECT s.partition_size, s.partitions_through INTO size, through
+        FROM sqlstreams.stream s WHERE s.id = stream_id FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
+            RETURN NULL;
+        END IF;
+    END IF;
     WHILE through <= upto LOOP
         part := (through - 1) / size;
         EXECUTE replace(replace(replace(replace($partition$
@@ -203,11 +250,54 @@ DO $migrate$
 DECLARE
     s record;
 BEGIN
-    FOR s IN SELECT id FROM sqlstreams.stream WHERE schema_version = '0.1.0' ORDER BY id LOOP
-        EXECUTE replace($family$
+    FOR s IN SELECT id, lanes FROM sqlstreams.stream WHERE schema_version = '0.1.0' ORDER BY id LOOP
+        EXECUTE replace(replace($family$
+            -- Every message's lane.
+            ALTER TABLE sqlstreams.message_log_@id@ ADD COLUMN lane integer;
+            UPDATE sqlstreams.message_log_@id@ SET lane = sqlstreams.lane(message_key, id, @lanes@);
+            ALTER TABLE sqlstreams.message_log_@id@ ALTER COLUMN lane SET NOT NULL;
+            CREATE INDEX message_log_@id@_lane_idx ON sqlstreams.message_log_@id@ (lane, id);
+
+            -- The fence's proven head: everything claimed was proven when it was claimed.
+            ALTER TABLE sqlstreams.cursor_@id@ ADD COLUMN fence_safe bigint NOT NULL DEFAULT 0;
+            UPDATE sqlstreams.cursor_@id@ SET fence_safe = claimed;
+
+            -- Each group's lanes start where its cursor is.
+            CREATE TABLE sqlstreams.lane_@id@ (
+                consumer_group_id bigint      NOT NULL,
+                lane              integer     NOT NULL,
+                -- Every message of this lane with id <= claimed has been handed out.
+                claimed           bigint      NOT NULL,
+                held_by           uuid,
+                held_until        timestamptz,
+                PRIMARY KEY (consumer_group_id, lane),
+                CHECK ((held_by IS NULL) = (held_until IS NULL))
+            );
+            -- Created by this script, it would belong to the extension; a stream's tables do not
+            -- (pg_dump keeps them).
+            ALTER EXTENSION sqlstreams DROP TABLE sqlstreams.lane_@id@;
+            INSERT INTO sqlstreams.lane_@id@ (consumer_group_id, lane, claimed)
+            SELECT c.consumer_group_id, l, c.claimed FROM sqlstreams.cursor_@id@ c, generate_series(0, @lanes@ - 1) l;
+
+            -- Ranges open now were claimed across lanes.
+            ALTER TABLE sqlstreams.range_lease_@id@ ADD COLUMN lane integer;
+
+            -- Exception rows: isolated (quarantine), and their message's lane.
             ALTER TABLE sqlstreams.exception_queue_@id@ ADD COLUMN isolated boolean NOT NULL DEFAULT false;
+            ALTER TABLE sqlstreams.exception_queue_@id@ ADD COLUMN lane integer;
+            UPDATE sqlstreams.exception_queue_@id@ e SET lane = m.lane
+            FROM sqlstreams.message_log_@id@ m WHERE m.id = e.message_id;
+            ALTER TABLE sqlstreams.exception_queue_@id@ ALTER COLUMN lane SET NOT NULL;
+            DROP INDEX sqlstreams.exception_queue_@id@_due_idx;
+            DROP INDEX sqlstreams.exception_queue_@id@_inflight_idx;
+            CREATE INDEX exception_queue_@id@_due_idx
+                ON sqlstreams.exception_queue_@id@ (consumer_group_id, lane, can_run_after)
+                WHERE status IN ('ready', 'deferred');
+            CREATE INDEX exception_queue_@id@_inflight_idx
+                ON sqlstreams.exception_queue_@id@ (consumer_group_id, lane, lease_expires_at)
+                WHERE status = 'inflight';
             CREATE INDEX exception_queue_@id@_isolated_idx
-                ON sqlstreams.exception_queue_@id@ (consumer_group_id, message_id)
+                ON sqlstreams.exception_queue_@id@ (consumer_group_id, lane, message_id)
                 WHERE isolated AND status IN ('ready', 'inflight', 'deferred');
             -- 0.1.0 charged each quarantined message a failure before it ever ran alone. Those
             -- that have not run since are quarantined the 0.2.0 way: isolated, the charge taken
@@ -215,33 +305,67 @@ BEGIN
             UPDATE sqlstreams.exception_queue_@id@
             SET isolated = true, attempts = attempts - 1, can_run_after = least(can_run_after, now())
             WHERE status = 'ready' AND attempts = 1 AND last_error LIKE 'quarantined: %';
-        $family$, '@id@', s.id::text);
+
+            -- Lanes hold keys now; a delivery in flight under a 0.1.0 key lease is still seen by
+            -- the gate (in its range's pending list, or as an inflight row).
+            DROP TABLE sqlstreams.message_key_lease_@id@;
+        $family$, '@id@', s.id::text), '@lanes@', s.lanes::text);
         UPDATE sqlstreams.stream SET schema_version = '0.2.0' WHERE id = s.id;
     END LOOP;
 END
 $migrate$;
 
--- Every function runs with a pinned search_path.
-ALTER FUNCTION sqlstreams.create_stream(text, bigint, interval) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.drop_stream(text) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.create_group(text, text, text, integer, text, interval, interval, double precision, integer, integer) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.drop_group(text, text) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.produce(text, jsonb, text, text, boolean, text) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.claim(text, text, integer, interval, uuid, bigint[]) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.ack(text, text, uuid, bigint) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.ack_batch(text, text, uuid, bigint[]) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.fail(text, text, uuid, bigint, text, boolean, interval) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.delay(text, text, uuid, bigint, interval) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.extend_lease(text, text, uuid, interval) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.release(text, text, uuid, bigint[]) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.group_status(text, text) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.blocked_keys(text, text) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.dead_messages(text, text) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.open_leases(text, text) SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION sqlstreams.stream_head(bigint) SET search_path = pg_catalog, pg_temp;
+-- Every function runs with a pinned search_path, and the library's with generic plans (see the
+-- install script).
+ALTER FUNCTION sqlstreams.drop_stream(text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION sqlstreams.create_group(text, text, text, integer, text, interval, interval, double precision, integer, integer) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION sqlstreams.drop_group(text, text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION sqlstreams.produce(text, jsonb, text, text, boolean, text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION sqlstreams.claim(text, text, integer, interval, uuid, bigint[]) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION sqlstreams.ack(text, text, uuid, bigint) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION sqlstreams.ack_batch(text, text, uuid, bigint[]) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION sqlstreams.fail(text, text, uuid, bigint, text, boolean, interval) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION sqlstreams.delay(text, text, uuid, bigint, interval) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION sqlstreams.extend_lease(text, text, uuid, interval) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION sqlstreams.release(text, text, uuid, bigint[]) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION sqlstreams.group_status(text, text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION sqlstreams.blocked_keys(text, text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION sqlstreams.dead_messages(text, text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION sqlstreams.stream_head(bigint) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 
--- maintain() reports the key leases it sweeps.
+-- create_stream takes the lane count.
+DROP FUNCTION sqlstreams.create_stream(text, bigint, interval);
+CREATE FUNCTION sqlstreams.create_stream(
+    name text,
+    partition_size bigint DEFAULT 1000000,
+    idempotency_ttl interval DEFAULT '1 day',
+    lanes integer DEFAULT 16
+) RETURNS bigint
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'create_stream_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+-- open_leases shows lanes.
+DROP FUNCTION sqlstreams.open_leases(text, text);
+CREATE FUNCTION sqlstreams.open_leases(stream text, group_name text)
+RETURNS TABLE (
+    kind text,
+    first_id bigint,
+    last_id bigint,
+    message_key text,
+    lease_token uuid,
+    lease_expires_at timestamptz,
+    pending integer,
+    lane integer
+)
+STABLE PARALLEL SAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'open_leases_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+-- maintain() reports the expired lane holds it clears.
 DROP FUNCTION sqlstreams.maintain();
 CREATE FUNCTION sqlstreams.maintain()
 RETURNS TABLE (
@@ -249,45 +373,56 @@ RETURNS TABLE (
     partitions_through bigint,
     idempotency_keys_purged bigint,
     cursors_advanced bigint,
-    key_leases_swept bigint
+    lane_holds_cleared bigint
 )
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'maintain_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 -- The channel consumers LISTEN on, so clients never spell it themselves.
 CREATE FUNCTION sqlstreams.stream_channel(stream_id bigint) RETURNS text
 STRICT IMMUTABLE PARALLEL SAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'stream_channel_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE OR REPLACE VIEW sqlstreams.streams AS
 SELECT s.id, s.name, s.partition_size, s.idempotency_ttl, s.created_at,
        sqlstreams.stream_head(s.id) AS head,
        s.schema_version,
-       sqlstreams.stream_channel(s.id) AS channel
+       sqlstreams.stream_channel(s.id) AS channel,
+       s.lanes
 FROM sqlstreams.stream s;
 
 
 COMMENT ON VIEW sqlstreams.streams IS
     'Every stream with its id (its tables are named by it), head (highest message id handed out), '
-    'the version its tables were built by, and the channel its consumers LISTEN on.';
+    'the version its tables were built by, the channel its consumers LISTEN on, and its lanes.';
+COMMENT ON FUNCTION sqlstreams.lane(text, bigint, integer) IS
+    'The lane of a message: by its key''s hash, or round in blocks of 64 ids for messages without a key.';
 COMMENT ON FUNCTION sqlstreams.create_stream_tables(bigint) IS
     'Internal: creates the table family of a stream (called by create_stream).';
 COMMENT ON FUNCTION sqlstreams.drop_stream_tables(bigint) IS
     'Internal: drops the table family of a stream (called by drop_stream).';
-COMMENT ON FUNCTION sqlstreams.add_partitions(bigint, bigint) IS
+COMMENT ON FUNCTION sqlstreams.add_partitions(bigint, bigint, boolean) IS
     'Internal: creates message_log partitions of a stream until they cover upto, and returns the new partitions_through.';
+COMMENT ON FUNCTION sqlstreams.create_stream(text, bigint, interval, integer) IS
+    'Creates a stream and its table family and returns its id; an existing name returns its id. '
+    'lanes: how many lanes its messages are spread over (fixed). Takes: the stream catalog row, '
+    'DDL locks on the new tables.';
 COMMENT ON FUNCTION sqlstreams.produce(text, jsonb, text, text, boolean, text) IS
     'Appends a message in the caller''s transaction and returns its id (NULL for a repeated idempotency_key). '
     'Takes: the stream''s producer lock (shared) and a transaction id before the message id; the key''s '
     'compaction head row until commit.';
 COMMENT ON FUNCTION sqlstreams.claim(text, text, integer, interval, uuid, bigint[]) IS
-    'Returns the work a consumer may run now under one lease: a claimed range and due exception rows, '
-    'in id order; run_after chains same-key rows. Takes: the group''s cursor row until commit (the only '
-    'lock it waits for). Call it in its own READ COMMITTED transaction; an idle call writes nothing. '
-    'ack_lease_token/ack_message_ids first record successes of an earlier claim (one round trip, one commit).';
+    'Returns the work a consumer may run now under one lease, from one lane: a claimed range and due '
+    'exception rows, in id order; run_after chains same-key rows. Takes: a free lane of the group '
+    '(never waiting for one) until commit. Call it in its own READ COMMITTED transaction; an idle call '
+    'writes nothing. ack_lease_token/ack_message_ids first record successes of an earlier claim (one '
+    'round trip, one commit).';
+COMMENT ON FUNCTION sqlstreams.open_leases(text, text) IS 'Range, exception-row and lane leases a group holds now.';
 COMMENT ON FUNCTION sqlstreams.stream_channel(bigint) IS 'The channel a stream''s consumers LISTEN on; produce NOTIFYs it at commit.';
 COMMENT ON FUNCTION sqlstreams.maintain() IS
-    'Housekeeping for every stream: partitions ahead of the head, expired idempotency keys, idle groups'' '
-    'committed cursors, expired exclusive-key leases. Idempotent; run it from cron at any frequency.';
+    'Housekeeping for every stream: partitions ahead of the head, expired idempotency keys, groups'' '
+    'claimed and committed cursors, expired lane holds. Idempotent; run it from cron at any frequency.';

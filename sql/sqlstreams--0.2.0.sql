@@ -8,6 +8,11 @@
 --
 -- Every function runs with search_path = pg_catalog, pg_temp, so no object a caller can create
 -- in a schema on their own search_path is ever picked up by the extension's SQL.
+--
+-- The library's functions also run with plan_cache_mode = force_generic_plan. Their statements
+-- are prepared once per session and take arrays of ids and keys; left to choose, the plan
+-- cache kept re-planning some of them on every call (a custom plan for a 1-element array
+-- always looks cheaper than the generic one), which cost more than running them.
 
 \echo Use "CREATE EXTENSION sqlstreams" to load this file. \quit
 
@@ -40,7 +45,11 @@ CREATE TABLE sqlstreams.stream (
     created_at         timestamptz NOT NULL DEFAULT now(),
     -- The extension version whose table family the stream has: the installed version when the
     -- stream was created, moved forward by every upgrade script that migrates the family.
-    schema_version     text        NOT NULL
+    schema_version     text        NOT NULL,
+    -- Messages are spread over this many lanes (sqlstreams.lane): every message of a key is
+    -- in one lane, and a group's claims of ordered and exclusive messages hold a lane at a time.
+    -- Fixed when the stream is created.
+    lanes              integer     NOT NULL DEFAULT 16 CHECK (lanes BETWEEN 1 AND 1024)
 );
 
 CREATE TABLE sqlstreams.consumer_group (
@@ -69,6 +78,15 @@ SELECT pg_catalog.pg_extension_config_dump('sqlstreams.consumer_group', '');
 SELECT pg_catalog.pg_extension_config_dump('sqlstreams.stream_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('sqlstreams.consumer_group_id_seq', '');
 
+-- The lane of a message: every message of a key lands in one lane (Postgres' own text hash,
+-- as hashtext computes it); messages without a key go round in blocks of 64 ids, so a claim's
+-- batch of unkeyed messages stays close together in the log. A SQL-standard body: parsed once,
+-- inlined into the statements that use it, immune to the caller's search_path.
+CREATE FUNCTION sqlstreams.lane(message_key text, message_id bigint, lanes integer) RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN CASE WHEN message_key IS NULL THEN ((message_id / 64) % lanes)::integer
+            ELSE ((pg_catalog.hashtext(message_key)::bigint & 4294967295) % lanes)::integer END;
+
 ----------------------------------------------------------------------------------------------
 -- 2. The table family of one stream, named by its numeric id (never by its name: names are
 --    data). create_stream() calls create_stream_tables(); an upgrade script that changes the
@@ -94,21 +112,45 @@ BEGIN
             compaction  boolean     NOT NULL DEFAULT false,
             payload     jsonb       NOT NULL,
             produced_at timestamptz NOT NULL DEFAULT now(),
+            -- (Columns added by upgrades come last; see exception_queue.)
+            -- 0.2.0: sqlstreams.lane(message_key, id, stream.lanes).
+            lane        integer     NOT NULL,
             PRIMARY KEY (id)
         ) PARTITION BY RANGE (id);
+        -- A claim takes the next messages of one lane.
+        CREATE INDEX message_log_@id@_lane_idx ON sqlstreams.message_log_@id@ (lane, id);
 
-        -- One row per consumer group: the group's cursor and the claim fence's pending observation.
-        --   claimed:   every id <= claimed has been handed out in some range.
+        -- One row per consumer group: the group's cursor and its claim fence (src/fence.rs).
+        --   claimed:   every id <= claimed has been handed out in some range (the lanes' lowest
+        --              position; stored by maintain(), computed live by group_status).
         --   committed: every id <= committed is resolved for the group; never moves backward.
-        --   fence_head/fence_xid: "ids <= fence_head are safe once every transaction older than
-        --   fence_xid has ended" (src/fence.rs).
+        --   fence_head/fence_xid: a pending observation, "ids <= fence_head are safe once every
+        --              transaction older than fence_xid has ended".
+        --   fence_safe: every id <= fence_safe is proven safe (committed or rolled back).
         CREATE TABLE sqlstreams.cursor_@id@ (
             consumer_group_id bigint PRIMARY KEY,
             claimed           bigint NOT NULL,
             committed         bigint NOT NULL,
             fence_head        bigint,
             fence_xid         bigint,
+            -- 0.2.0
+            fence_safe        bigint NOT NULL DEFAULT 0,
             CHECK (committed <= claimed)
+        );
+
+        -- Each group's position in each lane, and which claim holds the lane. A group whose
+        -- messages may be ordered or exclusive hands out one claim's deliveries per lane at a
+        -- time (held_by, until held_until or until they all resolve): every message of a key
+        -- is in one lane, so no two consumers ever hold the same key.
+        CREATE TABLE sqlstreams.lane_@id@ (
+            consumer_group_id bigint      NOT NULL,
+            lane              integer     NOT NULL,
+            -- Every message of this lane with id <= claimed has been handed out.
+            claimed           bigint      NOT NULL,
+            held_by           uuid,
+            held_until        timestamptz,
+            PRIMARY KEY (consumer_group_id, lane),
+            CHECK ((held_by IS NULL) = (held_until IS NULL))
         );
 
         -- Open range claims: ids first_id .. last_id handed to one consumer under a lease.
@@ -123,6 +165,9 @@ BEGIN
             reclaims          int         NOT NULL DEFAULT 0,
             pending           bigint[]    NOT NULL,
             pending_keys      text[]      NOT NULL,
+            -- 0.2.0: the lane every message of the range is in; NULL for a range claimed
+            -- before lanes existed (0.1.0), which may hold messages of every lane.
+            lane              integer,
             PRIMARY KEY (consumer_group_id, first_id),
             CHECK (cardinality(pending) = cardinality(pending_keys))
         );
@@ -153,19 +198,21 @@ BEGIN
             -- 0.2.0: a message of a quarantined range, handed out alone until it resolves, so
             -- only its own failures and expiries count against it.
             isolated          boolean     NOT NULL DEFAULT false,
+            -- 0.2.0: the message's lane.
+            lane              integer     NOT NULL,
             PRIMARY KEY (consumer_group_id, message_id),
             CHECK ((status = 'inflight') = (lease_token IS NOT NULL))
         );
         -- The same-key predecessor lookup (ordered check 1) and the blocked-keys view.
         CREATE INDEX exception_queue_@id@_key_idx
             ON sqlstreams.exception_queue_@id@ (consumer_group_id, message_key, message_id);
-        -- Due work: retries, delays and parked rows whose time has come.
+        -- Due work of a lane: retries, delays and parked rows whose time has come.
         CREATE INDEX exception_queue_@id@_due_idx
-            ON sqlstreams.exception_queue_@id@ (consumer_group_id, can_run_after)
+            ON sqlstreams.exception_queue_@id@ (consumer_group_id, lane, can_run_after)
             WHERE status IN ('ready', 'deferred');
-        -- Inflight rows whose lease may expire.
+        -- Inflight rows of a lane whose lease may expire.
         CREATE INDEX exception_queue_@id@_inflight_idx
-            ON sqlstreams.exception_queue_@id@ (consumer_group_id, lease_expires_at)
+            ON sqlstreams.exception_queue_@id@ (consumer_group_id, lane, lease_expires_at)
             WHERE status = 'inflight';
         -- The lowest unresolved id bounds the committed cursor.
         CREATE INDEX exception_queue_@id@_unresolved_idx
@@ -177,17 +224,8 @@ BEGIN
             WHERE parked;
         -- Unresolved messages of quarantined ranges (usually none).
         CREATE INDEX exception_queue_@id@_isolated_idx
-            ON sqlstreams.exception_queue_@id@ (consumer_group_id, message_id)
+            ON sqlstreams.exception_queue_@id@ (consumer_group_id, lane, message_id)
             WHERE isolated AND status IN ('ready', 'inflight', 'deferred');
-
-        -- Exclusive delivery: one live lease per (group, key).
-        CREATE TABLE sqlstreams.message_key_lease_@id@ (
-            consumer_group_id bigint      NOT NULL,
-            message_key       text        NOT NULL,
-            lease_token       uuid        NOT NULL,
-            lease_expires_at  timestamptz NOT NULL,
-            PRIMARY KEY (consumer_group_id, message_key)
-        );
 
         -- Compaction: the newest compacted message id per key, for every group of the stream.
         CREATE TABLE sqlstreams.compaction_head_@id@ (
@@ -202,8 +240,8 @@ BEGIN
             expires_at      timestamptz NOT NULL
         );
     $family$, '@id@', stream_id::text);
-    -- The first partition; produce() adds the next ones ahead of the head.
-    PERFORM sqlstreams.add_partitions(stream_id, 1);
+    -- The first partition; claims and maintain() add the next ones ahead of the head.
+    PERFORM sqlstreams.add_partitions(stream_id, 1, true);
 END
 $function$;
 
@@ -213,20 +251,22 @@ SET search_path = pg_catalog, pg_temp
 AS $function$
 BEGIN
     EXECUTE replace($family$
-        DROP TABLE sqlstreams.message_log_@id@, sqlstreams.cursor_@id@, sqlstreams.range_lease_@id@,
-                   sqlstreams.exception_queue_@id@, sqlstreams.message_key_lease_@id@,
+        DROP TABLE sqlstreams.message_log_@id@, sqlstreams.cursor_@id@, sqlstreams.lane_@id@,
+                   sqlstreams.range_lease_@id@, sqlstreams.exception_queue_@id@,
                    sqlstreams.compaction_head_@id@, sqlstreams.idempotency_key_@id@;
         DROP SEQUENCE sqlstreams.message_log_@id@_seq;
     $family$, '@id@', stream_id::text);
 END
 $function$;
 
--- Partitions of message_log_<id>: blocks of partition_size ids, created ahead of the head. A
--- partition is created as a plain table and then attached: ATTACH PARTITION takes only a SHARE
--- UPDATE EXCLUSIVE lock on the parent, which blocks neither producers nor claims, while CREATE
--- TABLE ... PARTITION OF would take an ACCESS EXCLUSIVE lock until the creating transaction
--- commits. Creation is serialized per stream by the stream's catalog row.
-CREATE FUNCTION sqlstreams.add_partitions(stream_id bigint, upto bigint) RETURNS bigint
+-- Partitions of message_log_<id>: blocks of partition_size ids, created ahead of the head by
+-- claims and maintain() (without waiting: `wait` false), and by a producer only for an id no
+-- partition holds yet (src/partition.rs). A partition is created as a plain table and then
+-- attached: ATTACH PARTITION takes only a SHARE UPDATE EXCLUSIVE lock on the parent, which
+-- blocks neither producers nor claims, while CREATE TABLE ... PARTITION OF would take an ACCESS
+-- EXCLUSIVE lock until the creating transaction commits. Creation is serialized per stream by
+-- the stream's catalog row. Returns the new partitions_through (NULL when skipped).
+CREATE FUNCTION sqlstreams.add_partitions(stream_id bigint, upto bigint, wait boolean) RETURNS bigint
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $function$
@@ -235,8 +275,17 @@ DECLARE
     through bigint;
     part    bigint;
 BEGIN
-    SELECT s.partition_size, s.partitions_through INTO size, through
-    FROM sqlstreams.stream s WHERE s.id = stream_id FOR UPDATE;
+    IF wait THEN
+        SELECT s.partition_size, s.partitions_through INTO size, through
+        FROM sqlstreams.stream s WHERE s.id = stream_id FOR UPDATE;
+    ELSE
+        -- Another transaction is creating partitions of this stream: leave it to that one.
+        SELECT s.partition_size, s.partitions_through INTO size, through
+        FROM sqlstreams.stream s WHERE s.id = stream_id FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
+            RETURN NULL;
+        END IF;
+    END IF;
     WHILE through <= upto LOOP
         part := (through - 1) / size;
         EXECUTE replace(replace(replace(replace($partition$
@@ -262,16 +311,19 @@ $function$;
 CREATE FUNCTION sqlstreams.create_stream(
     name text,
     partition_size bigint DEFAULT 1000000,
-    idempotency_ttl interval DEFAULT '1 day'
+    idempotency_ttl interval DEFAULT '1 day',
+    lanes integer DEFAULT 16
 ) RETURNS bigint
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'create_stream_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE FUNCTION sqlstreams.drop_stream(name text) RETURNS boolean
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'drop_stream_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE FUNCTION sqlstreams.create_group(
     stream text,
@@ -287,12 +339,14 @@ CREATE FUNCTION sqlstreams.create_group(
 ) RETURNS bigint
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'create_group_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE FUNCTION sqlstreams.drop_group(stream text, name text) RETURNS boolean
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'drop_group_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 -- Producing (src/produce.rs)
 CREATE FUNCTION sqlstreams.produce(
@@ -305,7 +359,8 @@ CREATE FUNCTION sqlstreams.produce(
 ) RETURNS bigint
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'produce_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE FUNCTION sqlstreams.produce_batch(
     stream text,
@@ -316,7 +371,8 @@ CREATE FUNCTION sqlstreams.produce_batch(
 ) RETURNS SETOF bigint
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'produce_batch_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 -- Consuming (src/claim.rs, src/outcome.rs, src/lease.rs)
 CREATE FUNCTION sqlstreams.claim(
@@ -337,19 +393,22 @@ CREATE FUNCTION sqlstreams.claim(
 )
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'claim_sql_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE FUNCTION sqlstreams.ack(stream text, group_name text, lease_token uuid, message_id bigint)
 RETURNS boolean
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'ack_sql_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE FUNCTION sqlstreams.ack_batch(stream text, group_name text, lease_token uuid, message_ids bigint[])
 RETURNS bigint[]
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'ack_batch_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE FUNCTION sqlstreams.fail(
     stream text,
@@ -362,13 +421,15 @@ CREATE FUNCTION sqlstreams.fail(
 ) RETURNS text
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'fail_sql_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE FUNCTION sqlstreams.delay(stream text, group_name text, lease_token uuid, message_id bigint, delay interval)
 RETURNS boolean
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'delay_sql_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE FUNCTION sqlstreams.extend_lease(
     stream text,
@@ -378,13 +439,15 @@ CREATE FUNCTION sqlstreams.extend_lease(
 ) RETURNS boolean
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'extend_lease_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE FUNCTION sqlstreams.release(stream text, group_name text, lease_token uuid, message_ids bigint[])
 RETURNS bigint[]
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'release_sql_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 -- What a user can always see (src/inspect.rs)
 CREATE FUNCTION sqlstreams.group_status(stream text, group_name text)
@@ -402,7 +465,8 @@ RETURNS TABLE (
 )
 STABLE PARALLEL SAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'group_status_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE FUNCTION sqlstreams.blocked_keys(stream text, group_name text)
 RETURNS TABLE (
@@ -416,7 +480,8 @@ RETURNS TABLE (
 )
 STABLE PARALLEL SAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'blocked_keys_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE FUNCTION sqlstreams.dead_messages(stream text, group_name text)
 RETURNS TABLE (
@@ -430,7 +495,8 @@ RETURNS TABLE (
 )
 STABLE PARALLEL SAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'dead_messages_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE FUNCTION sqlstreams.open_leases(stream text, group_name text)
 RETURNS TABLE (
@@ -440,21 +506,25 @@ RETURNS TABLE (
     message_key text,
     lease_token uuid,
     lease_expires_at timestamptz,
-    pending integer
+    pending integer,
+    lane integer
 )
 STABLE PARALLEL SAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'open_leases_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE FUNCTION sqlstreams.stream_head(stream_id bigint) RETURNS bigint
 STRICT STABLE PARALLEL SAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'stream_head_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 CREATE FUNCTION sqlstreams.stream_channel(stream_id bigint) RETURNS text
 STRICT IMMUTABLE PARALLEL SAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'stream_channel_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 -- Housekeeping (src/maintain.rs)
 CREATE FUNCTION sqlstreams.maintain()
@@ -463,11 +533,12 @@ RETURNS TABLE (
     partitions_through bigint,
     idempotency_keys_purged bigint,
     cursors_advanced bigint,
-    key_leases_swept bigint
+    lane_holds_cleared bigint
 )
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'maintain_wrapper'
-SET search_path = pg_catalog, pg_temp;
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 ----------------------------------------------------------------------------------------------
 -- 4. Views.
@@ -477,7 +548,8 @@ CREATE VIEW sqlstreams.streams AS
 SELECT s.id, s.name, s.partition_size, s.idempotency_ttl, s.created_at,
        sqlstreams.stream_head(s.id) AS head,
        s.schema_version,
-       sqlstreams.stream_channel(s.id) AS channel
+       sqlstreams.stream_channel(s.id) AS channel,
+       s.lanes
 FROM sqlstreams.stream s;
 
 CREATE VIEW sqlstreams.consumer_groups AS
@@ -499,7 +571,7 @@ COMMENT ON TABLE sqlstreams.stream IS 'Catalog of streams; read it through the s
 COMMENT ON TABLE sqlstreams.consumer_group IS 'Catalog of consumer groups and their settings; see sqlstreams.consumer_groups.';
 COMMENT ON VIEW sqlstreams.streams IS
     'Every stream with its id (its tables are named by it), head (highest message id handed out), '
-    'the version its tables were built by, and the channel its consumers LISTEN on.';
+    'the version its tables were built by, the channel its consumers LISTEN on, and its lanes.';
 COMMENT ON VIEW sqlstreams.consumer_groups IS
     'Every consumer group with its settings, cursor (claimed, committed), lag and exception-queue counts.';
 
@@ -507,12 +579,15 @@ COMMENT ON FUNCTION sqlstreams.create_stream_tables(bigint) IS
     'Internal: creates the table family of a stream (called by create_stream).';
 COMMENT ON FUNCTION sqlstreams.drop_stream_tables(bigint) IS
     'Internal: drops the table family of a stream (called by drop_stream).';
-COMMENT ON FUNCTION sqlstreams.add_partitions(bigint, bigint) IS
+COMMENT ON FUNCTION sqlstreams.lane(text, bigint, integer) IS
+    'The lane of a message: by its key''s hash, or round in blocks of 64 ids for messages without a key.';
+COMMENT ON FUNCTION sqlstreams.add_partitions(bigint, bigint, boolean) IS
     'Internal: creates message_log partitions of a stream until they cover upto, and returns the new partitions_through.';
 
-COMMENT ON FUNCTION sqlstreams.create_stream(text, bigint, interval) IS
+COMMENT ON FUNCTION sqlstreams.create_stream(text, bigint, interval, integer) IS
     'Creates a stream and its table family and returns its id; an existing name returns its id. '
-    'Takes: the stream catalog row, DDL locks on the new tables.';
+    'lanes: how many lanes its messages are spread over (fixed). Takes: the stream catalog row, '
+    'DDL locks on the new tables.';
 COMMENT ON FUNCTION sqlstreams.drop_stream(text) IS
     'Drops a stream with its groups, messages and exception queue; false when no such stream exists.';
 COMMENT ON FUNCTION sqlstreams.create_group(text, text, text, integer, text, interval, interval, double precision, integer, integer) IS
@@ -527,10 +602,11 @@ COMMENT ON FUNCTION sqlstreams.produce(text, jsonb, text, text, boolean, text) I
 COMMENT ON FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean) IS
     'Appends many messages in one call (the fast path); returns their ids in payload order.';
 COMMENT ON FUNCTION sqlstreams.claim(text, text, integer, interval, uuid, bigint[]) IS
-    'Returns the work a consumer may run now under one lease: a claimed range and due exception rows, '
-    'in id order; run_after chains same-key rows. Takes: the group''s cursor row until commit (the only '
-    'lock it waits for). Call it in its own READ COMMITTED transaction; an idle call writes nothing. '
-    'ack_lease_token/ack_message_ids first record successes of an earlier claim (one round trip, one commit).';
+    'Returns the work a consumer may run now under one lease, from one lane: a claimed range and due '
+    'exception rows, in id order; run_after chains same-key rows. Takes: a free lane of the group '
+    '(never waiting for one) until commit. Call it in its own READ COMMITTED transaction; an idle call '
+    'writes nothing. ack_lease_token/ack_message_ids first record successes of an earlier claim (one '
+    'round trip, one commit).';
 COMMENT ON FUNCTION sqlstreams.ack(text, text, uuid, bigint) IS
     'Records a handler success; false when the lease behind lease_token was lost (nothing changed).';
 COMMENT ON FUNCTION sqlstreams.ack_batch(text, text, uuid, bigint[]) IS
@@ -549,9 +625,9 @@ COMMENT ON FUNCTION sqlstreams.group_status(text, text) IS
 COMMENT ON FUNCTION sqlstreams.blocked_keys(text, text) IS
     'Keys waiting in the exception queue: the oldest unresolved message of each, its status and how many wait behind it.';
 COMMENT ON FUNCTION sqlstreams.dead_messages(text, text) IS 'Dead-lettered messages of a group with their payloads, for triage.';
-COMMENT ON FUNCTION sqlstreams.open_leases(text, text) IS 'Range, exception-row and exclusive-key leases a group holds now.';
+COMMENT ON FUNCTION sqlstreams.open_leases(text, text) IS 'Range, exception-row and lane leases a group holds now.';
 COMMENT ON FUNCTION sqlstreams.stream_head(bigint) IS 'The highest message id handed out on a stream, by stream id.';
 COMMENT ON FUNCTION sqlstreams.stream_channel(bigint) IS 'The channel a stream''s consumers LISTEN on; produce NOTIFYs it at commit.';
 COMMENT ON FUNCTION sqlstreams.maintain() IS
-    'Housekeeping for every stream: partitions ahead of the head, expired idempotency keys, idle groups'' '
-    'committed cursors, expired exclusive-key leases. Idempotent; run it from cron at any frequency.';
+    'Housekeeping for every stream: partitions ahead of the head, expired idempotency keys, groups'' '
+    'claimed and committed cursors, expired lane holds. Idempotent; run it from cron at any frequency.';

@@ -1,19 +1,21 @@
 //! `claim`: one call returns what the caller may run now.
 //!
 //! 1. Outcomes the call carries (`ack_lease_token`) are recorded first, as any outcome.
-//! 2. Read-only probe. A caught-up group (nothing new behind the fence, no due exception row, no
-//!    expired lease, cursor up to date) returns at once: no write, no transaction id.
-//! 3. Lock the group's cursor row; claims of one group are serialized from here to commit. This
-//!    is the only lock a claim waits for (the lock order is in src/locks.rs): from here on it
-//!    only takes what is free (`SKIP LOCKED`, try-locks), so it never waits while holding the
-//!    cursor row, and an outcome waiting for that row can never be waited for in turn.
-//! 4. Read the clock and the fence *after* the wait: the lease starts when the claim holds what
-//!    it hands out, and the fence bound describes the same moment as the cursor it is applied to.
-//! 5. Collect candidates: a due isolated row alone (a message of a quarantined range), else due
-//!    exception rows (retries, delays, woken or expired rows), then one range: an expired one
-//!    handed out again (or quarantined after `max_reclaims`), else the next ids up to the
-//!    fence's safe head.
-//! 6. Gate them (src/key_gate.rs), record every verdict, store the cursor, return the runs.
+//! 2. The fence (src/fence.rs): the stored fence is read, then the world, and what is proven
+//!    safe now follows; the new fence is stored unless another claim is storing it.
+//! 3. Lanes (src/lanes.rs) with work that no other claim holds, each taken with `SKIP LOCKED`,
+//!    until the batch is full (or the claim has its share of the lanes). None: the call
+//!    returns at once, and it wrote nothing unless the fence moved.
+//! 4. Candidates, from each lane taken: a due isolated row alone (a message of a quarantined
+//!    range: the claim hands out nothing else), else due exception rows (retries, delays,
+//!    woken or expired rows), the lane's oldest expired range handed out again (or quarantined
+//!    after `max_reclaims`), and a range of the lane's next messages up to the safe head.
+//! 5. Gate them (src/key_gate.rs), record every verdict, lease the ranges, store each
+//!    lane's position and hold, return the runs.
+//!
+//! A claim never waits for a lock (src/locks.rs): lanes, rows and key locks are all taken
+//! only when free. So the fence and the clock it reads are never older than what it claims
+//! against, and no outcome that waits for a claim can be waited for in turn.
 
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
@@ -21,16 +23,18 @@ use pgrx::spi::{SpiClient, SpiTupleTable};
 
 use crate::clock;
 use crate::concurrency::Concurrency;
-use crate::cursor::{self, committed_now, Cursor};
+use crate::cursor;
 use crate::error::{Result, StreamError};
 use crate::exception_queue::{self, Change, Expired, Held, Status};
-use crate::fence::{self, Reading};
+use crate::fence::{self, Fence};
 use crate::group::GroupRef;
 use crate::key_gate::{self, Candidate, GatherInput, Verdict};
+use crate::lanes::{self, Lane};
 use crate::locks;
 use crate::message::{self, Message};
-use crate::names::{positive_micros, validate_name};
+use crate::names::{self, positive_micros, validate_name};
 use crate::outcome;
+use crate::partition;
 use crate::payload::RawJsonb;
 use crate::range::{self, RangeLease};
 use crate::statement::{self, Access, Columns, Statement};
@@ -50,30 +54,15 @@ pub struct Delivery {
     pub run_after: Option<i64>,
 }
 
-const PROBE: Statement = Statement {
-    name: "claim_probe",
-    sql: concat!(
-        "SELECT EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@
-                        WHERE consumer_group_id = $1 AND lease_expires_at <= $3)
-             OR EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@
-                        WHERE consumer_group_id = $1 AND status IN ('ready', 'deferred') AND can_run_after <= $3)
-             OR EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@
-                        WHERE consumer_group_id = $1 AND status = 'inflight' AND lease_expires_at <= $3)
-             AS work_due, ",
-        committed_now!("$2"),
-        " AS committed"
-    ),
-    params: &[INT8OID, INT8OID, TIMESTAMPTZOID],
-};
-
-/// Due exception rows: retries, delays, woken or expired parked rows, expired deliveries.
+/// Due exception rows of lane `$3`: retries, delays, woken or expired parked rows, expired
+/// deliveries.
 macro_rules! due_rows {
     ($isolated:literal, $limit:literal) => {
         concat!(
-            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, m.payload
+            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane, m.payload
              FROM sqlstreams.exception_queue_@id@ e
              JOIN sqlstreams.message_log_@id@ m ON m.id = e.message_id
-             WHERE e.consumer_group_id = $1 AND e.isolated = ",
+             WHERE e.consumer_group_id = $1 AND e.lane = $3 AND e.isolated = ",
             $isolated,
             "
                AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
@@ -87,12 +76,15 @@ macro_rules! due_rows {
     };
 }
 
-const DUE_ROWS: Statement =
-    Statement { name: "claim_due_rows", sql: due_rows!("false", "$3"), params: &[INT8OID, TIMESTAMPTZOID, INT4OID] };
+const DUE_ROWS: Statement = Statement {
+    name: "claim_due_rows",
+    sql: due_rows!("false", "$4"),
+    params: &[INT8OID, TIMESTAMPTZOID, INT4OID, INT4OID],
+};
 
 /// The oldest due row of a quarantined range: it is handed out alone.
 const DUE_ISOLATED: Statement =
-    Statement { name: "claim_due_isolated", sql: due_rows!("true", "1"), params: &[INT8OID, TIMESTAMPTZOID] };
+    Statement { name: "claim_due_isolated", sql: due_rows!("true", "1"), params: &[INT8OID, TIMESTAMPTZOID, INT4OID] };
 
 /// A message the claim could hand out, where it stands, and its attempt number if it runs.
 struct Work {
@@ -100,12 +92,18 @@ struct Work {
     held: Held,
     attempt: i32,
     payload: RawJsonb,
+    /// The first id of the range it is in, when it is a range message.
+    range: Option<i64>,
 }
 
 /// A claim in progress: everything it decided, written at the end.
 struct Claim<'a> {
     group: &'a GroupRef,
-    /// The clock, read once the claim held the cursor row.
+    /// The lanes taken, with their new positions.
+    lanes: Vec<Lane>,
+    /// The ranges handed out (at most one per lane).
+    ranges: Vec<RangeLease>,
+    /// The clock, read after the fence.
     now: i64,
     token: pgrx::Uuid,
     expires: i64,
@@ -144,18 +142,26 @@ pub fn claim(
         });
     }
     crate::commit::consumer_call(stream_name, group_name, |client, group| {
-        if let Some(acks) = carried {
-            outcome::ack_in(client, group, acks.token, &acks.ids)?;
+        let released = match carried {
+            Some(acks) => outcome::ack_in(client, group, acks.token, &acks.ids)?.released_lane,
+            None => None,
+        };
+        let stream_id = group.stream.id;
+        // The stored fence first, then the world (src/fence.rs): the order is the proof.
+        let stored = cursor::read_fence(client, stream_id, group.id)?;
+        let fence = advance_fence(client, stream_id, stored)?;
+        let now = clock::now();
+        let (candidates, share) = lanes::candidates(client, group, fence.safe, now, released)?;
+        if fence != stored {
+            cursor::store_fence(client, stream_id, group.id, fence)?;
         }
-        if is_idle(client, group)? {
+        if candidates.is_empty() {
             return Ok(vec![]);
         }
-        // The only lock a claim waits for (src/locks.rs). Everything below is read after it.
-        let cursor = cursor::read(client, group.stream.id, group.id, true)?;
-        let now = clock::now();
-        let reading = read_fence(client, group.stream.id, &cursor)?;
         let claim = Claim {
             group,
+            lanes: vec![],
+            ranges: vec![],
             now,
             token: pgrx::Uuid::from_bytes(*uuid::Uuid::new_v4().as_bytes()),
             expires: now.saturating_add(lease_micros),
@@ -166,56 +172,47 @@ pub fn claim(
             dead_on_expiry: vec![],
             resolved_keys: vec![],
         };
-        claim.run(client, &cursor, &reading)
+        claim.run(client, fence.safe, &candidates, share)
     })
 }
 
-/// What the fence needs to know now. The global bound is cheap; only when it proves nothing new
-/// does the claim look up this stream's own running producers.
-fn read_fence(client: &SpiClient<'_>, stream_id: i64, cursor: &Cursor) -> Result<Reading> {
+/// The group's fence after a fresh reading of the world. The global bound is cheap; only when
+/// it proves nothing new does the claim look up this stream's own running producers.
+fn advance_fence(client: &SpiClient<'_>, stream_id: i64, stored: Fence) -> Result<Fence> {
     let head = cursor::sequence_head(client, stream_id, Access::Write)?;
     let reading = fence::read(head);
-    if head > cursor.claimed && fence::safe_head(cursor.claimed, cursor.observation, &reading) <= cursor.claimed {
+    if stored.stalled(&reading) {
         let bound = fence::oldest_producer(client, stream_id, reading.next_xid)?;
-        return Ok(reading.with_producer_bound(bound));
+        return Ok(stored.advance(&reading.with_producer_bound(bound)));
     }
-    Ok(reading)
-}
-
-/// The read-only probe: true when a claim now would find nothing to do. It takes no lock, so
-/// what it reads is only used to return early; a claim that goes on reads everything again.
-fn is_idle(client: &SpiClient<'_>, group: &GroupRef) -> Result<bool> {
-    let now = clock::now();
-    let cursor = cursor::read(client, group.stream.id, group.id, false)?;
-    let reading = read_fence(client, group.stream.id, &cursor)?;
-    let safe = fence::safe_head(cursor.claimed, cursor.observation, &reading);
-    if safe > cursor.claimed
-        || fence::next_observation(cursor.claimed, safe, cursor.observation, &reading) != cursor.observation
-    {
-        return Ok(false);
-    }
-    let probe = PROBE
-        .run(client, group.stream.id, &[group.id.into(), cursor.claimed.into(), statement::timestamptz(now)])?
-        .first();
-    let work_due: bool = probe.required("work_due")?;
-    let committed: i64 = probe.required("committed")?;
-    Ok(!work_due && committed <= cursor.committed)
+    Ok(stored.advance(&reading))
 }
 
 impl Claim<'_> {
-    fn run(mut self, client: &SpiClient<'_>, cursor: &Cursor, reading: &Reading) -> Result<Vec<Delivery>> {
+    fn run(mut self, client: &SpiClient<'_>, safe: i64, candidates: &[i32], share: usize) -> Result<Vec<Delivery>> {
         let stream_id = self.group.stream.id;
-        let safe = fence::safe_head(cursor.claimed, cursor.observation, reading);
-        let isolated = self.collect_isolated(client)?;
-        if !isolated {
-            self.collect_rows(client)?;
+        for &candidate in candidates {
+            let room = self.batch - self.work.len() as i32;
+            if room <= 0 || self.lanes.len() >= share {
+                break;
+            }
+            let Some(mut lane) = lanes::take(client, self.group, candidate, self.now)? else { continue };
+            if self.work.is_empty() && self.collect_isolated(client, lane.lane)? {
+                self.lanes.push(lane);
+                break;
+            }
+            self.collect_rows(client, lane.lane, room)?;
+            let room = self.batch - self.work.len() as i32;
+            if room > 0 {
+                self.collect_range(client, &mut lane, safe, room)?;
+            }
+            self.lanes.push(lane);
         }
-        let room = self.batch - self.work.len() as i32;
-        let (range, claimed) = if room > 0 && !isolated {
-            self.collect_range(client, cursor, safe, room)?
-        } else {
-            (None, cursor.claimed)
-        };
+        if self.lanes.is_empty() {
+            return Ok(vec![]);
+        }
+        let head = cursor::sequence_head(client, stream_id, Access::Write)?;
+        partition::ensure(client, &self.group.stream, head, partition::Need::Ahead)?;
         self.work.sort_by_key(|w| w.candidate.message_id);
 
         let candidates: Vec<Candidate> = self.work.iter().map(|w| w.candidate.clone()).collect();
@@ -233,11 +230,11 @@ impl Claim<'_> {
             group_id: self.group.id,
             candidates: &candidates,
             exception_ids: &exception_ids,
-            own_range_first: range.as_ref().map(|r| r.first_id),
-            now: self.now,
+            own_ranges: self.ranges.iter().map(|r| r.first_id).collect(),
+            lanes: self.lanes.iter().map(|l| l.lane).collect(),
         };
-        let mut gated = key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now);
-        let waiting = key_gate::deferred_keys(&candidates, &gated.verdicts);
+        let mut verdicts = key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now);
+        let waiting = key_gate::deferred_keys(&candidates, &verdicts);
         if !waiting.is_empty() {
             // Lock the keys about to be parked, then look again: a resolution that committed
             // meanwhile is seen now, and one that commits later waits for this claim before its
@@ -246,42 +243,48 @@ impl Claim<'_> {
             // again. Facts only shrink between the two looks, so the second can only turn
             // waits into runs.
             self.parkable = locks::try_keys_exclusive(self.group.id, &waiting);
-            gated = key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now);
+            verdicts = key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now);
         }
-        key_gate::take_leases(client, stream_id, self.group.id, &gated.lease_keys, self.token, self.expires, self.now)?;
 
-        let (deliveries, pending) = self.record(gated.verdicts);
+        let (deliveries, pending, holding) = self.record(verdicts);
         exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;
-        if let Some(mut range) = range {
-            (range.pending, range.pending_keys) = pending.into_iter().unzip();
+        for mut range in std::mem::take(&mut self.ranges) {
+            (range.pending, range.pending_keys) = pending
+                .iter()
+                .filter(|(_, _, first)| *first == range.first_id)
+                .map(|(id, k, _)| (*id, k.clone()))
+                .unzip();
             range::lease(client, stream_id, self.group.id, &range, self.token, self.expires)?;
         }
-        let observation = fence::next_observation(claimed, safe, cursor.observation, reading);
-        cursor::store(client, stream_id, self.group.id, claimed, observation)?;
+        // Hold a lane while a key it handed out may need it: ordered and exclusive deliveries.
+        for lane in std::mem::take(&mut self.lanes) {
+            let hold = holding.contains(&lane.lane).then_some((self.token, self.expires));
+            lanes::store(client, self.group, lane, hold)?;
+        }
         let keys = exception_queue::distinct_keys(&self.resolved_keys);
-        exception_queue::after_resolution(client, self.group, None, &keys, self.now)?;
+        exception_queue::after_resolution(client, self.group, &keys, self.now)?;
         Ok(deliveries)
     }
 
     /// A due isolated row, alone: the claim hands out nothing else with it, so a failure or an
     /// expiry of its delivery is its own. Returns whether it is to be handed out (an expired
     /// one may instead have spent its budget and gone dead).
-    fn collect_isolated(&mut self, client: &SpiClient<'_>) -> Result<bool> {
+    fn collect_isolated(&mut self, client: &SpiClient<'_>, lane: i32) -> Result<bool> {
         let rows = DUE_ISOLATED.run(
             client,
             self.group.stream.id,
-            &[self.group.id.into(), statement::timestamptz(self.now)],
+            &[self.group.id.into(), statement::timestamptz(self.now), lane.into()],
         )?;
         self.push_rows(rows)?;
         Ok(!self.work.is_empty())
     }
 
-    /// Due exception rows, up to the batch size.
-    fn collect_rows(&mut self, client: &SpiClient<'_>) -> Result<()> {
+    /// Due exception rows of `lane`, up to `room`.
+    fn collect_rows(&mut self, client: &SpiClient<'_>, lane: i32, room: i32) -> Result<()> {
         let rows = DUE_ROWS.run(
             client,
             self.group.stream.id,
-            &[self.group.id.into(), statement::timestamptz(self.now), self.batch.into()],
+            &[self.group.id.into(), statement::timestamptz(self.now), lane.into(), room.into()],
         )?;
         self.push_rows(rows)
     }
@@ -310,26 +313,22 @@ impl Claim<'_> {
                     concurrency: Concurrency::from_stored(&row.required::<String>("concurrency")?)?,
                     key,
                     compaction: row.required("compaction")?,
+                    lane: row.required("lane")?,
                 },
                 held: Held::Row { status, expired },
                 attempt: attempts,
                 payload: row.required("payload")?,
+                range: None,
             });
         }
         Ok(())
     }
 
-    /// One range: an expired one again (quarantined after `max_reclaims`), else fresh ids up
-    /// to `safe`. Returns the range and the group's new `claimed`.
-    fn collect_range(
-        &mut self,
-        client: &SpiClient<'_>,
-        cursor: &Cursor,
-        safe: i64,
-        room: i32,
-    ) -> Result<(Option<RangeLease>, i64)> {
+    /// The lane's oldest expired range again (quarantined after `max_reclaims`), then, with room
+    /// left, a range of the lane's next messages up to `safe`, moving the lane's position.
+    fn collect_range(&mut self, client: &SpiClient<'_>, lane: &mut Lane, safe: i64, mut room: i32) -> Result<()> {
         let stream_id = self.group.stream.id;
-        if let Some(mut expired) = range::oldest_expired(client, stream_id, self.group.id, self.now)? {
+        if let Some(mut expired) = range::oldest_expired(client, stream_id, self.group.id, lane.lane, self.now)? {
             let messages = message::by_id(client, self.group, &expired.pending)?;
             if expired.reclaims >= self.group.max_reclaims {
                 // Written at once, so this claim's gate sees them as unresolved predecessors of
@@ -340,50 +339,61 @@ impl Claim<'_> {
                 range::delete(client, stream_id, self.group.id, expired.first_id)?;
             } else {
                 expired.reclaims += 1;
-                self.push_range(messages, expired.reclaims);
-                return Ok((Some(expired), cursor.claimed));
+                room -= messages.len() as i32;
+                self.push_range(messages, expired.reclaims, expired.first_id);
+                self.ranges.push(expired);
             }
         }
-        if safe <= cursor.claimed {
-            return Ok((None, cursor.claimed));
+        if safe <= lane.claimed || room <= 0 {
+            return Ok(());
         }
-        let messages = message::after(client, self.group, cursor.claimed, safe, room)?;
+        let messages = message::after(client, self.group, lane.lane, lane.claimed, safe, room)?;
         let taken = messages.len();
-        let last = messages.last().map_or(cursor.claimed, |m| m.candidate.message_id);
-        self.push_range(messages, 0);
-        // A full batch ends at its last message; otherwise the range covers every id up to
-        // the safe head, including ids of rolled-back producers that will never appear.
-        let claimed = if taken as i32 == room { last } else { safe };
-        let range = (taken > 0).then(|| RangeLease {
-            first_id: cursor.claimed + 1,
-            last_id: claimed,
-            reclaims: 0,
-            pending: vec![],
-            pending_keys: vec![],
-        });
-        Ok((range, claimed))
+        let first = messages.first().map(|m| m.candidate.message_id);
+        let last = messages.last().map_or(lane.claimed, |m| m.candidate.message_id);
+        // A full batch ends at its last message; otherwise the lane is handed out up to the
+        // safe head, including ids of rolled-back producers that will never appear.
+        lane.claimed = if taken as i32 == room { last } else { safe };
+        if let Some(first_id) = first {
+            self.push_range(messages, 0, first_id);
+            self.ranges.push(RangeLease {
+                first_id,
+                last_id: lane.claimed,
+                reclaims: 0,
+                pending: vec![],
+                pending_keys: vec![],
+                lane: Some(lane.lane),
+            });
+        }
+        Ok(())
     }
 
-    fn push_range(&mut self, messages: Vec<Message>, attempt: i32) {
+    fn push_range(&mut self, messages: Vec<Message>, attempt: i32, first_id: i64) {
         self.work.extend(messages.into_iter().map(|m| Work {
             candidate: m.candidate,
             held: Held::Range,
             attempt,
             payload: m.payload,
+            range: Some(first_id),
         }));
     }
 
-    /// Turns verdicts into queue changes; returns the deliveries and the range's pending list.
-    fn record(&mut self, verdicts: Vec<Verdict>) -> (Vec<Delivery>, Vec<(i64, Option<String>)>) {
+    /// Turns verdicts into queue changes; returns the deliveries, the ranges' pending messages
+    /// (id, key, range) and the lanes that handed out ordered or exclusive work of a key.
+    fn record(&mut self, verdicts: Vec<Verdict>) -> (Vec<Delivery>, Vec<(i64, Option<String>, i64)>, Vec<i32>) {
         let mut deliveries = Vec::new();
         let mut pending = Vec::new();
+        let mut holding = Vec::new();
         for (work, verdict) in std::mem::take(&mut self.work).into_iter().zip(verdicts) {
             let c = work.candidate;
             match verdict {
                 Verdict::Run { run_after } => {
                     match exception_queue::hand_out(&work.held, c.message_id, work.attempt, self.token, self.expires) {
                         Some(update) => self.changes.push(Change::Update(update)),
-                        None => pending.push((c.message_id, c.key.clone())),
+                        None => pending.push((c.message_id, c.key.clone(), work.range.unwrap_or_default())),
+                    }
+                    if c.key.is_some() && c.concurrency.is_keyed_gate() {
+                        holding.push(c.lane);
                     }
                     deliveries.push(Delivery {
                         message_id: c.message_id,
@@ -407,7 +417,7 @@ impl Claim<'_> {
                 }
             }
         }
-        (deliveries, pending)
+        (deliveries, pending, holding)
     }
 }
 
@@ -456,7 +466,7 @@ fn claim_sql(
     };
     let lease_micros = positive_micros("lease", lease.map(|l| l.as_micros()), "'30 seconds'")?;
     let carried = match (ack_lease_token, ack_message_ids) {
-        (Some(token), Some(ids)) => Some(CarriedAcks { token, ids: ids.into_iter().flatten().collect() }),
+        (Some(token), ids @ Some(_)) => Some(CarriedAcks { token, ids: names::message_ids("ack_message_ids", ids)? }),
         (None, None) => None,
         _ => {
             return Err(StreamError::invalid(

@@ -11,6 +11,9 @@ pub enum StreamError {
     #[error("stream \"{0}\" does not exist")]
     UnknownStream(String),
 
+    #[error("no stream has id {0}")]
+    UnknownStreamId(i64),
+
     #[error("consumer group \"{group}\" does not exist on stream \"{stream}\"")]
     UnknownGroup { stream: String, group: String },
 
@@ -44,7 +47,7 @@ impl StreamError {
 
     fn sqlstate(&self) -> PgSqlErrorCode {
         match self {
-            StreamError::UnknownStream(_) | StreamError::UnknownGroup { .. } => {
+            StreamError::UnknownStream(_) | StreamError::UnknownStreamId(_) | StreamError::UnknownGroup { .. } => {
                 PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT
             }
             StreamError::InvalidArgument { .. } => PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
@@ -59,6 +62,7 @@ impl StreamError {
             StreamError::UnknownStream(name) => Some(format!(
                 "Create it first with sqlstreams.create_stream('{name}'), or check the name in sqlstreams.streams."
             )),
+            StreamError::UnknownStreamId(_) => Some("Look the stream's id up in sqlstreams.streams.".into()),
             StreamError::UnknownGroup { stream, group } => Some(format!(
                 "Create it first with sqlstreams.create_group('{stream}', '{group}'), or check the name in sqlstreams.consumer_groups."
             )),

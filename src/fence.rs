@@ -14,9 +14,10 @@
 //!    id `<= H` is now committed (visible to a new snapshot) or rolled back (never visible).
 //!    So `H` is safe. The observation `(H, X)` is "mature".
 //!
-//! A claim first uses a stored observation that has matured, then makes a fresh one. A fresh
-//! observation is mature at once when no transaction is running; otherwise it is stored and a
-//! later claim finds it mature.
+//! Each group stores its fence (`Fence`): the head proven so far, and a pending observation. A
+//! claim proves what the pending one now proves, then makes a fresh one; a fresh observation is
+//! mature at once when no transaction is running, otherwise it is stored and a later claim finds
+//! it mature. Every lane of the group claims up to the same proven head.
 //!
 //! "Oldest running transaction" would let any long writing transaction anywhere in the database
 //! hold every stream back. So each producer also takes its stream's producer lock (shared,
@@ -27,9 +28,10 @@
 //! that both come before its message ids. Read-only transactions take no transaction id and
 //! hold nothing back either way.
 //!
-//! Every read here describes one moment, so a claim takes its `Reading` after it holds the cursor row
-//! (`src/claim.rs`): a bound read before waiting for another claim would be applied to an
-//! observation that other claim stored later, which is exactly how a message gets skipped.
+//! The order of the reads is the proof, also across claims: a claim reads the stored fence
+//! first and takes its `Reading` after it, and it never waits for another claim in between
+//! (src/claim.rs). A bound read before an observation was stored must never be applied to it:
+//! that is exactly how a message gets skipped.
 
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::spi::SpiClient;
@@ -108,43 +110,39 @@ impl Reading {
     }
 }
 
-/// The highest id a group may claim up to.
-pub fn safe_head(claimed: i64, stored: Option<Observation>, reading: &Reading) -> i64 {
-    let mut safe = claimed;
-    if let Some(obs) = stored.filter(|o| o.is_mature(reading.oldest_running)) {
-        safe = safe.max(obs.head);
-    }
-    if reading.observation().is_mature(reading.oldest_running) {
-        safe = safe.max(reading.head);
-    }
-    safe
+/// What a group stores of the fence (in its cursor row): every id up to `safe` is proven
+/// committed or rolled back; `pending` is an observation that may prove more once it matures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fence {
+    pub safe: i64,
+    pub pending: Option<Observation>,
 }
 
-/// The observation to keep in the cursor after a claim that advanced `claimed` to
-/// `new_claimed` (it may stop short of `safe` because of its batch size).
-pub fn next_observation(
-    new_claimed: i64,
-    safe: i64,
-    stored: Option<Observation>,
-    reading: &Reading,
-) -> Option<Observation> {
-    if safe > new_claimed {
-        // A known-safe head is left to claim: keep it (as an already mature observation).
-        let source = [stored, Some(reading.observation())]
-            .into_iter()
-            .flatten()
-            .filter(|o| o.is_mature(reading.oldest_running) && o.head >= safe)
-            .min_by_key(|o| o.xid)
-            .expect("safe > claimed comes from a mature observation");
-        return Some(Observation { head: safe, xid: source.xid });
+impl Fence {
+    /// The fence after `reading`: what it proves now, and the observation left to mature (an
+    /// older pending one matures sooner than a fresh one, so it is kept while it covers more
+    /// than what is proven).
+    pub fn advance(self, reading: &Reading) -> Fence {
+        let mature = |o: &Observation| o.is_mature(reading.oldest_running);
+        let mut safe = self.safe;
+        if let Some(pending) = self.pending.filter(mature) {
+            safe = safe.max(pending.head);
+        }
+        if mature(&reading.observation()) {
+            safe = safe.max(reading.head);
+        }
+        let pending = match self.pending {
+            _ if reading.head <= safe => None,
+            Some(older) if older.head > safe && !mature(&older) => Some(older),
+            _ => Some(reading.observation()),
+        };
+        Fence { safe, pending }
     }
-    if reading.head <= new_claimed {
-        return None; // nothing beyond the cursor to wait for
-    }
-    match stored {
-        // An older pending observation matures sooner than a fresh one.
-        Some(obs) if !obs.is_mature(reading.oldest_running) && obs.head > new_claimed => Some(obs),
-        _ => Some(reading.observation()),
+
+    /// Whether the global bound of `reading` proves nothing new, so that looking up the
+    /// stream's own producers (`oldest_producer`) could.
+    pub fn stalled(self, reading: &Reading) -> bool {
+        reading.head > self.safe && self.advance(reading).safe == self.safe
     }
 }
 
@@ -177,73 +175,66 @@ pub fn widen_xid(xid: pg_sys::TransactionId, next: u64) -> u64 {
 mod tests {
     use super::*;
 
-    fn now(head: i64, next_xid: u64, oldest_running: u64) -> Reading {
+    fn reading(head: i64, next_xid: u64, oldest_running: u64) -> Reading {
         Reading { head, next_xid, oldest_running }
     }
+
+    const NOTHING: Fence = Fence { safe: 0, pending: None };
 
     #[test]
     fn quiet_database_matures_at_once() {
         // No transaction running: oldest_running == next_xid.
-        let n = now(10, 500, 500);
-        assert_eq!(safe_head(0, None, &n), 10);
-        assert_eq!(next_observation(10, 10, None, &n), None);
+        assert_eq!(NOTHING.advance(&reading(10, 500, 500)), Fence { safe: 10, pending: None });
     }
 
     #[test]
     fn a_running_transaction_holds_a_fresh_observation() {
         // Transaction 480 is still running: ids up to 10 may belong to it.
-        let n = now(10, 500, 480);
-        assert_eq!(safe_head(0, None, &n), 0);
-        let stored = next_observation(0, 0, None, &n);
-        assert_eq!(stored, Some(Observation { head: 10, xid: 500 }));
-
+        let f = NOTHING.advance(&reading(10, 500, 480));
+        assert_eq!(f, Fence { safe: 0, pending: Some(Observation { head: 10, xid: 500 }) });
         // Later: 480 has ended, but 505 (newer) is running and more ids were taken.
-        let later = now(15, 510, 505);
-        assert_eq!(safe_head(0, stored, &later), 10, "ids <= 10 are proven, 11..15 are not");
-        assert_eq!(next_observation(10, 10, stored, &later), Some(Observation { head: 15, xid: 510 }));
+        let later = f.advance(&reading(15, 510, 505));
+        assert_eq!(later, Fence { safe: 10, pending: Some(Observation { head: 15, xid: 510 }) });
     }
 
     #[test]
     fn an_older_pending_observation_is_kept() {
-        let stored = Some(Observation { head: 10, xid: 500 });
-        let n = now(20, 520, 490); // still not mature
-        assert_eq!(safe_head(0, stored, &n), 0);
-        assert_eq!(next_observation(0, 0, stored, &n), stored);
+        let f = Fence { safe: 0, pending: Some(Observation { head: 10, xid: 500 }) };
+        assert_eq!(f.advance(&reading(20, 520, 490)), f, "it still waits, and matures before a fresh one would");
     }
 
     #[test]
-    fn a_batch_limit_keeps_the_proven_head() {
-        let n = now(1000, 500, 500);
-        let safe = safe_head(0, None, &n);
-        assert_eq!(safe, 1000);
-        // The claim took only 100 ids; the rest is known safe already.
-        assert_eq!(next_observation(100, safe, None, &n), Some(Observation { head: 1000, xid: 500 }));
-        // The next claim, even with a transaction now running, continues to 1000.
-        let busy = now(1200, 530, 520);
-        let stored = next_observation(100, safe, None, &n);
-        assert_eq!(safe_head(100, stored, &busy), 1000);
-    }
-
-    #[test]
-    fn observations_are_monotonic_with_the_cursor() {
-        // A mature stored head below the cursor never lowers the safe head.
-        let stored = Some(Observation { head: 5, xid: 1 });
-        assert_eq!(safe_head(50, stored, &now(50, 10, 10)), 50);
-        assert_eq!(next_observation(50, 50, stored, &now(50, 10, 10)), None);
+    fn what_is_proven_stays_proven() {
+        // A claim took only part of what was proven; the next one, with a transaction now
+        // running, still has the rest.
+        let f = NOTHING.advance(&reading(1000, 500, 500));
+        assert_eq!(f.safe, 1000);
+        let busy = f.advance(&reading(1200, 530, 520));
+        assert_eq!(busy, Fence { safe: 1000, pending: Some(Observation { head: 1200, xid: 530 }) });
+        // An old mature observation below the proven head never lowers it.
+        let old = Fence { safe: 50, pending: Some(Observation { head: 5, xid: 1 }) };
+        assert_eq!(old.advance(&reading(50, 10, 10)), Fence { safe: 50, pending: None });
     }
 
     #[test]
     fn an_unrelated_writer_stops_holding_once_producers_are_known() {
         // Writer 480 runs, but the stream's only open producer started at 495.
-        let n = now(10, 500, 480);
-        assert_eq!(safe_head(0, None, &n), 0);
-        let refined = n.with_producer_bound(495);
-        assert_eq!(safe_head(0, Some(Observation { head: 8, xid: 490 }), &refined), 8);
-        assert_eq!(safe_head(0, None, &refined), 0, "the fresh observation still waits for 495");
+        let r = reading(10, 500, 480);
+        let f = Fence { safe: 0, pending: Some(Observation { head: 8, xid: 490 }) };
+        assert!(f.stalled(&r), "the global bound proves nothing");
+        let refined = r.with_producer_bound(495);
+        assert_eq!(f.advance(&refined).safe, 8);
+        assert_eq!(f.advance(&refined).pending, Some(Observation { head: 10, xid: 500 }), "10 still waits for 495");
         // No producer at all: everything observed is safe.
-        assert_eq!(safe_head(0, None, &n.with_producer_bound(500)), 10);
+        assert_eq!(f.advance(&r.with_producer_bound(500)).safe, 10);
         // The bound never loosens below the global one.
-        assert_eq!(n.with_producer_bound(400).oldest_running, 480);
+        assert_eq!(r.with_producer_bound(400).oldest_running, 480);
+    }
+
+    #[test]
+    fn nothing_new_is_not_stalled() {
+        let f = Fence { safe: 10, pending: None };
+        assert!(!f.stalled(&reading(10, 500, 480)), "nothing beyond the proven head to wait for");
     }
 
     #[test]

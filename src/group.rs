@@ -7,6 +7,7 @@ use pgrx::spi::SpiClient;
 use crate::backoff::Backoff;
 use crate::concurrency::Concurrency;
 use crate::error::{Result, SqlResult, StreamError};
+use crate::lanes;
 use crate::names::{positive_micros, validate_name, StartAt};
 use crate::statement::{Access, Columns, Statement};
 use crate::stream::{self, StreamRef};
@@ -25,11 +26,6 @@ pub struct GroupRef {
 }
 
 impl GroupRef {
-    /// Whether any exclusive key lease can exist for this group.
-    pub fn may_hold_key_leases(&self) -> bool {
-        !matches!(self.concurrency_override, Some(Concurrency::Parallel | Concurrency::Ordered))
-    }
-
     /// Whether any row of this group can be parked behind a same-key message.
     pub fn may_park(&self) -> bool {
         self.concurrency_override != Some(Concurrency::Parallel)
@@ -38,7 +34,7 @@ impl GroupRef {
 
 const LOOKUP: Statement = Statement {
     name: "group_lookup",
-    sql: "SELECT s.id AS stream_id, s.partition_size, s.partitions_through, s.schema_version,
+    sql: "SELECT s.id AS stream_id, s.partition_size, s.partitions_through, s.schema_version, s.lanes,
                  g.id AS group_id, g.concurrency_override, g.max_retries,
                  (extract(epoch FROM g.backoff_base) * 1e6)::int8 AS backoff_base,
                  (extract(epoch FROM g.backoff_cap) * 1e6)::int8 AS backoff_cap,
@@ -67,12 +63,15 @@ const UPSERT: Statement = Statement {
     params: &[INT8OID, TEXTOID, TEXTOID, INT4OID, INT8OID, INT8OID, FLOAT8OID, INT4OID, INT4OID],
 };
 
+/// A new group's cursor, at the beginning or at the head; every id at or below it counts as
+/// handed out and proven (with `start_at => 'head'`, messages up to the head are not for it).
 const PLACE_CURSOR: Statement = Statement {
     name: "group_place_cursor",
-    sql: "INSERT INTO sqlstreams.cursor_@id@ (consumer_group_id, claimed, committed)
-          SELECT $1, h.head, h.head
+    sql: "INSERT INTO sqlstreams.cursor_@id@ (consumer_group_id, claimed, committed, fence_safe)
+          SELECT $1, h.head, h.head, h.head
           FROM (SELECT CASE WHEN $2 AND is_called THEN last_value ELSE 0 END AS head
-                FROM sqlstreams.message_log_@id@_seq) h",
+                FROM sqlstreams.message_log_@id@_seq) h
+          RETURNING claimed",
     params: &[INT8OID, BOOLOID],
 };
 
@@ -81,7 +80,7 @@ const DELETE: Statement = Statement {
     sql: "WITH c AS (DELETE FROM sqlstreams.cursor_@id@ WHERE consumer_group_id = $1),
                r AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1),
                e AS (DELETE FROM sqlstreams.exception_queue_@id@ WHERE consumer_group_id = $1),
-               k AS (DELETE FROM sqlstreams.message_key_lease_@id@ WHERE consumer_group_id = $1)
+               l AS (DELETE FROM sqlstreams.lane_@id@ WHERE consumer_group_id = $1)
           DELETE FROM sqlstreams.consumer_group WHERE id = $1",
     params: &[INT8OID],
 };
@@ -98,6 +97,7 @@ pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str, access: Access)
         id: row.required("stream_id")?,
         partition_size: row.required("partition_size")?,
         partitions_through: row.required("partitions_through")?,
+        lanes: row.required("lanes")?,
     };
     let Some(id) = row.value::<i64>("group_id")? else {
         return Err(StreamError::UnknownGroup { stream: stream.to_string(), group: group.to_string() });
@@ -155,7 +155,11 @@ pub fn create(stream: &str, name: &str, settings: &GroupSettings) -> Result<i64>
         let id: i64 = row.required("id")?;
         let created: bool = row.required("created")?;
         if created {
-            PLACE_CURSOR.run(client, stream.id, &[id.into(), (settings.start_at == StartAt::Head).into()])?;
+            let start: i64 = PLACE_CURSOR
+                .run(client, stream.id, &[id.into(), (settings.start_at == StartAt::Head).into()])?
+                .first()
+                .required("claimed")?;
+            lanes::create(client, stream.id, id, stream.lanes, start)?;
         }
         Ok(id)
     })

@@ -7,7 +7,7 @@ use pgrx::prelude::*;
 
 use pgrx::spi::SpiHeapTupleData;
 
-use crate::cursor::{self, committed_now, head_sql};
+use crate::cursor::{self, claimed_now, committed_now, head_sql};
 use crate::error::{Result, StreamError};
 use crate::exception_queue::unresolved;
 use crate::group::{self, GroupRef};
@@ -20,14 +20,17 @@ use crate::statement::{Access, Columns, Statement};
 const PROGRESS: Statement = Statement {
     name: "inspect_progress",
     sql: concat!(
-        "SELECT c.claimed, greatest(c.committed, ",
-        committed_now!("c.claimed"),
-        ") AS committed, ",
+        "SELECT greatest(p.committed, c.claimed, ",
+        claimed_now!("c.fence_safe"),
+        ") AS claimed, p.committed, ",
         head_sql!(),
         " AS head,
                 (SELECT count(*) FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1) AS open_ranges,
                 e.ready, e.inflight, e.deferred, e.dead, e.superseded
          FROM sqlstreams.cursor_@id@ c,
+              LATERAL (SELECT greatest(c.committed, ",
+        committed_now!("c.fence_safe"),
+        ") AS committed) p,
               LATERAL (SELECT count(*) FILTER (WHERE status = 'ready') AS ready,
                               count(*) FILTER (WHERE status = 'inflight') AS inflight,
                               count(*) FILTER (WHERE status = 'deferred') AS deferred,
@@ -67,15 +70,15 @@ const DEAD: Statement = Statement {
 const LEASES: Statement = Statement {
     name: "inspect_leases",
     sql: "SELECT 'range' AS kind, first_id, last_id, NULL::text AS message_key, lease_token, lease_expires_at,
-                 cardinality(pending) AS pending
+                 cardinality(pending) AS pending, lane
           FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1
           UNION ALL
-          SELECT 'exception', message_id, message_id, message_key, lease_token, lease_expires_at, 1
+          SELECT 'exception', message_id, message_id, message_key, lease_token, lease_expires_at, 1, lane
           FROM sqlstreams.exception_queue_@id@ WHERE consumer_group_id = $1 AND status = 'inflight'
           UNION ALL
-          SELECT 'key', NULL, NULL, message_key, lease_token, lease_expires_at, NULL
-          FROM sqlstreams.message_key_lease_@id@ WHERE consumer_group_id = $1
-          ORDER BY 1, 2, 4",
+          SELECT 'lane', NULL, NULL, NULL, held_by, held_until, NULL, lane
+          FROM sqlstreams.lane_@id@ WHERE consumer_group_id = $1 AND held_by IS NOT NULL
+          ORDER BY 1, 8, 2",
     params: &[INT8OID],
 };
 
@@ -238,7 +241,7 @@ fn dead_messages(
     Ok(TableIterator::new(rows))
 }
 
-/// Leases a group holds right now: ranges, exception-queue deliveries and exclusive keys.
+/// Leases a group holds right now: ranges, exception-queue deliveries and held lanes.
 #[pg_extern(stable, parallel_safe)]
 fn open_leases(
     stream: Option<&str>,
@@ -254,6 +257,7 @@ fn open_leases(
             name!(lease_token, pgrx::Uuid),
             name!(lease_expires_at, TimestampWithTimeZone),
             name!(pending, Option<i32>),
+            name!(lane, Option<i32>),
         ),
     >,
     ErrorReport,
@@ -267,13 +271,25 @@ fn open_leases(
             row.required("lease_token")?,
             row.required("lease_expires_at")?,
             row.value("pending")?,
+            row.value("lane")?,
         ))
     })?;
     Ok(TableIterator::new(rows))
 }
 
+const STREAM_EXISTS: Statement = Statement {
+    name: "inspect_stream_exists",
+    sql: "SELECT EXISTS (SELECT 1 FROM sqlstreams.stream WHERE id = $1) AS found",
+    params: &[INT8OID],
+};
+
 /// The highest message id handed out on a stream (0 when none), by stream id.
 #[pg_extern(stable, parallel_safe)]
 fn stream_head(stream_id: i64) -> std::result::Result<i64, ErrorReport> {
-    Ok(Spi::connect(|client| cursor::sequence_head(client, stream_id, Access::Read))?)
+    Ok(Spi::connect(|client| {
+        if !STREAM_EXISTS.read(client, 0, &[stream_id.into()])?.first().required::<bool>("found")? {
+            return Err(StreamError::UnknownStreamId(stream_id));
+        }
+        cursor::sequence_head(client, stream_id, Access::Read)
+    })?)
 }

@@ -14,6 +14,7 @@ use crate::error::{Result, SqlResult};
 use crate::exception_queue;
 use crate::locks;
 use crate::names::{self, positive_micros, Answer};
+use crate::outcome;
 use crate::range;
 use crate::statement::{self, Columns, Statement};
 
@@ -24,8 +25,8 @@ const LOCK_HELD: Statement = Statement {
                      WHERE consumer_group_id = $1 AND lease_token = $2 FOR UPDATE),
                e AS (SELECT 1 FROM sqlstreams.exception_queue_@id@
                      WHERE consumer_group_id = $1 AND lease_token = $2 AND status = 'inflight' FOR UPDATE),
-               k AS (SELECT 1 FROM sqlstreams.message_key_lease_@id@
-                     WHERE consumer_group_id = $1 AND lease_token = $2 FOR UPDATE)
+               k AS (SELECT 1 FROM sqlstreams.lane_@id@
+                     WHERE consumer_group_id = $1 AND held_by = $2 FOR UPDATE)
           SELECT (SELECT count(*) FROM r) + (SELECT count(*) FROM e) + (SELECT count(*) FROM k)",
     params: &[INT8OID, UUIDOID],
 };
@@ -36,8 +37,8 @@ const EXTEND: Statement = Statement {
                      WHERE consumer_group_id = $1 AND lease_token = $2 RETURNING 1),
                e AS (UPDATE sqlstreams.exception_queue_@id@ SET lease_expires_at = $3
                      WHERE consumer_group_id = $1 AND lease_token = $2 AND status = 'inflight' RETURNING 1),
-               k AS (UPDATE sqlstreams.message_key_lease_@id@ SET lease_expires_at = $3
-                     WHERE consumer_group_id = $1 AND lease_token = $2 RETURNING 1)
+               k AS (UPDATE sqlstreams.lane_@id@ SET held_until = $3
+                     WHERE consumer_group_id = $1 AND held_by = $2 RETURNING 1)
           SELECT (SELECT count(*) FROM r) + (SELECT count(*) FROM e) + (SELECT count(*) FROM k) AS held",
     params: &[INT8OID, UUIDOID, TIMESTAMPTZOID],
 };
@@ -62,23 +63,21 @@ pub fn release(stream: &str, group_name: &str, token: pgrx::Uuid, ids: &[i64]) -
     consumer_call(stream, group_name, |client, group| {
         let stream_id = group.stream.id;
         locks::token(token);
-        let mut range = range::for_token(client, stream_id, group.id, token)?;
+        let mut ranges = range::for_token(client, stream_id, group.id, token)?;
         // Given-back rows are due at once: a clock read before a wait only makes them due sooner.
         let now = clock::now();
-        let given = exception_queue::give_back(client, group, token, ids, range.as_mut(), now)?;
-        if let Some(range) = &range {
-            range::store_pending(client, stream_id, group.id, range)?;
-        }
+        let given = exception_queue::give_back(client, group, token, ids, &mut ranges, now)?;
+        ranges.store(client, stream_id, group.id)?;
         let keys = exception_queue::distinct_keys(given.iter().map(|(_, k)| k));
-        exception_queue::after_resolution(client, group, Some(token), &keys, now)?;
+        outcome::settle(client, group, token, &keys, now)?;
         let mut ids: Vec<i64> = given.into_iter().map(|(id, _)| id).collect();
         ids.sort_unstable();
         Ok(ids)
     })
 }
 
-/// Extends every lease held under lease_token (its range, exception-queue deliveries and
-/// exclusive keys) to now + lease. Returns false when the token holds nothing any more (its
+/// Extends every lease held under lease_token (its range, exception-queue deliveries and its
+/// lane) to now + lease. Returns false when the token holds nothing any more (its
 /// lease was taken over, or everything was resolved).
 #[pg_extern(volatile, parallel_unsafe)]
 fn extend_lease(
@@ -103,5 +102,5 @@ fn release_sql(
     message_ids: Option<Vec<Option<i64>>>,
 ) -> SqlResult<Vec<i64>> {
     let a = Answer::validate(stream, group_name, lease_token)?;
-    Ok(release(a.stream, a.group, a.token, &names::message_ids(message_ids)?)?)
+    Ok(release(a.stream, a.group, a.token, &names::message_ids("message_ids", message_ids)?)?)
 }

@@ -28,6 +28,7 @@ mod fence;
 mod group;
 mod inspect;
 mod key_gate;
+mod lanes;
 mod lease;
 mod locks;
 mod maintain;

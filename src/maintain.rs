@@ -1,6 +1,7 @@
 //! `maintain()`: the periodic housekeeping, as one idempotent function. Nothing depends on it
-//! for correctness (claims advance cursors, produce creates partitions); running it from cron
-//! or a worker keeps that work off the hot paths and stores `committed` for idle groups.
+//! for correctness (claims create partitions ahead, producers when they must; group status is
+//! computed live); running it from cron or a worker keeps that work off the hot paths and
+//! stores each group's `claimed` and `committed`.
 
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::pg_sys::BuiltinOid::*;
@@ -8,7 +9,7 @@ use pgrx::prelude::*;
 
 use crate::cursor;
 use crate::error::Result;
-use crate::partition;
+use crate::partition::{self, Need};
 use crate::statement::{Access, Columns, Statement};
 use crate::stream;
 
@@ -21,21 +22,14 @@ const GROUPS: Statement = Statement {
     params: &[INT8OID],
 };
 
-// SKIP LOCKED: a group whose cursor a claim holds is being advanced by that claim already.
-const LOCK_CURSOR: Statement = Statement {
-    name: "maintain_lock_cursor",
-    sql: "SELECT claimed FROM sqlstreams.cursor_@id@ WHERE consumer_group_id = $1 FOR UPDATE SKIP LOCKED",
-    params: &[INT8OID],
-};
-
-/// Expired exclusive-key leases of consumers that never came back. An expired lease frees its
-/// key either way; this keeps `open_leases` honest. Rows a claim is taking over are skipped.
-const SWEEP_KEY_LEASES: Statement = Statement {
-    name: "maintain_sweep_key_leases",
-    sql: "DELETE FROM sqlstreams.message_key_lease_@id@
-          WHERE (consumer_group_id, message_key) IN (
-              SELECT consumer_group_id, message_key FROM sqlstreams.message_key_lease_@id@
-              WHERE lease_expires_at <= now() FOR UPDATE SKIP LOCKED)",
+/// Lane holds whose lease ran out (their consumer never came back). An expired hold frees its
+/// lane either way; this keeps `open_leases` honest. Lanes a claim is taking are skipped.
+const CLEAR_HOLDS: Statement = Statement {
+    name: "maintain_clear_holds",
+    sql: "UPDATE sqlstreams.lane_@id@ SET held_by = NULL, held_until = NULL
+          WHERE (consumer_group_id, lane) IN (
+              SELECT consumer_group_id, lane FROM sqlstreams.lane_@id@
+              WHERE held_until <= now() FOR UPDATE SKIP LOCKED)",
     params: &[],
 };
 
@@ -46,7 +40,7 @@ const PURGE_IDEMPOTENCY: Statement = Statement {
 };
 
 /// Per stream: (name, partitions through, idempotency keys purged, cursors advanced, expired
-/// key leases swept).
+/// lane holds cleared).
 fn maintain_all() -> Result<Vec<(String, i64, i64, i64, i64)>> {
     Spi::connect_mut(|client| {
         let mut names = Vec::new();
@@ -57,34 +51,29 @@ fn maintain_all() -> Result<Vec<(String, i64, i64, i64, i64)>> {
         for name in names {
             let stream = stream::lookup(client, &name)?;
             let head = cursor::sequence_head(client, stream.id, Access::Write)?;
-            partition::ensure(client, &stream, head)?;
+            partition::ensure(client, &stream, head, Need::Ahead)?;
             let through = stream::lookup(client, &name)?.partitions_through;
             let purged = PURGE_IDEMPOTENCY.run(client, stream.id, &[])?.len() as i64;
-            let swept = SWEEP_KEY_LEASES.run(client, stream.id, &[])?.len() as i64;
+            let cleared = CLEAR_HOLDS.run(client, stream.id, &[])?.len() as i64;
             let mut groups = Vec::new();
             for row in GROUPS.run(client, 0, &[stream.id.into()])? {
                 groups.push(row.required::<i64>("id")?);
             }
             let mut advanced = 0;
             for group in groups {
-                let locked = LOCK_CURSOR.run(client, stream.id, &[group.into()])?.first();
-                if locked.is_empty() {
-                    continue;
-                }
-                let claimed: i64 = locked.required("claimed")?;
-                if cursor::advance(client, stream.id, group, claimed)?.is_some() {
+                if cursor::advance(client, stream.id, group)?.is_some() {
                     advanced += 1;
                 }
             }
-            report.push((name, through, purged, advanced, swept));
+            report.push((name, through, purged, advanced, cleared));
         }
         Ok(report)
     })
 }
 
 /// Housekeeping for every stream: creates message_log partitions ahead of the head, purges
-/// expired idempotency keys, stores each idle group's committed cursor, and removes expired
-/// exclusive-key leases. Idempotent; safe to run from cron at any frequency.
+/// expired idempotency keys, stores each group's claimed and committed cursor, and clears
+/// expired lane holds. Idempotent; safe to run from cron at any frequency.
 #[pg_extern(volatile, parallel_unsafe)]
 fn maintain() -> std::result::Result<
     TableIterator<
@@ -94,7 +83,7 @@ fn maintain() -> std::result::Result<
             name!(partitions_through, i64),
             name!(idempotency_keys_purged, i64),
             name!(cursors_advanced, i64),
-            name!(key_leases_swept, i64),
+            name!(lane_holds_cleared, i64),
         ),
     >,
     ErrorReport,

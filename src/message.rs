@@ -13,16 +13,17 @@ use crate::statement::{Columns, Statement};
 
 const BY_ID: Statement = Statement {
     name: "message_by_id",
-    sql: "SELECT id, message_key, concurrency, compaction, payload FROM sqlstreams.message_log_@id@
+    sql: "SELECT id, message_key, concurrency, compaction, lane, payload FROM sqlstreams.message_log_@id@
           WHERE id = ANY($1) ORDER BY id",
     params: &[INT8ARRAYOID],
 };
 
+/// The next messages of a lane.
 const AFTER: Statement = Statement {
     name: "message_after",
-    sql: "SELECT id, message_key, concurrency, compaction, payload FROM sqlstreams.message_log_@id@
-          WHERE id > $1 AND id <= $2 ORDER BY id LIMIT $3",
-    params: &[INT8OID, INT8OID, INT4OID],
+    sql: "SELECT id, message_key, concurrency, compaction, lane, payload FROM sqlstreams.message_log_@id@
+          WHERE lane = $4 AND id > $1 AND id <= $2 ORDER BY id LIMIT $3",
+    params: &[INT8OID, INT8OID, INT4OID, INT4OID],
 };
 
 /// A message as a group's claim sees it.
@@ -39,6 +40,7 @@ fn candidate(row: &SpiHeapTupleData<'_>, group: &GroupRef) -> Result<Candidate> 
         concurrency: concurrency::resolve(group.concurrency_override, requested, key.is_some()),
         key,
         compaction: row.required("compaction")?,
+        lane: row.required("lane")?,
     })
 }
 
@@ -56,7 +58,14 @@ pub fn candidates(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64]) -> Resu
     BY_ID.run(client, group.stream.id, &[ids.to_vec().into()])?.map(|row| candidate(&row, group)).collect()
 }
 
-/// Up to `limit` messages with ids in `(after, upto]`, in id order, with their payloads.
-pub fn after(client: &SpiClient<'_>, group: &GroupRef, after: i64, upto: i64, limit: i32) -> Result<Vec<Message>> {
-    messages(AFTER.run(client, group.stream.id, &[after.into(), upto.into(), limit.into()])?, group)
+/// Up to `limit` messages of `lane` with ids in `(after, upto]`, in id order, with payloads.
+pub fn after(
+    client: &SpiClient<'_>,
+    group: &GroupRef,
+    lane: i32,
+    after: i64,
+    upto: i64,
+    limit: i32,
+) -> Result<Vec<Message>> {
+    messages(AFTER.run(client, group.stream.id, &[after.into(), upto.into(), limit.into(), lane.into()])?, group)
 }

@@ -101,9 +101,16 @@ impl<'a> Answer<'a> {
     }
 }
 
-/// Message ids from the claim result a call answers (NULL elements are ignored).
-pub fn message_ids(ids: Option<Vec<Option<i64>>>) -> Result<Vec<i64>> {
-    Ok(required("message_ids", ids, "from the claim result the call answers")?.into_iter().flatten().collect())
+/// Message ids from the claim result a call answers; `what` names the argument.
+pub fn message_ids(what: &str, ids: Option<Vec<Option<i64>>>) -> Result<Vec<i64>> {
+    let ids = required(what, ids, "from the claim result the call answers")?;
+    if let Some(position) = ids.iter().position(Option::is_none) {
+        return Err(StreamError::invalid(
+            format!("{what} has a NULL at position {}", position + 1),
+            format!("Pass only message ids from the claim result in {what}."),
+        ));
+    }
+    Ok(ids.into_iter().flatten().collect())
 }
 
 /// A message id from the claim result a call answers.

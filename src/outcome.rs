@@ -18,35 +18,59 @@ use crate::commit::consumer_call;
 use crate::error::{Result, SqlResult, StreamError};
 use crate::exception_queue::{self, Setback, Status};
 use crate::group::GroupRef;
+use crate::lanes;
 use crate::locks;
 use crate::message;
 use crate::names::{self, positive_micros, Answer};
+use crate::notify;
 use crate::range;
+
+/// What an ack recorded.
+pub struct Acked {
+    /// The ids recorded, in order (an id whose lease was lost is left out).
+    pub recorded: Vec<i64>,
+    /// The lane the token held, when these acks resolved the last of its work there.
+    pub released_lane: Option<i32>,
+}
 
 /// Records success for `ids` delivered under `token`; returns the ids that were recorded.
 pub fn ack(stream: &str, group_name: &str, token: pgrx::Uuid, ids: &[i64]) -> Result<Vec<i64>> {
-    consumer_call(stream, group_name, |client, group| ack_in(client, group, token, ids))
+    consumer_call(stream, group_name, |client, group| Ok(ack_in(client, group, token, ids)?.recorded))
+}
+
+/// What every outcome does once its rows are recorded: wakes the rows parked behind the keys it
+/// resolved, and frees the token's lane once nothing it handed out is left (other consumers are
+/// signalled). Returns the lane freed.
+pub(crate) fn settle(
+    client: &SpiClient<'_>,
+    group: &GroupRef,
+    token: pgrx::Uuid,
+    keys: &[String],
+    now: i64,
+) -> Result<Option<i32>> {
+    exception_queue::after_resolution(client, group, keys, now)?;
+    let released = lanes::release(client, group, token)?;
+    if released.is_some() {
+        notify::signal(client, group.stream.id)?;
+    }
+    Ok(released)
 }
 
 /// `ack` inside an open SPI connection (a claim carrying acks uses it too).
-pub fn ack_in(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid, ids: &[i64]) -> Result<Vec<i64>> {
+pub fn ack_in(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid, ids: &[i64]) -> Result<Acked> {
     locks::token(token);
     let stream_id = group.stream.id;
     let mut done = exception_queue::succeed(client, group, token, ids)?;
     if done.len() < ids.len() {
-        if let Some(mut range) = range::for_token(client, stream_id, group.id, token)? {
-            let removed = range.remove(ids);
-            if !removed.is_empty() {
-                range::store_pending(client, stream_id, group.id, &range)?;
-                done.extend(removed);
-            }
-        }
+        let mut ranges = range::for_token(client, stream_id, group.id, token)?;
+        done.extend(ranges.remove(ids));
+        ranges.store(client, stream_id, group.id)?;
     }
     let keys = exception_queue::distinct_keys(done.iter().map(|(_, k)| k));
-    exception_queue::after_resolution(client, group, Some(token), &keys, clock::now())?;
+    let released_lane = if done.is_empty() { None } else { settle(client, group, token, &keys, clock::now())? };
     let mut recorded: Vec<i64> = done.into_iter().map(|(id, _)| id).collect();
     recorded.sort_unstable();
-    Ok(recorded)
+    Ok(Acked { recorded, released_lane })
 }
 
 /// Which outcome a setback answers.
@@ -71,7 +95,7 @@ fn record_setback(
         let stream_id = group.stream.id;
         locks::token(token);
         let row = exception_queue::inflight(client, stream_id, group.id, id, token)?;
-        let mut range = range::for_token(client, stream_id, group.id, token)?;
+        let mut ranges = range::for_token(client, stream_id, group.id, token)?;
         // After the rows' locks: a backoff or a delay counts from when the outcome is recorded.
         let now = clock::now();
         let (key, setback) = if let Some(row) = row {
@@ -79,8 +103,8 @@ fn record_setback(
             let update = exception_queue::setback_again(id, setback, error, now);
             exception_queue::update(client, stream_id, group.id, &[update], now)?;
             (row.key, setback)
-        } else if let Some(range) = range.as_mut().filter(|r| r.pending.contains(&id)) {
-            range.remove(&[id]);
+        } else if ranges.contains(id) {
+            ranges.remove(&[id]);
             let Some(message) = message::candidates(client, group, &[id])?.pop() else {
                 return Err(StreamError::Internal(format!("pending message {id} is missing from the log")));
             };
@@ -101,12 +125,10 @@ fn record_setback(
             Setback::Dead { .. } => None,
         };
         if let (Some(until), Some(key)) = (chain_waits, key.as_deref()) {
-            exception_queue::defer_chain(client, group, token, key, id, until, range.as_mut(), now)?;
+            exception_queue::defer_chain(client, group, token, key, id, until, &mut ranges, now)?;
         }
-        if let Some(range) = &range {
-            range::store_pending(client, stream_id, group.id, range)?;
-        }
-        exception_queue::after_resolution(client, group, Some(token), &exception_queue::distinct_keys([&key]), now)?;
+        ranges.store(client, stream_id, group.id)?;
+        settle(client, group, token, &exception_queue::distinct_keys([&key]), now)?;
         Ok(Some(setback.status()))
     })
 }
@@ -135,7 +157,7 @@ fn ack_batch(
     message_ids: Option<Vec<Option<i64>>>,
 ) -> SqlResult<Vec<i64>> {
     let a = Answer::validate(stream, group_name, lease_token)?;
-    Ok(ack(a.stream, a.group, a.token, &names::message_ids(message_ids)?)?)
+    Ok(ack(a.stream, a.group, a.token, &names::message_ids("message_ids", message_ids)?)?)
 }
 
 /// Records that a handler failed. Returns the message's new status: 'ready' (a retry is

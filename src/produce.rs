@@ -12,7 +12,7 @@ use crate::error::{Result, SqlResult, StreamError};
 use crate::locks;
 use crate::names::validate_name;
 use crate::notify;
-use crate::partition;
+use crate::partition::{self, Need};
 use crate::payload::{RawJsonb, RawJsonbArray};
 use crate::statement::{Columns, Statement};
 use crate::stream::{self, StreamRef};
@@ -29,17 +29,17 @@ const NEXT_IDS: Statement = Statement {
 
 const INSERT_ONE: Statement = Statement {
     name: "produce_insert_one",
-    sql: "INSERT INTO sqlstreams.message_log_@id@ (id, message_key, concurrency, compaction, payload)
-          VALUES ($1, $2, $3, $4, $5)",
-    params: &[INT8OID, TEXTOID, TEXTOID, BOOLOID, JSONBOID],
+    sql: "INSERT INTO sqlstreams.message_log_@id@ (id, message_key, concurrency, compaction, payload, lane)
+          VALUES ($1, $2, $3, $4, $5, sqlstreams.lane($2, $1, $6))",
+    params: &[INT8OID, TEXTOID, TEXTOID, BOOLOID, JSONBOID, INT4OID],
 };
 
 const INSERT_MANY: Statement = Statement {
     name: "produce_insert_many",
-    sql: "INSERT INTO sqlstreams.message_log_@id@ (id, message_key, concurrency, compaction, payload)
-          SELECT u.id, u.message_key, $3, $4, u.payload
+    sql: "INSERT INTO sqlstreams.message_log_@id@ (id, message_key, concurrency, compaction, payload, lane)
+          SELECT u.id, u.message_key, $3, $4, u.payload, sqlstreams.lane(u.message_key, u.id, $6)
           FROM unnest($1::bigint[], $2::text[], $5::jsonb[]) AS u(id, message_key, payload)",
-    params: &[INT8ARRAYOID, TEXTARRAYOID, TEXTOID, BOOLOID, JSONBARRAYOID],
+    params: &[INT8ARRAYOID, TEXTARRAYOID, TEXTOID, BOOLOID, JSONBARRAYOID, INT4OID],
 };
 
 const IDEMPOTENCY: Statement = Statement {
@@ -67,7 +67,8 @@ const COMPACTION_HEADS: Statement = Statement {
 
 const BATCH_SHAPE: Statement = Statement {
     name: "produce_batch_shape",
-    sql: "SELECT coalesce(cardinality($1), 0) AS count, array_position($1, NULL) AS first_null,
+    sql: "SELECT coalesce(cardinality($1), 0) AS count,
+                 CASE WHEN coalesce(array_ndims($1), 1) = 1 THEN array_position($1, NULL) END AS first_null,
                  coalesce(array_ndims($1), 1) AS dimensions",
     params: &[JSONBARRAYOID],
 };
@@ -121,7 +122,7 @@ pub fn produce_one(
                 return Ok(None);
             }
         }
-        partition::ensure(client, &stream, id)?;
+        partition::ensure(client, &stream, id, Need::Now)?;
         INSERT_ONE.run(
             client,
             stream.id,
@@ -131,6 +132,7 @@ pub fn produce_one(
                 request.concurrency.map(Concurrency::as_str).into(),
                 request.compaction.into(),
                 payload.into(),
+                stream.lanes.into(),
             ],
         )?;
         finish(client, &stream, &[id], &[request.message_key], request.compaction)?;
@@ -150,16 +152,16 @@ pub fn produce_many(
         let stream = stream::lookup(client, stream_name)?;
         let shape = BATCH_SHAPE.run(client, 0, &[payloads.into()])?.first();
         let count: i32 = shape.required("count")?;
-        if let Some(position) = shape.value::<i32>("first_null")? {
-            return Err(StreamError::invalid(
-                format!("payload {position} of the batch is NULL"),
-                "Every message needs a payload; use 'null'::jsonb or '{}' for an empty one.",
-            ));
-        }
         if shape.value::<i32>("dimensions")? != Some(1) {
             return Err(StreamError::invalid(
                 "payloads must be a one-dimensional array",
                 "Pass one jsonb per message, such as ARRAY['{\"a\":1}', '{\"a\":2}']::jsonb[].",
+            ));
+        }
+        if let Some(position) = shape.value::<i32>("first_null")? {
+            return Err(StreamError::invalid(
+                format!("payload {position} of the batch is NULL"),
+                "Every message needs a payload; use 'null'::jsonb or '{}' for an empty one.",
             ));
         }
         let keys = keys.unwrap_or_else(|| vec![None; count as usize]);
@@ -177,7 +179,7 @@ pub fn produce_many(
             return Ok(vec![]);
         }
         let ids = next_ids(client, &stream, count)?;
-        partition::ensure(client, &stream, *ids.last().expect("count > 0"))?;
+        partition::ensure(client, &stream, ids[ids.len() - 1], Need::Now)?;
         INSERT_MANY.run(
             client,
             stream.id,
@@ -187,6 +189,7 @@ pub fn produce_many(
                 policy.map(Concurrency::as_str).into(),
                 compaction.into(),
                 payloads.into(),
+                stream.lanes.into(),
             ],
         )?;
         finish(client, &stream, &ids, &keys, compaction)?;

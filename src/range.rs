@@ -12,11 +12,14 @@ use crate::statement::{self, Columns, Statement};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct RangeLease {
+    /// The range's first message (its key among the group's ranges).
     pub first_id: i64,
     pub last_id: i64,
     pub reclaims: i32,
     pub pending: Vec<i64>,
     pub pending_keys: Vec<Option<String>>,
+    /// `None` for a range claimed before lanes existed (it may hold messages of every lane).
+    pub lane: Option<i32>,
 }
 
 impl RangeLease {
@@ -51,29 +54,30 @@ impl RangeLease {
 
 const FOR_TOKEN: Statement = Statement {
     name: "range_for_token",
-    sql: "SELECT first_id, last_id, reclaims, pending, pending_keys FROM sqlstreams.range_lease_@id@
-          WHERE consumer_group_id = $1 AND lease_token = $2 FOR UPDATE",
+    sql: "SELECT first_id, last_id, reclaims, pending, pending_keys, lane FROM sqlstreams.range_lease_@id@
+          WHERE consumer_group_id = $1 AND lease_token = $2 ORDER BY first_id FOR UPDATE",
     params: &[INT8OID, UUIDOID],
 };
 
+/// The lane's oldest expired range (a range from before lanes belongs to every lane).
 const OLDEST_EXPIRED: Statement = Statement {
     name: "range_oldest_expired",
-    sql: "SELECT first_id, last_id, reclaims, pending, pending_keys FROM sqlstreams.range_lease_@id@
-          WHERE consumer_group_id = $1 AND lease_expires_at <= $2
+    sql: "SELECT first_id, last_id, reclaims, pending, pending_keys, lane FROM sqlstreams.range_lease_@id@
+          WHERE consumer_group_id = $1 AND lease_expires_at <= $2 AND (lane = $3 OR lane IS NULL)
           ORDER BY first_id LIMIT 1 FOR UPDATE SKIP LOCKED",
-    params: &[INT8OID, TIMESTAMPTZOID],
+    params: &[INT8OID, TIMESTAMPTZOID, INT4OID],
 };
 
 /// A new range, or an expired one handed out again (its row is locked by `oldest_expired`).
 const LEASE: Statement = Statement {
     name: "range_lease",
     sql: "INSERT INTO sqlstreams.range_lease_@id@
-              (consumer_group_id, first_id, last_id, lease_token, lease_expires_at, reclaims, pending, pending_keys)
-          VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+              (consumer_group_id, first_id, last_id, lease_token, lease_expires_at, reclaims, pending, pending_keys, lane)
+          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
           ON CONFLICT (consumer_group_id, first_id) DO UPDATE
           SET lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expires_at,
               reclaims = EXCLUDED.reclaims, pending = EXCLUDED.pending, pending_keys = EXCLUDED.pending_keys",
-    params: &[INT8OID, INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID, INT4OID, INT8ARRAYOID, TEXTARRAYOID],
+    params: &[INT8OID, INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID, INT4OID, INT8ARRAYOID, TEXTARRAYOID, INT4OID],
 };
 
 const SET_PENDING: Statement = Statement {
@@ -89,32 +93,83 @@ const DELETE: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
-fn from_row(row: pgrx::spi::SpiTupleTable<'_>) -> Result<Option<RangeLease>> {
-    if row.is_empty() {
-        return Ok(None);
-    }
-    Ok(Some(RangeLease {
+fn from_row<R: Columns>(row: &R) -> Result<RangeLease> {
+    Ok(RangeLease {
         first_id: row.required("first_id")?,
         last_id: row.required("last_id")?,
         reclaims: row.required("reclaims")?,
         pending: row.required("pending")?,
         pending_keys: row.required("pending_keys")?,
-    }))
+        lane: row.value("lane")?,
+    })
 }
 
-/// The open range leased under `token`, locked.
-pub fn for_token(
+/// The open ranges one token holds (a claim leases one range per lane it takes), as an outcome
+/// sees them: what it removes is stored by `store`.
+#[derive(Default)]
+pub struct Ranges {
+    ranges: Vec<RangeLease>,
+    changed: Vec<bool>,
+}
+
+impl Ranges {
+    pub fn contains(&self, id: i64) -> bool {
+        self.ranges.iter().any(|r| r.pending.contains(&id))
+    }
+
+    /// Removes `ids` from whichever range holds them; returns the removed (id, key) pairs.
+    pub fn remove(&mut self, ids: &[i64]) -> Vec<(i64, Option<String>)> {
+        let mut removed = Vec::new();
+        for (range, changed) in self.ranges.iter_mut().zip(&mut self.changed) {
+            let some = range.remove(ids);
+            *changed |= !some.is_empty();
+            removed.extend(some);
+        }
+        removed.sort_unstable_by_key(|(id, _)| *id);
+        removed
+    }
+
+    /// Pending messages of `key` after `after`, in id order (a key's messages are all in its
+    /// lane's range, or in a range claimed before lanes existed).
+    pub fn pending_after(&self, key: &str, after: i64) -> Vec<i64> {
+        let mut ids: Vec<i64> = self.ranges.iter().flat_map(|r| r.pending_after(key, after)).collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// Stores the ranges an outcome changed (deleting those with nothing pending).
+    pub fn store(&self, client: &SpiClient<'_>, stream_id: i64, group_id: i64) -> Result<()> {
+        for (range, _) in self.ranges.iter().zip(&self.changed).filter(|(_, changed)| **changed) {
+            store_pending(client, stream_id, group_id, range)?;
+        }
+        Ok(())
+    }
+}
+
+/// The open ranges leased under `token`, locked.
+pub fn for_token(client: &SpiClient<'_>, stream_id: i64, group_id: i64, token: pgrx::Uuid) -> Result<Ranges> {
+    let ranges: Vec<RangeLease> = FOR_TOKEN
+        .run(client, stream_id, &[group_id.into(), token.into()])?
+        .map(|row| from_row(&row))
+        .collect::<Result<_>>()?;
+    Ok(Ranges { changed: vec![false; ranges.len()], ranges })
+}
+
+/// The lane's oldest range whose lease has expired, locked (skipping one an outcome is
+/// recording).
+pub fn oldest_expired(
     client: &SpiClient<'_>,
     stream_id: i64,
     group_id: i64,
-    token: pgrx::Uuid,
+    lane: i32,
+    now: i64,
 ) -> Result<Option<RangeLease>> {
-    from_row(FOR_TOKEN.run(client, stream_id, &[group_id.into(), token.into()])?.first())
-}
-
-/// The oldest range whose lease has expired, locked (skipping one an outcome is recording).
-pub fn oldest_expired(client: &SpiClient<'_>, stream_id: i64, group_id: i64, now: i64) -> Result<Option<RangeLease>> {
-    from_row(OLDEST_EXPIRED.run(client, stream_id, &[group_id.into(), statement::timestamptz(now)])?.first())
+    let row =
+        OLDEST_EXPIRED.run(client, stream_id, &[group_id.into(), statement::timestamptz(now), lane.into()])?.first();
+    if row.is_empty() {
+        return Ok(None);
+    }
+    from_row(&row).map(Some)
 }
 
 /// Leases `range` under `token` until `expires`: a new range, or an expired one handed out
@@ -143,13 +198,14 @@ pub fn lease(
             range.reclaims.into(),
             range.pending.clone().into(),
             range.pending_keys.clone().into(),
+            range.lane.into(),
         ],
     )?;
     Ok(())
 }
 
 /// Stores what is still pending, deleting the range when nothing is.
-pub fn store_pending(client: &SpiClient<'_>, stream_id: i64, group_id: i64, range: &RangeLease) -> Result<()> {
+fn store_pending(client: &SpiClient<'_>, stream_id: i64, group_id: i64, range: &RangeLease) -> Result<()> {
     if range.pending.is_empty() {
         return delete(client, stream_id, group_id, range.first_id);
     }
@@ -177,6 +233,7 @@ mod tests {
             reclaims: 0,
             pending: vec![101, 102, 103, 105],
             pending_keys: vec![Some("a".into()), None, Some("a".into()), Some("b".into())],
+            lane: Some(0),
         }
     }
 

@@ -122,6 +122,14 @@ pub fn timestamptz<'a>(micros: pg_sys::TimestampTz) -> DatumWithOid<'a> {
     unsafe { DatumWithOid::new(micros, pg_sys::TIMESTAMPTZOID) }
 }
 
+/// A nullable `timestamptz` parameter.
+pub fn timestamptz_opt<'a>(micros: Option<pg_sys::TimestampTz>) -> DatumWithOid<'a> {
+    match micros {
+        Some(micros) => timestamptz(micros),
+        None => DatumWithOid::null_oid(pg_sys::TIMESTAMPTZOID),
+    }
+}
+
 /// A `timestamptz[]` parameter; `None` elements are NULL.
 pub fn timestamptz_array<'a>(micros: Vec<Option<pg_sys::TimestampTz>>) -> DatumWithOid<'a> {
     let values: Vec<Option<pgrx::datum::TimestampWithTimeZone>> = micros

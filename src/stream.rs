@@ -20,22 +20,24 @@ pub struct StreamRef {
     pub id: i64,
     pub partition_size: i64,
     pub partitions_through: i64,
+    /// How many lanes its messages are spread over (src/lanes.rs).
+    pub lanes: i32,
 }
 
 const LOOKUP: Statement = Statement {
     name: "stream_lookup",
-    sql: "SELECT id, partition_size, partitions_through, schema_version FROM sqlstreams.stream WHERE name = $1",
+    sql: "SELECT id, partition_size, partitions_through, schema_version, lanes FROM sqlstreams.stream WHERE name = $1",
     params: &[TEXTOID],
 };
 
 const INSERT: Statement = Statement {
     name: "stream_insert",
-    sql: "INSERT INTO sqlstreams.stream (name, partition_size, partitions_through, idempotency_ttl, schema_version)
-          SELECT $1, $2, 1, make_interval(secs => $3 / 1e6), e.extversion
+    sql: "INSERT INTO sqlstreams.stream (name, partition_size, partitions_through, idempotency_ttl, schema_version, lanes)
+          SELECT $1, $2, 1, make_interval(secs => $3 / 1e6), e.extversion, $4
           FROM pg_catalog.pg_extension e WHERE e.extname = 'sqlstreams'
           ON CONFLICT (name) DO NOTHING
           RETURNING id",
-    params: &[TEXTOID, INT8OID, INT8OID],
+    params: &[TEXTOID, INT8OID, INT8OID, INT4OID],
 };
 
 const CREATE_TABLES: Statement =
@@ -66,14 +68,19 @@ pub fn lookup(client: &SpiClient<'_>, name: &str) -> Result<StreamRef> {
         id: row.required("id")?,
         partition_size: row.required("partition_size")?,
         partitions_through: row.required("partitions_through")?,
+        lanes: row.required("lanes")?,
     })
 }
 
 /// Creates the stream and its table family, or returns the id of the existing stream of that
 /// name. The family is created in the caller's transaction, by `sqlstreams.create_stream_tables`.
-pub fn create(name: &str, partition_size: i64, idempotency_ttl_micros: i64) -> Result<i64> {
+pub fn create(name: &str, partition_size: i64, idempotency_ttl_micros: i64, lanes: i32) -> Result<i64> {
     Spi::connect_mut(|client| {
-        let inserted = INSERT.run(client, 0, &[name.into(), partition_size.into(), idempotency_ttl_micros.into()])?;
+        let inserted = INSERT.run(
+            client,
+            0,
+            &[name.into(), partition_size.into(), idempotency_ttl_micros.into(), lanes.into()],
+        )?;
         // No row: the name exists (ON CONFLICT DO NOTHING).
         let inserted: Option<i64> = if inserted.is_empty() { None } else { inserted.first().value("id")? };
         let Some(id) = inserted else {
@@ -87,6 +94,15 @@ pub fn create(name: &str, partition_size: i64, idempotency_ttl_micros: i64) -> R
                     format!(
                         "Declare it with partition_size => {} (a stream's partitioning cannot change).",
                         existing.partition_size
+                    ),
+                ));
+            }
+            if existing.lanes != lanes {
+                return Err(StreamError::invalid(
+                    format!("stream \"{name}\" already exists with {} lanes, not {lanes}", existing.lanes),
+                    format!(
+                        "Declare it with lanes => {} (every key's lane depends on it, so it cannot change).",
+                        existing.lanes
                     ),
                 ));
             }
@@ -113,27 +129,54 @@ pub fn drop(name: &str) -> Result<bool> {
     })
 }
 
+/// Smallest and largest `partition_size`: a partition per few messages makes producers do DDL
+/// all the time; a huge one never lets old messages go.
+pub const PARTITION_SIZES: std::ops::RangeInclusive<i64> = 1_000..=1_000_000_000_000;
+
+/// How many lanes a stream may have.
+pub const LANES: std::ops::RangeInclusive<i32> = 1..=1024;
+
 /// Creates a stream and its tables; returns its id. Idempotent by name: declaring an existing
-/// stream returns its id (and updates its idempotency_ttl); a different partition_size is refused.
+/// stream returns its id (and updates its idempotency_ttl); a different partition_size or lane
+/// count is refused.
 #[pg_extern(volatile, parallel_unsafe)]
 fn create_stream(
     name: Option<&str>,
     partition_size: default!(Option<i64>, 1000000),
     idempotency_ttl: default!(Option<Interval>, "'1 day'"),
+    lanes: default!(Option<i32>, 16),
 ) -> SqlResult<i64> {
     let name = validate_name("stream", name)?;
     let partition_size = match partition_size {
-        Some(size) if size >= 1 => size,
+        Some(size) if PARTITION_SIZES.contains(&size) => size,
         other => {
             return Err(StreamError::invalid(
                 format!("partition_size {} is not valid", other.map_or("NULL".into(), |s| s.to_string())),
-                "Pass a positive number of message ids per partition, such as 1000000.",
+                format!(
+                    "Pass between {} and {} message ids per partition, such as 1000000.",
+                    PARTITION_SIZES.start(),
+                    PARTITION_SIZES.end()
+                ),
+            )
+            .into())
+        }
+    };
+    let lanes = match lanes {
+        Some(n) if LANES.contains(&n) => n,
+        other => {
+            return Err(StreamError::invalid(
+                format!("lanes {} is not valid", other.map_or("NULL".into(), |n| n.to_string())),
+                format!(
+                    "Pass between {} and {} lanes, such as 16 (at least as many as the consumers of one group).",
+                    LANES.start(),
+                    LANES.end()
+                ),
             )
             .into())
         }
     };
     let ttl = positive_micros("idempotency_ttl", idempotency_ttl.map(|i| i.as_micros()), "'1 day'")?;
-    Ok(create(name, partition_size, ttl)?)
+    Ok(create(name, partition_size, ttl, lanes)?)
 }
 
 /// Drops a stream with its groups, messages and exception queue. Returns false when no stream

@@ -1,14 +1,16 @@
-//! Competing consumers on one ordered group, fed by outbox producers.
+//! Competing consumers on one ordered (or exclusive) group, fed by outbox producers.
 //!
 //! Producers write a business row and then produce in the same transaction (so they hold a
 //! transaction id before they register as producers), with interleaved keys; some roll back.
 //! Eight consumers claim the same group at once with random batch sizes and random failures;
 //! half of them carry their acks in their next claim, as the Rust client does, and a monitor
-//! reads the group's status throughout. Afterwards, from a log of what every handler did:
+//! reads the group's status throughout. Consumers also crash: now and then a claim takes a
+//! batch under a short lease and its consumer disappears without running any of it, holding
+//! its lanes until the lease runs out. Afterwards, from a log of what every handler did:
 //! - every committed message reached exactly one final outcome, no rolled-back message ran;
 //! - every delivery is explained: a message started once more than it failed;
-//! - per key, no two deliveries overlapped and none started before every earlier message of
-//!   its key had resolved;
+//! - per key, no two deliveries overlapped and (ordered) none started before every earlier
+//!   message of its key had resolved;
 //! - no call failed (no deadlock, no status error), and the group drained soon after the
 //!   producers stopped, leaving no unresolved row, open lease or uncommitted cursor.
 //!
@@ -30,6 +32,9 @@ const TRANSACTIONS_PER_PRODUCER: usize = 200;
 const CONSUMERS: usize = 8;
 const KEYS: usize = 200;
 const FAILURE_RATE: f64 = 0.15;
+/// Claims whose consumer crashes before running anything (each under `CRASH_LEASE`).
+const CRASHES: usize = 3;
+const CRASH_LEASE: &str = "1 second";
 /// Shorter than the 60 s lease: a message that waits for a lease to run out fails the test.
 const DRAIN_DEADLINE: Duration = Duration::from_secs(40);
 
@@ -89,13 +94,18 @@ struct Produced {
     rolled_back: Mutex<Vec<i64>>,
 }
 
+/// The producers' business table, one per run.
+fn business_table(s: &Stream) -> String {
+    format!("public.competing_orders_{}", s.id)
+}
+
 fn produce(s: &Stream, seed: u64, produced: &Produced) {
     let mut c = connect();
     let mut rng = StdRng::seed_from_u64(seed);
     for _ in 0..TRANSACTIONS_PER_PRODUCER {
         let mut tx = c.transaction().unwrap();
         // The business write comes first: the transaction has an id before it produces.
-        tx.execute("INSERT INTO competing_biz (stream, note) VALUES ($1, 'order placed')", &[&s.name]).unwrap();
+        tx.execute(&format!("INSERT INTO {} (note) VALUES ('order placed')", business_table(s)), &[]).unwrap();
         if rng.gen_bool(0.3) {
             std::thread::sleep(Duration::from_millis(rng.gen_range(1..4)));
         }
@@ -254,24 +264,52 @@ impl Consumer {
 
 #[test]
 fn competing_consumers_and_outbox_producers_on_an_ordered_group() {
+    competing("ordered");
+}
+
+#[test]
+fn competing_consumers_and_outbox_producers_on_an_exclusive_group() {
+    competing("exclusive");
+}
+
+/// Claims a batch under a short lease and drops it, as a consumer that crashes right after its
+/// claim committed. Returns how many messages it took down with it.
+fn crash(group: &Group, seed: u64, done: &AtomicBool) -> usize {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut c = connect();
+    std::thread::sleep(Duration::from_millis(rng.gen_range(50..1500)));
+    while !done.load(Ordering::Relaxed) {
+        let taken = c
+            .query(
+                &format!("SELECT message_id FROM sqlstreams.claim($1, $2, 25, '{CRASH_LEASE}')"),
+                &[&group.stream.name, &group.name],
+            )
+            .unwrap_or_else(|e| panic!("claim failed: {}", describe(&e)))
+            .len();
+        if taken > 0 {
+            return taken;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    0
+}
+
+fn competing(concurrency: &str) {
     let seed = seed();
     eprintln!("competing seed: {seed} (set SQLSTREAMS_TORTURE_SEED={seed} to replay the random decisions)");
     let started = Instant::now();
     let mut c = connect();
-    c.batch_execute(
-        "CREATE TABLE IF NOT EXISTS competing_biz (id bigserial PRIMARY KEY, stream text NOT NULL, note text)",
-    )
-    .unwrap();
-    let s = Stream::create(&mut c, "competing");
+    let s = Stream::create(&mut c, &format!("competing-{concurrency}"));
+    c.batch_execute(&format!("CREATE TABLE {} (id bigserial PRIMARY KEY, note text)", business_table(&s))).unwrap();
     let group_id: i64 = c
         .query_one(
-            "SELECT sqlstreams.create_group($1, 'ordered', 'ordered', max_retries => 3,
+            "SELECT sqlstreams.create_group($1, $2, $2, max_retries => 3,
                     backoff_base => '5 milliseconds', backoff_cap => '20 milliseconds')",
-            &[&s.name],
+            &[&s.name, &concurrency],
         )
         .unwrap()
         .get(0);
-    let group = Group { stream: s.clone(), name: "ordered".into(), id: group_id };
+    let group = Group { stream: s.clone(), name: concurrency.into(), id: group_id };
 
     let produced = Arc::new(Produced { committed: Mutex::default(), rolled_back: Mutex::default() });
     let log = Arc::new(Log::default());
@@ -294,6 +332,13 @@ fn competing_consumers_and_outbox_producers_on_an_ordered_group() {
             };
             let seed = seed.wrapping_add(1000 + i as u64);
             std::thread::spawn(move || consumer.run(seed))
+        })
+        .collect();
+    let crashes: Vec<_> = (0..CRASHES)
+        .map(|i| {
+            let (group, done) = (group.clone(), done.clone());
+            let seed = seed.wrapping_add(2000 + i as u64);
+            std::thread::spawn(move || crash(&group, seed, &done))
         })
         .collect();
     let monitor = {
@@ -342,6 +387,7 @@ fn competing_consumers_and_outbox_producers_on_an_ordered_group() {
         consumer.join().expect("a consumer call failed (see the panic above)");
     }
     let readings = monitor.join().expect("a status call failed (see the panic above)");
+    let crashed: usize = crashes.into_iter().map(|c| c.join().expect("a crashing claim failed")).sum();
 
     let events = log.events.lock().unwrap().clone();
     let rolled_back: HashSet<i64> = produced.rolled_back.lock().unwrap().iter().copied().collect();
@@ -368,7 +414,9 @@ fn competing_consumers_and_outbox_producers_on_an_ordered_group() {
         assert_eq!(*n, explained, "message {id} ran {n} times, but only {explained} runs are explained (seed {seed})");
     }
     check_no_overlap(&events, seed);
-    check_order(&events, &keys, seed);
+    if concurrency == "ordered" {
+        check_order(&events, &keys, seed);
+    }
 
     let row = c
         .query_one(
@@ -382,9 +430,10 @@ fn competing_consumers_and_outbox_producers_on_an_ordered_group() {
     assert_eq!(committed_cursor, head, "committed reaches the head");
     let deliveries: usize = starts.values().sum();
     eprintln!(
-        "competing: {} committed and {} rolled-back messages over {KEYS} keys, {CONSUMERS} consumers ({} carrying acks), \
-         {} claims, {deliveries} deliveries, {} failures, {dead} dead, {readings} status readings; \
-         drained {drained_in:?} after the producers stopped, {:?} in all; violations: 0",
+        "competing {concurrency}: {} committed and {} rolled-back messages over {KEYS} keys, {CONSUMERS} consumers \
+         ({} carrying acks), {} claims, {deliveries} deliveries, {} failures, {dead} dead, {crashed} messages taken \
+         down by {CRASHES} crashed claims, {readings} status readings; drained {drained_in:?} after the producers \
+         stopped, {:?} in all; violations: 0",
         committed.len(),
         rolled_back.len(),
         CONSUMERS / 2,
@@ -393,6 +442,7 @@ fn competing_consumers_and_outbox_producers_on_an_ordered_group() {
         started.elapsed(),
     );
     assert!(committed.len() > 1000 && failures.values().sum::<usize>() > 100, "the run exercised retries");
+    c.batch_execute(&format!("DROP TABLE {}", business_table(&s))).unwrap();
 }
 
 /// Per key, every delivery's [start, end] interval is disjoint from every other's.

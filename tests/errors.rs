@@ -16,12 +16,12 @@ fn footprint(c: &mut Client, s: &Stream) -> Vec<String> {
                 (SELECT last_value::text FROM {log}_seq),
                 (SELECT string_agg(e::text, ';' ORDER BY e.message_id) FROM {eq} e),
                 (SELECT string_agg(r::text, ';' ORDER BY r.first_id) FROM {ranges} r),
-                (SELECT string_agg(k::text, ';') FROM {keys} k),
+                (SELECT string_agg(k::text, ';' ORDER BY k.consumer_group_id, k.lane) FROM {lanes} k),
                 (SELECT string_agg(u::text, ';' ORDER BY u.consumer_group_id) FROM {cursor} u)",
         log = s.table("message_log"),
         eq = s.table("exception_queue"),
         ranges = s.table("range_lease"),
-        keys = s.table("message_key_lease"),
+        lanes = s.table("lane"),
         cursor = s.table("cursor"),
     );
     let refused_names = vec!["".to_string(), "   ".to_string()];

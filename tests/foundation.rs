@@ -24,7 +24,7 @@ fn produce_claim_ack_round_trip() {
     assert!(g.ack(&mut c, &batch[1]));
     assert!(g.exception_rows(&mut c).is_empty(), "a first delivery that succeeds writes no exception row");
     assert!(g.claim(&mut c, 10).is_empty());
-    assert_eq!(g.cursor(&mut c), (b, b), "the claim after the last ack stores committed");
+    assert_eq!(g.cursor(&mut c), (b, b), "everything is handed out and resolved");
 }
 
 #[test]
@@ -376,11 +376,12 @@ fn maintain_stores_committed_for_an_idle_group() {
     let p = s.produce_many(&mut c, 2, None);
     let batch = g.claim(&mut c, 10);
     g.ack_batch(&mut c, &batch);
-    assert_eq!(g.cursor(&mut c).1, 0, "nothing has stored committed yet");
+    assert_eq!(g.stored_cursor(&mut c).1, 0, "nothing has stored committed yet");
+    assert_eq!(g.cursor(&mut c), (p[1], p[1]), "group_status computes it live");
     let rows =
         c.query("SELECT stream, cursors_advanced FROM sqlstreams.maintain() WHERE stream = $1", &[&s.name]).unwrap();
     assert_eq!(rows[0].get::<_, i64>(1), 1);
-    assert_eq!(g.cursor(&mut c).1, p[1]);
+    assert_eq!(g.stored_cursor(&mut c), (p[1], p[1]));
     let rows = c.query("SELECT cursors_advanced FROM sqlstreams.maintain() WHERE stream = $1", &[&s.name]).unwrap();
     assert_eq!(rows[0].get::<_, i64>(0), 0, "maintain is idempotent");
 }
@@ -461,19 +462,21 @@ fn drop_group_and_drop_stream_remove_everything() {
 #[test]
 fn partitions_are_created_ahead_of_the_head() {
     let mut c = connect();
-    let s = Stream::create_sized(&mut c, "partitions", 10);
+    let s = Stream::create_sized(&mut c, "partitions", 1000);
     let g = s.group(&mut c, "g", None);
-    let mut produced = s.produce_many(&mut c, 7, None);
+    let mut produced = s.produce_many(&mut c, 2500, None);
     for i in 0..30 {
         produced.push(s.produce(&mut c, json!({"i": i}), None));
     }
-    produced.extend(s.produce_many(&mut c, 25, None));
+    produced.extend(s.produce_many(&mut c, 3500, None));
     let partitions: i64 = c
         .query_one("SELECT count(*) FROM pg_inherits WHERE inhparent = $1::text::regclass", &[&s.table("message_log")])
         .unwrap()
         .get(0);
-    assert!(partitions >= 7, "62 ids in partitions of 10 need at least 7 partitions, found {partitions}");
-    assert_eq!(g.drain(&mut c), produced, "claims read across partitions in order");
+    assert!(partitions >= 7, "6030 ids in partitions of 1000 need at least 7 partitions, found {partitions}");
+    let mut drained = g.drain(&mut c);
+    drained.sort_unstable();
+    assert_eq!(drained, produced, "claims read across partitions, every message once");
 }
 
 #[test]
@@ -522,9 +525,10 @@ fn views_list_streams_and_groups() {
     assert_eq!(row.get::<_, Option<String>>(3).as_deref(), Some("exclusive"));
     assert_eq!(row.get::<_, i64>(4), 4);
     let batch = g.claim(&mut c, 10);
-    let leases = c.query("SELECT kind, message_key FROM sqlstreams.open_leases($1, $2)", &[&s.name, &g.name]).unwrap();
-    let kinds: Vec<(String, Option<String>)> = leases.iter().map(|r| (r.get(0), r.get(1))).collect();
-    assert_eq!(kinds, vec![("key".into(), Some("k".into())), ("range".into(), None)]);
+    let leases = c.query("SELECT kind, lane FROM sqlstreams.open_leases($1, $2)", &[&s.name, &g.name]).unwrap();
+    let kinds: Vec<(String, Option<i32>)> = leases.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let lane: i32 = c.query_one("SELECT sqlstreams.lane('k', 1, 16)", &[]).unwrap().get(0);
+    assert_eq!(kinds, vec![("lane".into(), Some(lane)), ("range".into(), Some(lane))], "the key's lane holds it");
     assert_eq!(batch.len(), 4);
 }
 
@@ -543,7 +547,7 @@ fn extend_lease_keeps_a_claim_from_being_taken_over() {
             .get(0)
     };
     assert!(extend(&mut c, mine[0].lease_token), "an expired lease that nobody took over is still mine");
-    assert!(g.claim(&mut other, 10).is_empty(), "the extended range and key lease are not reclaimed");
+    assert!(g.claim(&mut other, 10).is_empty(), "the extended range and lane are not taken over");
     let expires: Vec<bool> = c
         .query(
             "SELECT lease_expires_at > now() + interval '50 seconds' FROM sqlstreams.open_leases($1, $2)",
@@ -553,7 +557,7 @@ fn extend_lease_keeps_a_claim_from_being_taken_over() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(expires, vec![true, true], "the range and the key lease");
+    assert_eq!(expires, vec![true, true], "the lane and the range");
     g.ack_batch(&mut c, &mine);
     assert!(!extend(&mut c, mine[0].lease_token), "nothing is held once everything is resolved");
 }

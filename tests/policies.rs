@@ -193,11 +193,12 @@ fn guide_exclusive_lets_102_overtake_the_retry_of_101() {
 }
 
 #[test]
-fn ordered_waits_for_a_message_pending_in_another_consumers_range() {
+fn ordered_key_waits_while_another_consumer_holds_its_lane() {
     let mut c = connect();
     let mut other = connect();
-    let s = Stream::create(&mut c, "ordered-ranges");
+    let s = Stream::create(&mut c, "ordered-lanes");
     let g = s.group(&mut c, "g", Some("ordered"));
+    assert_ne!(s.lane(&mut c, "k"), s.lane(&mut c, "other"));
     let first = s.produce(&mut c, json!({}), Some("k"));
     let a = g.claim(&mut c, 10);
     assert_eq!(ids(&a), vec![first]);
@@ -205,11 +206,11 @@ fn ordered_waits_for_a_message_pending_in_another_consumers_range() {
     let unrelated = s.produce(&mut c, json!({}), Some("other"));
 
     let b = g.claim(&mut other, 10);
-    assert_eq!(ids(&b), vec![unrelated], "{second} waits while {first} is pending in another range");
-    assert_eq!(g.statuses(&mut c), vec![(second, "deferred".to_string())]);
+    assert_eq!(ids(&b), vec![unrelated], "{second} waits while {first}'s claim holds their lane");
+    assert!(g.statuses(&mut c).is_empty(), "a message of a held lane is not even looked at");
     assert!(g.claim(&mut other, 10).is_empty());
 
-    // Hand-off: the ack makes the successor claimable by the very next claim.
+    // Hand-off: the ack frees the lane, so the very next claim gets the successor.
     assert!(g.ack(&mut c, &a[0]));
     let next = g.claim(&mut other, 10);
     assert_eq!(ids(&next), vec![second]);
@@ -279,14 +280,17 @@ fn an_expired_range_mid_chain_is_redelivered_before_any_later_message_runs() {
     assert!(g.claim(&mut late, 10).is_empty());
     g.expire_leases(&mut c);
 
-    // B gets A's unresolved rows again, as a chain; the later message still waits for them.
+    // B gets A's unresolved rows again, as a chain, and the later message at the chain's end.
     let redelivered = g.claim(&mut b, 10);
-    assert_eq!(ids(&redelivered), p[1..]);
-    assert_eq!(redelivered[1].run_after, Some(p[1]));
-    assert!(g.claim(&mut late, 10).is_empty(), "{later} waits for the redelivered chain");
+    assert_eq!(ids(&redelivered), vec![p[1], p[2], later]);
+    assert_eq!((redelivered[0].attempt, redelivered[2].attempt), (1, 0));
+    let chain: Vec<Option<i64>> = redelivered.iter().map(|d| d.run_after).collect();
+    assert_eq!(chain, vec![None, Some(p[1]), Some(p[2])]);
+    assert!(g.claim(&mut late, 10).is_empty(), "B holds the key's lane");
     assert!(!g.ack(&mut c, &a[1]), "A's stale outcome changes nothing");
     g.ack_batch(&mut b, &redelivered);
-    assert_eq!(ids(&g.claim(&mut late, 10)), vec![later]);
+    assert!(g.claim(&mut late, 10).is_empty());
+    assert_eq!(g.cursor(&mut c), (later, later));
 }
 
 #[test]
@@ -388,7 +392,7 @@ fn compaction_supersedes_deferred_updates() {
     let latest = g.claim(&mut c, 10);
     assert_eq!(ids(&latest), vec![third]);
     assert_eq!(latest[0].payload, json!({"v": 3}));
-    assert_eq!(g.statuses(&mut c), vec![(second, "superseded".into()), (third, "inflight".into())]);
+    assert_eq!(g.statuses(&mut c), vec![(second, "superseded".into())], "{third} is a first delivery: no row");
     // A group claiming all three at once runs only the head.
     assert_eq!(ids(&parallel.claim(&mut c, 10)), vec![third]);
     assert!(first < second);
@@ -410,9 +414,9 @@ fn compaction_ignores_non_compacted_messages_and_ordered_groups() {
 }
 
 #[test]
-fn maintain_sweeps_the_key_lease_of_a_consumer_that_never_came_back() {
+fn maintain_clears_the_lane_hold_of_a_consumer_that_never_came_back() {
     let mut c = connect();
-    let s = Stream::create(&mut c, "key-lease-sweep");
+    let s = Stream::create(&mut c, "lane-hold-clear");
     let g = s.group(&mut c, "g", Some("exclusive"));
     s.produce(&mut c, json!({}), Some("k"));
     let crashed = g.claim(&mut c, 10);
@@ -424,16 +428,18 @@ fn maintain_sweeps_the_key_lease_of_a_consumer_that_never_came_back() {
             .map(|r| r.get(0))
             .collect()
     };
-    assert_eq!(leases(&mut c), vec!["key", "range"]);
+    assert_eq!(leases(&mut c), vec!["lane", "range"]);
     g.expire_leases(&mut c);
-    let swept: i64 =
-        c.query_one("SELECT key_leases_swept FROM sqlstreams.maintain() WHERE stream = $1", &[&s.name]).unwrap().get(0);
-    assert_eq!(swept, 1);
-    assert_eq!(leases(&mut c), vec!["range"], "the expired range waits for its reclaim; the key lease is gone");
+    let cleared: i64 = c
+        .query_one("SELECT lane_holds_cleared FROM sqlstreams.maintain() WHERE stream = $1", &[&s.name])
+        .unwrap()
+        .get(0);
+    assert_eq!(cleared, 1);
+    assert_eq!(leases(&mut c), vec!["range"], "the expired range waits for its reclaim; the lane hold is gone");
     let again = g.claim(&mut c, 10);
-    assert_eq!((ids(&again), again[0].attempt), (ids(&crashed), 1), "the key is free for the reclaim");
+    assert_eq!((ids(&again), again[0].attempt), (ids(&crashed), 1), "the lane is free for the reclaim");
     assert!(g.ack(&mut c, &again[0]));
-    assert!(leases(&mut c).is_empty());
+    assert!(leases(&mut c).is_empty(), "the last ack frees the lane");
 }
 
 #[test]

@@ -76,6 +76,13 @@ impl Stream {
         Stream { name, id }
     }
 
+    /// The lane of `key` in this stream.
+    pub fn lane(&self, c: &mut Client, key: &str) -> i32 {
+        c.query_one("SELECT sqlstreams.lane($1, 0, lanes) FROM sqlstreams.streams WHERE name = $2", &[&key, &self.name])
+            .expect("lane")
+            .get(0)
+    }
+
     /// `sqlstreams.<family>_<id>`, e.g. `table("exception_queue")`.
     pub fn table(&self, family: &str) -> String {
         format!("sqlstreams.{family}_{}", self.id)
@@ -274,25 +281,36 @@ impl Group {
         self.exception_rows(c).into_iter().map(|r| (r.message_id, r.status)).collect()
     }
 
-    /// The stored cursor: (claimed, committed).
+    /// The group's cursor as `group_status` reads it now: (claimed, committed).
     pub fn cursor(&self, c: &mut Client) -> (i64, i64) {
+        let row = c
+            .query_one(
+                "SELECT claimed, committed FROM sqlstreams.group_status($1, $2)",
+                &[&self.stream.name, &self.name],
+            )
+            .expect("group_status");
+        (row.get(0), row.get(1))
+    }
+
+    /// The cursor as `maintain()` last stored it: (claimed, committed).
+    pub fn stored_cursor(&self, c: &mut Client) -> (i64, i64) {
         let sql =
             format!("SELECT claimed, committed FROM {} WHERE consumer_group_id = $1", self.stream.table("cursor"));
         let row = c.query_one(&sql, &[&self.id]).expect("cursor");
         (row.get(0), row.get(1))
     }
 
-    /// Lets every lease of the group run out now (ranges, exception rows, exclusive keys).
+    /// Lets every lease of the group run out now (ranges, exception rows, held lanes).
     pub fn expire_leases(&self, c: &mut Client) {
         let past = "now() - interval '1 second'";
         let s = &self.stream;
         c.batch_execute(&format!(
             "UPDATE {r} SET lease_expires_at = {past} WHERE consumer_group_id = {g};
              UPDATE {e} SET lease_expires_at = {past} WHERE consumer_group_id = {g} AND status = 'inflight';
-             UPDATE {k} SET lease_expires_at = {past} WHERE consumer_group_id = {g};",
+             UPDATE {l} SET held_until = {past} WHERE consumer_group_id = {g} AND held_by IS NOT NULL;",
             r = s.table("range_lease"),
             e = s.table("exception_queue"),
-            k = s.table("message_key_lease"),
+            l = s.table("lane"),
             g = self.id
         ))
         .expect("expire leases");

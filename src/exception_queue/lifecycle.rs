@@ -40,7 +40,7 @@ use crate::key_gate::Candidate;
 use crate::locks;
 use crate::message;
 use crate::notify;
-use crate::range::RangeLease;
+use crate::range::{RangeLease, Ranges};
 use crate::statement::{self, Columns, Statement};
 
 /// What a failure or a delay does to a message, once its budgets are applied.
@@ -101,6 +101,7 @@ fn new_row(c: &Candidate, status: Status, can_run_after: i64) -> NewRow {
         parked: false,
         isolated: false,
         last_error: None,
+        lane: c.lane,
     }
 }
 
@@ -240,7 +241,7 @@ pub fn defer_chain(
     key: &str,
     after: i64,
     ordered_until: i64,
-    range: Option<&mut RangeLease>,
+    ranges: &mut Ranges,
     now: i64,
 ) -> Result<()> {
     let stream_id = group.stream.id;
@@ -256,15 +257,14 @@ pub fn defer_chain(
             statement::timestamptz(now),
         ],
     )?;
-    let Some(range) = range else { return Ok(()) };
-    let later = range.pending_after(key, after);
+    let later = ranges.pending_after(key, after);
     if later.is_empty() {
         return Ok(());
     }
     let chained: Vec<Candidate> =
         message::candidates(client, group, &later)?.into_iter().filter(|m| m.concurrency.is_keyed_gate()).collect();
     let ids: Vec<i64> = chained.iter().map(|m| m.message_id).collect();
-    range.remove(&ids);
+    ranges.remove(&ids);
     let rows: Vec<NewRow> = chained
         .iter()
         .map(|m| {
@@ -293,7 +293,7 @@ pub fn give_back(
     group: &GroupRef,
     token: pgrx::Uuid,
     ids: &[i64],
-    range: Option<&mut RangeLease>,
+    ranges: &mut Ranges,
     now: i64,
 ) -> Result<Vec<(i64, Option<String>)>> {
     let stream_id = group.stream.id;
@@ -305,17 +305,13 @@ pub fn give_back(
     )? {
         given.push((row.required("message_id")?, row.value("message_key")?));
     }
-    if let Some(range) = range {
-        let removed = range.remove(ids);
-        if !removed.is_empty() {
-            let removed_ids: Vec<i64> = removed.iter().map(|(id, _)| *id).collect();
-            let rows: Vec<NewRow> = message::candidates(client, group, &removed_ids)?
-                .iter()
-                .map(|m| new_row(m, Status::Ready, now))
-                .collect();
-            super::insert(client, stream_id, group.id, &rows, now)?;
-            given.extend(removed);
-        }
+    let removed = ranges.remove(ids);
+    if !removed.is_empty() {
+        let removed_ids: Vec<i64> = removed.iter().map(|(id, _)| *id).collect();
+        let rows: Vec<NewRow> =
+            message::candidates(client, group, &removed_ids)?.iter().map(|m| new_row(m, Status::Ready, now)).collect();
+        super::insert(client, stream_id, group.id, &rows, now)?;
+        given.extend(removed);
     }
     Ok(given)
 }
@@ -375,45 +371,19 @@ const WAKE: Statement = Statement {
     params: &[INT8OID, TEXTARRAYOID, TIMESTAMPTZOID, INT4OID],
 };
 
-/// Releases `token`'s exclusive leases on `keys` once nothing of that key is left under the
-/// token (a chain keeps its key until its last row resolves).
-const RELEASE_KEYS: Statement = Statement {
-    name: "eq_release_keys",
-    sql: "DELETE FROM sqlstreams.message_key_lease_@id@ l
-          WHERE l.consumer_group_id = $1 AND l.lease_token = $2 AND l.message_key = ANY($3)
-            AND NOT EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@ r, unnest(r.pending_keys) AS pk(message_key)
-                            WHERE r.consumer_group_id = $1 AND r.lease_token = $2 AND pk.message_key = l.message_key)
-            AND NOT EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
-                            WHERE e.consumer_group_id = $1 AND e.message_key = l.message_key
-                              AND e.status = 'inflight' AND e.lease_token = $2)",
-    params: &[INT8OID, UUIDOID, TEXTARRAYOID],
-};
-
 /// Rows one claim can chain per key; also the wake batch.
 pub const WAKE_PER_KEY: i32 = 1000;
 
-/// After outcomes under `token` resolved messages of `keys` (or a claim resolved some itself,
-/// `token` = None): releases the exclusive leases nothing holds any more and wakes the rows
-/// parked behind those keys. Signals idle consumers when a row woke.
-pub fn after_resolution(
-    client: &SpiClient<'_>,
-    group: &GroupRef,
-    token: Option<pgrx::Uuid>,
-    keys: &[String],
-    now: i64,
-) -> Result<()> {
+/// After messages of `keys` resolved (by outcomes, or by a claim itself): wakes the rows parked
+/// behind those keys, and signals idle consumers when a row woke.
+pub fn after_resolution(client: &SpiClient<'_>, group: &GroupRef, keys: &[String], now: i64) -> Result<()> {
     if keys.is_empty() {
         return Ok(());
     }
     let stream_id = group.stream.id;
     if group.may_park() {
-        // Before the key is released or woken (src/key_gate.rs, "Parking and wake-ups").
+        // Before anything is woken (src/key_gate.rs, "Parking and wake-ups").
         locks::keys_shared(group.id, keys);
-    }
-    if let (Some(token), true) = (token, group.may_hold_key_leases()) {
-        RELEASE_KEYS.run(client, stream_id, &[group.id.into(), token.into(), keys.to_vec().into()])?;
-    }
-    if group.may_park() {
         let woken = WAKE.run(
             client,
             stream_id,

@@ -74,6 +74,7 @@ pub struct NewRow {
     /// Delivered alone until resolved (a message of a quarantined range).
     pub isolated: bool,
     pub last_error: Option<String>,
+    pub lane: i32,
 }
 
 /// A change to an existing row.
@@ -111,13 +112,13 @@ const INSERT: Statement = Statement {
     name: "eq_insert",
     sql: "INSERT INTO sqlstreams.exception_queue_@id@
               (consumer_group_id, message_id, message_key, concurrency, compaction, status, attempts,
-               delays, can_run_after, parked, isolated, last_error, created_at, updated_at)
+               delays, can_run_after, parked, isolated, last_error, lane, created_at, updated_at)
           SELECT $1, u.id, u.message_key, u.concurrency, u.compaction, u.status, u.attempts,
-                 u.delays, u.can_run_after, u.parked, u.isolated, u.last_error, $13, $13
+                 u.delays, u.can_run_after, u.parked, u.isolated, u.last_error, u.lane, $13, $13
           FROM unnest($2::bigint[], $3::text[], $4::text[], $5::bool[], $6::text[], $7::int[],
-                      $8::int[], $9::timestamptz[], $10::bool[], $11::bool[], $12::text[])
+                      $8::int[], $9::timestamptz[], $10::bool[], $11::bool[], $12::text[], $14::int[])
                AS u(id, message_key, concurrency, compaction, status, attempts, delays, can_run_after, parked,
-                    isolated, last_error)",
+                    isolated, last_error, lane)",
     params: &[
         INT8OID,
         INT8ARRAYOID,
@@ -132,9 +133,9 @@ const INSERT: Statement = Statement {
         BOOLARRAYOID,
         TEXTARRAYOID,
         TIMESTAMPTZOID,
+        INT4ARRAYOID,
     ],
 };
-
 const UPDATE: Statement = Statement {
     name: "eq_update",
     sql: "UPDATE sqlstreams.exception_queue_@id@ e
@@ -197,6 +198,7 @@ pub fn insert(client: &SpiClient<'_>, stream_id: i64, group_id: i64, rows: &[New
     let parked: Vec<bool> = rows.iter().map(|r| r.parked).collect();
     let isolated: Vec<bool> = rows.iter().map(|r| r.isolated).collect();
     let errors: Vec<Option<String>> = rows.iter().map(|r| r.last_error.clone()).collect();
+    let lanes: Vec<i32> = rows.iter().map(|r| r.lane).collect();
     INSERT.run(
         client,
         stream_id,
@@ -214,6 +216,7 @@ pub fn insert(client: &SpiClient<'_>, stream_id: i64, group_id: i64, rows: &[New
             isolated.into(),
             errors.into(),
             statement::timestamptz(now),
+            lanes.into(),
         ],
     )?;
     Ok(())

@@ -7,7 +7,14 @@ SELECT sqlstreams.produce('account.state', '{}', NULL, 'ordered');
 SELECT sqlstreams.create_group('account.state', 'g', start_at => 'tail');
 SELECT * FROM sqlstreams.claim('account.state', 'cache', 0);
 SELECT * FROM sqlstreams.claim('account.state', 'cache', 10, '0 seconds');
-SELECT sqlstreams.create_stream('account.state', 10);
+SELECT sqlstreams.create_stream('account.state', 5000);
+SELECT sqlstreams.create_stream('account.state', lanes => 8);
+SELECT sqlstreams.create_stream('tiny.partitions', 10);
+SELECT sqlstreams.create_stream('huge.partitions', 9223372036854775807);
+SELECT sqlstreams.create_stream('no.lanes', lanes => 0);
+SELECT sqlstreams.produce_batch('account.state', array[['{}', '{}'], ['{}', '{}']]::jsonb[]);
+SELECT sqlstreams.stream_head(-1);
+SELECT sqlstreams.ack_batch('account.state', 'cache', gen_random_uuid(), ARRAY[1, NULL]::bigint[]);
 SELECT sqlstreams.create_stream('');
 -- Names are data: quotes and semicolons are just characters.
 SELECT sqlstreams.create_stream('Robert''); DROP TABLE sqlstreams.stream; --') > 0 AS created;
@@ -17,6 +24,8 @@ SELECT p.proname, obj_description(p.oid, 'pg_proc') IS NOT NULL AS documented
 FROM pg_proc p WHERE p.pronamespace = 'sqlstreams'::regnamespace ORDER BY 1;
 -- Every function runs with a pinned search_path: nothing a caller creates on their own path
 -- is picked up by the extension's SQL.
+-- (A function with a SQL-standard body is parsed when it is created: the caller's path cannot
+-- reach it.)
 SELECT p.proname, p.proconfig FROM pg_proc p
-WHERE p.pronamespace = 'sqlstreams'::regnamespace
-  AND p.proconfig IS DISTINCT FROM ARRAY['search_path=pg_catalog, pg_temp'];
+WHERE p.pronamespace = 'sqlstreams'::regnamespace AND p.prosqlbody IS NULL
+  AND NOT 'search_path=pg_catalog, pg_temp' = ANY(coalesce(p.proconfig, '{}'));

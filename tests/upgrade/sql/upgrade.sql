@@ -4,6 +4,33 @@ ALTER EXTENSION sqlstreams UPDATE;
 SELECT extversion FROM pg_extension WHERE extname = 'sqlstreams';
 SELECT id, name, schema_version FROM sqlstreams.streams ORDER BY id;
 
+-- Claims every lane until nothing is left, acking each claim's rows; returns what ran, with the
+-- claim it came from (a claim works in one lane) and its run_after.
+CREATE FUNCTION drain(stream text, grp text)
+RETURNS TABLE (claim integer, message_id bigint, message_key text, attempt integer, run_after bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    n integer := 0;
+    token uuid;
+    ids bigint[];
+BEGIN
+    LOOP
+        n := n + 1;
+        token := NULL;
+        ids := '{}';
+        FOR message_id, message_key, attempt, token, run_after IN
+            SELECT c.message_id, c.message_key, c.attempt, c.lease_token, c.run_after FROM sqlstreams.claim(stream, grp) c
+        LOOP
+            claim := n;
+            ids := ids || message_id;
+            RETURN NEXT;
+        END LOOP;
+        EXIT WHEN token IS NULL;
+        PERFORM sqlstreams.ack_batch(stream, grp, token, ids);
+    END LOOP;
+END
+$$;
+
 -- Every row of every stream table is as it was, except the quarantine fix-up: rows quarantined
 -- under 0.1.0 that never ran since lose the failure 0.1.0 charged them.
 SELECT 'before' AS side, t, row FROM (SELECT * FROM upgrade_snapshot EXCEPT SELECT * FROM upgrade_rows) gone
@@ -15,16 +42,20 @@ SELECT message_id, status, attempts, isolated FROM sqlstreams.exception_queue_3 
 -- Ordered: the open range and the inflight retry answer with their 0.1.0 tokens.
 SELECT sqlstreams.ack_batch('upgrade.ordered', 'g', token, ids) FROM upgrade_claims WHERE name = 'ordered-range';
 SELECT sqlstreams.ack('upgrade.ordered', 'g', token, 6) FROM upgrade_claims WHERE name = 'ordered-inflight';
--- The retry of 1 comes due: it runs first, then 2 and 5 behind it; 7 (key b) is free.
+-- The retry of 1 comes due: it runs first, then 2 and 5 behind it; 7 (key b, another lane)
+-- is free.
 UPDATE sqlstreams.exception_queue_1 SET can_run_after = now() - interval '1 second' WHERE status IN ('ready', 'deferred');
-CREATE TEMP TABLE d AS SELECT * FROM sqlstreams.claim('upgrade.ordered', 'g');
-SELECT message_id, message_key, attempt, run_after FROM d ORDER BY message_id;
-SELECT sqlstreams.ack_batch('upgrade.ordered', 'g', (SELECT lease_token FROM d LIMIT 1), (SELECT array_agg(message_id) FROM d));
+SELECT * FROM drain('upgrade.ordered', 'g');
 SELECT claimed, committed, head, lag, open_ranges, ready, inflight, deferred, dead FROM sqlstreams.group_status('upgrade.ordered', 'g');
-DROP TABLE d;
 
--- Exclusive: the held key's 0.1.0 lease is released by its ack, which wakes the deferred 3;
--- 2 stays superseded and the poison message dead.
+-- Exclusive: key k was held under a 0.1.0 key lease by message 1, still in flight in a range
+-- claimed before lanes. The key stays held: 3, due now, waits until 1 is acked.
+SELECT message_key, lease_token = (SELECT token FROM upgrade_claims WHERE name = 'exclusive-held') AS held_by_1
+FROM upgrade_key_leases;
+UPDATE sqlstreams.exception_queue_2 SET can_run_after = now() - interval '1 second' WHERE status = 'deferred';
+SELECT count(*) AS handed_out FROM sqlstreams.claim('upgrade.exclusive', 'g');
+SELECT message_id, status FROM sqlstreams.exception_queue_2 ORDER BY message_id;
+-- 1's ack wakes 3; 2 stays superseded and the poison message dead.
 SELECT sqlstreams.ack('upgrade.exclusive', 'g', token, 1) FROM upgrade_claims WHERE name = 'exclusive-held';
 CREATE TEMP TABLE d AS SELECT * FROM sqlstreams.claim('upgrade.exclusive', 'g');
 SELECT message_id, message_key, attempt, run_after FROM d;
@@ -52,15 +83,15 @@ SELECT message_id, payload FROM d;
 SELECT sqlstreams.ack('upgrade.idempotent', 'g', lease_token, message_id) FROM d;
 DROP TABLE d;
 
--- New messages on an upgraded stream, a new partition, a new group, a new stream.
+-- New messages on an upgraded stream, a new group, a new stream with its own lane count.
 SELECT count(*) FROM sqlstreams.produce_batch('upgrade.ordered', ARRAY['{"n": 8}', '{"n": 9}']::jsonb[], ARRAY['a', 'd']);
 SELECT sqlstreams.create_group('upgrade.ordered', 'late', start_at => 'beginning');
-SELECT count(*) FROM sqlstreams.claim('upgrade.ordered', 'late', 100);
-SELECT sqlstreams.create_stream('upgrade.new', partition_size => 2);
+SELECT count(*) FROM drain('upgrade.ordered', 'late');
+SELECT sqlstreams.create_stream('upgrade.new', partition_size => 1000, lanes => 4);
 SELECT sqlstreams.create_group('upgrade.new', 'g', 'ordered');
 SELECT count(*) FROM sqlstreams.produce_batch('upgrade.new', ARRAY['{}', '{}', '{}', '{}']::jsonb[], ARRAY['x', 'x', 'y', 'x']);
-SELECT message_id, message_key, run_after FROM sqlstreams.claim('upgrade.new', 'g') ORDER BY message_id;
-SELECT name, schema_version FROM sqlstreams.streams WHERE name = 'upgrade.new';
+SELECT * FROM drain('upgrade.new', 'g');
+SELECT name, schema_version, lanes FROM sqlstreams.streams WHERE name = 'upgrade.new';
 SELECT stream, cursors_advanced >= 0 AS ran FROM sqlstreams.maintain() ORDER BY stream;
 SELECT sqlstreams.drop_group('upgrade.ordered', 'late');
 SELECT stream, name, claimed, committed, lag FROM sqlstreams.consumer_groups ORDER BY stream, name;

@@ -1,0 +1,207 @@
+//! Lanes: how consumers of one group divide the stream's keys between them.
+//!
+//! Every message is in one lane (`sqlstreams.lane`: the hash of its key, or blocks of ids for
+//! messages without a key), so every message of a key is in the same lane. Each group has a
+//! position in every lane (`lane_<id>`). A claim takes lanes with work one at a time, each with
+//! `SKIP LOCKED`, and from each its due exception rows and its next range, until the batch is
+//! full.
+//!
+//! A group whose messages may be ordered or exclusive *holds* a lane from the claim that hands
+//! out ordered or exclusive work from it until that claim's work there is resolved, or until
+//! its lease runs out: one claim's deliveries per lane at a time. (A claim that hands out only
+//! parallel messages from a lane does not hold it: they may run beside anything.) Since a key
+//! never leaves its lane, two consumers never hold the same key, and a claim never finds a
+//! same-key predecessor in another consumer's open range: consumers divide the keys, not the
+//! id space. No static assignment and no rebalancing protocol: a new consumer gets work on its
+//! first claim from any lane nobody holds, one consumer alone drains every lane, a consumer
+//! takes at most its share of the lanes while others hold some (`candidates`), and a consumer
+//! that dies loses its lanes when its lease runs out. A group with
+//! `concurrency_override = 'parallel'` does not hold lanes.
+
+use pgrx::pg_sys::BuiltinOid::*;
+use pgrx::spi::SpiClient;
+
+use crate::error::Result;
+use crate::group::GroupRef;
+use crate::statement::{self, Columns, Statement};
+
+/// A lane a claim holds (its row is locked until the claim commits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lane {
+    pub lane: i32,
+    /// Every message of the lane with id <= claimed has been handed out.
+    pub claimed: i64,
+    /// `claimed` when the claim took it.
+    pub taken_at: i64,
+    /// Whether a hold (one whose lease ran out) was on it when taken.
+    pub was_held: bool,
+}
+
+/// Lanes with work that a claim may take, best first: one with a due isolated row (it is
+/// handed out alone, so it goes first or never), then the lane furthest behind, the lane the
+/// caller just released first among equals (it stays with the keys it knows). Work is due
+/// exception rows, an expired range (or one claimed before lanes existed), or messages after
+/// the lane's position up to the safe head `$4`. Also how many claims hold lanes now. Reads
+/// only; `take` locks.
+const CANDIDATES: Statement = Statement {
+    name: "lanes_candidates",
+    sql: "SELECT l.lane,
+                 (SELECT count(DISTINCT held_by) FROM sqlstreams.lane_@id@
+                  WHERE consumer_group_id = $1 AND held_until > $2) AS holders
+          FROM sqlstreams.lane_@id@ l
+          WHERE l.consumer_group_id = $1 AND (NOT $3 OR l.held_until IS NULL OR l.held_until <= $2)
+            AND (EXISTS (SELECT 1 FROM sqlstreams.message_log_@id@ m
+                         WHERE m.lane = l.lane AND m.id > l.claimed AND m.id <= $4)
+                 OR EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
+                            WHERE e.consumer_group_id = $1 AND e.lane = l.lane
+                              AND e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
+                 OR EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
+                            WHERE e.consumer_group_id = $1 AND e.lane = l.lane
+                              AND e.status = 'inflight' AND e.lease_expires_at <= $2)
+                 OR EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@ r
+                            WHERE r.consumer_group_id = $1 AND (r.lane = l.lane OR r.lane IS NULL)
+                              AND r.lease_expires_at <= $2))
+          ORDER BY EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
+                           WHERE e.consumer_group_id = $1 AND e.lane = l.lane AND e.isolated
+                             AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
+                                  OR (e.status = 'inflight' AND e.lease_expires_at <= $2))) DESC,
+                   l.claimed, l.lane = $5 DESC, l.lane",
+    params: &[INT8OID, TIMESTAMPTZOID, BOOLOID, INT8OID, INT4OID],
+};
+
+/// Locks lane `$4` if it is still free. `SKIP LOCKED`: a claim never waits for a lane.
+const TAKE: Statement = Statement {
+    name: "lanes_take",
+    sql: "SELECT lane, claimed, held_by IS NOT NULL AS was_held FROM sqlstreams.lane_@id@
+          WHERE consumer_group_id = $1 AND lane = $4 AND (NOT $3 OR held_until IS NULL OR held_until <= $2)
+          FOR UPDATE SKIP LOCKED",
+    params: &[INT8OID, TIMESTAMPTZOID, BOOLOID, INT4OID],
+};
+
+const STORE: Statement = Statement {
+    name: "lanes_store",
+    sql: "UPDATE sqlstreams.lane_@id@ SET claimed = $3, held_by = $4, held_until = $5
+          WHERE consumer_group_id = $1 AND lane = $2",
+    params: &[INT8OID, INT4OID, INT8OID, UUIDOID, TIMESTAMPTZOID],
+};
+
+/// Frees each lane token `$2` holds once nothing it handed out from that lane is unresolved.
+const RELEASE: Statement = Statement {
+    name: "lanes_release",
+    sql: "UPDATE sqlstreams.lane_@id@ l SET held_by = NULL, held_until = NULL
+          WHERE l.consumer_group_id = $1 AND l.held_by = $2
+            AND NOT EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@ r
+                            WHERE r.consumer_group_id = $1 AND r.lease_token = $2
+                              AND (r.lane = l.lane OR r.lane IS NULL))
+            AND NOT EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
+                            WHERE e.consumer_group_id = $1 AND e.lease_token = $2 AND e.status = 'inflight'
+                              AND e.lane = l.lane)
+          RETURNING l.lane",
+    params: &[INT8OID, UUIDOID],
+};
+
+const CREATE: Statement = Statement {
+    name: "lanes_create",
+    sql: "INSERT INTO sqlstreams.lane_@id@ (consumer_group_id, lane, claimed)
+          SELECT $1, l, $3 FROM generate_series(0, $2 - 1) AS l",
+    params: &[INT8OID, INT4OID, INT8OID],
+};
+
+/// Whether the group holds lanes (see the module documentation).
+pub fn holds(group: &GroupRef) -> bool {
+    group.may_park()
+}
+
+/// Lanes with work that no other claim holds, best first, and how many of them one claim may
+/// take. A claim of a group that holds lanes takes at most its share (the lanes divided among
+/// the claims holding some now and itself), so a consumer that finds every lane with work
+/// leaves some for the next one; other groups take what fills the batch. `preferred` is the
+/// lane the caller's carried acks just released. Reads only.
+pub fn candidates(
+    client: &SpiClient<'_>,
+    group: &GroupRef,
+    safe: i64,
+    now: i64,
+    preferred: Option<i32>,
+) -> Result<(Vec<i32>, usize)> {
+    let rows = CANDIDATES.run(
+        client,
+        group.stream.id,
+        &[
+            group.id.into(),
+            statement::timestamptz(now),
+            holds(group).into(),
+            safe.into(),
+            preferred.unwrap_or(-1).into(),
+        ],
+    )?;
+    let mut lanes = Vec::new();
+    let mut holders = 0i64;
+    for row in rows {
+        lanes.push(row.required("lane")?);
+        holders = row.required("holders")?;
+    }
+    let share = if holds(group) {
+        let lanes_total = group.stream.lanes as usize;
+        lanes_total.div_ceil(holders as usize + 1)
+    } else {
+        lanes.len()
+    };
+    Ok((lanes, share))
+}
+
+/// Locks `lane` if it is still free; `None` when another claim has it (nothing waits).
+pub fn take(client: &SpiClient<'_>, group: &GroupRef, lane: i32, now: i64) -> Result<Option<Lane>> {
+    let row = TAKE.run(
+        client,
+        group.stream.id,
+        &[group.id.into(), statement::timestamptz(now), holds(group).into(), lane.into()],
+    )?;
+    let row = row.first();
+    if row.is_empty() {
+        return Ok(None);
+    }
+    let claimed = row.required("claimed")?;
+    Ok(Some(Lane { lane: row.required("lane")?, claimed, taken_at: claimed, was_held: row.required("was_held")? }))
+}
+
+/// Stores the lane's new position and who holds it: `hold` is the claim's (token, expiry) when
+/// it handed out ordered or exclusive work and the group holds lanes, `None` to leave it free.
+/// A lane that did not move and is not held, before or after, is not written.
+pub fn store(client: &SpiClient<'_>, group: &GroupRef, lane: Lane, hold: Option<(pgrx::Uuid, i64)>) -> Result<()> {
+    let hold = hold.filter(|_| holds(group));
+    if hold.is_none() && !lane.was_held && lane.claimed == lane.taken_at {
+        return Ok(());
+    }
+    STORE.run(
+        client,
+        group.stream.id,
+        &[
+            group.id.into(),
+            lane.lane.into(),
+            lane.claimed.into(),
+            hold.map(|(token, _)| token).into(),
+            statement::timestamptz_opt(hold.map(|(_, until)| until)),
+        ],
+    )?;
+    Ok(())
+}
+
+/// After outcomes under `token`: frees each lane it holds once everything it handed out there
+/// is resolved. Returns a lane freed.
+pub fn release(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid) -> Result<Option<i32>> {
+    if !holds(group) {
+        return Ok(None);
+    }
+    let rows = RELEASE.run(client, group.stream.id, &[group.id.into(), token.into()])?;
+    if rows.is_empty() {
+        return Ok(None);
+    }
+    rows.first().value("lane")
+}
+
+/// A new group's lanes, every one at position `claimed`.
+pub fn create(client: &SpiClient<'_>, stream_id: i64, group_id: i64, lanes: i32, claimed: i64) -> Result<()> {
+    CREATE.run(client, stream_id, &[group_id.into(), lanes.into(), claimed.into()])?;
+    Ok(())
+}

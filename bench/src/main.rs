@@ -2,9 +2,10 @@
 //! `DATABASE_URL` (started by `scripts/rig bench` with durable settings). Writes
 //! `results.md` and SVG plots to `--out` (default `docs/benchmarks`) and prints the ratios.
 //!
-//! Usage: sqlstreams-bench [--quick] [--out DIR] [--only w1,w2,w3,w4,w5]
+//! Usage: sqlstreams-bench [--quick] [--out DIR] [--only w1,w2,w3,w4,w5,w7]
 
 mod report;
+mod scaling;
 mod stats;
 mod systems;
 mod workloads;
@@ -29,8 +30,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let bench = Bench::new(&url, quick).await;
     bench.db.batch_execute("CREATE EXTENSION IF NOT EXISTS sqlstreams; CREATE EXTENSION IF NOT EXISTS pgq;").await?;
-    let mut results =
-        Results { machine: machine(&bench).await, w1: vec![], w2: vec![], w3: vec![], w4: vec![], w5: vec![] };
+    let mut results = Results {
+        machine: machine(&bench).await,
+        w1: vec![],
+        w2: vec![],
+        w3: vec![],
+        w4: vec![],
+        w5: vec![],
+        w7: vec![],
+    };
     for (k, v) in &results.machine {
         println!("{k}: {v}");
     }
@@ -85,6 +93,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             );
             results.w5.push(i);
         }
+    }
+
+    if run("w7") {
+        // Consumers are threads with blocking connections: off the async runtime.
+        let (url, quick) = (url.clone(), bench.quick);
+        results.w7 = std::thread::spawn(move || scaling::run_all(&url, quick)).join().expect("W7");
     }
 
     println!();

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
+use crate::scaling::{Policy, Scaling, CONSUMERS, HANDLER_US};
 use crate::systems::System;
 use crate::workloads::{Idle, Latency, Throughput};
 
@@ -15,6 +16,7 @@ pub struct Results {
     pub w3: Vec<Latency>,
     pub w4: Vec<Latency>,
     pub w5: Vec<Idle>,
+    pub w7: Vec<Scaling>,
 }
 
 fn name(system: Option<System>) -> &'static str {
@@ -74,6 +76,7 @@ impl Results {
                 lines.push(format!("W2 {} / W1 (client): {}", t.label, ratio(t.consume_rate, base.consume_rate)));
             }
         }
+        lines.extend(self.scaling_ratios());
         let quiet = |s| self.w3.iter().find(|l| l.system == Some(s));
         if let (Some(ours), Some(pgq)) = (quiet(System::Client), quiet(System::Pgq)) {
             lines.push(format!("W3 pickup p50, sqlstreams (client) / PgQ: {}", ratio(ours.p50_ms, pgq.p50_ms)));
@@ -120,6 +123,9 @@ impl Results {
             throughput_table(&self.w1)
         );
         let _ = writeln!(md, "## W2 keyed throughput\n\nW1 with message keys (sqlstreams only: PgQ and the floor have no per-key delivery).\n\n![keyed](keyed.svg)\n\n{}", throughput_table(&self.w2));
+        if !self.w7.is_empty() {
+            let _ = writeln!(md, "{}", self.scaling_section());
+        }
         let _ = writeln!(
             md,
             "## W6 claim cost\n\nFrom W1's function statistics (`track_functions = all`), server time per call.\n\n{}",
@@ -178,8 +184,138 @@ impl Results {
             lat.push((format!("W3 p99 {}", name(l.system)), l.p99_ms));
         }
         bars(&dir.join("latency.svg"), "Latency in milliseconds (lower is better)", &lat)?;
+        if !self.w7.is_empty() {
+            scaling_plot(&dir.join("scaling.svg"), &self.w7)?;
+        }
         Ok(())
     }
+
+    /// The drain rate of `policy` over 1,000 keys with `consumers`.
+    fn scaling_rate(&self, policy: Policy, handler_us: u64, consumers: usize) -> Option<f64> {
+        self.w7
+            .iter()
+            .find(|s| s.policy == policy && s.keys > 1 && s.handler_us == handler_us && s.consumers == consumers)
+            .map(|s| s.rate)
+    }
+
+    /// W7's ratios, each next to its target.
+    fn scaling_ratios(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        let rate = |p, h, c| self.scaling_rate(p, h, c).unwrap_or(f64::NAN);
+        for policy in [Policy::Ordered, Policy::Exclusive] {
+            lines.push(format!(
+                "W7 {} 4 consumers / 1, 100 µs handler: {} (target ≥ 3.20×)",
+                policy.name(),
+                ratio(rate(policy, 100, 4), rate(policy, 100, 1))
+            ));
+            for c in [2, 4] {
+                lines.push(format!(
+                    "W7 {} {c} consumers / 1, no handler cost: {} (target ≥ 1.00×)",
+                    policy.name(),
+                    ratio(rate(policy, 0, c), rate(policy, 0, 1))
+                ));
+            }
+        }
+        for h in HANDLER_US {
+            lines.push(format!(
+                "W7 1 consumer, {h} µs handler: exclusive / parallel {} (target ≥ 0.85×), ordered / parallel {} (target ≥ 0.90×)",
+                ratio(rate(Policy::Exclusive, h, 1), rate(Policy::Parallel, h, 1)),
+                ratio(rate(Policy::Ordered, h, 1), rate(Policy::Parallel, h, 1))
+            ));
+        }
+        lines
+    }
+
+    fn scaling_section(&self) -> String {
+        let mut md = String::from(
+            "## W7 scaling with competing consumers\n\n\
+             A backlog (60,000 messages produced by 2 producers in 100-message transactions, keys interleaved) drained \
+             by 1, 2, 4 and 8 consumers of one group at once, each a connection claiming 100 at a time with the previous \
+             claim's acks carried along and running its handler message by message. The handler sleeps 0 or 100 µs per \
+             message (a handler waiting on another service; the OS rounds the sleep up, the actual time is in the \
+             table). msg/s is the backlog over the time to its last handler. Server time is claim and ack_batch \
+             (`track_functions`) per message. Every run checks nothing lost, nothing run twice and, per key, no \
+             overlapping runs (ordered, exclusive) and no run before its predecessor (ordered).\n\n\
+             ![scaling](scaling.svg)\n\n\
+             | policy | keys | handler µs (actual) | 1 consumer | 2 | 4 | 8 | 4 / 1 | 8 / 1 | server µs/msg (1 → 8) | claims (empty) at 8 | missing | duplicates | order violations | overlaps |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        );
+        let mut groups: Vec<(Policy, usize, u64)> = Vec::new();
+        for s in &self.w7 {
+            if !groups.contains(&(s.policy, s.keys, s.handler_us)) {
+                groups.push((s.policy, s.keys, s.handler_us));
+            }
+        }
+        for (policy, keys, handler_us) in groups {
+            let runs: Vec<&Scaling> =
+                self.w7.iter().filter(|s| s.policy == policy && s.keys == keys && s.handler_us == handler_us).collect();
+            let at = |c: usize| runs.iter().find(|s| s.consumers == c);
+            let cell = |c: usize| at(c).map_or("".to_string(), |s| format!("{:.0}", s.rate));
+            let base = at(1).map_or(f64::NAN, |s| s.rate);
+            let scale = |c: usize| at(c).map_or("".to_string(), |s| ratio(s.rate, base));
+            let last = runs.iter().max_by_key(|s| s.consumers).copied();
+            let sum = |f: fn(&Scaling) -> usize| runs.iter().map(|s| f(s)).sum::<usize>();
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} ({:.0}) | {} | {} | {} | {} | {} | {} | {:.0} → {:.0} | {} | {} | {} | {} | {} |",
+                policy.name(),
+                if keys == 1 { "1 (hot key)".to_string() } else { keys.to_string() },
+                handler_us,
+                runs.iter().map(|s| s.handler_actual_us).fold(0.0, f64::max),
+                cell(1),
+                cell(2),
+                cell(4),
+                cell(8),
+                scale(4),
+                scale(8),
+                at(1).map_or(f64::NAN, |s| s.server_us_per_message),
+                last.map_or(f64::NAN, |s| s.server_us_per_message),
+                last.map_or("".to_string(), |s| format!("{} ({})", s.claims, s.empty_claims)),
+                sum(|s| s.missing),
+                sum(|s| s.duplicates),
+                sum(|s| s.order_violations),
+                sum(|s| s.overlaps),
+            );
+        }
+        md
+    }
+}
+
+/// W7: msg/s by consumers, one line per policy and handler cost (1,000 keys).
+fn scaling_plot(path: &Path, runs: &[Scaling]) -> Result<(), Box<dyn std::error::Error>> {
+    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let max = runs.iter().map(|s| s.rate).fold(0.0f64, f64::max).max(1.0) * 1.1;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("W7: messages per second by competing consumers (1,000 keys)", ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.5f64..8.5f64, 0f64..max)?;
+    chart.configure_mesh().x_desc("consumers").y_desc("msg/s").draw()?;
+    let mut i = 0;
+    for handler_us in HANDLER_US {
+        for policy in [Policy::Parallel, Policy::Ordered, Policy::Exclusive] {
+            let points: Vec<(f64, f64)> = CONSUMERS
+                .iter()
+                .filter_map(|c| {
+                    runs.iter()
+                        .find(|s| s.policy == policy && s.keys > 1 && s.handler_us == handler_us && s.consumers == *c)
+                        .map(|s| (*c as f64, s.rate))
+                })
+                .collect();
+            let color = Palette99::pick(i).to_rgba();
+            chart
+                .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
+                .label(format!("{} {handler_us} µs", policy.name()))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+            chart.draw_series(points.iter().map(|p| Circle::new(*p, 4, color.filled())))?;
+            i += 1;
+        }
+    }
+    chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
+    root.present()?;
+    Ok(())
 }
 
 fn throughput_table(rows: &[Throughput]) -> String {

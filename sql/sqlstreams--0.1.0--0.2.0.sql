@@ -4,8 +4,8 @@
 --
 -- What changes:
 -- - lanes: every message gets a lane (sqlstreams.lane: its key's hash, or blocks of ids), each
---   group a position and a hold per lane; claims of ordered and exclusive groups hold a lane at
---   a time, which replaces the per-key leases (message_key_lease_<id> is dropped). Ranges that
+--   group a position and a hold per lane; one claim at a time holds a lane for ordered and
+--   exclusive work, which replaces the per-key leases (message_key_lease_<id> is dropped). Ranges that
 --   were open before the upgrade keep working across lanes (lane NULL) until they resolve.
 -- - every stream's tables are migrated here and each stream records the version of its tables
 --   (stream.schema_version); the table family and partitions are created by SQL functions of
@@ -216,29 +216,52 @@ DECLARE
     size    bigint;
     through bigint;
     part    bigint;
+    timeout text;
 BEGIN
+    -- A fresh look first: another transaction may have added them since the caller read the
+    -- stream row, and then nothing is locked (a long producer transaction holding the stream
+    -- row would hold every producer back).
+    SELECT s.partitions_through INTO through FROM sqlstreams.stream s WHERE s.id = stream_id;
+    IF through > upto THEN
+        RETURN through;
+    END IF;
     IF wait THEN
         SELECT s.partition_size, s.partitions_through INTO size, through
-        FROM sqlstreams.stream s WHERE s.id = stream_id FOR UPDATE;
+        FROM sqlstreams.stream s WHERE s.id = stream_id FOR NO KEY UPDATE;
     ELSE
         -- Another transaction is creating partitions of this stream: leave it to that one.
         SELECT s.partition_size, s.partitions_through INTO size, through
-        FROM sqlstreams.stream s WHERE s.id = stream_id FOR UPDATE SKIP LOCKED;
+        FROM sqlstreams.stream s WHERE s.id = stream_id FOR NO KEY UPDATE SKIP LOCKED;
         IF NOT FOUND THEN
             RETURN NULL;
         END IF;
+        -- Ahead of need (claims, maintain): not even the log's lock is waited for (a manual
+        -- ANALYZE or index build of the log holds it); the next caller tries again.
+        timeout := current_setting('lock_timeout');
+        PERFORM set_config('lock_timeout', '1ms', true);
     END IF;
-    WHILE through <= upto LOOP
-        part := (through - 1) / size;
-        EXECUTE replace(replace(replace(replace($partition$
-            CREATE TABLE sqlstreams.message_log_@id@_p@part@
-                (LIKE sqlstreams.message_log_@id@ INCLUDING DEFAULTS INCLUDING CONSTRAINTS);
-            ALTER TABLE sqlstreams.message_log_@id@ ATTACH PARTITION sqlstreams.message_log_@id@_p@part@
-                FOR VALUES FROM (@from@) TO (@to@);
-        $partition$, '@id@', stream_id::text), '@part@', part::text),
-            '@from@', (part * size + 1)::text), '@to@', ((part + 1) * size + 1)::text);
-        through := (part + 1) * size + 1;
-    END LOOP;
+    BEGIN
+        WHILE through <= upto LOOP
+            part := (through - 1) / size;
+            EXECUTE replace(replace(replace(replace($partition$
+                CREATE TABLE sqlstreams.message_log_@id@_p@part@
+                    (LIKE sqlstreams.message_log_@id@ INCLUDING DEFAULTS INCLUDING CONSTRAINTS);
+                ALTER TABLE sqlstreams.message_log_@id@ ATTACH PARTITION sqlstreams.message_log_@id@_p@part@
+                    FOR VALUES FROM (@from@) TO (@to@);
+            $partition$, '@id@', stream_id::text), '@part@', part::text),
+                '@from@', (part * size + 1)::text), '@to@', ((part + 1) * size + 1)::text);
+            through := (part + 1) * size + 1;
+        END LOOP;
+    EXCEPTION WHEN lock_not_available THEN
+        IF wait THEN
+            RAISE;
+        END IF;
+        PERFORM set_config('lock_timeout', timeout, true);
+        RETURN NULL;
+    END;
+    IF NOT wait THEN
+        PERFORM set_config('lock_timeout', timeout, true);
+    END IF;
     UPDATE sqlstreams.stream s SET partitions_through = through
     WHERE s.id = stream_id AND s.partitions_through <> through;
     RETURN through;
@@ -416,9 +439,9 @@ COMMENT ON FUNCTION sqlstreams.produce(text, jsonb, text, text, boolean, text) I
     'Takes: the stream''s producer lock (shared) and a transaction id before the message id; the key''s '
     'compaction head row until commit.';
 COMMENT ON FUNCTION sqlstreams.claim(text, text, integer, interval, uuid, bigint[]) IS
-    'Returns the work a consumer may run now under one lease, from one lane: a claimed range and due '
-    'exception rows, in id order; run_after chains same-key rows. Takes: a free lane of the group '
-    '(never waiting for one) until commit. Call it in its own READ COMMITTED transaction; an idle call '
+    'Returns the work a consumer may run now under one lease: due exception rows and a claimed range '
+    'from each lane it takes, in id order; run_after chains same-key rows. Takes: free lanes of the '
+    'group (never waiting for one) until commit. Call it in its own READ COMMITTED transaction; an idle call '
     'writes nothing. ack_lease_token/ack_message_ids first record successes of an earlier claim (one '
     'round trip, one commit).';
 COMMENT ON FUNCTION sqlstreams.open_leases(text, text) IS 'Range, exception-row and lane leases a group holds now.';

@@ -25,7 +25,7 @@ use crate::clock;
 use crate::concurrency::Concurrency;
 use crate::cursor;
 use crate::error::{Result, StreamError};
-use crate::exception_queue::{self, Change, Expired, Held, Status};
+use crate::exception_queue::{self, Change, Expired, Held, Status, Waker};
 use crate::fence::{self, Fence};
 use crate::group::GroupRef;
 use crate::key_gate::{self, Candidate, GatherInput, Verdict};
@@ -33,7 +33,8 @@ use crate::lanes::{self, Lane};
 use crate::locks;
 use crate::message::{self, Message};
 use crate::names::{self, positive_micros, validate_name};
-use crate::outcome;
+use crate::notify;
+use crate::outcome::{self, Signal};
 use crate::partition;
 use crate::payload::RawJsonb;
 use crate::range::{self, RangeLease};
@@ -143,19 +144,20 @@ pub fn claim(
     }
     crate::commit::consumer_call(stream_name, group_name, |client, group| {
         let released = match carried {
-            Some(acks) => outcome::ack_in(client, group, acks.token, &acks.ids)?.released_lane,
-            None => None,
+            Some(acks) => outcome::ack_in(client, group, acks.token, &acks.ids, Signal::Later)?.released_lanes,
+            None => vec![],
         };
         let stream_id = group.stream.id;
         // The stored fence first, then the world (src/fence.rs): the order is the proof.
         let stored = cursor::read_fence(client, stream_id, group.id)?;
         let fence = advance_fence(client, stream_id, stored)?;
         let now = clock::now();
-        let (candidates, share) = lanes::candidates(client, group, fence.safe, now, released)?;
+        let (candidates, share) = lanes::candidates(client, group, fence.safe, now, released.first().copied())?;
         if fence != stored {
             cursor::store_fence(client, stream_id, group.id, fence)?;
         }
         if candidates.is_empty() {
+            signal_left(client, stream_id, &released, &[])?;
             return Ok(vec![]);
         }
         let claim = Claim {
@@ -172,8 +174,18 @@ pub fn claim(
             dead_on_expiry: vec![],
             resolved_keys: vec![],
         };
-        claim.run(client, fence.safe, &candidates, share)
+        let (deliveries, taken) = claim.run(client, fence.safe, &candidates, share)?;
+        signal_left(client, stream_id, &released, &taken)?;
+        Ok(deliveries)
     })
+}
+
+/// Signals idle consumers when the carried acks freed a lane this claim did not take back.
+fn signal_left(client: &SpiClient<'_>, stream_id: i64, released: &[i32], taken: &[i32]) -> Result<()> {
+    if released.iter().any(|lane| !taken.contains(lane)) {
+        notify::signal(client, stream_id)?;
+    }
+    Ok(())
 }
 
 /// The group's fence after a fresh reading of the world. The global bound is cheap; only when
@@ -189,7 +201,14 @@ fn advance_fence(client: &SpiClient<'_>, stream_id: i64, stored: Fence) -> Resul
 }
 
 impl Claim<'_> {
-    fn run(mut self, client: &SpiClient<'_>, safe: i64, candidates: &[i32], share: usize) -> Result<Vec<Delivery>> {
+    /// Runs the claim; returns its deliveries and the lanes it took.
+    fn run(
+        mut self,
+        client: &SpiClient<'_>,
+        safe: i64,
+        candidates: &[i32],
+        share: usize,
+    ) -> Result<(Vec<Delivery>, Vec<i32>)> {
         let stream_id = self.group.stream.id;
         for &candidate in candidates {
             let room = self.batch - self.work.len() as i32;
@@ -209,7 +228,7 @@ impl Claim<'_> {
             self.lanes.push(lane);
         }
         if self.lanes.is_empty() {
-            return Ok(vec![]);
+            return Ok((vec![], vec![]));
         }
         let head = cursor::sequence_head(client, stream_id, Access::Write)?;
         partition::ensure(client, &self.group.stream, head, partition::Need::Ahead)?;
@@ -257,13 +276,14 @@ impl Claim<'_> {
             range::lease(client, stream_id, self.group.id, &range, self.token, self.expires)?;
         }
         // Hold a lane while a key it handed out may need it: ordered and exclusive deliveries.
+        let taken: Vec<i32> = self.lanes.iter().map(|l| l.lane).collect();
         for lane in std::mem::take(&mut self.lanes) {
             let hold = holding.contains(&lane.lane).then_some((self.token, self.expires));
             lanes::store(client, self.group, lane, hold)?;
         }
         let keys = exception_queue::distinct_keys(&self.resolved_keys);
-        exception_queue::after_resolution(client, self.group, &keys, self.now)?;
-        Ok(deliveries)
+        exception_queue::after_resolution(client, self.group, &keys, self.now, Waker::Claim)?;
+        Ok((deliveries, taken))
     }
 
     /// A due isolated row, alone: the claim hands out nothing else with it, so a failure or an

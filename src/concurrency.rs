@@ -5,7 +5,7 @@
 use crate::error::{Result, StreamError};
 use crate::names::{self, quoted};
 
-/// Longest message key, in bytes. Keys are indexed (the exception queue, key leases, compaction
+/// Longest message key, in bytes. Keys are indexed (the exception queue, compaction
 /// heads), and a btree entry must stay well under Postgres' limit of about 2.7 kB; a key that
 /// passed produce must never make a later claim or outcome fail.
 pub const MAX_KEY_BYTES: usize = 1024;
@@ -15,7 +15,7 @@ pub const MAX_KEY_BYTES: usize = 1024;
 pub enum Concurrency {
     /// Same-key messages may run concurrently and out of order.
     Parallel,
-    /// One delivery per key at a time (a key lease); a later message may overtake a retry.
+    /// One delivery per key at a time (its lane's hold); a later message may overtake a retry.
     Exclusive,
     /// A message waits until every earlier same-key message is resolved.
     Ordered,

@@ -115,8 +115,8 @@ pub fn holds(group: &GroupRef) -> bool {
 /// Lanes with work that no other claim holds, best first, and how many of them one claim may
 /// take. A claim of a group that holds lanes takes at most its share (the lanes divided among
 /// the claims holding some now and itself), so a consumer that finds every lane with work
-/// leaves some for the next one; other groups take what fills the batch. `preferred` is the
-/// lane the caller's carried acks just released. Reads only.
+/// leaves some for the next one; other groups take what fills the batch. `preferred` is a lane
+/// the caller's carried acks just released. Reads only.
 pub fn candidates(
     client: &SpiClient<'_>,
     group: &GroupRef,
@@ -188,16 +188,13 @@ pub fn store(client: &SpiClient<'_>, group: &GroupRef, lane: Lane, hold: Option<
 }
 
 /// After outcomes under `token`: frees each lane it holds once everything it handed out there
-/// is resolved. Returns a lane freed.
-pub fn release(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid) -> Result<Option<i32>> {
+/// is resolved. Returns the lanes freed.
+pub fn release(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid) -> Result<Vec<i32>> {
     if !holds(group) {
-        return Ok(None);
+        return Ok(vec![]);
     }
     let rows = RELEASE.run(client, group.stream.id, &[group.id.into(), token.into()])?;
-    if rows.is_empty() {
-        return Ok(None);
-    }
-    rows.first().value("lane")
+    rows.map(|row| row.required("lane")).collect()
 }
 
 /// A new group's lanes, every one at position `claimed`.

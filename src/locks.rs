@@ -4,31 +4,34 @@
 //!
 //! **Claim** (`src/claim.rs`):
 //! 1. the outcomes it carries (`ack_lease_token`), complete, exactly as an outcome below;
-//! 2. the group's cursor row, `FOR UPDATE`: the only lock a claim ever waits for;
-//! 3. then, and only then, the clock and the fence bound (both are read after the wait);
-//! 4. exception rows, range rows and expired key-lease rows with `SKIP LOCKED`, and key locks
-//!    with a try-lock: a claim that holds the cursor row never waits for anything.
+//! 2. no lock at all for the fence: the stored fence is read, then the world (src/fence.rs);
+//!    the new fence is stored only if the cursor row is free (`SKIP LOCKED`);
+//! 3. the clock;
+//! 4. lane rows, exception rows and range rows with `SKIP LOCKED`; key locks with try-locks
+//!    (exclusive to park rows, shared to wake them); partitions ahead of the head only if
+//!    nobody else is creating them and the log's lock is free at once. A claim never waits
+//!    for a lock.
 //!
 //! **Outcome** (`ack`, `fail`, `delay`, `release`, `extend_lease`; `src/outcome.rs`,
 //! `src/lease.rs`):
 //! 1. the token lock (outcomes of one lease token run one at a time);
-//! 2. the token's exception rows, then its range row, then its key-lease rows;
+//! 2. the token's exception rows, then its range rows (`extend_lease`: then its lane rows);
 //! 3. the clock;
-//! 4. key locks, shared, in key order; then wake-ups (`SKIP LOCKED`).
+//! 4. key locks, shared, in key order; then wake-ups (`SKIP LOCKED`); then the token's lane
+//!    rows, to free the lanes whose work is resolved.
 //!
-//! Outcomes never touch the cursor row.
-//!
-//! **Why there is no deadlock.** A claim waits only for a cursor row, and the holder of a cursor
-//! row is a claim that waits for nothing more. An outcome waits for rows or key locks that a
-//! claim holds (which will commit without waiting) or for its own token's lock and rows, which
-//! every outcome of that token takes in the same order; key locks are only ever shared between
-//! outcomes. So no cycle of waits can form between claims and outcomes. (A caller who records
-//! outcomes of two tokens in one transaction, in opposite orders in two sessions, can deadlock
-//! like any two transactions updating two rows in opposite orders.)
+//! **Why there is no deadlock.** Claims never wait, so every wait is an outcome's, for a row or
+//! key lock that a claim holds (the claim commits without waiting) or for its own token's lock
+//! and rows, which every outcome of that token takes in the same order; key locks are only
+//! ever shared between outcomes. So no cycle of waits can form. (A caller who records outcomes
+//! of two tokens in one transaction, in opposite orders in two sessions, can deadlock like any
+//! two transactions updating two rows in opposite orders.)
 //!
 //! **Produce** takes the producer lock (shared), its transaction id, message ids, then the
-//! compaction-head rows of its keys in key order (`src/produce.rs`). **`maintain()`** takes
-//! cursor rows and expired key leases with `SKIP LOCKED`.
+//! compaction-head rows of its keys in key order (`src/produce.rs`); only a producer whose
+//! message id has no partition yet waits, for the stream row, behind another transaction
+//! creating that partition. **`maintain()`** takes cursor rows and expired lane holds with
+//! `SKIP LOCKED`.
 //!
 //! ## Which locks
 //!
@@ -127,10 +130,16 @@ pub fn keys_shared(group_id: i64, keys: &[String]) {
     }
 }
 
-/// A claim's key locks: exclusive, never waiting. Returns the keys this transaction now holds;
-/// a key another transaction holds (an outcome resolving it right now) is left out.
+/// A claim's key locks for parking: exclusive, never waiting. Returns the keys this transaction
+/// now holds; a key another transaction holds (an outcome resolving it right now) is left out.
 pub fn try_keys_exclusive(group_id: i64, keys: &[String]) -> Vec<String> {
     keys.iter().filter(|key| acquire(&key_tag(group_id, key), pg_sys::ExclusiveLock, false)).cloned().collect()
+}
+
+/// A claim's key locks for waking: shared, never waiting. Returns the keys this transaction now
+/// holds; a key another claim is parking right now is left out.
+pub fn try_keys_shared(group_id: i64, keys: &[String]) -> Vec<String> {
+    keys.iter().filter(|key| acquire(&key_tag(group_id, key), pg_sys::ShareLock, false)).cloned().collect()
 }
 
 #[cfg(test)]

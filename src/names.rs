@@ -101,15 +101,10 @@ impl<'a> Answer<'a> {
     }
 }
 
-/// Message ids from the claim result a call answers; `what` names the argument.
+/// Message ids from the claim result a call answers; `what` names the argument. NULL
+/// elements name no message and are ignored (as in 0.1.0).
 pub fn message_ids(what: &str, ids: Option<Vec<Option<i64>>>) -> Result<Vec<i64>> {
     let ids = required(what, ids, "from the claim result the call answers")?;
-    if let Some(position) = ids.iter().position(Option::is_none) {
-        return Err(StreamError::invalid(
-            format!("{what} has a NULL at position {}", position + 1),
-            format!("Pass only message ids from the claim result in {what}."),
-        ));
-    }
     Ok(ids.into_iter().flatten().collect())
 }
 

@@ -16,7 +16,7 @@ use crate::backoff;
 use crate::clock;
 use crate::commit::consumer_call;
 use crate::error::{Result, SqlResult, StreamError};
-use crate::exception_queue::{self, Setback, Status};
+use crate::exception_queue::{self, Setback, Status, Waker};
 use crate::group::GroupRef;
 use crate::lanes;
 use crate::locks;
@@ -29,35 +29,49 @@ use crate::range;
 pub struct Acked {
     /// The ids recorded, in order (an id whose lease was lost is left out).
     pub recorded: Vec<i64>,
-    /// The lane the token held, when these acks resolved the last of its work there.
-    pub released_lane: Option<i32>,
+    /// The lanes the token held where these acks resolved the last of its work.
+    pub released_lanes: Vec<i32>,
 }
 
 /// Records success for `ids` delivered under `token`; returns the ids that were recorded.
 pub fn ack(stream: &str, group_name: &str, token: pgrx::Uuid, ids: &[i64]) -> Result<Vec<i64>> {
-    consumer_call(stream, group_name, |client, group| Ok(ack_in(client, group, token, ids)?.recorded))
+    consumer_call(stream, group_name, |client, group| Ok(ack_in(client, group, token, ids, Signal::Now)?.recorded))
+}
+
+/// Whether freeing a lane signals idle consumers. A claim carrying acks may take the lanes it
+/// frees right back, so it signals itself only for the lanes it leaves (src/claim.rs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Signal {
+    Now,
+    Later,
 }
 
 /// What every outcome does once its rows are recorded: wakes the rows parked behind the keys it
-/// resolved, and frees the token's lane once nothing it handed out is left (other consumers are
-/// signalled). Returns the lane freed.
+/// resolved, and frees the token's lanes whose work is all resolved. Returns the lanes freed.
 pub(crate) fn settle(
     client: &SpiClient<'_>,
     group: &GroupRef,
     token: pgrx::Uuid,
     keys: &[String],
     now: i64,
-) -> Result<Option<i32>> {
-    exception_queue::after_resolution(client, group, keys, now)?;
+    signal: Signal,
+) -> Result<Vec<i32>> {
+    exception_queue::after_resolution(client, group, keys, now, Waker::Outcome)?;
     let released = lanes::release(client, group, token)?;
-    if released.is_some() {
+    if !released.is_empty() && signal == Signal::Now {
         notify::signal(client, group.stream.id)?;
     }
     Ok(released)
 }
 
 /// `ack` inside an open SPI connection (a claim carrying acks uses it too).
-pub fn ack_in(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid, ids: &[i64]) -> Result<Acked> {
+pub fn ack_in(
+    client: &SpiClient<'_>,
+    group: &GroupRef,
+    token: pgrx::Uuid,
+    ids: &[i64],
+    signal: Signal,
+) -> Result<Acked> {
     locks::token(token);
     let stream_id = group.stream.id;
     let mut done = exception_queue::succeed(client, group, token, ids)?;
@@ -67,10 +81,11 @@ pub fn ack_in(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid, ids: 
         ranges.store(client, stream_id, group.id)?;
     }
     let keys = exception_queue::distinct_keys(done.iter().map(|(_, k)| k));
-    let released_lane = if done.is_empty() { None } else { settle(client, group, token, &keys, clock::now())? };
+    let released_lanes =
+        if done.is_empty() { vec![] } else { settle(client, group, token, &keys, clock::now(), signal)? };
     let mut recorded: Vec<i64> = done.into_iter().map(|(id, _)| id).collect();
     recorded.sort_unstable();
-    Ok(Acked { recorded, released_lane })
+    Ok(Acked { recorded, released_lanes })
 }
 
 /// Which outcome a setback answers.
@@ -128,7 +143,7 @@ fn record_setback(
             exception_queue::defer_chain(client, group, token, key, id, until, &mut ranges, now)?;
         }
         ranges.store(client, stream_id, group.id)?;
-        settle(client, group, token, &exception_queue::distinct_keys([&key]), now)?;
+        settle(client, group, token, &exception_queue::distinct_keys([&key]), now, Signal::Now)?;
         Ok(Some(setback.status()))
     })
 }

@@ -142,8 +142,8 @@ pub fn hand_out(held: &Held, message_id: i64, attempts: i32, token: pgrx::Uuid, 
     })
 }
 
-/// It must wait (its key is leased, or an earlier message of its key is unresolved): a range
-/// message becomes `deferred`; a row keeps its status (a retry stays `ready`) and waits. Parked
+/// It must wait (its key is in flight elsewhere, or an earlier message of its key is
+/// unresolved): a range message becomes `deferred`; a row keeps its status (a retry stays `ready`) and waits. Parked
 /// rows wait until `until` unless a resolution of their key wakes them first.
 pub fn defer_behind(held: &Held, c: &Candidate, attempts: i32, until: i64, parked: bool) -> Change {
     match held {
@@ -231,8 +231,8 @@ const DEFER_CHAIN_ROWS: Statement = Statement {
 
 /// A chained row failed or was delayed: the rest of its chain (the later gated rows of its key
 /// under the same token, in the queue and in the range) becomes `deferred` without running.
-/// Ordered ones wait for the failed row (`ordered_until`); exclusive ones only for the key,
-/// which `after_resolution` releases.
+/// Ordered ones wait for the failed row (`ordered_until`); exclusive ones only until the failed
+/// row's retry is recorded (they are due at once and wait for the key in the next claim's gate).
 #[allow(clippy::too_many_arguments)]
 pub fn defer_chain(
     client: &SpiClient<'_>,
@@ -340,7 +340,7 @@ pub fn succeed(
 }
 
 /// Wakes, per key, the parked rows that may run once the key's last resolution is recorded: an
-/// exclusive row always (it only needs the key lease), an ordered row only when no unparked
+/// exclusive row always (it only needs its key free), an ordered row only when no unparked
 /// ready or inflight row of its key precedes it. At most `$4` rows per key, in id order, which
 /// is what one claim can chain. Rows a claim holds are skipped: that claim is deciding them and
 /// sees this resolution (src/key_gate.rs, "Parking and wake-ups").
@@ -374,24 +374,45 @@ const WAKE: Statement = Statement {
 /// Rows one claim can chain per key; also the wake batch.
 pub const WAKE_PER_KEY: i32 = 1000;
 
+/// Who wakes parked rows, and so how it takes the keys' locks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Waker {
+    /// An outcome: waits for a claim that is parking one of the keys to commit.
+    Outcome,
+    /// A claim, which never waits: a key another claim is parking right now is left alone. That
+    /// claim's rows of the key are parked until their blocker could clear on its own (an
+    /// expired lease: at once), so the next claim looks at them again.
+    Claim,
+}
+
 /// After messages of `keys` resolved (by outcomes, or by a claim itself): wakes the rows parked
 /// behind those keys, and signals idle consumers when a row woke.
-pub fn after_resolution(client: &SpiClient<'_>, group: &GroupRef, keys: &[String], now: i64) -> Result<()> {
-    if keys.is_empty() {
+pub fn after_resolution(
+    client: &SpiClient<'_>,
+    group: &GroupRef,
+    keys: &[String],
+    now: i64,
+    waker: Waker,
+) -> Result<()> {
+    if keys.is_empty() || !group.may_park() {
         return Ok(());
     }
     let stream_id = group.stream.id;
-    if group.may_park() {
-        // Before anything is woken (src/key_gate.rs, "Parking and wake-ups").
-        locks::keys_shared(group.id, keys);
-        let woken = WAKE.run(
-            client,
-            stream_id,
-            &[group.id.into(), keys.to_vec().into(), statement::timestamptz(now), WAKE_PER_KEY.into()],
-        )?;
-        if !woken.is_empty() {
-            notify::signal(client, stream_id)?;
+    // Before anything is woken (src/key_gate.rs, "Parking and wake-ups").
+    let keys = match waker {
+        Waker::Outcome => {
+            locks::keys_shared(group.id, keys);
+            keys.to_vec()
         }
+        Waker::Claim => locks::try_keys_shared(group.id, keys),
+    };
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let woken =
+        WAKE.run(client, stream_id, &[group.id.into(), keys.into(), statement::timestamptz(now), WAKE_PER_KEY.into()])?;
+    if !woken.is_empty() {
+        notify::signal(client, stream_id)?;
     }
     Ok(())
 }

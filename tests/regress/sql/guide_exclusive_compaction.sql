@@ -1,7 +1,7 @@
 -- The ordering guide's other two examples: the exclusive 101/102 reorder and the compaction 102/103
 -- supersession; and the refusal of ordered + compaction.
 SELECT sqlstreams.drop_stream('ledger.adjustments');
--- Claims and acks until the group has nothing left (a claim works in one lane at a time);
+-- Claims and acks until the group has nothing left (a lane another claim holds waits);
 -- returns the group's committed cursor.
 CREATE FUNCTION pg_temp.drain(stream text, grp text) RETURNS bigint LANGUAGE plpgsql AS $$
 DECLARE

@@ -18,7 +18,7 @@ DECLARE
     token uuid;
     ids bigint[];
 BEGIN
-    LOOP  -- a claim works in one lane: claim until every lane is drained
+    LOOP  -- a lane another claim holds waits: claim until every lane is drained
         SELECT min(lease_token::text)::uuid, array_agg(message_id) INTO token, ids
         FROM sqlstreams.claim('ledger.adjustments', 'apply-balance', 100);
         EXIT WHEN token IS NULL;

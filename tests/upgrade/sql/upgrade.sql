@@ -5,7 +5,7 @@ SELECT extversion FROM pg_extension WHERE extname = 'sqlstreams';
 SELECT id, name, schema_version FROM sqlstreams.streams ORDER BY id;
 
 -- Claims every lane until nothing is left, acking each claim's rows; returns what ran, with the
--- claim it came from (a claim works in one lane) and its run_after.
+-- claim it came from and its run_after.
 CREATE FUNCTION drain(stream text, grp text)
 RETURNS TABLE (claim integer, message_id bigint, message_key text, attempt integer, run_after bigint)
 LANGUAGE plpgsql AS $$

@@ -181,6 +181,8 @@ BEGIN
             message_id      bigint      NOT NULL,
             expires_at      timestamptz NOT NULL
         );
+        -- The exception queue is a visible table (docs/sql-api.md): readable by admins and monitors.
+        GRANT SELECT ON sqlstreams.exception_queue_@id@ TO sqlstreams_admin, pg_monitor;
     $family$, '@id@', stream_id::text);
     -- The first partition; claims and maintain() add the next ones ahead of the head.
     PERFORM sqlstreams.add_partitions(stream_id, 1, true);
@@ -268,6 +270,38 @@ BEGIN
 END
 $function$;
 
+----------------------------------------------------------------------------------------------
+-- Roles and grants (src/access.rs): functions are granted to three roles, never to PUBLIC,
+-- and what a role may touch is granted per stream. Roles belong to the cluster: the first
+-- database to install the extension creates them, later ones reuse them, and DROP EXTENSION
+-- leaves them.
+----------------------------------------------------------------------------------------------
+
+DO $roles$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'sqlstreams_admin') THEN
+        CREATE ROLE sqlstreams_admin NOLOGIN;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'sqlstreams_producer') THEN
+        CREATE ROLE sqlstreams_producer NOLOGIN;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'sqlstreams_consumer') THEN
+        CREATE ROLE sqlstreams_consumer NOLOGIN;
+    END IF;
+END
+$roles$;
+
+-- Who may produce to a stream, or consume as one of its groups (every group when group_name
+-- is NULL). Granted and revoked with sqlstreams.grant_stream / revoke_stream.
+CREATE TABLE sqlstreams.stream_grant (
+    stream_id  bigint      NOT NULL REFERENCES sqlstreams.stream (id) ON DELETE CASCADE,
+    grantee    oid         NOT NULL,
+    privilege  text        NOT NULL CHECK (privilege IN ('produce', 'consume')),
+    group_name text        CHECK (group_name IS NULL OR privilege = 'consume'),
+    granted_at timestamptz NOT NULL DEFAULT now(),
+    UNIQUE NULLS NOT DISTINCT (stream_id, grantee, privilege, group_name)
+);
+
 -- Every existing stream's tables, from 0.1.0 to 0.2.0.
 DO $migrate$
 DECLARE
@@ -308,8 +342,8 @@ BEGIN
             -- Exception rows: isolated (quarantine), and their message's lane.
             ALTER TABLE sqlstreams.exception_queue_@id@ ADD COLUMN isolated boolean NOT NULL DEFAULT false;
             ALTER TABLE sqlstreams.exception_queue_@id@ ADD COLUMN lane integer;
-            UPDATE sqlstreams.exception_queue_@id@ e SET lane = m.lane
-            FROM sqlstreams.message_log_@id@ m WHERE m.id = e.message_id;
+            UPDATE sqlstreams.exception_queue_@id@ SET lane = sqlstreams.lane(message_key, message_id, @lanes@);
+            GRANT SELECT ON sqlstreams.exception_queue_@id@ TO sqlstreams_admin, pg_monitor;
             ALTER TABLE sqlstreams.exception_queue_@id@ ALTER COLUMN lane SET NOT NULL;
             DROP INDEX sqlstreams.exception_queue_@id@_due_idx;
             DROP INDEX sqlstreams.exception_queue_@id@_inflight_idx;
@@ -410,13 +444,95 @@ LANGUAGE c AS 'MODULE_PATHNAME', 'stream_channel_wrapper'
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;
 
-CREATE OR REPLACE VIEW sqlstreams.streams AS
+-- Access (src/access.rs, src/lease.rs)
+CREATE FUNCTION sqlstreams.grant_stream(stream text, role text, privilege text, group_name text DEFAULT NULL)
+RETURNS boolean
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'grant_stream_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+CREATE FUNCTION sqlstreams.revoke_stream(stream text, role text, privilege text, group_name text DEFAULT NULL)
+RETURNS boolean
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'revoke_stream_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+CREATE FUNCTION sqlstreams.visible(stream_id bigint, group_name text DEFAULT NULL)
+RETURNS boolean
+STABLE PARALLEL SAFE COST 1
+LANGUAGE c AS 'MODULE_PATHNAME', 'visible_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+CREATE FUNCTION sqlstreams.break_lease(stream text, group_name text, lease_token uuid)
+RETURNS boolean
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'break_lease_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+-- The views show only what the querying role may see.
+DROP VIEW sqlstreams.consumer_groups;
+DROP VIEW sqlstreams.streams;
+CREATE VIEW sqlstreams.streams WITH (security_barrier) AS
 SELECT s.id, s.name, s.partition_size, s.idempotency_ttl, s.created_at,
        sqlstreams.stream_head(s.id) AS head,
        s.schema_version,
        sqlstreams.stream_channel(s.id) AS channel,
        s.lanes
-FROM sqlstreams.stream s;
+FROM sqlstreams.stream s
+WHERE sqlstreams.visible(s.id);
+
+CREATE VIEW sqlstreams.consumer_groups WITH (security_barrier) AS
+SELECT g.id, g.stream_id, s.name AS stream, g.name, g.concurrency_override, g.max_retries,
+       g.backoff_base, g.backoff_cap, g.backoff_exponent, g.max_delays, g.max_reclaims, g.created_at,
+       p.claimed, p.committed, p.head, p.lag, p.open_ranges, p.ready, p.inflight, p.deferred, p.dead,
+       p.superseded
+FROM sqlstreams.consumer_group g
+JOIN sqlstreams.stream s ON s.id = g.stream_id
+CROSS JOIN LATERAL sqlstreams.group_status(s.name, g.name) p
+WHERE sqlstreams.visible(s.id, g.name);
+
+----------------------------------------------------------------------------------------------
+-- Privileges: nothing to PUBLIC; each role gets the functions of its part.
+----------------------------------------------------------------------------------------------
+
+REVOKE ALL ON sqlstreams.stream, sqlstreams.consumer_group, sqlstreams.stream_grant FROM PUBLIC;
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA sqlstreams FROM PUBLIC;
+GRANT USAGE ON SCHEMA sqlstreams TO sqlstreams_admin, sqlstreams_producer, sqlstreams_consumer, pg_monitor;
+GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA sqlstreams TO sqlstreams_admin;
+REVOKE EXECUTE ON FUNCTION sqlstreams.create_stream_tables(bigint), sqlstreams.drop_stream_tables(bigint),
+    sqlstreams.add_partitions(bigint, bigint, boolean) FROM sqlstreams_admin;
+GRANT SELECT ON sqlstreams.streams, sqlstreams.consumer_groups
+    TO sqlstreams_admin, sqlstreams_producer, sqlstreams_consumer, pg_monitor;
+GRANT EXECUTE ON FUNCTION
+    sqlstreams.lane(text, bigint, integer),
+    sqlstreams.visible(bigint, text),
+    sqlstreams.stream_head(bigint),
+    sqlstreams.stream_channel(bigint)
+    TO sqlstreams_producer, sqlstreams_consumer, pg_monitor;
+GRANT EXECUTE ON FUNCTION
+    sqlstreams.produce(text, jsonb, text, text, boolean, text),
+    sqlstreams.produce_batch(text, jsonb[], text[], text, boolean)
+    TO sqlstreams_producer;
+GRANT EXECUTE ON FUNCTION
+    sqlstreams.create_group(text, text, text, integer, text, interval, interval, double precision, integer, integer),
+    sqlstreams.claim(text, text, integer, interval, uuid, bigint[]),
+    sqlstreams.ack(text, text, uuid, bigint),
+    sqlstreams.ack_batch(text, text, uuid, bigint[]),
+    sqlstreams.fail(text, text, uuid, bigint, text, boolean, interval),
+    sqlstreams.delay(text, text, uuid, bigint, interval),
+    sqlstreams.extend_lease(text, text, uuid, interval),
+    sqlstreams.release(text, text, uuid, bigint[])
+    TO sqlstreams_consumer;
+GRANT EXECUTE ON FUNCTION
+    sqlstreams.group_status(text, text),
+    sqlstreams.blocked_keys(text, text),
+    sqlstreams.dead_messages(text, text),
+    sqlstreams.open_leases(text, text)
+    TO sqlstreams_consumer, pg_monitor;
 
 
 COMMENT ON VIEW sqlstreams.streams IS
@@ -449,3 +565,18 @@ COMMENT ON FUNCTION sqlstreams.stream_channel(bigint) IS 'The channel a stream''
 COMMENT ON FUNCTION sqlstreams.maintain() IS
     'Housekeeping for every stream: partitions ahead of the head, expired idempotency keys, groups'' '
     'claimed and committed cursors, expired lane holds. Idempotent; run it from cron at any frequency.';
+COMMENT ON TABLE sqlstreams.stream_grant IS
+    'Who may produce to a stream or consume as its groups; managed with grant_stream and revoke_stream.';
+COMMENT ON FUNCTION sqlstreams.grant_stream(text, text, text, text) IS
+    'Lets a role produce to a stream (''produce'') or consume as one of its groups (''consume'', every group '
+    'when group_name is NULL); the role also needs sqlstreams_producer or sqlstreams_consumer. Admins only.';
+COMMENT ON FUNCTION sqlstreams.revoke_stream(text, text, text, text) IS
+    'Takes back one grant_stream grant; false when there was none. Admins only.';
+COMMENT ON FUNCTION sqlstreams.visible(bigint, text) IS
+    'Whether the calling role may see a stream (any grant on it) or one of its groups (a consume grant): '
+    'the filter of the sqlstreams.streams and sqlstreams.consumer_groups views.';
+COMMENT ON FUNCTION sqlstreams.break_lease(text, text, uuid) IS
+    'Ends every lease under a token now (range, exception rows, lane holds), so the next claim takes the '
+    'work over; false when the token holds nothing. Admins only.';
+COMMENT ON VIEW sqlstreams.consumer_groups IS
+    'Every consumer group with its settings, cursor (claimed, committed), lag and exception-queue counts.';

@@ -484,7 +484,8 @@ fn claim_sql(
             .into())
         }
     };
-    let lease_micros = positive_micros("lease", lease.map(|l| l.as_micros()), "'30 seconds'")?;
+    let lease_micros =
+        crate::settings::check_lease("lease", positive_micros("lease", lease.map(|l| l.as_micros()), "'30 seconds'")?)?;
     let carried = match (ack_lease_token, ack_message_ids) {
         (Some(token), ids @ Some(_)) => Some(CarriedAcks { token, ids: names::message_ids("ack_message_ids", ids)? }),
         (None, None) => None,

@@ -22,9 +22,11 @@ use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
-use crate::error::Result;
+use crate::access::{self, Right};
+use crate::error::{Result, StreamError};
 use crate::group::{self, GroupRef};
 use crate::statement::Access;
+use pgrx::pg_sys::panic::ErrorReport;
 
 /// What this transaction's consumer calls have seen of its WAL.
 #[derive(Clone, Copy, Default)]
@@ -50,8 +52,8 @@ pub fn init() {
     unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) }
 }
 
-/// Runs a consumer call on group `group_name` of `stream`: looks the group up, runs `f`, and
-/// notes whether anything else wrote before the call and where the WAL stands after it.
+/// Runs a consumer call on group `group_name` of `stream`: looks the group up, checks the
+/// caller's right to consume as it (src/access.rs), runs `f` as the owner, and notes whether anything else wrote before the call and where the WAL stands after it.
 pub fn consumer_call<T>(
     stream: &str,
     group_name: &str,
@@ -62,9 +64,12 @@ pub fn consumer_call<T>(
     let in_block = unsafe { pg_sys::IsTransactionBlock() };
     bracket.mixed |= in_block || wal_position() != bracket.after_last_call.unwrap_or(0);
     BRACKET.set(bracket);
-    let result = Spi::connect_mut(|client| {
-        let group = group::lookup(client, stream, group_name, Access::Write)?;
-        f(client, &group)
+    let result = access::as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            let group = group::lookup(client, stream, group_name, Access::Write)?;
+            caller.require(client, group.stream.id, stream, Right::Consume(group_name))?;
+            f(client, &group)
+        })
     })?;
     BRACKET.set(Bracket { after_last_call: Some(wal_position()), ..BRACKET.get() });
     Ok(result)
@@ -80,11 +85,24 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
                 relax();
             }
         }
+        XACT_EVENT_PRE_PREPARE if crate::notify::pending() => {
+            // Postgres refuses it too, with a message that does not say what to do.
+            ErrorReport::from(StreamError::WrongTransactionState {
+                message: "a transaction that called sqlstreams cannot be prepared while it notifies consumers".into(),
+                hint: "Run SET LOCAL sqlstreams.notify = off before the first sqlstreams call of a transaction \
+                       you will PREPARE; consumers then find its messages when they poll."
+                    .into(),
+            })
+            .report(pgrx::PgLogLevel::ERROR);
+        }
         XACT_EVENT_COMMIT
         | XACT_EVENT_ABORT
         | XACT_EVENT_PREPARE
         | XACT_EVENT_PARALLEL_COMMIT
-        | XACT_EVENT_PARALLEL_ABORT => BRACKET.set(Bracket::default()),
+        | XACT_EVENT_PARALLEL_ABORT => {
+            BRACKET.set(Bracket::default());
+            crate::notify::forget();
+        }
         _ => {}
     }
 }

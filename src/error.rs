@@ -6,15 +6,20 @@
 use pgrx::pg_sys::errcodes::PgSqlErrorCode;
 use pgrx::pg_sys::panic::ErrorReport;
 
+use crate::names::{named, quoted};
+
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
-    #[error("stream \"{0}\" does not exist")]
+    #[error("stream {} does not exist", named(.0))]
     UnknownStream(String),
 
     #[error("no stream has id {0}")]
     UnknownStreamId(i64),
 
-    #[error("consumer group \"{group}\" does not exist on stream \"{stream}\"")]
+    #[error("role {} does not exist", named(.0))]
+    UnknownRole(String),
+
+    #[error("consumer group {} does not exist on stream {}", named(group), named(stream))]
     UnknownGroup { stream: String, group: String },
 
     /// A bad argument. `hint` says what to do instead.
@@ -29,6 +34,10 @@ pub enum StreamError {
     /// Something must be done first (for example `ALTER EXTENSION sqlstreams UPDATE`).
     #[error("{message}")]
     WrongPrerequisite { message: String, hint: String },
+
+    /// The caller's role lacks a right (docs/sql-api.md, "Roles and grants").
+    #[error("{message}")]
+    PermissionDenied { message: String, hint: String },
 
     /// A broken invariant of the extension itself (a bug, never the caller's doing).
     #[error("internal error: {0}")]
@@ -47,12 +56,14 @@ impl StreamError {
 
     fn sqlstate(&self) -> PgSqlErrorCode {
         match self {
-            StreamError::UnknownStream(_) | StreamError::UnknownStreamId(_) | StreamError::UnknownGroup { .. } => {
-                PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT
-            }
+            StreamError::UnknownStream(_)
+            | StreamError::UnknownStreamId(_)
+            | StreamError::UnknownRole(_)
+            | StreamError::UnknownGroup { .. } => PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT,
             StreamError::InvalidArgument { .. } => PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
             StreamError::WrongTransactionState { .. } => PgSqlErrorCode::ERRCODE_INVALID_TRANSACTION_STATE,
             StreamError::WrongPrerequisite { .. } => PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            StreamError::PermissionDenied { .. } => PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
             StreamError::Internal(_) | StreamError::Spi(_) => PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
         }
     }
@@ -60,15 +71,20 @@ impl StreamError {
     fn hint(&self) -> Option<String> {
         match self {
             StreamError::UnknownStream(name) => Some(format!(
-                "Create it first with sqlstreams.create_stream('{name}'), or check the name in sqlstreams.streams."
+                "Create it first with sqlstreams.create_stream({}), or check the name in sqlstreams.streams.",
+                quoted(Some(name))
             )),
             StreamError::UnknownStreamId(_) => Some("Look the stream's id up in sqlstreams.streams.".into()),
+            StreamError::UnknownRole(_) => Some("Create the role first (CREATE ROLE), or check its name.".into()),
             StreamError::UnknownGroup { stream, group } => Some(format!(
-                "Create it first with sqlstreams.create_group('{stream}', '{group}'), or check the name in sqlstreams.consumer_groups."
+                "Create it first with sqlstreams.create_group({}, {}), or check the name in sqlstreams.consumer_groups.",
+                quoted(Some(stream)),
+                quoted(Some(group))
             )),
             StreamError::InvalidArgument { hint, .. }
             | StreamError::WrongTransactionState { hint, .. }
-            | StreamError::WrongPrerequisite { hint, .. } => Some(hint.clone()),
+            | StreamError::WrongPrerequisite { hint, .. }
+            | StreamError::PermissionDenied { hint, .. } => Some(hint.clone()),
             StreamError::Internal(_) | StreamError::Spi(_) => None,
         }
     }

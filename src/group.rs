@@ -4,6 +4,7 @@ use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
+use crate::access::{self, Right};
 use crate::backoff::Backoff;
 use crate::concurrency::Concurrency;
 use crate::error::{Result, SqlResult, StreamError};
@@ -132,48 +133,56 @@ pub struct GroupSettings {
 }
 
 /// Creates the group (placing its cursor) or updates the settings of the existing one.
-pub fn create(stream: &str, name: &str, settings: &GroupSettings) -> Result<i64> {
-    Spi::connect_mut(|client| {
-        let stream = stream::lookup(client, stream)?;
-        let row = UPSERT
-            .run(
-                client,
-                0,
-                &[
-                    stream.id.into(),
-                    name.into(),
-                    settings.concurrency_override.map(Concurrency::as_str).into(),
-                    settings.max_retries.into(),
-                    settings.backoff.base_micros.into(),
-                    settings.backoff.cap_micros.into(),
-                    settings.backoff.exponent.into(),
-                    settings.max_delays.into(),
-                    settings.max_reclaims.into(),
-                ],
-            )?
-            .first();
-        let id: i64 = row.required("id")?;
-        let created: bool = row.required("created")?;
-        if created {
-            let start: i64 = PLACE_CURSOR
-                .run(client, stream.id, &[id.into(), (settings.start_at == StartAt::Head).into()])?
-                .first()
-                .required("claimed")?;
-            lanes::create(client, stream.id, id, stream.lanes, start)?;
-        }
-        Ok(id)
+pub fn create(stream_name: &str, name: &str, settings: &GroupSettings) -> Result<i64> {
+    access::as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            let stream = stream::lookup(client, stream_name)?;
+            caller.require(client, stream.id, stream_name, Right::Consume(name))?;
+            let row = UPSERT
+                .run(
+                    client,
+                    0,
+                    &[
+                        stream.id.into(),
+                        name.into(),
+                        settings.concurrency_override.map(Concurrency::as_str).into(),
+                        settings.max_retries.into(),
+                        settings.backoff.base_micros.into(),
+                        settings.backoff.cap_micros.into(),
+                        settings.backoff.exponent.into(),
+                        settings.max_delays.into(),
+                        settings.max_reclaims.into(),
+                    ],
+                )?
+                .first();
+            let id: i64 = row.required("id")?;
+            let created: bool = row.required("created")?;
+            if created {
+                let start: i64 = PLACE_CURSOR
+                    .run(client, stream.id, &[id.into(), (settings.start_at == StartAt::Head).into()])?
+                    .first()
+                    .required("claimed")?;
+                lanes::create(client, stream.id, id, stream.lanes, start)?;
+            }
+            Ok(id)
+        })
     })
 }
 
 /// Drops a group with its cursor, leases and exception rows. False when it does not exist.
 pub fn drop(stream: &str, name: &str) -> Result<bool> {
-    Spi::connect_mut(|client| match lookup(client, stream, name, Access::Write) {
-        Ok(group) => {
-            DELETE.run(client, group.stream.id, &[group.id.into()])?;
-            Ok(true)
-        }
-        Err(StreamError::UnknownGroup { .. }) => Ok(false),
-        Err(other) => Err(other),
+    access::as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            caller.require_admin(client, "drop consumer groups")?;
+            match lookup(client, stream, name, Access::Write) {
+                Ok(group) => {
+                    DELETE.run(client, group.stream.id, &[group.id.into()])?;
+                    Ok(true)
+                }
+                Err(StreamError::UnknownGroup { .. }) => Ok(false),
+                Err(other) => Err(other),
+            }
+        })
     })
 }
 

@@ -5,8 +5,9 @@ use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
 
-use pgrx::spi::SpiHeapTupleData;
+use pgrx::spi::{SpiClient, SpiHeapTupleData};
 
+use crate::access::{self, Caller, Right};
 use crate::cursor::{self, claimed_now, committed_now, head_sql};
 use crate::error::{Result, StreamError};
 use crate::exception_queue::unresolved;
@@ -83,10 +84,17 @@ const LEASES: Statement = Statement {
 };
 
 /// The group named by a call's arguments.
-fn resolve(stream: Option<&str>, group_name: Option<&str>) -> Result<GroupRef> {
+fn resolve(
+    client: &SpiClient<'_>,
+    caller: &Caller,
+    stream: Option<&str>,
+    group_name: Option<&str>,
+) -> Result<GroupRef> {
     let stream = validate_name("stream", stream)?;
     let group_name = validate_name("group", group_name)?;
-    Spi::connect(|client| group::lookup(client, stream, group_name, Access::Read))
+    let group = group::lookup(client, stream, group_name, Access::Read)?;
+    caller.require(client, group.stream.id, stream, Right::Inspect(group_name))?;
+    Ok(group)
 }
 
 /// Runs a read-only per-group listing and decodes each row: the body every inspection function
@@ -97,9 +105,11 @@ fn list<T>(
     statement: &Statement,
     decode: impl Fn(&SpiHeapTupleData<'_>) -> Result<T>,
 ) -> Result<Vec<T>> {
-    let group = resolve(stream, group_name)?;
-    Spi::connect(|client| {
-        statement.read(client, group.stream.id, &[group.id.into()])?.map(|row| decode(&row)).collect()
+    access::as_owner(|caller| {
+        Spi::connect(|client| {
+            let group = resolve(client, caller, stream, group_name)?;
+            statement.read(client, group.stream.id, &[group.id.into()])?.map(|row| decode(&row)).collect()
+        })
     })
 }
 
@@ -279,17 +289,21 @@ fn open_leases(
 
 const STREAM_EXISTS: Statement = Statement {
     name: "inspect_stream_exists",
-    sql: "SELECT EXISTS (SELECT 1 FROM sqlstreams.stream WHERE id = $1) AS found",
+    sql: "SELECT (SELECT name FROM sqlstreams.stream WHERE id = $1) AS name",
     params: &[INT8OID],
 };
 
 /// The highest message id handed out on a stream (0 when none), by stream id.
 #[pg_extern(stable, parallel_safe)]
 fn stream_head(stream_id: i64) -> std::result::Result<i64, ErrorReport> {
-    Ok(Spi::connect(|client| {
-        if !STREAM_EXISTS.read(client, 0, &[stream_id.into()])?.first().required::<bool>("found")? {
-            return Err(StreamError::UnknownStreamId(stream_id));
-        }
-        cursor::sequence_head(client, stream_id, Access::Read)
+    Ok(access::as_owner(|caller| {
+        Spi::connect(|client| {
+            let row = STREAM_EXISTS.read(client, 0, &[stream_id.into()])?.first();
+            let Some(name) = row.value::<String>("name")? else {
+                return Err(StreamError::UnknownStreamId(stream_id));
+            };
+            caller.require(client, stream_id, &name, Right::Observe)?;
+            cursor::sequence_head(client, stream_id, Access::Read)
+        })
     })?)
 }

@@ -8,15 +8,20 @@
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
 
+use pgrx::spi::SpiClient;
+
+use crate::access;
 use crate::clock;
 use crate::commit::consumer_call;
 use crate::error::{Result, SqlResult};
 use crate::exception_queue;
+use crate::group::{self, GroupRef};
 use crate::locks;
 use crate::names::{self, positive_micros, Answer};
+use crate::notify;
 use crate::outcome;
 use crate::range;
-use crate::statement::{self, Columns, Statement};
+use crate::statement::{self, Access, Columns, Statement};
 
 /// Locks everything `token` holds, so the new expiry is computed after any wait for it.
 const LOCK_HELD: Statement = Statement {
@@ -45,15 +50,33 @@ const EXTEND: Statement = Statement {
 
 /// Moves every expiry under `token` to now + `lease`; false when nothing is held any more.
 pub fn extend(stream: &str, group_name: &str, token: pgrx::Uuid, lease_micros: i64) -> Result<bool> {
-    consumer_call(stream, group_name, |client, group| {
-        locks::token(token);
-        LOCK_HELD.run(client, group.stream.id, &[group.id.into(), token.into()])?;
-        let expires = clock::now().saturating_add(lease_micros);
-        let held: i64 = EXTEND
-            .run(client, group.stream.id, &[group.id.into(), token.into(), statement::timestamptz(expires)])?
-            .first()
-            .required("held")?;
-        Ok(held > 0)
+    consumer_call(stream, group_name, |client, group| set_expiry(client, group, token, lease_micros))
+}
+
+fn set_expiry(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid, lease_micros: i64) -> Result<bool> {
+    locks::token(token);
+    LOCK_HELD.run(client, group.stream.id, &[group.id.into(), token.into()])?;
+    let expires = clock::now().saturating_add(lease_micros);
+    let held: i64 = EXTEND
+        .run(client, group.stream.id, &[group.id.into(), token.into(), statement::timestamptz(expires)])?
+        .first()
+        .required("held")?;
+    Ok(held > 0)
+}
+
+/// Ends every lease under `token` now, as if it had run out: the next claim takes its work
+/// over (a consumer that hangs on to a lease it will never resolve). Admins only.
+pub fn break_now(stream: &str, group_name: &str, token: pgrx::Uuid) -> Result<bool> {
+    access::as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            caller.require_admin(client, "break leases")?;
+            let group = group::lookup(client, stream, group_name, Access::Write)?;
+            let broken = set_expiry(client, &group, token, 0)?;
+            if broken {
+                notify::signal(client, group.stream.id)?;
+            }
+            Ok(broken)
+        })
     })
 }
 
@@ -87,7 +110,8 @@ fn extend_lease(
     lease: default!(Option<Interval>, "'30 seconds'"),
 ) -> SqlResult<bool> {
     let a = Answer::validate(stream, group_name, lease_token)?;
-    let lease = positive_micros("lease", lease.map(|l| l.as_micros()), "'30 seconds'")?;
+    let lease =
+        crate::settings::check_lease("lease", positive_micros("lease", lease.map(|l| l.as_micros()), "'30 seconds'")?)?;
     Ok(extend(a.stream, a.group, a.token, lease)?)
 }
 
@@ -103,4 +127,13 @@ fn release_sql(
 ) -> SqlResult<Vec<i64>> {
     let a = Answer::validate(stream, group_name, lease_token)?;
     Ok(release(a.stream, a.group, a.token, &names::message_ids("message_ids", message_ids)?)?)
+}
+
+/// Ends every lease held under lease_token now (its range, exception-queue deliveries and lane
+/// holds), so the next claim takes the work over. Returns false when the token holds nothing.
+/// For admins: a consumer that hangs on to work it will never finish.
+#[pg_extern(volatile, parallel_unsafe)]
+fn break_lease(stream: Option<&str>, group_name: Option<&str>, lease_token: Option<pgrx::Uuid>) -> SqlResult<bool> {
+    let a = Answer::validate(stream, group_name, lease_token)?;
+    Ok(break_now(a.stream, a.group, a.token)?)
 }

@@ -16,6 +16,7 @@ use pgrx::prelude::*;
 
 ::pgrx::pg_module_magic!(name, version);
 
+mod access;
 mod backoff;
 mod claim;
 mod clock;
@@ -40,6 +41,7 @@ mod partition;
 mod payload;
 mod produce;
 mod range;
+mod settings;
 mod statement;
 mod stream;
 mod version;
@@ -47,7 +49,11 @@ mod version;
 /// Runs once per backend, when the library is loaded.
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
+    // pgrx attaches a Rust backtrace to the DETAIL of errors raised through it when the server
+    // runs with RUST_BACKTRACE set; internals never go to the client, so never capture one.
+    std::env::set_var("RUST_LIB_BACKTRACE", "0");
     commit::init();
+    settings::init();
 }
 
 // The install and upgrade scripts are written by hand (sql/sqlstreams--*.sql); `scripts/rig test`

@@ -7,6 +7,7 @@ use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
 
+use crate::access;
 use crate::cursor;
 use crate::error::Result;
 use crate::partition::{self, Need};
@@ -42,32 +43,35 @@ const PURGE_IDEMPOTENCY: Statement = Statement {
 /// Per stream: (name, partitions through, idempotency keys purged, cursors advanced, expired
 /// lane holds cleared).
 fn maintain_all() -> Result<Vec<(String, i64, i64, i64, i64)>> {
-    Spi::connect_mut(|client| {
-        let mut names = Vec::new();
-        for row in STREAMS.run(client, 0, &[])? {
-            names.push(row.required::<String>("name")?);
-        }
-        let mut report = Vec::new();
-        for name in names {
-            let stream = stream::lookup(client, &name)?;
-            let head = cursor::sequence_head(client, stream.id, Access::Write)?;
-            partition::ensure(client, &stream, head, Need::Ahead)?;
-            let through = stream::lookup(client, &name)?.partitions_through;
-            let purged = PURGE_IDEMPOTENCY.run(client, stream.id, &[])?.len() as i64;
-            let cleared = CLEAR_HOLDS.run(client, stream.id, &[])?.len() as i64;
-            let mut groups = Vec::new();
-            for row in GROUPS.run(client, 0, &[stream.id.into()])? {
-                groups.push(row.required::<i64>("id")?);
+    access::as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            caller.require_admin(client, "run maintain()")?;
+            let mut names = Vec::new();
+            for row in STREAMS.run(client, 0, &[])? {
+                names.push(row.required::<String>("name")?);
             }
-            let mut advanced = 0;
-            for group in groups {
-                if cursor::advance(client, stream.id, group)?.is_some() {
-                    advanced += 1;
+            let mut report = Vec::new();
+            for name in names {
+                let stream = stream::lookup(client, &name)?;
+                let head = cursor::sequence_head(client, stream.id, Access::Write)?;
+                partition::ensure(client, &stream, head, Need::Ahead)?;
+                let through = stream::lookup(client, &name)?.partitions_through;
+                let purged = PURGE_IDEMPOTENCY.run(client, stream.id, &[])?.len() as i64;
+                let cleared = CLEAR_HOLDS.run(client, stream.id, &[])?.len() as i64;
+                let mut groups = Vec::new();
+                for row in GROUPS.run(client, 0, &[stream.id.into()])? {
+                    groups.push(row.required::<i64>("id")?);
                 }
+                let mut advanced = 0;
+                for group in groups {
+                    if cursor::advance(client, stream.id, group)?.is_some() {
+                        advanced += 1;
+                    }
+                }
+                report.push((name, through, purged, advanced, cleared));
             }
-            report.push((name, through, purged, advanced, cleared));
-        }
-        Ok(report)
+            Ok(report)
+        })
     })
 }
 

@@ -128,9 +128,15 @@ pub fn check_key_length(what: &str, key: &str) -> Result<()> {
 }
 
 /// `'value'` or `NULL`, for error messages.
+/// A name as messages show it, in double quotes like Postgres' own (`"orders"`).
+pub fn named(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// A value as SQL in a hint spells it: a literal (`'it''s'`) or NULL.
 pub fn quoted(value: Option<&str>) -> String {
     match value {
-        Some(v) => format!("'{v}'"),
+        Some(v) => format!("'{}'", v.replace('\'', "''")),
         None => "NULL".to_string(),
     }
 }

@@ -6,7 +6,7 @@
 //! (transaction, subtransaction, stream), so a producer writing many messages pays once. The
 //! subtransaction is part of the key because a rolled-back savepoint discards its notifications.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::spi::SpiClient;
@@ -32,8 +32,12 @@ thread_local! {
     static LAST: RefCell<Option<(u32, u32, i64)>> = const { RefCell::new(None) };
 }
 
-/// Signals the stream's consumers at commit, once per (sub)transaction.
+/// Signals the stream's consumers at commit, once per (sub)transaction; nothing when
+/// `sqlstreams.notify` is off (src/settings.rs).
 pub fn signal(client: &SpiClient<'_>, stream_id: i64) -> Result<()> {
+    if !crate::settings::notify() {
+        return Ok(());
+    }
     // SAFETY: reads of this backend's transaction state.
     let key =
         unsafe { (u32::from(pg_sys::GetTopTransactionIdIfAny()), pg_sys::GetCurrentSubTransactionId(), stream_id) };
@@ -43,5 +47,20 @@ pub fn signal(client: &SpiClient<'_>, stream_id: i64) -> Result<()> {
     }
     NOTIFY.run(client, 0, &[channel(stream_id).into()])?;
     LAST.with(|last| *last.borrow_mut() = Some(key));
+    PENDING.set(true);
     Ok(())
+}
+
+thread_local! {
+    /// This transaction signalled (its NOTIFYs are queued until commit).
+    static PENDING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether this transaction queued a NOTIFY; `forget` at its end.
+pub fn pending() -> bool {
+    PENDING.get()
+}
+
+pub fn forget() {
+    PENDING.set(false);
 }

@@ -7,6 +7,7 @@ use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
+use crate::access::{self, Right};
 use crate::concurrency::{Concurrency, ProduceRequest};
 use crate::error::{Result, SqlResult, StreamError};
 use crate::locks;
@@ -113,30 +114,33 @@ pub fn produce_one(
     request: &ProduceRequest<'_>,
     idempotency_key: Option<&str>,
 ) -> Result<Option<i64>> {
-    Spi::connect_mut(|client| {
-        let stream = stream::lookup(client, stream_name)?;
-        let id = next_ids(client, &stream, 1)?[0];
-        if let Some(key) = idempotency_key {
-            let claimed = IDEMPOTENCY.run(client, stream.id, &[key.into(), id.into(), stream.id.into()])?;
-            if claimed.is_empty() {
-                return Ok(None);
+    access::as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            let stream = stream::lookup(client, stream_name)?;
+            caller.require(client, stream.id, stream_name, Right::Produce)?;
+            let id = next_ids(client, &stream, 1)?[0];
+            if let Some(key) = idempotency_key {
+                let claimed = IDEMPOTENCY.run(client, stream.id, &[key.into(), id.into(), stream.id.into()])?;
+                if claimed.is_empty() {
+                    return Ok(None);
+                }
             }
-        }
-        partition::ensure(client, &stream, id, Need::Now)?;
-        INSERT_ONE.run(
-            client,
-            stream.id,
-            &[
-                id.into(),
-                request.message_key.into(),
-                request.concurrency.map(Concurrency::as_str).into(),
-                request.compaction.into(),
-                payload.into(),
-                stream.lanes.into(),
-            ],
-        )?;
-        finish(client, &stream, &[id], &[request.message_key], request.compaction)?;
-        Ok(Some(id))
+            partition::ensure(client, &stream, id, Need::Now)?;
+            INSERT_ONE.run(
+                client,
+                stream.id,
+                &[
+                    id.into(),
+                    request.message_key.into(),
+                    request.concurrency.map(Concurrency::as_str).into(),
+                    request.compaction.into(),
+                    payload.into(),
+                    stream.lanes.into(),
+                ],
+            )?;
+            finish(client, &stream, &[id], &[request.message_key], request.compaction)?;
+            Ok(Some(id))
+        })
     })
 }
 
@@ -148,52 +152,55 @@ pub fn produce_many(
     concurrency: Option<&str>,
     compaction: bool,
 ) -> Result<Vec<i64>> {
-    Spi::connect_mut(|client| {
-        let stream = stream::lookup(client, stream_name)?;
-        let shape = BATCH_SHAPE.run(client, 0, &[payloads.into()])?.first();
-        let count: i32 = shape.required("count")?;
-        if shape.value::<i32>("dimensions")? != Some(1) {
-            return Err(StreamError::invalid(
-                "payloads must be a one-dimensional array",
-                "Pass one jsonb per message, such as ARRAY['{\"a\":1}', '{\"a\":2}']::jsonb[].",
-            ));
-        }
-        if let Some(position) = shape.value::<i32>("first_null")? {
-            return Err(StreamError::invalid(
-                format!("payload {position} of the batch is NULL"),
-                "Every message needs a payload; use 'null'::jsonb or '{}' for an empty one.",
-            ));
-        }
-        let keys = keys.unwrap_or_else(|| vec![None; count as usize]);
-        if keys.len() != count as usize {
-            return Err(StreamError::invalid(
-                format!("message_keys has {} elements but payloads has {count}", keys.len()),
-                "Pass one key per payload (NULL for a message without a key), or no message_keys at all.",
-            ));
-        }
-        let policy = concurrency.map(|c| Concurrency::parse("concurrency", c)).transpose()?;
-        for key in &keys {
-            ProduceRequest::validate(*key, concurrency, compaction)?;
-        }
-        if count == 0 {
-            return Ok(vec![]);
-        }
-        let ids = next_ids(client, &stream, count)?;
-        partition::ensure(client, &stream, ids[ids.len() - 1], Need::Now)?;
-        INSERT_MANY.run(
-            client,
-            stream.id,
-            &[
-                ids.clone().into(),
-                keys.clone().into(),
-                policy.map(Concurrency::as_str).into(),
-                compaction.into(),
-                payloads.into(),
-                stream.lanes.into(),
-            ],
-        )?;
-        finish(client, &stream, &ids, &keys, compaction)?;
-        Ok(ids)
+    access::as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            let stream = stream::lookup(client, stream_name)?;
+            caller.require(client, stream.id, stream_name, Right::Produce)?;
+            let shape = BATCH_SHAPE.run(client, 0, &[payloads.into()])?.first();
+            let count: i32 = shape.required("count")?;
+            if shape.value::<i32>("dimensions")? != Some(1) {
+                return Err(StreamError::invalid(
+                    "payloads must be a one-dimensional array",
+                    "Pass one jsonb per message, such as ARRAY['{\"a\":1}', '{\"a\":2}']::jsonb[].",
+                ));
+            }
+            if let Some(position) = shape.value::<i32>("first_null")? {
+                return Err(StreamError::invalid(
+                    format!("payload {position} of the batch is NULL"),
+                    "Every message needs a payload; use 'null'::jsonb or '{}' for an empty one.",
+                ));
+            }
+            let keys = keys.unwrap_or_else(|| vec![None; count as usize]);
+            if keys.len() != count as usize {
+                return Err(StreamError::invalid(
+                    format!("message_keys has {} elements but payloads has {count}", keys.len()),
+                    "Pass one key per payload (NULL for a message without a key), or no message_keys at all.",
+                ));
+            }
+            let policy = concurrency.map(|c| Concurrency::parse("concurrency", c)).transpose()?;
+            for key in &keys {
+                ProduceRequest::validate(*key, concurrency, compaction)?;
+            }
+            if count == 0 {
+                return Ok(vec![]);
+            }
+            let ids = next_ids(client, &stream, count)?;
+            partition::ensure(client, &stream, ids[ids.len() - 1], Need::Now)?;
+            INSERT_MANY.run(
+                client,
+                stream.id,
+                &[
+                    ids.clone().into(),
+                    keys.clone().into(),
+                    policy.map(Concurrency::as_str).into(),
+                    compaction.into(),
+                    payloads.into(),
+                    stream.lanes.into(),
+                ],
+            )?;
+            finish(client, &stream, &ids, &keys, compaction)?;
+            Ok(ids)
+        })
     })
 }
 

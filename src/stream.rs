@@ -10,8 +10,9 @@ use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
+use crate::access;
 use crate::error::{Result, SqlResult, StreamError};
-use crate::names::{positive_micros, validate_name};
+use crate::names::{named, positive_micros, validate_name};
 use crate::statement::{self, Access, Columns, Statement};
 
 /// What the claim and produce paths need to know about a stream.
@@ -75,63 +76,99 @@ pub fn lookup(client: &SpiClient<'_>, name: &str) -> Result<StreamRef> {
 /// Creates the stream and its table family, or returns the id of the existing stream of that
 /// name. The family is created in the caller's transaction, by `sqlstreams.create_stream_tables`.
 pub fn create(name: &str, partition_size: i64, idempotency_ttl_micros: i64, lanes: i32) -> Result<i64> {
-    Spi::connect_mut(|client| {
-        let inserted = INSERT.run(
-            client,
-            0,
-            &[name.into(), partition_size.into(), idempotency_ttl_micros.into(), lanes.into()],
-        )?;
-        // No row: the name exists (ON CONFLICT DO NOTHING).
-        let inserted: Option<i64> = if inserted.is_empty() { None } else { inserted.first().value("id")? };
-        let Some(id) = inserted else {
-            let existing = lookup(client, name)?;
-            if existing.partition_size != partition_size {
-                return Err(StreamError::invalid(
-                    format!(
-                        "stream \"{name}\" already exists with partition_size {}, not {partition_size}",
-                        existing.partition_size
-                    ),
-                    format!(
-                        "Declare it with partition_size => {} (a stream's partitioning cannot change).",
-                        existing.partition_size
-                    ),
-                ));
-            }
-            if existing.lanes != lanes {
-                return Err(StreamError::invalid(
-                    format!("stream \"{name}\" already exists with {} lanes, not {lanes}", existing.lanes),
-                    format!(
-                        "Declare it with lanes => {} (every key's lane depends on it, so it cannot change).",
-                        existing.lanes
-                    ),
-                ));
-            }
-            SET_TTL.run(client, 0, &[existing.id.into(), idempotency_ttl_micros.into()])?;
-            return Ok(existing.id);
-        };
-        CREATE_TABLES.run(client, 0, &[id.into()])?;
-        Ok(id)
+    access::as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            caller.require_admin(client, "create streams")?;
+            // A size out of range only refuses a new stream: declaring an existing one (perhaps
+            // from before the range) with its own size still returns its id.
+            let inserted: Option<i64> = if PARTITION_SIZES.contains(&partition_size) {
+                let rows = INSERT.run(
+                    client,
+                    0,
+                    &[name.into(), partition_size.into(), idempotency_ttl_micros.into(), lanes.into()],
+                )?;
+                if rows.is_empty() {
+                    None
+                } else {
+                    rows.first().value("id")?
+                }
+            } else {
+                None
+            };
+            // No row: the name exists (ON CONFLICT DO NOTHING), or the size is out of range.
+            let Some(id) = inserted else {
+                let existing = match lookup(client, name) {
+                    Err(StreamError::UnknownStream(_)) => return Err(invalid_partition_size(partition_size)),
+                    other => other?,
+                };
+                if existing.partition_size != partition_size {
+                    return Err(StreamError::invalid(
+                        format!(
+                            "stream {} already exists with partition_size {}, not {partition_size}",
+                            named(name),
+                            existing.partition_size
+                        ),
+                        format!(
+                            "Declare it with partition_size => {} (a stream's partitioning cannot change).",
+                            existing.partition_size
+                        ),
+                    ));
+                }
+                if existing.lanes != lanes {
+                    return Err(StreamError::invalid(
+                        format!(
+                            "stream {} already exists with {} lanes, not {lanes}",
+                            named(name),
+                            existing.lanes
+                        ),
+                        format!(
+                            "Declare it with lanes => {} (every key's lane depends on it, so it cannot change).",
+                            existing.lanes
+                        ),
+                    ));
+                }
+                SET_TTL.run(client, 0, &[existing.id.into(), idempotency_ttl_micros.into()])?;
+                return Ok(existing.id);
+            };
+            CREATE_TABLES.run(client, 0, &[id.into()])?;
+            Ok(id)
+        })
     })
 }
 
 /// Drops the stream, its groups and its table family. False when no such stream exists.
 pub fn drop(name: &str) -> Result<bool> {
-    Spi::connect_mut(|client| {
-        let stream = match lookup(client, name) {
-            Ok(stream) => stream,
-            Err(StreamError::UnknownStream(_)) => return Ok(false),
-            Err(other) => return Err(other),
-        };
-        DROP_TABLES.run(client, 0, &[stream.id.into()])?;
-        DELETE.run(client, 0, &[stream.id.into()])?;
-        statement::forget_stream(stream.id);
-        Ok(true)
+    access::as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            caller.require_admin(client, "drop streams")?;
+            let stream = match lookup(client, name) {
+                Ok(stream) => stream,
+                Err(StreamError::UnknownStream(_)) => return Ok(false),
+                Err(other) => return Err(other),
+            };
+            DROP_TABLES.run(client, 0, &[stream.id.into()])?;
+            DELETE.run(client, 0, &[stream.id.into()])?;
+            statement::forget_stream(stream.id);
+            Ok(true)
+        })
     })
 }
 
-/// Valid `partition_size`s: past a trillion ids per partition, partition bounds overflow long
-/// before the stream could fill one.
-pub const PARTITION_SIZES: std::ops::RangeInclusive<i64> = 1..=1_000_000_000_000;
+/// Valid `partition_size`s for a new stream: with fewer ids per partition, producers would
+/// spend their time creating partitions (a batch of 5,000 would create thousands); past a
+/// trillion, partition bounds overflow long before the stream could fill one.
+pub const PARTITION_SIZES: std::ops::RangeInclusive<i64> = 1_000..=1_000_000_000_000;
+
+fn invalid_partition_size(size: i64) -> StreamError {
+    StreamError::invalid(
+        format!("partition_size {size} is not valid"),
+        format!(
+            "Pass between {} and {} message ids per partition, such as 1000000.",
+            PARTITION_SIZES.start(),
+            PARTITION_SIZES.end()
+        ),
+    )
+}
 
 /// How many lanes a stream may have.
 pub const LANES: std::ops::RangeInclusive<i32> = 1..=1024;
@@ -147,19 +184,12 @@ fn create_stream(
     lanes: default!(Option<i32>, 16),
 ) -> SqlResult<i64> {
     let name = validate_name("stream", name)?;
-    let partition_size = match partition_size {
-        Some(size) if PARTITION_SIZES.contains(&size) => size,
-        other => {
-            return Err(StreamError::invalid(
-                format!("partition_size {} is not valid", other.map_or("NULL".into(), |s| s.to_string())),
-                format!(
-                    "Pass between {} and {} message ids per partition, such as 1000000.",
-                    PARTITION_SIZES.start(),
-                    PARTITION_SIZES.end()
-                ),
-            )
-            .into())
-        }
+    let Some(partition_size) = partition_size else {
+        return Err(StreamError::invalid(
+            "partition_size must not be NULL",
+            "Pass the message ids per partition, such as 1000000.",
+        )
+        .into());
     };
     let lanes = match lanes {
         Some(n) if LANES.contains(&n) => n,

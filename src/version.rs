@@ -52,6 +52,7 @@ pub fn check_stream(name: &str, schema_version: &str) -> Result<()> {
         return Ok(());
     }
     Err(mismatch(format!(
-        "the tables of stream \"{name}\" are version {schema_version}, not {LIBRARY} like the library"
+        "the tables of stream {} are version {schema_version}, not {LIBRARY} like the library",
+        crate::names::named(name)
     )))
 }

@@ -9,7 +9,7 @@ SELECT * FROM sqlstreams.claim('account.state', 'cache', 0);
 SELECT * FROM sqlstreams.claim('account.state', 'cache', 10, '0 seconds');
 SELECT sqlstreams.create_stream('account.state', 5000);
 SELECT sqlstreams.create_stream('account.state', lanes => 8);
-SELECT sqlstreams.create_stream('tiny.partitions', 0);
+SELECT sqlstreams.create_stream('tiny.partitions', 10);
 SELECT sqlstreams.create_stream('huge.partitions', 9223372036854775807);
 SELECT sqlstreams.create_stream('no.lanes', lanes => 0);
 SELECT sqlstreams.produce_batch('account.state', array[['{}', '{}'], ['{}', '{}']]::jsonb[]);

@@ -1,0 +1,279 @@
+//! Who may do what: the extension's roles, per-stream grants, and running as the owner.
+//!
+//! Functions are revoked from PUBLIC and granted to three roles the install script creates:
+//! `sqlstreams_admin` (streams, groups, grants, maintenance, breaking leases, everything),
+//! `sqlstreams_producer` (produce) and `sqlstreams_consumer` (create_group, claim, outcomes,
+//! inspection). Membership lets a role call the functions; what it may touch is granted per
+//! stream by an admin (`grant_stream(stream, role, 'produce' | 'consume', group_name)`; a
+//! consume grant without a group covers every group of the stream). Superusers and members of
+//! `sqlstreams_admin` may touch everything; members of `pg_monitor` may inspect everything.
+//!
+//! The tables are the extension owner's and no other role may write them. So every function
+//! checks the caller's right first and then runs its SQL as the owner (the way a SECURITY
+//! DEFINER function does, but only after the check, which needs the caller's identity). Every
+//! statement still runs with the function's pinned search_path, and nothing a caller passes is
+//! ever SQL text.
+
+use pgrx::pg_sys::{self, BuiltinOid::*};
+use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
+
+use crate::error::{Result, StreamError};
+use crate::names::{named, quoted};
+use crate::statement::{Columns, Statement};
+
+/// What a call needs on a stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Right<'a> {
+    Produce,
+    /// Claims, outcomes and declaring the group: a consume grant on the group (or the stream).
+    Consume(&'a str),
+    /// Reading a group's state: a consume grant on it, or `pg_monitor`.
+    Inspect(&'a str),
+    /// Reading a stream's head or channel: any grant on the stream, or `pg_monitor`.
+    Observe,
+}
+
+impl Right<'_> {
+    fn privilege(&self) -> &'static str {
+        match self {
+            Right::Produce => "produce",
+            Right::Consume(_) | Right::Inspect(_) => "consume",
+            Right::Observe => "any",
+        }
+    }
+
+    fn group(&self) -> Option<&str> {
+        match self {
+            Right::Consume(group) | Right::Inspect(group) => Some(group),
+            Right::Produce | Right::Observe => None,
+        }
+    }
+
+    fn monitor_may(&self) -> bool {
+        matches!(self, Right::Inspect(_) | Right::Observe)
+    }
+}
+
+/// The role that called the function, captured before the switch to the owner.
+#[derive(Clone, Copy, Debug)]
+pub struct Caller {
+    role: pg_sys::Oid,
+}
+
+const OWNER: Statement = Statement {
+    name: "access_owner",
+    sql: "SELECT extowner FROM pg_catalog.pg_extension WHERE extname = 'sqlstreams'",
+    params: &[],
+};
+
+const MAY: Statement = Statement {
+    name: "access_may",
+    sql: "SELECT r.rolsuper
+              OR pg_catalog.pg_has_role(r.oid, 'sqlstreams_admin', 'USAGE')
+              OR ($4 AND pg_catalog.pg_has_role(r.oid, 'pg_monitor', 'USAGE'))
+              OR EXISTS (SELECT 1 FROM sqlstreams.stream_grant g
+                         WHERE g.stream_id = $2 AND ($3 = 'any' OR g.privilege = $3)
+                           AND (g.group_name IS NULL OR g.group_name = $5)
+                           AND pg_catalog.pg_has_role(r.oid, g.grantee, 'USAGE')) AS may,
+                 r.rolname
+          FROM pg_catalog.pg_roles r WHERE r.oid = $1",
+    params: &[OIDOID, INT8OID, TEXTOID, BOOLOID, TEXTOID],
+};
+
+const ADMIN: Statement = Statement {
+    name: "access_admin",
+    sql: "SELECT r.rolsuper OR pg_catalog.pg_has_role(r.oid, 'sqlstreams_admin', 'USAGE') AS may, r.rolname
+          FROM pg_catalog.pg_roles r WHERE r.oid = $1",
+    params: &[OIDOID],
+};
+
+/// Runs `f` as the extension's owner, for the role calling now. The caller's identity and
+/// security context come back when `f` returns; an error aborts the (sub)transaction, and
+/// Postgres restores them itself.
+pub fn as_owner<T>(f: impl FnOnce(&Caller) -> Result<T>) -> Result<T> {
+    let mut role = pg_sys::InvalidOid;
+    let mut context = 0;
+    // SAFETY: reads this backend's current user and security context.
+    unsafe { pg_sys::GetUserIdAndSecContext(&mut role, &mut context) };
+    let caller = Caller { role };
+    let owner = Spi::connect(|client| -> Result<pg_sys::Oid> {
+        let row = OWNER.run(client, 0, &[])?.first();
+        row.required("extowner")
+    })?;
+    // SAFETY: switches the current user the way fmgr_security_definer does; a transaction or
+    // subtransaction abort restores the saved identity, and so do we on return.
+    unsafe { pg_sys::SetUserIdAndSecContext(owner, context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32) };
+    let result = f(&caller);
+    // SAFETY: restores what was read above.
+    unsafe { pg_sys::SetUserIdAndSecContext(role, context) };
+    result
+}
+
+impl Caller {
+    /// Refuses (42501) unless the caller holds `right` on stream `stream_id` (named `stream`).
+    pub fn require(&self, client: &SpiClient<'_>, stream_id: i64, stream: &str, right: Right<'_>) -> Result<()> {
+        let row = MAY
+            .run(
+                client,
+                0,
+                &[
+                    self.role.into(),
+                    stream_id.into(),
+                    right.privilege().into(),
+                    right.monitor_may().into(),
+                    right.group().into(),
+                ],
+            )?
+            .first();
+        if row.value::<bool>("may")?.unwrap_or(false) {
+            return Ok(());
+        }
+        let role: String = row.value("rolname")?.unwrap_or_default();
+        let (what, grant) = match right {
+            Right::Produce => (format!("produce to stream {}", named(stream)), "'produce'".to_string()),
+            Right::Consume(group) | Right::Inspect(group) => (
+                format!("consume as group {} of stream {}", named(group), named(stream)),
+                format!("'consume', {}", quoted(Some(group))),
+            ),
+            Right::Observe => (format!("read stream {}", named(stream)), "'consume'".to_string()),
+        };
+        Err(StreamError::PermissionDenied {
+            message: format!("role {} may not {what}", named(&role)),
+            hint: format!(
+                "An admin grants it with sqlstreams.grant_stream({}, {}, {grant}).",
+                quoted(Some(stream)),
+                quoted(Some(&role))
+            ),
+        })
+    }
+
+    /// Refuses (42501) unless the caller is a superuser or a member of `sqlstreams_admin`.
+    pub fn require_admin(&self, client: &SpiClient<'_>, what: &str) -> Result<()> {
+        let row = ADMIN.run(client, 0, &[self.role.into()])?.first();
+        if row.value::<bool>("may")?.unwrap_or(false) {
+            return Ok(());
+        }
+        let role: String = row.value("rolname")?.unwrap_or_default();
+        Err(StreamError::PermissionDenied {
+            message: format!("role {} may not {what}", named(&role)),
+            hint: "Ask an admin (a member of sqlstreams_admin) to do it, or to grant you that role.".into(),
+        })
+    }
+}
+
+const ROLE: Statement = Statement {
+    name: "access_role",
+    sql: "SELECT oid FROM pg_catalog.pg_roles WHERE rolname = $1",
+    params: &[TEXTOID],
+};
+
+const GRANT: Statement = Statement {
+    name: "access_grant",
+    sql: "INSERT INTO sqlstreams.stream_grant (stream_id, grantee, privilege, group_name)
+          VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING RETURNING 1",
+    params: &[INT8OID, OIDOID, TEXTOID, TEXTOID],
+};
+
+const REVOKE: Statement = Statement {
+    name: "access_revoke",
+    sql: "DELETE FROM sqlstreams.stream_grant
+          WHERE stream_id = $1 AND grantee = $2 AND privilege = $3 AND group_name IS NOT DISTINCT FROM $4
+          RETURNING 1",
+    params: &[INT8OID, OIDOID, TEXTOID, TEXTOID],
+};
+
+/// A grant's arguments, checked: (stream id, role oid, privilege, group).
+fn grant_args(
+    client: &SpiClient<'_>,
+    stream: &str,
+    role: &str,
+    privilege: &str,
+    group: Option<&str>,
+) -> Result<(i64, pg_sys::Oid)> {
+    let stream_id = crate::stream::lookup(client, stream)?.id;
+    let row = ROLE.run(client, 0, &[role.into()])?.first();
+    let Some(oid) = (if row.is_empty() { None } else { row.value::<pg_sys::Oid>("oid")? }) else {
+        return Err(StreamError::UnknownRole(role.to_string()));
+    };
+    match (privilege, group) {
+        ("consume", _) | ("produce", None) => Ok((stream_id, oid)),
+        ("produce", Some(_)) => Err(StreamError::invalid(
+            "a produce grant covers the whole stream, not a group",
+            "Pass group_name => NULL with 'produce'.",
+        )),
+        (other, _) => Err(StreamError::invalid(
+            format!("privilege {} is not valid", quoted(Some(other))),
+            "Pass 'produce' or 'consume'.",
+        )),
+    }
+}
+
+/// Lets `role` produce to `stream`, or consume as `group_name` (every group when NULL). Returns
+/// false when the role already had that grant. Admins only.
+#[pg_extern(volatile, parallel_unsafe)]
+fn grant_stream(
+    stream: Option<&str>,
+    role: Option<&str>,
+    privilege: Option<&str>,
+    group_name: default!(Option<&str>, "NULL"),
+) -> crate::error::SqlResult<bool> {
+    let stream = crate::names::validate_name("stream", stream)?;
+    let role = crate::names::required("role", role, "such as 'billing_app'")?;
+    let privilege = crate::names::required("privilege", privilege, "'produce' or 'consume'")?;
+    let group = group_name.map(|g| crate::names::validate_name("group", Some(g))).transpose()?;
+    Ok(as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            caller.require_admin(client, "grant access to streams")?;
+            let (stream_id, oid) = grant_args(client, stream, role, privilege, group)?;
+            Ok(!GRANT.run(client, 0, &[stream_id.into(), oid.into(), privilege.into(), group.into()])?.is_empty())
+        })
+    })?)
+}
+
+/// Takes back exactly one grant of `grant_stream`. Returns false when there was none. Admins
+/// only.
+#[pg_extern(volatile, parallel_unsafe)]
+fn revoke_stream(
+    stream: Option<&str>,
+    role: Option<&str>,
+    privilege: Option<&str>,
+    group_name: default!(Option<&str>, "NULL"),
+) -> crate::error::SqlResult<bool> {
+    let stream = crate::names::validate_name("stream", stream)?;
+    let role = crate::names::required("role", role, "such as 'billing_app'")?;
+    let privilege = crate::names::required("privilege", privilege, "'produce' or 'consume'")?;
+    let group = group_name.map(|g| crate::names::validate_name("group", Some(g))).transpose()?;
+    Ok(as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            caller.require_admin(client, "revoke access to streams")?;
+            let (stream_id, oid) = grant_args(client, stream, role, privilege, group)?;
+            Ok(!REVOKE.run(client, 0, &[stream_id.into(), oid.into(), privilege.into(), group.into()])?.is_empty())
+        })
+    })?)
+}
+
+const MAY_SEE: Statement = Statement {
+    name: "access_may_see",
+    sql: "SELECT r.rolsuper
+              OR pg_catalog.pg_has_role(r.oid, 'sqlstreams_admin', 'USAGE')
+              OR pg_catalog.pg_has_role(r.oid, 'pg_monitor', 'USAGE')
+              OR EXISTS (SELECT 1 FROM sqlstreams.stream_grant g
+                         WHERE g.stream_id = $2 AND ($3::text IS NULL OR g.group_name IS NULL OR g.group_name = $3)
+                           AND ($3::text IS NULL OR g.privilege = 'consume')
+                           AND pg_catalog.pg_has_role(r.oid, g.grantee, 'USAGE')) AS may
+          FROM pg_catalog.pg_roles r WHERE r.oid = $1",
+    params: &[OIDOID, INT8OID, TEXTOID],
+};
+
+/// Whether the calling role may see stream `stream_id` (any grant on it), or its group
+/// `group_name` (a consume grant on it): the filter of the views, which never raise.
+#[pg_extern(stable, parallel_safe)]
+fn visible(stream_id: i64, group_name: default!(Option<&str>, "NULL")) -> crate::error::SqlResult<bool> {
+    Ok(as_owner(|caller| {
+        Spi::connect(|client| {
+            let row = MAY_SEE.read(client, 0, &[caller.role.into(), stream_id.into(), group_name.into()])?.first();
+            Ok(row.value::<bool>("may")?.unwrap_or(false))
+        })
+    })?)
+}

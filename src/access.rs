@@ -76,14 +76,14 @@ const MAY: Statement = Statement {
                          WHERE g.stream_id = $2 AND ($3 = 'any' OR g.privilege = $3)
                            AND (g.group_name IS NULL OR g.group_name = $5)
                            AND pg_catalog.pg_has_role(r.oid, g.grantee, 'USAGE')) AS may,
-                 r.rolname
+                 r.rolname::text AS rolname
           FROM pg_catalog.pg_roles r WHERE r.oid = $1",
     params: &[OIDOID, INT8OID, TEXTOID, BOOLOID, TEXTOID],
 };
 
 const ADMIN: Statement = Statement {
     name: "access_admin",
-    sql: "SELECT r.rolsuper OR pg_catalog.pg_has_role(r.oid, 'sqlstreams_admin', 'USAGE') AS may, r.rolname
+    sql: "SELECT r.rolsuper OR pg_catalog.pg_has_role(r.oid, 'sqlstreams_admin', 'USAGE') AS may, r.rolname::text AS rolname
           FROM pg_catalog.pg_roles r WHERE r.oid = $1",
     params: &[OIDOID],
 };

@@ -116,11 +116,7 @@ pub fn create(name: &str, partition_size: i64, idempotency_ttl_micros: i64, lane
                 }
                 if existing.lanes != lanes {
                     return Err(StreamError::invalid(
-                        format!(
-                            "stream {} already exists with {} lanes, not {lanes}",
-                            named(name),
-                            existing.lanes
-                        ),
+                        format!("stream {} already exists with {} lanes, not {lanes}", named(name), existing.lanes),
                         format!(
                             "Declare it with lanes => {} (every key's lane depends on it, so it cannot change).",
                             existing.lanes

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sqlstreams_client::{
-    BatchOptions, Client, Concurrency, ConsumerConfig, Delivery, HandlerError, ProduceOptions, Produced,
+    BatchOptions, Client, ClientOptions, Concurrency, ConsumerConfig, Delivery, HandlerError, ProduceOptions, Produced,
     RunningConsumer,
 };
 use sqlstreams_tests::{database_url, unique};
@@ -542,4 +542,42 @@ async fn notifications_wake_an_idle_consumer_without_polling() {
 /// Runs a future to completion from a synchronous closure (used inside `eventually`).
 fn futures_lite_block<F: std::future::Future>(future: F) -> F::Output {
     tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(future))
+}
+
+/// The client over TLS when the URL asks for it (`sslmode=require`), verifying the server
+/// against the rig's throwaway CA: its pool and its LISTEN connection both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_client_connects_over_tls_when_the_url_asks() {
+    let _installed = client();
+    let ca = std::env::var("SQLSTREAMS_TEST_CA").expect("SQLSTREAMS_TEST_CA is not set: run `scripts/rig test`");
+    let url = format!("{}?sslmode=require", database_url());
+    let options = ClientOptions { ssl_root_cert: Some(ca.into()), ..Default::default() };
+    let tls = Client::connect_with(&url, options).unwrap();
+    let stream = tls.stream::<Adjustment>(unique("tls"));
+    stream.register().await.unwrap();
+    let consumer = stream.consumer("g").register(config(None)).await.unwrap();
+    let calls: Calls = Arc::default();
+    let running = consumer.start(record_calls(&calls));
+    stream.producer().produce(&adjustment("acct-1", 1), ProduceOptions::default()).await.unwrap();
+    eventually("delivered over TLS", || calls.lock().unwrap().len() == 1).await;
+    let conn = tls.pool().get().await.unwrap();
+    let row = conn
+        .query_one(
+            "SELECT (SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()),
+                    (SELECT count(*) FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
+                     WHERE a.query LIKE 'LISTEN %' AND s.ssl)",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert!(row.get::<_, bool>(0), "a pooled connection is encrypted");
+    assert!(row.get::<_, i64>(1) >= 1, "the LISTEN connection is encrypted");
+    drop(conn);
+    running.shutdown(Duration::from_secs(5)).await;
+
+    // Without the CA the server's certificate is not trusted, and nothing connects.
+    let options = ClientOptions { pool_size: 1, ssl_root_cert: None };
+    let untrusted = Client::connect_with(&url, options).unwrap();
+    let err = untrusted.pool().get().await.expect_err("an unverified server");
+    assert!(format!("{err:?}").to_lowercase().contains("certificate"), "{err:?}");
 }

@@ -373,12 +373,16 @@ fn competing(concurrency: &str) {
         if committed.iter().all(|(id, _)| resolved.contains_key(id)) {
             break;
         }
-        assert!(
-            producers_done.elapsed() < DRAIN_DEADLINE,
-            "{} of {} committed messages unresolved {DRAIN_DEADLINE:?} after the producers stopped (seed {seed})",
-            committed.iter().filter(|(id, _)| !resolved.contains_key(id)).count(),
-            committed.len()
-        );
+        if producers_done.elapsed() >= DRAIN_DEADLINE {
+            let stuck: Vec<i64> =
+                committed.iter().filter(|(id, _)| !resolved.contains_key(id)).map(|(id, _)| *id).collect();
+            panic!(
+                "{} of {} committed messages unresolved {DRAIN_DEADLINE:?} after the producers stopped (seed {seed}): {}",
+                stuck.len(),
+                committed.len(),
+                where_stuck(&mut c, &s, &stuck)
+            );
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
     let drained_in = producers_done.elapsed();
@@ -443,6 +447,41 @@ fn competing(concurrency: &str) {
     );
     assert!(committed.len() > 1000 && failures.values().sum::<usize>() > 100, "the run exercised retries");
     c.batch_execute(&format!("DROP TABLE {}", business_table(&s))).unwrap();
+}
+
+/// Where the unresolved messages are: their exception rows, the ranges holding them and the
+/// lanes' holds, for the failure message.
+fn where_stuck(c: &mut Client, s: &Stream, stuck: &[i64]) -> String {
+    let mut out = format!("stuck {stuck:?}");
+    for sql in [
+        format!(
+            "SELECT format('row %s %s key=%s status=%s parked=%s due=%s lease=%s attempts=%s lane=%s', message_id, \
+             concurrency, message_key, status, parked, can_run_after, lease_expires_at, attempts, lane) \
+             FROM {} WHERE message_id = ANY($1) ORDER BY message_id",
+            s.table("exception_queue")
+        ),
+        format!(
+            "SELECT format('range %s..%s lane=%s expires=%s pending=%s', first_id, last_id, lane, lease_expires_at, pending) \
+             FROM {} WHERE pending && $1",
+            s.table("range_lease")
+        ),
+        format!(
+            "SELECT format('message %s key=%s lane=%s', id, message_key, lane) FROM {} WHERE id = ANY($1)",
+            s.table("message_log")
+        ),
+        format!(
+            "SELECT format('lane %s claimed=%s held_by=%s until=%s (now %s)', lane, claimed, held_by, held_until, now()) \
+             FROM {} WHERE lane IN (SELECT lane FROM {} WHERE id = ANY($1))",
+            s.table("lane"),
+            s.table("message_log")
+        ),
+    ] {
+        for row in c.query(&sql, &[&stuck]).unwrap_or_default() {
+            out.push_str("\n  ");
+            out.push_str(row.get::<_, &str>(0));
+        }
+    }
+    out
 }
 
 /// Per key, every delivery's [start, end] interval is disjoint from every other's.

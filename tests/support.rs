@@ -31,6 +31,22 @@ pub fn connect() -> Client {
     client
 }
 
+/// A new login role for one test (roles belong to the cluster: the name is unique), created by
+/// the superuser connection `c` with `options` such as `IN ROLE sqlstreams_consumer`. Returns
+/// its name.
+pub fn role(c: &mut Client, prefix: &str, options: &str) -> String {
+    let name = format!("{prefix}_{}", &Uuid::new_v4().simple().to_string()[..10]);
+    c.batch_execute(&format!("CREATE ROLE {name} LOGIN {options}")).expect("create role");
+    name
+}
+
+/// A connection as `role` (the test cluster trusts local connections).
+pub fn connect_as(role: &str) -> Client {
+    let mut config: postgres::Config = database_url().parse().expect("DATABASE_URL");
+    config.user(role);
+    config.connect(NoTls).expect("connect as a test role")
+}
+
 /// A unique name, so tests never share a stream.
 pub fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", &Uuid::new_v4().simple().to_string()[..12])

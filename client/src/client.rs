@@ -1,5 +1,7 @@
 //! `Client`: a connection pool and the entry point to typed streams.
 
+use std::path::PathBuf;
+
 use deadpool_postgres::Pool as DeadPool;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -7,6 +9,23 @@ use serde::Serialize;
 use crate::error::Result;
 use crate::pool::Pool;
 use crate::stream::Stream;
+
+/// How a [`Client`] connects.
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// Connections in the pool (default 16).
+    pub pool_size: usize,
+    /// A PEM file of certificate authorities to trust besides the system's, for servers whose
+    /// certificate they sign (a self-signed one, say). Default: `PGSSLROOTCERT`, as libpq.
+    /// Used only when the connection string asks for TLS (`sslmode=require`).
+    pub ssl_root_cert: Option<PathBuf>,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions { pool_size: 16, ssl_root_cert: std::env::var_os("PGSSLROOTCERT").map(PathBuf::from) }
+    }
+}
 
 /// A handle to a database with the sqlstreams extension. Cheap to clone.
 #[derive(Clone)]
@@ -16,14 +35,20 @@ pub struct Client {
 
 impl Client {
     /// Connects with a pool of up to 16 connections. `url` is a libpq-style connection string,
-    /// e.g. `postgres://user@localhost:5432/app`. Connections are made lazily.
+    /// e.g. `postgres://user@localhost:5432/app` (`sslmode=require` for TLS, see
+    /// [`ClientOptions`]). Connections are made lazily.
     pub fn connect(url: &str) -> Result<Client> {
-        Client::with_pool_size(url, 16)
+        Client::connect_with(url, ClientOptions::default())
     }
 
     /// Like [`Client::connect`] with a pool of `size` connections.
     pub fn with_pool_size(url: &str, size: usize) -> Result<Client> {
-        Ok(Client { pool: Pool::new(url, size)? })
+        Client::connect_with(url, ClientOptions { pool_size: size, ..ClientOptions::default() })
+    }
+
+    /// Like [`Client::connect`] with explicit options.
+    pub fn connect_with(url: &str, options: ClientOptions) -> Result<Client> {
+        Ok(Client { pool: Pool::new(url, options.pool_size, options.ssl_root_cert.as_deref())? })
     }
 
     /// A typed handle to the stream called `name`. Nothing is checked until it is used; call

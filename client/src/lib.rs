@@ -61,8 +61,9 @@ mod pool;
 mod producer;
 mod sql;
 mod stream;
+mod tls;
 
-pub use client::Client;
+pub use client::{Client, ClientOptions};
 pub use consumer::{
     Consumer, ConsumerConfig, ConsumerGroup, Delivery, HandlerError, Metrics, RunningConsumer, Shutdown, StartAt,
 };

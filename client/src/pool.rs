@@ -1,12 +1,14 @@
 //! The connection pool every part of the client draws from, and how to open a connection
 //! outside it (a consumer's LISTEN connection).
 
+use std::path::Path;
 use std::sync::Arc;
 
 use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod};
 use tokio_postgres::NoTls;
 
 use crate::error::{Error, Result};
+use crate::tls::Tls;
 
 /// A pool of connections to one database. Cheap to clone.
 #[derive(Clone)]
@@ -18,19 +20,24 @@ struct Inner {
     pool: deadpool_postgres::Pool,
     /// For connections outside the pool.
     config: tokio_postgres::Config,
+    tls: Tls,
 }
 
 impl Pool {
-    pub fn new(url: &str, size: usize) -> Result<Pool> {
+    pub fn new(url: &str, size: usize, root_cert: Option<&Path>) -> Result<Pool> {
         let config: tokio_postgres::Config =
             url.parse().map_err(|e| Error::Config(format!("connection string: {e}")))?;
-        let manager =
-            Manager::from_config(config.clone(), NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        let tls = Tls::for_config(&config, root_cert)?;
+        let recycling = ManagerConfig { recycling_method: RecyclingMethod::Fast };
+        let manager = match &tls {
+            Tls::Off => Manager::from_config(config.clone(), NoTls, recycling),
+            Tls::On(rustls) => Manager::from_config(config.clone(), rustls.clone(), recycling),
+        };
         let pool = deadpool_postgres::Pool::builder(manager)
             .max_size(size)
             .build()
             .map_err(|e| Error::Config(e.to_string()))?;
-        Ok(Pool { inner: Arc::new(Inner { pool, config }) })
+        Ok(Pool { inner: Arc::new(Inner { pool, config, tls }) })
     }
 
     /// A pooled connection.
@@ -46,5 +53,10 @@ impl Pool {
     /// Settings for a connection outside the pool.
     pub fn config(&self) -> &tokio_postgres::Config {
         &self.inner.config
+    }
+
+    /// How connections outside the pool negotiate TLS.
+    pub fn tls(&self) -> &Tls {
+        &self.inner.tls
     }
 }

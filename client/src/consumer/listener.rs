@@ -8,12 +8,16 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use tokio::sync::Notify;
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::tls::MakeTlsConnect;
+use tokio_postgres::{AsyncMessage, NoTls, Socket};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
+use crate::tls::Tls;
+
 pub(crate) fn spawn(
     config: tokio_postgres::Config,
+    tls: Tls,
     channel: String,
     wake: Arc<Notify>,
     stop: CancellationToken,
@@ -21,7 +25,11 @@ pub(crate) fn spawn(
     tokio::spawn(async move {
         let mut backoff = Duration::from_millis(100);
         while !stop.is_cancelled() {
-            match listen(&config, &channel, &wake, &stop).await {
+            let listened = match &tls {
+                Tls::Off => listen(&config, NoTls, &channel, &wake, &stop).await,
+                Tls::On(rustls) => listen(&config, rustls.clone(), &channel, &wake, &stop).await,
+            };
+            match listened {
                 Ok(()) => return,
                 Err(e) => {
                     debug!(error = %e, "sqlstreams: listener reconnecting");
@@ -39,13 +47,18 @@ pub(crate) fn spawn(
 }
 
 /// Listens until stopped (`Ok`) or the connection fails (`Err`, and the caller reconnects).
-async fn listen(
+async fn listen<T>(
     config: &tokio_postgres::Config,
+    tls: T,
     channel: &str,
     wake: &Notify,
     stop: &CancellationToken,
-) -> Result<(), String> {
-    let (client, mut connection) = config.connect(NoTls).await.map_err(|e| e.to_string())?;
+) -> Result<(), String>
+where
+    T: MakeTlsConnect<Socket>,
+    T::Stream: Send + 'static,
+{
+    let (client, mut connection) = config.connect(tls).await.map_err(|e| e.to_string())?;
     let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
     let statement = format!("LISTEN \"{channel}\"");
     let listen = client.batch_execute(&statement);

@@ -81,7 +81,8 @@ pub(crate) async fn run<T, H, F>(
     let leases = Arc::new(LeaseBook::new(pool.clone(), stream, group_name, config.lease));
     let wake = Arc::new(Notify::new());
     let background = CancellationToken::new();
-    let listener = listener::spawn(pool.config().clone(), channel, wake.clone(), background.clone());
+    let listener =
+        listener::spawn(pool.config().clone(), pool.tls().clone(), channel, wake.clone(), background.clone());
     let heartbeat = tokio::spawn(heartbeat(leases.clone(), config.lease / 3, background.clone()));
     let semaphore = Arc::new(Semaphore::new(config.message_concurrency));
     let ctx = Arc::new(Ctx {

@@ -50,7 +50,10 @@ CREATE TABLE sqlstreams.stream (
     -- Messages are spread over this many lanes (sqlstreams.lane): every message of a key is
     -- in one lane, and one claim at a time holds a lane for a group's ordered and exclusive work.
     -- Fixed when the stream is created.
-    lanes              integer     NOT NULL DEFAULT 16 CHECK (lanes BETWEEN 1 AND 1024)
+    lanes              integer     NOT NULL DEFAULT 16 CHECK (lanes BETWEEN 1 AND 1024),
+    -- How long resolved exception rows (dead, superseded) are kept before retention removes
+    -- them (and with them the last reason to keep their messages' partition).
+    dead_retention     interval    NOT NULL DEFAULT '7 days'
 );
 
 CREATE TABLE sqlstreams.consumer_group (
@@ -71,6 +74,11 @@ CREATE TABLE sqlstreams.consumer_group (
     -- into the exception queue one by one.
     max_reclaims         int         NOT NULL CHECK (max_reclaims >= 0),
     created_at           timestamptz NOT NULL DEFAULT now(),
+    -- Claims hand out nothing while paused (pause_group, resume_group).
+    paused               boolean     NOT NULL DEFAULT false,
+    -- 'release': a dead message releases its ordered key; 'hold': the key stops at it until
+    -- redrive or skip.
+    on_dead              text        NOT NULL DEFAULT 'release' CHECK (on_dead IN ('release', 'hold')),
     UNIQUE (stream_id, name)
 );
 
@@ -110,6 +118,7 @@ CREATE TABLE sqlstreams.stream_grant (
     granted_at timestamptz NOT NULL DEFAULT now(),
     UNIQUE NULLS NOT DISTINCT (stream_id, grantee, privilege, group_name)
 );
+SELECT pg_catalog.pg_extension_config_dump('sqlstreams.stream_grant', '');
 
 
 -- The lane of a message: every message of a key lands in one lane (Postgres' own text hash,
@@ -362,6 +371,41 @@ BEGIN
 END
 $function$;
 
+-- Retention (src/retention.rs): drops the partitions of message_log_<id> whose every id is at
+-- or below `below` (no group needs them any more), oldest first, at most 8 per call. Dropping
+-- a partition locks the whole log for a moment, so the lock is never waited for: the next
+-- caller tries again. Returns how many were dropped.
+CREATE FUNCTION sqlstreams.drop_partitions(stream_id bigint, below bigint) RETURNS integer
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $function$
+DECLARE
+    size    bigint;
+    part    record;
+    dropped integer := 0;
+    timeout text := current_setting('lock_timeout');
+BEGIN
+    SELECT s.partition_size INTO size FROM sqlstreams.stream s WHERE s.id = stream_id;
+    PERFORM set_config('lock_timeout', '20ms', true);
+    FOR part IN
+        SELECT c.relname, substring(c.relname FROM '_p([0-9]+)$')::bigint AS n
+        FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
+        WHERE i.inhparent = format('sqlstreams.message_log_%s', stream_id)::regclass
+        ORDER BY 2
+    LOOP
+        EXIT WHEN (part.n + 1) * size > below OR dropped >= 8;
+        BEGIN
+            EXECUTE format('DROP TABLE sqlstreams.%I', part.relname);
+            dropped := dropped + 1;
+        EXCEPTION WHEN lock_not_available THEN
+            EXIT;
+        END;
+    END LOOP;
+    PERFORM set_config('lock_timeout', timeout, true);
+    RETURN dropped;
+END
+$function$;
+
 ----------------------------------------------------------------------------------------------
 -- 3. The API: functions of the library (src/), each a thin shim over plain Rust.
 ----------------------------------------------------------------------------------------------
@@ -520,7 +564,8 @@ RETURNS TABLE (
     inflight bigint,
     deferred bigint,
     dead bigint,
-    superseded bigint
+    superseded bigint,
+    oldest_unresolved_at timestamptz
 )
 STABLE PARALLEL SAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'group_status_wrapper'
@@ -615,6 +660,69 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;
 
 
+-- Operations (src/stream.rs, src/group.rs, src/dead_letters.rs, src/seek.rs)
+CREATE FUNCTION sqlstreams.alter_stream(name text, dead_retention interval DEFAULT NULL, idempotency_ttl interval DEFAULT NULL)
+RETURNS boolean
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'alter_stream_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+CREATE FUNCTION sqlstreams.alter_group(
+    stream text,
+    group_name text,
+    concurrency_override text DEFAULT NULL,
+    max_retries integer DEFAULT NULL,
+    backoff_base interval DEFAULT NULL,
+    backoff_cap interval DEFAULT NULL,
+    backoff_exponent double precision DEFAULT NULL,
+    max_delays integer DEFAULT NULL,
+    max_reclaims integer DEFAULT NULL,
+    on_dead text DEFAULT NULL
+) RETURNS boolean
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'alter_group_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+CREATE FUNCTION sqlstreams.pause_group(stream text, group_name text) RETURNS boolean
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'pause_group_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+CREATE FUNCTION sqlstreams.resume_group(stream text, group_name text) RETURNS boolean
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'resume_group_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+CREATE FUNCTION sqlstreams.redrive(stream text, group_name text, message_ids bigint[] DEFAULT NULL) RETURNS bigint[]
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'redrive_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+CREATE FUNCTION sqlstreams.skip(stream text, group_name text, message_id bigint) RETURNS boolean
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'skip_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+CREATE FUNCTION sqlstreams.purge_dead(stream text, group_name text, older_than interval DEFAULT '0 seconds') RETURNS bigint
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'purge_dead_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+CREATE FUNCTION sqlstreams.seek(stream text, group_name text, to_id bigint DEFAULT NULL, to_time timestamptz DEFAULT NULL)
+RETURNS bigint
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'seek_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+
 -- Housekeeping (src/maintain.rs)
 CREATE FUNCTION sqlstreams.maintain()
 RETURNS TABLE (
@@ -622,7 +730,9 @@ RETURNS TABLE (
     partitions_through bigint,
     idempotency_keys_purged bigint,
     cursors_advanced bigint,
-    lane_holds_cleared bigint
+    lane_holds_cleared bigint,
+    partitions_dropped bigint,
+    exception_rows_purged bigint
 )
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'maintain_wrapper'
@@ -640,7 +750,7 @@ SELECT s.id, s.name, s.partition_size, s.idempotency_ttl, s.created_at,
        sqlstreams.stream_head(s.id) AS head,
        s.schema_version,
        sqlstreams.stream_channel(s.id) AS channel,
-       s.lanes
+       s.lanes, s.dead_retention
 FROM sqlstreams.stream s
 WHERE sqlstreams.visible(s.id);
 
@@ -648,11 +758,25 @@ CREATE VIEW sqlstreams.consumer_groups WITH (security_barrier) AS
 SELECT g.id, g.stream_id, s.name AS stream, g.name, g.concurrency_override, g.max_retries,
        g.backoff_base, g.backoff_cap, g.backoff_exponent, g.max_delays, g.max_reclaims, g.created_at,
        p.claimed, p.committed, p.head, p.lag, p.open_ranges, p.ready, p.inflight, p.deferred, p.dead,
-       p.superseded
+       p.superseded, g.paused, g.on_dead, p.oldest_unresolved_at,
+       now() - p.oldest_unresolved_at AS oldest_unresolved_age
 FROM sqlstreams.consumer_group g
 JOIN sqlstreams.stream s ON s.id = g.stream_id
 CROSS JOIN LATERAL sqlstreams.group_status(s.name, g.name) p
 WHERE sqlstreams.visible(s.id, g.name);
+
+-- The sessions that hold a stream's fence back: transactions that are producing to it (or
+-- prepared after producing) and have not ended. Claims wait for them; a long one shows here.
+CREATE VIEW sqlstreams.fence_holders AS
+SELECT s.name AS stream, l.pid, l.virtualtransaction, a.backend_xid AS xid, a.xact_start,
+       now() - a.xact_start AS age, a.state, a.usename, a.application_name,
+       p.gid AS prepared_gid, p.prepared
+FROM pg_catalog.pg_locks l
+JOIN sqlstreams.stream s ON l.classid::int8 = (s.id >> 32) AND l.objid::int8 = (s.id & 4294967295)
+LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid AND l.pid <> 0
+LEFT JOIN pg_catalog.pg_prepared_xacts p ON l.pid = 0 AND l.virtualtransaction = '-1/' || p.transaction
+WHERE l.locktype = 'advisory' AND l.objsubid = 21328 AND l.granted
+  AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database());
 
 ----------------------------------------------------------------------------------------------
 -- Privileges: nothing to PUBLIC; each role gets the functions of its part.
@@ -663,9 +787,11 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA sqlstreams FROM PUBLIC;
 GRANT USAGE ON SCHEMA sqlstreams TO sqlstreams_admin, sqlstreams_producer, sqlstreams_consumer, pg_monitor;
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA sqlstreams TO sqlstreams_admin;
 REVOKE EXECUTE ON FUNCTION sqlstreams.create_stream_tables(bigint), sqlstreams.drop_stream_tables(bigint),
-    sqlstreams.add_partitions(bigint, bigint, boolean) FROM sqlstreams_admin;
+    sqlstreams.add_partitions(bigint, bigint, boolean), sqlstreams.drop_partitions(bigint, bigint)
+    FROM sqlstreams_admin;
 GRANT SELECT ON sqlstreams.streams, sqlstreams.consumer_groups
     TO sqlstreams_admin, sqlstreams_producer, sqlstreams_consumer, pg_monitor;
+GRANT SELECT ON sqlstreams.fence_holders TO sqlstreams_admin, pg_monitor;
 GRANT EXECUTE ON FUNCTION
     sqlstreams.lane(text, bigint, integer),
     sqlstreams.visible(bigint, text),
@@ -713,6 +839,8 @@ COMMENT ON FUNCTION sqlstreams.drop_stream_tables(bigint) IS
     'Internal: drops the table family of a stream (called by drop_stream).';
 COMMENT ON FUNCTION sqlstreams.lane(text, bigint, integer) IS
     'The lane of a message: by its key''s hash, or round in blocks of 64 ids for messages without a key.';
+COMMENT ON FUNCTION sqlstreams.drop_partitions(bigint, bigint) IS
+    'Internal: drops message_log partitions no group needs any more (retention).';
 COMMENT ON FUNCTION sqlstreams.add_partitions(bigint, bigint, boolean) IS
     'Internal: creates message_log partitions of a stream until they cover upto, and returns the new partitions_through.';
 
@@ -776,3 +904,22 @@ COMMENT ON FUNCTION sqlstreams.visible(bigint, text) IS
 COMMENT ON FUNCTION sqlstreams.break_lease(text, text, uuid) IS
     'Ends every lease under a token now (range, exception rows, lane holds), so the next claim takes the '
     'work over; false when the token holds nothing. Admins only.';
+COMMENT ON FUNCTION sqlstreams.alter_stream(text, interval, interval) IS
+    'Changes a stream''s dead_retention or idempotency_ttl (NULL keeps the current value). Admins only.';
+COMMENT ON FUNCTION sqlstreams.alter_group(text, text, text, integer, interval, interval, double precision, integer, integer, text) IS
+    'Changes only the settings given (NULL keeps the current value; concurrency_override => ''none'' removes it), '
+    'including on_dead (''release'' or ''hold''). Admins only.';
+COMMENT ON FUNCTION sqlstreams.pause_group(text, text) IS
+    'Pauses a group: its claims hand out nothing until resume_group; outcomes still count. Admins only.';
+COMMENT ON FUNCTION sqlstreams.resume_group(text, text) IS 'Resumes a paused group. Admins only.';
+COMMENT ON FUNCTION sqlstreams.redrive(text, text, bigint[]) IS
+    'Gives dead messages (all, or message_ids) another run with a fresh retry budget; returns the ids. Admins only.';
+COMMENT ON FUNCTION sqlstreams.skip(text, text, bigint) IS
+    'Resolves a dead message for good without running it (releases a held ordered key). Admins only.';
+COMMENT ON FUNCTION sqlstreams.purge_dead(text, text, interval) IS
+    'Removes dead messages that died at least older_than ago; returns how many. Admins only.';
+COMMENT ON FUNCTION sqlstreams.seek(text, text, bigint, timestamptz) IS
+    'Moves a group to after to_id (or the last message produced before to_time): back replays, forward skips; '
+    'forgets the group''s open ranges and exception rows. Returns the new position. Admins only.';
+COMMENT ON VIEW sqlstreams.fence_holders IS
+    'Transactions producing to a stream that have not ended (claims wait for them), with their age.';

@@ -73,8 +73,8 @@ const MAY: Statement = Statement {
               OR pg_catalog.pg_has_role(r.oid, 'sqlstreams_admin', 'USAGE')
               OR ($4 AND pg_catalog.pg_has_role(r.oid, 'pg_monitor', 'USAGE'))
               OR EXISTS (SELECT 1 FROM sqlstreams.stream_grant g
-                         WHERE g.stream_id = $2 AND ($3 = 'any' OR g.privilege = $3)
-                           AND (g.group_name IS NULL OR g.group_name = $5)
+                         WHERE g.stream_id = $2
+                           AND ($3 = 'any' OR (g.privilege = $3 AND (g.group_name IS NULL OR g.group_name = $5)))
                            AND pg_catalog.pg_has_role(r.oid, g.grantee, 'USAGE')) AS may,
                  r.rolname::text AS rolname
           FROM pg_catalog.pg_roles r WHERE r.oid = $1",
@@ -269,7 +269,8 @@ const MAY_SEE: Statement = Statement {
 /// Whether the calling role may see stream `stream_id` (any grant on it), or its group
 /// `group_name` (a consume grant on it): the filter of the views, which never raise.
 #[pg_extern(stable, parallel_safe)]
-fn visible(stream_id: i64, group_name: default!(Option<&str>, "NULL")) -> crate::error::SqlResult<bool> {
+fn visible(stream_id: Option<i64>, group_name: default!(Option<&str>, "NULL")) -> crate::error::SqlResult<bool> {
+    let Some(stream_id) = stream_id else { return Ok(false) };
     Ok(as_owner(|caller| {
         Spi::connect(|client| {
             let row = MAY_SEE.read(client, 0, &[caller.role.into(), stream_id.into(), group_name.into()])?.first();

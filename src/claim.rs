@@ -11,7 +11,8 @@
 //!    woken or expired rows), the lane's oldest expired range handed out again (or quarantined
 //!    after `max_reclaims`), and a range of the lane's next messages up to the safe head.
 //! 5. Gate them (src/key_gate.rs), record every verdict, lease the ranges, store each
-//!    lane's position and hold, return the runs.
+//!    lane's position and hold, return the runs. Now and then, a retention step for the
+//!    stream (src/retention.rs).
 //!
 //! A claim never waits for a lock (src/locks.rs): lanes, rows and key locks are all taken
 //! only when free. So the fence and the clock it reads are never older than what it claims
@@ -38,6 +39,7 @@ use crate::outcome::{self, Signal};
 use crate::partition;
 use crate::payload::RawJsonb;
 use crate::range::{self, RangeLease};
+use crate::retention;
 use crate::statement::{self, Access, Columns, Statement};
 use pgrx::pg_sys::panic::ErrorReport;
 
@@ -148,6 +150,10 @@ pub fn claim(
             None => vec![],
         };
         let stream_id = group.stream.id;
+        if group.paused {
+            signal_left(client, stream_id, &released, &[])?;
+            return Ok(vec![]);
+        }
         // The stored fence first, then the world (src/fence.rs): the order is the proof.
         let stored = cursor::read_fence(client, stream_id, group.id)?;
         let fence = advance_fence(client, stream_id, stored)?;
@@ -250,9 +256,12 @@ impl Claim<'_> {
             candidates: &candidates,
             exception_ids: &exception_ids,
             own_ranges: self.ranges.iter().map(|r| r.first_id).collect(),
+            hold_on_dead: self.group.hold_on_dead,
             lanes: self.lanes.iter().map(|l| l.lane).collect(),
         };
-        let mut verdicts = key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now);
+        let hold = self.group.hold_on_dead;
+        let mut verdicts =
+            key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now, hold);
         let waiting = key_gate::deferred_keys(&candidates, &verdicts);
         if !waiting.is_empty() {
             // Lock the keys about to be parked, then look again: a resolution that committed
@@ -262,7 +271,7 @@ impl Claim<'_> {
             // again. Facts only shrink between the two looks, so the second can only turn
             // waits into runs.
             self.parkable = locks::try_keys_exclusive(self.group.id, &waiting);
-            verdicts = key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now);
+            verdicts = key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now, hold);
         }
 
         let (deliveries, pending, holding) = self.record(verdicts);
@@ -283,6 +292,7 @@ impl Claim<'_> {
         }
         let keys = exception_queue::distinct_keys(&self.resolved_keys);
         exception_queue::after_resolution(client, self.group, &keys, self.now, Waker::Claim)?;
+        retention::from_claim(client, &self.group.stream)?;
         Ok((deliveries, taken))
     }
 

@@ -24,6 +24,10 @@ pub struct GroupRef {
     pub backoff: Backoff,
     pub max_delays: Option<i32>,
     pub max_reclaims: i32,
+    /// Claims hand out nothing while the group is paused (`pause_group`).
+    pub paused: bool,
+    /// An ordered key stops at its dead message (`on_dead = 'hold'`) instead of going on.
+    pub hold_on_dead: bool,
 }
 
 impl GroupRef {
@@ -39,7 +43,7 @@ const LOOKUP: Statement = Statement {
                  g.id AS group_id, g.concurrency_override, g.max_retries,
                  (extract(epoch FROM g.backoff_base) * 1e6)::int8 AS backoff_base,
                  (extract(epoch FROM g.backoff_cap) * 1e6)::int8 AS backoff_cap,
-                 g.backoff_exponent, g.max_delays, g.max_reclaims
+                 g.backoff_exponent, g.max_delays, g.max_reclaims, g.paused, g.on_dead
           FROM sqlstreams.stream s
           LEFT JOIN sqlstreams.consumer_group g ON g.stream_id = s.id AND g.name = $2
           WHERE s.name = $1",
@@ -118,6 +122,8 @@ pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str, access: Access)
         },
         max_delays: row.value("max_delays")?,
         max_reclaims: row.required("max_reclaims")?,
+        paused: row.required("paused")?,
+        hold_on_dead: row.required::<String>("on_dead")? == "hold",
     })
 }
 
@@ -290,4 +296,132 @@ fn drop_group(stream: Option<&str>, name: Option<&str>) -> SqlResult<bool> {
     let stream = validate_name("stream", stream)?;
     let name = validate_name("group", name)?;
     Ok(drop(stream, name)?)
+}
+
+const ALTER: Statement = Statement {
+    name: "group_alter",
+    sql: "UPDATE sqlstreams.consumer_group g SET
+              concurrency_override = $2, max_retries = $3,
+              backoff_base = make_interval(secs => $4 / 1e6), backoff_cap = make_interval(secs => $5 / 1e6),
+              backoff_exponent = $6, max_delays = $7, max_reclaims = $8, on_dead = $9
+          WHERE g.id = $1",
+    params: &[INT8OID, TEXTOID, INT4OID, INT8OID, INT8OID, FLOAT8OID, INT4OID, INT4OID, TEXTOID],
+};
+
+const SET_PAUSED: Statement = Statement {
+    name: "group_set_paused",
+    sql: "UPDATE sqlstreams.consumer_group SET paused = $2 WHERE id = $1 AND paused <> $2 RETURNING id",
+    params: &[INT8OID, BOOLOID],
+};
+
+/// Runs an admin operation on group `group` of `stream`, as the owner.
+pub fn admin_call<T>(
+    stream: &str,
+    group: &str,
+    what: &str,
+    f: impl FnOnce(&SpiClient<'_>, &GroupRef) -> Result<T>,
+) -> Result<T> {
+    access::as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            caller.require_admin(client, what)?;
+            let group = lookup(client, stream, group, Access::Write)?;
+            f(client, &group)
+        })
+    })
+}
+
+/// Changes a group's settings: each argument that is not NULL replaces the current value
+/// (`concurrency_override => 'none'` removes the override). `create_group` re-declares a group
+/// with every setting; this changes only what it is told to. Returns true. Admins only.
+#[pg_extern(volatile, parallel_unsafe)]
+#[allow(clippy::too_many_arguments)]
+fn alter_group(
+    stream: Option<&str>,
+    group_name: Option<&str>,
+    concurrency_override: default!(Option<&str>, "NULL"),
+    max_retries: default!(Option<i32>, "NULL"),
+    backoff_base: default!(Option<Interval>, "NULL"),
+    backoff_cap: default!(Option<Interval>, "NULL"),
+    backoff_exponent: default!(Option<f64>, "NULL"),
+    max_delays: default!(Option<i32>, "NULL"),
+    max_reclaims: default!(Option<i32>, "NULL"),
+    on_dead: default!(Option<&str>, "NULL"),
+) -> SqlResult<bool> {
+    let stream = validate_name("stream", stream)?;
+    let group_name = validate_name("group", group_name)?;
+    let on_dead = match on_dead {
+        None | Some("release") | Some("hold") => on_dead,
+        Some(other) => {
+            return Err(StreamError::invalid(
+                format!("on_dead {} is not valid", crate::names::quoted(Some(other))),
+                "Pass 'release' (a dead message releases its key) or 'hold' (an ordered key stops at it).",
+            )
+            .into())
+        }
+    };
+    Ok(admin_call(stream, group_name, "alter consumer groups", |client, g| {
+        let micros = |i: Option<Interval>| i.map(|i| i.as_micros().clamp(i64::MIN as i128, i64::MAX as i128) as i64);
+        let current_override = g.concurrency_override.map(Concurrency::as_str);
+        let merged = settings(
+            match concurrency_override {
+                Some("none") => None,
+                Some(c) => Some(c),
+                None => current_override,
+            },
+            Some(max_retries.unwrap_or(g.max_retries)),
+            Some("beginning"), // placement applies at creation only
+            Some(Interval::from_micros(micros(backoff_base).unwrap_or(g.backoff.base_micros))),
+            Some(Interval::from_micros(micros(backoff_cap).unwrap_or(g.backoff.cap_micros))),
+            Some(backoff_exponent.unwrap_or(g.backoff.exponent)),
+            max_delays.or(g.max_delays),
+            Some(max_reclaims.unwrap_or(g.max_reclaims)),
+        )?;
+        let on_dead = on_dead.unwrap_or(if g.hold_on_dead { "hold" } else { "release" });
+        ALTER.run(
+            client,
+            0,
+            &[
+                g.id.into(),
+                merged.concurrency_override.map(Concurrency::as_str).into(),
+                merged.max_retries.into(),
+                merged.backoff.base_micros.into(),
+                merged.backoff.cap_micros.into(),
+                merged.backoff.exponent.into(),
+                merged.max_delays.into(),
+                merged.max_reclaims.into(),
+                on_dead.into(),
+            ],
+        )?;
+        Ok(true)
+    })?)
+}
+
+/// Pauses a group: its claims hand out nothing (outcomes of what it already holds still count)
+/// until `resume_group`. Returns false when it was paused already. Admins only.
+#[pg_extern(volatile, parallel_unsafe)]
+fn pause_group(stream: Option<&str>, group_name: Option<&str>) -> SqlResult<bool> {
+    set_paused(stream, group_name, true)
+}
+
+/// Resumes a paused group. Returns false when it was not paused. Admins only.
+#[pg_extern(volatile, parallel_unsafe)]
+fn resume_group(stream: Option<&str>, group_name: Option<&str>) -> SqlResult<bool> {
+    set_paused(stream, group_name, false)
+}
+
+fn set_paused(stream: Option<&str>, group_name: Option<&str>, paused: bool) -> SqlResult<bool> {
+    let stream = validate_name("stream", stream)?;
+    let group_name = validate_name("group", group_name)?;
+    Ok(admin_call(
+        stream,
+        group_name,
+        if paused { "pause consumer groups" } else { "resume consumer groups" },
+        |client, g| {
+            let changed = !SET_PAUSED.run(client, 0, &[g.id.into(), paused.into()])?.is_empty();
+            if changed && !paused {
+                crate::notify::signal(client, g.stream.id)?;
+            }
+            Ok(changed)
+        },
+    )?)
 }

@@ -27,7 +27,9 @@ const PROGRESS: Statement = Statement {
         head_sql!(),
         " AS head,
                 (SELECT count(*) FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1) AS open_ranges,
-                e.ready, e.inflight, e.deferred, e.dead, e.superseded
+                e.ready, e.inflight, e.deferred, e.dead, e.superseded,
+                (SELECT m.produced_at FROM sqlstreams.message_log_@id@ m WHERE m.id > p.committed
+                 ORDER BY m.id LIMIT 1) AS oldest_unresolved_at
          FROM sqlstreams.cursor_@id@ c,
               LATERAL (SELECT greatest(c.committed, ",
         committed_now!("c.fence_safe"),
@@ -50,9 +52,13 @@ const BLOCKED_KEYS: Statement = Statement {
                 e.message_key, e.message_id, e.status, e.attempts, e.can_run_after, e.last_error,
                 count(*) OVER (PARTITION BY e.message_key) - 1 AS waiting_behind
          FROM sqlstreams.exception_queue_@id@ e
-         WHERE e.consumer_group_id = $1 AND e.message_key IS NOT NULL AND e.status IN ",
+         WHERE e.consumer_group_id = $1 AND e.message_key IS NOT NULL
+           AND (e.status IN ",
         unresolved!(),
         "
+                -- A dead ordered message holds its key in a group with on_dead = 'hold'.
+                OR (e.status = 'dead' AND e.concurrency = 'ordered'
+                    AND (SELECT on_dead FROM sqlstreams.consumer_group WHERE id = $1) = 'hold'))
          ORDER BY e.message_key, e.message_id"
     ),
     params: &[INT8OID],
@@ -124,6 +130,8 @@ struct Progress {
     deferred: i64,
     dead: i64,
     superseded: i64,
+    /// When the oldest message the group has not resolved was produced.
+    oldest_unresolved_at: Option<TimestampWithTimeZone>,
 }
 
 fn progress(stream: Option<&str>, group_name: Option<&str>) -> Result<Progress> {
@@ -138,12 +146,14 @@ fn progress(stream: Option<&str>, group_name: Option<&str>) -> Result<Progress> 
             deferred: row.required("deferred")?,
             dead: row.required("dead")?,
             superseded: row.required("superseded")?,
+            oldest_unresolved_at: row.value("oldest_unresolved_at")?,
         })
     })?;
     rows.into_iter().next().ok_or_else(|| StreamError::Internal("the group has no cursor row".into()))
 }
 
-/// One group's cursor, head, lag and exception-queue counts by status.
+/// One group's cursor, head, lag, exception-queue counts by status, and when its oldest
+/// unresolved message was produced (NULL when it has resolved everything).
 #[pg_extern(stable, parallel_safe)]
 fn group_status(
     stream: Option<&str>,
@@ -162,6 +172,7 @@ fn group_status(
             name!(deferred, i64),
             name!(dead, i64),
             name!(superseded, i64),
+            name!(oldest_unresolved_at, Option<TimestampWithTimeZone>),
         ),
     >,
     ErrorReport,
@@ -178,6 +189,7 @@ fn group_status(
         p.deferred,
         p.dead,
         p.superseded,
+        p.oldest_unresolved_at,
     )))
 }
 

@@ -97,8 +97,18 @@ struct KeyState {
 }
 
 /// Decides every candidate; one verdict each, in candidate order. `candidates` must be sorted
-/// by message id; `lease_expires` is this claim's lease expiry, `now` the call time.
-pub fn gate(candidates: &[Candidate], facts: &HashMap<String, KeyFacts>, lease_expires: i64, now: i64) -> Vec<Verdict> {
+/// by message id; `lease_expires` is this claim's lease expiry, `now` the call time. With
+/// `hold_on_dead` (the group's `on_dead = 'hold'`), a dead message blocks the later ordered
+/// messages of its key (check 1 counts it), and an ordered key runs one message per result:
+/// the contract lets a caller start the next row of a chain once `fail` returned 'dead', which
+/// a held key must not do, so there are no ordered chains to start.
+pub fn gate(
+    candidates: &[Candidate],
+    facts: &HashMap<String, KeyFacts>,
+    lease_expires: i64,
+    now: i64,
+    hold_on_dead: bool,
+) -> Vec<Verdict> {
     let no_facts = KeyFacts::default();
     let mut states: HashMap<&str, KeyState> = HashMap::new();
     candidates
@@ -146,6 +156,11 @@ pub fn gate(candidates: &[Candidate], facts: &HashMap<String, KeyFacts>, lease_e
                 state.blocked_until = Some(until);
                 return Verdict::Defer { until };
             }
+            if hold_on_dead && c.concurrency == Concurrency::Ordered && state.chain_tail.is_some() {
+                // Due again at once: the next claim hands it out once its predecessor resolved.
+                state.blocked_until = Some(now);
+                return Verdict::Defer { until: now };
+            }
             state.exclusive_running |= c.concurrency == Concurrency::Exclusive;
             let run_after = state.chain_tail.replace(c.message_id);
             Verdict::Run { run_after }
@@ -157,7 +172,8 @@ pub fn gate(candidates: &[Candidate], facts: &HashMap<String, KeyFacts>, lease_e
 /// pending list into the exception queue (a concurrent `fail`) is seen in one place or the
 /// other, never in neither.
 /// - Kind 1, for ordered keys `$2` (with the highest candidate id of each in `$3`): the
-///   earliest unresolved exception row below it, outside this claim (`$4`).
+///   earliest unresolved exception row below it, outside this claim (`$4`); with `$9`
+///   (`on_dead = 'hold'`) a dead row counts too, and never clears on its own.
 /// - Kind 2, for ordered and exclusive keys `$6`: the earliest same-key message pending in
 ///   another open range (`$5` are this claim's own) of a lane the claim took (`$7`), or of a
 ///   range claimed before lanes existed.
@@ -166,11 +182,13 @@ pub fn gate(candidates: &[Candidate], facts: &HashMap<String, KeyFacts>, lease_e
 const CHECK: Statement = Statement {
     name: "gate_check",
     sql: "SELECT 1 AS kind, k.message_key, min(e.message_id) AS blocker,
-                 min(CASE WHEN e.status = 'inflight' THEN e.lease_expires_at ELSE e.can_run_after END) AS clears_at
+                 min(CASE e.status WHEN 'inflight' THEN e.lease_expires_at WHEN 'dead' THEN 'infinity'
+                                   ELSE e.can_run_after END) AS clears_at
           FROM unnest($2::text[], $3::bigint[]) AS k(message_key, upto)
           JOIN sqlstreams.exception_queue_@id@ e
             ON e.consumer_group_id = $1 AND e.message_key = k.message_key AND e.message_id < k.upto
-          WHERE e.status IN ('ready', 'inflight', 'deferred') AND e.message_id <> ALL($4)
+          WHERE (e.status IN ('ready', 'inflight', 'deferred') OR ($9 AND e.status = 'dead'))
+            AND e.message_id <> ALL($4)
           GROUP BY k.message_key
           UNION ALL
           SELECT 2, u.message_key, min(u.id), min(r.lease_expires_at)
@@ -194,6 +212,7 @@ const CHECK: Statement = Statement {
         TEXTARRAYOID,
         INT4ARRAYOID,
         TEXTARRAYOID,
+        BOOLOID,
     ],
 };
 
@@ -228,6 +247,8 @@ pub struct GatherInput<'a> {
     pub own_ranges: Vec<i64>,
     /// The lanes the claim took.
     pub lanes: Vec<i32>,
+    /// The group's `on_dead = 'hold'`: dead rows count for check 1.
+    pub hold_on_dead: bool,
 }
 
 /// Reads the facts `gate` needs, only for the keys that need them.
@@ -271,6 +292,7 @@ pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<HashMap
                 gated.into(),
                 input.lanes.clone().into(),
                 exclusive.into(),
+                input.hold_on_dead.into(),
             ],
         )?;
         for row in rows {
@@ -328,7 +350,7 @@ mod tests {
             c(104, None, Ordered),
             c(105, Some("acct-42"), Ordered),
         ];
-        let g = gate(&cands, &HashMap::new(), LEASE, NOW);
+        let g = gate(&cands, &HashMap::new(), LEASE, NOW, false);
         assert_eq!(g, vec![run(None), run(None), run(Some(101)), run(None), run(Some(103))]);
     }
 
@@ -341,7 +363,7 @@ mod tests {
         );
         let cands =
             [c(102, Some("acct-42"), Ordered), c(103, Some("acct-42"), Ordered), c(104, Some("acct-9"), Ordered)];
-        let g = gate(&cands, &f, LEASE, NOW);
+        let g = gate(&cands, &f, LEASE, NOW, false);
         assert_eq!(g, vec![Verdict::Defer { until: retry_at }, Verdict::Defer { until: retry_at }, run(None)]);
     }
 
@@ -352,7 +374,7 @@ mod tests {
             "k",
             KeyFacts { unresolved: Some(Blocker { message_id: 150, clears_at: NOW }), ..Default::default() },
         );
-        let g = gate(&[c(101, Some("k"), Ordered), c(160, Some("k"), Ordered)], &f, LEASE, NOW);
+        let g = gate(&[c(101, Some("k"), Ordered), c(160, Some("k"), Ordered)], &f, LEASE, NOW, false);
         assert_eq!(g, vec![run(None), Verdict::Defer { until: NOW + MIN_PARK_MICROS }]);
     }
 
@@ -363,20 +385,20 @@ mod tests {
             "k",
             KeyFacts { pending_elsewhere: Some(Blocker { message_id: 90, clears_at: expiry }), ..Default::default() },
         );
-        let g = gate(&[c(101, Some("k"), Ordered)], &f, LEASE, NOW);
+        let g = gate(&[c(101, Some("k"), Ordered)], &f, LEASE, NOW, false);
         assert_eq!(g, vec![Verdict::Defer { until: expiry }]);
     }
 
     #[test]
     fn ordered_waits_for_an_earlier_parallel_row_of_the_same_result() {
-        let g = gate(&[c(101, Some("k"), Parallel), c(102, Some("k"), Ordered)], &HashMap::new(), LEASE, NOW);
+        let g = gate(&[c(101, Some("k"), Parallel), c(102, Some("k"), Ordered)], &HashMap::new(), LEASE, NOW, false);
         assert_eq!(g, vec![run(None), Verdict::Defer { until: LEASE }]);
     }
 
     #[test]
     fn exclusive_takes_one_lease_per_key_and_chains_the_rest() {
         let cands = [c(101, Some("a"), Exclusive), c(102, Some("a"), Exclusive), c(103, Some("b"), Exclusive)];
-        let g = gate(&cands, &HashMap::new(), LEASE, NOW);
+        let g = gate(&cands, &HashMap::new(), LEASE, NOW, false);
         assert_eq!(g, vec![run(None), run(Some(101)), run(None)]);
     }
 
@@ -387,14 +409,14 @@ mod tests {
             "a",
             KeyFacts { inflight_elsewhere: Some(Blocker { message_id: 90, clears_at: held }), ..Default::default() },
         );
-        let g = gate(&[c(101, Some("a"), Exclusive), c(102, Some("a"), Exclusive)], &f, LEASE, NOW);
+        let g = gate(&[c(101, Some("a"), Exclusive), c(102, Some("a"), Exclusive)], &f, LEASE, NOW, false);
         assert_eq!(g, vec![Verdict::Defer { until: held }, Verdict::Defer { until: held }]);
         // A later same-key message pending in another range holds the key as well.
         let f = facts(
             "a",
             KeyFacts { pending_elsewhere: Some(Blocker { message_id: 500, clears_at: held }), ..Default::default() },
         );
-        assert_eq!(gate(&[c(101, Some("a"), Exclusive)], &f, LEASE, NOW), vec![Verdict::Defer { until: held }]);
+        assert_eq!(gate(&[c(101, Some("a"), Exclusive)], &f, LEASE, NOW, false), vec![Verdict::Defer { until: held }]);
     }
 
     #[test]
@@ -404,7 +426,7 @@ mod tests {
             "acct-42",
             KeyFacts { unresolved: Some(Blocker { message_id: 101, clears_at: NOW + 9 }), ..Default::default() },
         );
-        let g = gate(&[c(102, Some("acct-42"), Exclusive)], &f, LEASE, NOW);
+        let g = gate(&[c(102, Some("acct-42"), Exclusive)], &f, LEASE, NOW, false);
         assert_eq!(g, vec![run(None)]);
     }
 
@@ -412,16 +434,16 @@ mod tests {
     fn compaction_supersedes_all_but_the_head() {
         let f = facts("k", KeyFacts { compaction_head: Some(103), ..Default::default() });
         let cands = [compacted(101, "k", Exclusive), compacted(102, "k", Exclusive), compacted(103, "k", Exclusive)];
-        let g = gate(&cands, &f, LEASE, NOW);
+        let g = gate(&cands, &f, LEASE, NOW, false);
         assert_eq!(g, vec![Verdict::Supersede, Verdict::Supersede, run(None)]);
         let parallel = [compacted(101, "k", Parallel), compacted(103, "k", Parallel)];
-        assert_eq!(gate(&parallel, &f, LEASE, NOW), vec![Verdict::Supersede, run(None)]);
+        assert_eq!(gate(&parallel, &f, LEASE, NOW, false), vec![Verdict::Supersede, run(None)]);
     }
 
     #[test]
     fn ordered_never_supersedes() {
         let f = facts("k", KeyFacts { compaction_head: Some(103), ..Default::default() });
-        let g = gate(&[compacted(101, "k", Ordered), compacted(103, "k", Ordered)], &f, LEASE, NOW);
+        let g = gate(&[compacted(101, "k", Ordered), compacted(103, "k", Ordered)], &f, LEASE, NOW, false);
         assert_eq!(g, vec![run(None), run(Some(101))]);
     }
 
@@ -435,7 +457,22 @@ mod tests {
                 ..Default::default()
             },
         );
-        let g = gate(&[c(5, None, Ordered), c(6, Some("k"), Parallel), c(7, Some("k"), Parallel)], &f, LEASE, NOW);
+        let g =
+            gate(&[c(5, None, Ordered), c(6, Some("k"), Parallel), c(7, Some("k"), Parallel)], &f, LEASE, NOW, false);
         assert_eq!(g, vec![run(None), run(None), run(None)]);
+    }
+
+    #[test]
+    fn holding_on_dead_runs_one_ordered_message_per_key_and_never_passes_a_dead_one() {
+        let cands = [c(101, Some("k"), Ordered), c(102, Some("k"), Ordered), c(103, Some("j"), Ordered)];
+        let g = gate(&cands, &HashMap::new(), LEASE, NOW, true);
+        assert_eq!(g, vec![run(None), Verdict::Defer { until: NOW }, run(None)]);
+        // Check 1 found a dead row of the key (it never clears on its own).
+        let f = facts(
+            "k",
+            KeyFacts { unresolved: Some(Blocker { message_id: 90, clears_at: i64::MAX }), ..Default::default() },
+        );
+        let g = gate(&cands[..2], &f, LEASE, NOW, true);
+        assert_eq!(g, vec![Verdict::Defer { until: i64::MAX }; 2]);
     }
 }

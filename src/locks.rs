@@ -48,6 +48,8 @@ pub const PRODUCER_CLASS: u16 = 0x5350; // 'SP'
 pub const KEY_CLASS: u16 = 0x534B; // 'SK'
 /// The per-lease-token lock that serializes outcomes of one token.
 pub const TOKEN_CLASS: u16 = 0x5354; // 'ST'
+/// The per-stream lock of a retention step run from a claim (one session at a time).
+pub const RETENTION_CLASS: u16 = 0x5352; // 'SR'
 
 extern "C-unwind" {
     /// Postgres' own byte hash (`hash_any`, the hash behind `hashtext`): stable across
@@ -118,6 +120,12 @@ pub fn token(token: pgrx::Uuid) {
     acquire(&tag(TOKEN_CLASS, high, low), pg_sys::ExclusiveLock, true);
 }
 
+/// A claim's retention step for `stream_id` (src/retention.rs): exclusive, never waiting.
+pub fn try_retention(stream_id: i64) -> bool {
+    let (high, low) = split(stream_id);
+    acquire(&tag(RETENTION_CLASS, high, low), pg_sys::ExclusiveLock, false)
+}
+
 fn key_tag(group_id: i64, key: &str) -> pg_sys::LOCKTAG {
     tag(KEY_CLASS, group_id as u32, hash(key.as_bytes()))
 }
@@ -154,7 +162,7 @@ mod tests {
     #[test]
     fn classes_are_out_of_reach_of_sql_advisory_locks() {
         // pg_advisory_lock(bigint) uses class 1, pg_advisory_lock(int, int) class 2.
-        for class in [PRODUCER_CLASS, KEY_CLASS, TOKEN_CLASS] {
+        for class in [PRODUCER_CLASS, KEY_CLASS, TOKEN_CLASS, RETENTION_CLASS] {
             assert!(class > 2);
         }
         assert_eq!(split(-1), (u32::MAX, u32::MAX));

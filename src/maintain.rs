@@ -11,6 +11,7 @@ use crate::access;
 use crate::cursor;
 use crate::error::Result;
 use crate::partition::{self, Need};
+use crate::retention;
 use crate::statement::{Access, Columns, Statement};
 use crate::stream;
 
@@ -41,8 +42,8 @@ const PURGE_IDEMPOTENCY: Statement = Statement {
 };
 
 /// Per stream: (name, partitions through, idempotency keys purged, cursors advanced, expired
-/// lane holds cleared).
-fn maintain_all() -> Result<Vec<(String, i64, i64, i64, i64)>> {
+/// lane holds cleared, partitions dropped, resolved exception rows purged).
+fn maintain_all() -> Result<Vec<(String, i64, i64, i64, i64, i64, i64)>> {
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "run maintain()")?;
@@ -68,7 +69,16 @@ fn maintain_all() -> Result<Vec<(String, i64, i64, i64, i64)>> {
                         advanced += 1;
                     }
                 }
-                report.push((name, through, purged, advanced, cleared));
+                let retained = retention::step(client, &stream)?;
+                report.push((
+                    name,
+                    through,
+                    purged,
+                    advanced,
+                    cleared,
+                    retained.partitions_dropped,
+                    retained.rows_purged,
+                ));
             }
             Ok(report)
         })
@@ -76,8 +86,9 @@ fn maintain_all() -> Result<Vec<(String, i64, i64, i64, i64)>> {
 }
 
 /// Housekeeping for every stream: creates message_log partitions ahead of the head, purges
-/// expired idempotency keys, stores each group's claimed and committed cursor, and clears
-/// expired lane holds. Idempotent; safe to run from cron at any frequency.
+/// expired idempotency keys, stores each group's claimed and committed cursor, clears expired
+/// lane holds, and applies retention (src/retention.rs). Idempotent; safe to run from cron at
+/// any frequency.
 #[pg_extern(volatile, parallel_unsafe)]
 fn maintain() -> std::result::Result<
     TableIterator<
@@ -88,6 +99,8 @@ fn maintain() -> std::result::Result<
             name!(idempotency_keys_purged, i64),
             name!(cursors_advanced, i64),
             name!(lane_holds_cleared, i64),
+            name!(partitions_dropped, i64),
+            name!(exception_rows_purged, i64),
         ),
     >,
     ErrorReport,

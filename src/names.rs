@@ -127,7 +127,6 @@ pub fn check_key_length(what: &str, key: &str) -> Result<()> {
     ))
 }
 
-/// `'value'` or `NULL`, for error messages.
 /// A name as messages show it, in double quotes like Postgres' own (`"orders"`).
 pub fn named(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))

@@ -212,3 +212,36 @@ fn drop_stream(name: Option<&str>) -> SqlResult<bool> {
     let name = validate_name("stream", name)?;
     Ok(drop(name)?)
 }
+
+const ALTER: Statement = Statement {
+    name: "stream_alter",
+    sql: "UPDATE sqlstreams.stream
+          SET dead_retention = coalesce(make_interval(secs => $2 / 1e6), dead_retention),
+              idempotency_ttl = coalesce(make_interval(secs => $3 / 1e6), idempotency_ttl)
+          WHERE id = $1",
+    params: &[INT8OID, INT8OID, INT8OID],
+};
+
+/// Changes a stream's settings: each argument that is not NULL replaces the current value.
+/// `dead_retention`: how long dead and superseded exception rows are kept (retention). Returns
+/// true. Admins only.
+#[pg_extern(volatile, parallel_unsafe)]
+fn alter_stream(
+    name: Option<&str>,
+    dead_retention: default!(Option<Interval>, "NULL"),
+    idempotency_ttl: default!(Option<Interval>, "NULL"),
+) -> SqlResult<bool> {
+    let name = validate_name("stream", name)?;
+    let retention =
+        dead_retention.map(|i| positive_micros("dead_retention", Some(i.as_micros()), "'7 days'")).transpose()?;
+    let ttl =
+        idempotency_ttl.map(|i| positive_micros("idempotency_ttl", Some(i.as_micros()), "'1 day'")).transpose()?;
+    Ok(access::as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            caller.require_admin(client, "alter streams")?;
+            let stream = lookup(client, name)?;
+            ALTER.run(client, 0, &[stream.id.into(), retention.into(), ttl.into()])?;
+            Ok(true)
+        })
+    })?)
+}

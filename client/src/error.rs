@@ -21,6 +21,19 @@ pub enum Error {
         /// What to do instead.
         hint: Option<String>,
     },
+    /// The caller's role lacks a right on the stream or group (SQLSTATE 42501): an admin grants
+    /// it with `sqlstreams.grant_stream`, which the hint spells out.
+    #[error("{message}")]
+    PermissionDenied {
+        /// The server's message, naming the role and what it may not do.
+        message: String,
+        /// The grant that would allow it.
+        hint: Option<String>,
+    },
+    /// The server's TLS certificate was refused (not signed by a trusted authority, or not for
+    /// this host): retrying will not help; fix `ssl_root_cert` or the server's certificate.
+    #[error("TLS: {0}")]
+    Tls(String),
     /// The client's own configuration is inconsistent.
     #[error("invalid configuration: {0}")]
     Config(String),
@@ -46,6 +59,11 @@ impl Error {
         matches!(self, Error::InvalidArgument { .. })
     }
 
+    /// True when the caller's role lacks a right (42501).
+    pub fn is_permission_denied(&self) -> bool {
+        matches!(self, Error::PermissionDenied { .. })
+    }
+
     /// True when retrying later may succeed (a lost connection, a restarting server).
     pub fn is_transient(&self) -> bool {
         match self {
@@ -66,6 +84,12 @@ impl From<tokio_postgres::Error> for Error {
             if *db.code() == SqlState::INVALID_PARAMETER_VALUE {
                 return Error::InvalidArgument { message, hint };
             }
+            if *db.code() == SqlState::INSUFFICIENT_PRIVILEGE {
+                return Error::PermissionDenied { message, hint };
+            }
+        }
+        if let Some(refused) = tls_refusal(&err) {
+            return Error::Tls(refused);
         }
         Error::Postgres(err)
     }
@@ -78,6 +102,19 @@ impl From<deadpool_postgres::PoolError> for Error {
             other => Error::Pool(other.to_string()),
         }
     }
+}
+
+/// The rustls error behind a failed connection, if that is why it failed.
+fn tls_refusal(err: &tokio_postgres::Error) -> Option<String> {
+    let mut source = std::error::Error::source(err);
+    while let Some(e) = source {
+        let inner = e.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref()).map(|i| i as &dyn std::error::Error);
+        if let Some(tls) = inner.unwrap_or(e).downcast_ref::<rustls::Error>() {
+            return Some(tls.to_string());
+        }
+        source = e.source();
+    }
+    None
 }
 
 /// The client's result type.

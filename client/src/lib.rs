@@ -37,6 +37,24 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Connecting
+//!
+//! [`Client::connect`] takes a libpq-style connection string and pools up to 16 connections;
+//! [`Client::connect_with`] takes [`ClientOptions`] (the pool size, and a CA file to trust).
+//! With `sslmode=require` in the string, every connection (the pool's and each consumer's
+//! `LISTEN` connection) uses TLS (rustls) and verifies the server's certificate and host name
+//! against the system's roots plus [`ClientOptions::ssl_root_cert`] (by default the file named
+//! by `PGSSLROOTCERT`). That is stricter than libpq's `require`, which does not verify.
+//! `prefer` (the default) and `disable` connect without TLS; `verify-ca` and `verify-full` are
+//! not accepted, and client certificates are not supported.
+//!
+//! Connect as a role with the rights of what it does (the extension's `docs/sql-api.md`, "Roles
+//! and grants"): producing needs `sqlstreams_producer` and a `produce` grant on the stream;
+//! [`ConsumerGroup::register`] and consuming need `sqlstreams_consumer` and a `consume` grant on
+//! the group; [`Stream::register`] creates the stream and is an admin's call, which an
+//! application role skips. A refused call is [`Error::PermissionDenied`] (SQLSTATE `42501`)
+//! and a refused certificate [`Error::Tls`]; neither is transient.
+//!
 //! # Delivery guarantees
 //!
 //! Delivery is **at least once**. Each claim holds a lease; the consumer extends it while its

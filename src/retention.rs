@@ -1,0 +1,112 @@
+//! Retention: what no consumer group needs any more leaves the disk.
+//!
+//! A message is needed while some group has not committed past it, or while an exception row
+//! refers to it (a dead message stays readable, with its payload, until its row goes). Resolved
+//! exception rows (`dead`, `superseded`) are kept for the stream's `dead_retention`. Below the
+//! lowest id anything needs, whole partitions of the log are dropped; compaction heads there can
+//! never supersede anything again and go too.
+//!
+//! Who runs it: `maintain()` (cron), and otherwise the consumers themselves: a claim runs one
+//! bounded step for its stream at most once a minute per session, and only one session at a
+//! time per stream (a try-lock). A partition drop never waits for the log's lock
+//! (`sqlstreams.drop_partitions`), so a step never holds a stream back for long.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use pgrx::pg_sys::BuiltinOid::*;
+use pgrx::spi::SpiClient;
+
+use crate::cursor;
+use crate::error::Result;
+use crate::locks;
+use crate::statement::{Columns, Statement};
+use crate::stream::StreamRef;
+
+/// How often one session runs a step for one stream from its claims.
+const EVERY: Duration = Duration::from_secs(60);
+/// Resolved exception rows removed per step.
+const PURGE_BATCH: i64 = 10_000;
+
+/// What one step removed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Retained {
+    pub partitions_dropped: i64,
+    pub rows_purged: i64,
+}
+
+const PURGE_RESOLVED: Statement = Statement {
+    name: "retention_purge_resolved",
+    sql: "DELETE FROM sqlstreams.exception_queue_@id@ WHERE ctid = ANY (ARRAY(
+              SELECT ctid FROM sqlstreams.exception_queue_@id@
+              WHERE status IN ('dead', 'superseded')
+                AND updated_at < now() - (SELECT dead_retention FROM sqlstreams.stream WHERE id = $1)
+              LIMIT $2))",
+    params: &[INT8OID, INT8OID],
+};
+
+/// The highest id below which nothing is needed: every group committed past it and no
+/// exception row refers to it. NULL for a stream without groups (its messages wait for one).
+const NEEDED_FROM: Statement = Statement {
+    name: "retention_needed_from",
+    sql: "SELECT least((SELECT min(committed) FROM sqlstreams.cursor_@id@),
+                       (SELECT min(message_id) - 1 FROM sqlstreams.exception_queue_@id@)) AS below
+          WHERE EXISTS (SELECT 1 FROM sqlstreams.cursor_@id@)",
+    params: &[],
+};
+
+const DROP_HEADS: Statement = Statement {
+    name: "retention_drop_heads",
+    sql: "DELETE FROM sqlstreams.compaction_head_@id@ WHERE message_id <= $1",
+    params: &[INT8OID],
+};
+
+const DROP_PARTITIONS: Statement = Statement {
+    name: "retention_drop_partitions",
+    sql: "SELECT sqlstreams.drop_partitions($1, $2) AS dropped",
+    params: &[INT8OID, INT8OID],
+};
+
+const GROUPS: Statement = Statement {
+    name: "retention_groups",
+    sql: "SELECT id FROM sqlstreams.consumer_group WHERE stream_id = $1 ORDER BY id",
+    params: &[INT8OID],
+};
+
+/// One step for `stream`: stores every group's committed cursor, removes expired resolved
+/// rows, then what nobody needs below them.
+pub fn step(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Retained> {
+    let groups: Vec<i64> =
+        GROUPS.run(client, 0, &[stream.id.into()])?.map(|row| row.required("id")).collect::<Result<_>>()?;
+    for group in groups {
+        cursor::advance(client, stream.id, group)?;
+    }
+    let rows_purged = PURGE_RESOLVED.run(client, stream.id, &[stream.id.into(), PURGE_BATCH.into()])?.len() as i64;
+    let row = NEEDED_FROM.run(client, stream.id, &[])?;
+    let below: Option<i64> = if row.is_empty() { None } else { row.first().value("below")? };
+    let Some(below) = below else { return Ok(Retained { partitions_dropped: 0, rows_purged }) };
+    DROP_HEADS.run(client, stream.id, &[below.into()])?;
+    let partitions_dropped: i32 =
+        DROP_PARTITIONS.run(client, 0, &[stream.id.into(), below.into()])?.first().required("dropped")?;
+    Ok(Retained { partitions_dropped: partitions_dropped.into(), rows_purged })
+}
+
+thread_local! {
+    /// When this session last ran a step from a claim, per stream.
+    static LAST: RefCell<HashMap<i64, Instant>> = RefCell::new(HashMap::new());
+}
+
+/// From a claim: a step for `stream` when this session has not run one for a minute and no
+/// other session is running one now.
+pub fn from_claim(client: &SpiClient<'_>, stream: &StreamRef) -> Result<()> {
+    let due = LAST.with(|last| last.borrow().get(&stream.id).is_none_or(|at| at.elapsed() >= EVERY));
+    if !due {
+        return Ok(());
+    }
+    LAST.with(|last| last.borrow_mut().insert(stream.id, Instant::now()));
+    if locks::try_retention(stream.id) {
+        step(client, stream)?;
+    }
+    Ok(())
+}

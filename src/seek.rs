@@ -1,0 +1,90 @@
+//! `seek`: moves a group's position, backwards to replay or forwards to skip.
+//!
+//! After a seek to position P, the group's next claims hand out the messages after P, and the
+//! group has forgotten everything it had open: its ranges end (outcomes under their tokens
+//! report a lost lease), its exception rows go (a replay delivers those messages again, a skip
+//! skips them, dead ones included), its lanes are free, and `claimed` and `committed` are P.
+//! Messages that retention dropped are gone: a replay starts at the oldest one kept.
+//!
+//! Locks: the group's lane rows and cursor row first (waiting for claims in progress, which
+//! never wait), then its exception rows and ranges (waiting for outcomes in progress, which do
+//! not wait for lane rows: they skip locked ones, src/lanes.rs). So no cycle of waits forms.
+
+use pgrx::pg_sys::BuiltinOid::*;
+use pgrx::prelude::*;
+
+use crate::error::{SqlResult, StreamError};
+use crate::group;
+use crate::names::validate_name;
+use crate::notify;
+use crate::statement::{self, Columns, Statement};
+
+const LOCK: Statement = Statement {
+    name: "seek_lock",
+    sql: "SELECT (SELECT count(*) FROM (SELECT 1 FROM sqlstreams.lane_@id@ WHERE consumer_group_id = $1
+                                        ORDER BY lane FOR UPDATE) l)
+               + (SELECT count(*) FROM (SELECT 1 FROM sqlstreams.cursor_@id@ WHERE consumer_group_id = $1
+                                        FOR UPDATE) c) AS locked",
+    params: &[INT8OID],
+};
+
+/// The position for a time: the last message produced before it.
+const POSITION_AT: Statement = Statement {
+    name: "seek_position_at",
+    sql: "SELECT coalesce(max(id), 0) AS position FROM sqlstreams.message_log_@id@ WHERE produced_at < $1",
+    params: &[TIMESTAMPTZOID],
+};
+
+const HEAD: Statement =
+    Statement { name: "seek_head", sql: concat!("SELECT ", crate::cursor::head_sql!(), " AS head"), params: &[] };
+
+const MOVE: Statement = Statement {
+    name: "seek_move",
+    sql: "WITH e AS (DELETE FROM sqlstreams.exception_queue_@id@ WHERE consumer_group_id = $1),
+               r AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1),
+               l AS (UPDATE sqlstreams.lane_@id@ SET claimed = $2, held_by = NULL, held_until = NULL
+                     WHERE consumer_group_id = $1)
+          UPDATE sqlstreams.cursor_@id@ SET claimed = $2, committed = $2 WHERE consumer_group_id = $1",
+    params: &[INT8OID, INT8OID],
+};
+
+/// Moves a group to just after message `to_id`, or after the last message produced before
+/// `to_time` (one of them): backwards replays, forwards skips. Everything the group had open is
+/// forgotten (see the module documentation in docs/sql-api.md). Returns the new position.
+/// Admins only.
+#[pg_extern(volatile, parallel_unsafe)]
+fn seek(
+    stream: Option<&str>,
+    group_name: Option<&str>,
+    to_id: default!(Option<i64>, "NULL"),
+    to_time: default!(Option<TimestampWithTimeZone>, "NULL"),
+) -> SqlResult<i64> {
+    let stream = validate_name("stream", stream)?;
+    let group_name = validate_name("group", group_name)?;
+    if to_id.is_some() == to_time.is_some() {
+        return Err(StreamError::invalid(
+            "seek needs exactly one of to_id and to_time",
+            "Pass to_id => a message id (0 for the beginning), or to_time => a timestamp.",
+        )
+        .into());
+    }
+    if to_id.is_some_and(|id| id < 0) {
+        return Err(StreamError::invalid("to_id must not be negative", "Pass 0 to replay from the beginning.").into());
+    }
+    Ok(group::admin_call(stream, group_name, "seek consumer groups", |client, g| {
+        LOCK.run(client, g.stream.id, &[g.id.into()])?;
+        let head: i64 = HEAD.run(client, g.stream.id, &[])?.first().required("head")?;
+        let position = match (to_id, to_time) {
+            (Some(id), _) => id,
+            (None, Some(time)) => POSITION_AT
+                .run(client, g.stream.id, &[statement::timestamptz(time.into_inner())])?
+                .first()
+                .required("position")?,
+            (None, None) => unreachable!("checked above"),
+        }
+        .min(head);
+        MOVE.run(client, g.stream.id, &[g.id.into(), position.into()])?;
+        notify::signal(client, g.stream.id)?;
+        Ok(position)
+    })?)
+}

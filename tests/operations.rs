@@ -1,0 +1,267 @@
+//! Operating a stream for years: retention, dead letters (redrive, skip, purge), hold on dead,
+//! seek, pause, explicit settings, and what an operator can see.
+
+use postgres::Client;
+use sqlstreams_tests::*;
+
+fn partitions(c: &mut Client, s: &Stream) -> Vec<String> {
+    c.query(
+        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+         WHERE i.inhparent = $1::text::regclass ORDER BY 1",
+        &[&s.table("message_log")],
+    )
+    .unwrap()
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+/// maintain()'s (partitions dropped, exception rows purged) for one stream.
+fn maintain(c: &mut Client, s: &Stream) -> (i64, i64) {
+    let row = c
+        .query_one(
+            "SELECT partitions_dropped, exception_rows_purged FROM sqlstreams.maintain() WHERE stream = $1",
+            &[&s.name],
+        )
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+#[test]
+fn retention_drops_partitions_every_group_is_done_with_and_keeps_what_any_group_needs() {
+    let mut c = connect();
+    let s = Stream::create_sized(&mut c, "retention", 1000);
+    let fast = s.group(&mut c, "fast", None);
+    let slow = s.group(&mut c, "slow", None);
+    s.produce_many(&mut c, 3500, None);
+    assert_eq!(maintain(&mut c, &s), (0, 0), "no group has resolved anything yet");
+    let before = partitions(&mut c, &s);
+    assert!(before.len() >= 4, "{before:?}");
+
+    fast.drain(&mut c);
+    assert_eq!(maintain(&mut c, &s), (0, 0), "slow still needs every message");
+    assert_eq!(partitions(&mut c, &s), before);
+
+    // slow resolves all but one message of the second partition: it dies.
+    let mut dead = None;
+    loop {
+        let batch = slow.claim(&mut c, 100);
+        if batch.is_empty() {
+            break;
+        }
+        for d in &batch {
+            if d.message_id == 1500 {
+                slow.fail(&mut c, d, "poison", true, None);
+                dead = Some(d.message_id);
+            } else {
+                assert!(slow.ack(&mut c, d));
+            }
+        }
+    }
+    assert_eq!(dead, Some(1500));
+    assert_eq!(maintain(&mut c, &s).0, 1, "the first partition goes; the dead message keeps the second");
+    assert_eq!(partitions(&mut c, &s), before[1..]);
+    let dead_payload: i64 = c
+        .query_one("SELECT count(*) FROM sqlstreams.dead_messages($1, 'slow') WHERE payload IS NOT NULL", &[&s.name])
+        .unwrap()
+        .get(0);
+    assert_eq!(dead_payload, 1, "a dead message stays readable while its row lives");
+
+    // Once dead rows outlive the stream's dead_retention, they go, and their partition with them.
+    c.query_one("SELECT sqlstreams.alter_stream($1, dead_retention => '1 microsecond')", &[&s.name]).unwrap();
+    assert_eq!(maintain(&mut c, &s), (2, 1));
+    let left = partitions(&mut c, &s);
+    assert_eq!(left, before[3..], "the partition holding the head stays");
+    // Everything still works above what was dropped.
+    let next = s.produce(&mut c, json!({}), None);
+    assert_eq!(ids(&fast.claim(&mut c, 10)), vec![next]);
+}
+
+#[test]
+fn a_group_with_no_consumer_yet_keeps_everything() {
+    let mut c = connect();
+    let s = Stream::create_sized(&mut c, "retention-idle", 1000);
+    s.produce_many(&mut c, 2500, None);
+    assert_eq!(maintain(&mut c, &s), (0, 0), "a stream without groups keeps its messages for the first one");
+    let g = s.group(&mut c, "late", None);
+    assert_eq!(g.drain(&mut c).len(), 2500);
+}
+
+#[test]
+fn hold_on_dead_stops_only_that_key_until_redrive_restores_its_order() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "hold");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    c.query_one("SELECT sqlstreams.alter_group($1, 'g', on_dead => 'hold')", &[&s.name]).unwrap();
+    let k: Vec<i64> = (0..3).map(|i| s.produce(&mut c, json!({ "k": i }), Some("k"))).collect();
+    let j = s.produce(&mut c, json!({}), Some("j"));
+
+    let first = g.claim(&mut c, 10);
+    assert_eq!(ids(&first), vec![k[0], j], "one message per ordered key per claim when holding");
+    assert_eq!(g.fail(&mut c, &first[0], "fatal", true, None).as_deref(), Some("dead"));
+    assert!(g.ack(&mut c, &first[1]));
+    let j2 = s.produce(&mut c, json!({}), Some("j"));
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![j2], "k is held at its dead message; j goes on");
+    assert!(g.claim(&mut c, 10).is_empty());
+    let blocked: Vec<(String, i64, String)> = c
+        .query("SELECT message_key, oldest_message_id, status FROM sqlstreams.blocked_keys($1, 'g')", &[&s.name])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert!(blocked.contains(&("k".to_string(), k[0], "dead".to_string())), "{blocked:?}");
+
+    // Redrive: the dead message runs again with a fresh budget, then the rest in order.
+    let redriven: Vec<i64> = c.query_one("SELECT sqlstreams.redrive($1, 'g')", &[&s.name]).unwrap().get(0);
+    assert_eq!(redriven, vec![k[0]]);
+    let again = g.claim(&mut c, 10);
+    assert_eq!((ids(&again), again[0].attempt), (vec![k[0]], 0));
+    assert!(g.ack(&mut c, &again[0]));
+    let mut rest = Vec::new();
+    for _ in 0..3 {
+        for d in g.claim(&mut c, 10) {
+            assert!(g.ack(&mut c, &d));
+            rest.push(d.message_id);
+        }
+    }
+    assert_eq!(rest, k[1..]);
+}
+
+#[test]
+fn skip_releases_a_held_key_and_purge_removes_old_dead_messages() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "skip");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    c.query_one("SELECT sqlstreams.alter_group($1, 'g', on_dead => 'hold')", &[&s.name]).unwrap();
+    let a = s.produce(&mut c, json!({}), Some("k"));
+    let b = s.produce(&mut c, json!({}), Some("k"));
+    let d = g.claim(&mut c, 10).pop().unwrap();
+    g.fail(&mut c, &d, "fatal", true, None);
+    assert!(g.claim(&mut c, 10).is_empty());
+    let skipped: bool = c.query_one("SELECT sqlstreams.skip($1, 'g', $2)", &[&s.name, &a]).unwrap().get(0);
+    assert!(skipped);
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![b]);
+    assert!(!c.query_one("SELECT sqlstreams.skip($1, 'g', $2)", &[&s.name, &a]).unwrap().get::<_, bool>(0));
+
+    // purge_dead: only what died long enough ago.
+    let x = s.produce(&mut c, json!({}), None);
+    let dx = g.claim(&mut c, 10).into_iter().find(|d| d.message_id == x).unwrap();
+    g.fail(&mut c, &dx, "fatal", true, None);
+    let kept: i64 = c.query_one("SELECT sqlstreams.purge_dead($1, 'g', '1 hour')", &[&s.name]).unwrap().get(0);
+    assert_eq!(kept, 0);
+    let purged: i64 = c.query_one("SELECT sqlstreams.purge_dead($1, 'g')", &[&s.name]).unwrap().get(0);
+    assert_eq!(purged, 1);
+    assert!(g.statuses(&mut c).iter().all(|(_, status)| status != "dead"));
+}
+
+#[test]
+fn seek_replays_backwards_and_skips_forwards_and_forgets_open_leases() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "seek");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let ids_produced = s.produce_many(&mut c, 6, Some("k"));
+    let open = g.claim(&mut c, 3);
+    assert_eq!(ids(&open), ids_produced[..3]);
+    let failed = g.claim(&mut c, 3);
+    assert!(failed.is_empty(), "k's lane is held by the open claim");
+
+    // Back to the beginning, with a claim still open: its lease is forgotten.
+    let at: i64 = c.query_one("SELECT sqlstreams.seek($1, 'g', to_id => 0)", &[&s.name]).unwrap().get(0);
+    assert_eq!(at, 0);
+    assert!(!g.ack(&mut c, &open[0]), "an outcome under a lease from before the seek changes nothing");
+    assert_eq!(g.cursor(&mut c), (0, 0));
+    assert_eq!(g.drain(&mut c), ids_produced, "replayed from the beginning, in order");
+
+    // Forward: skip to the head; only what comes after runs.
+    s.produce_many(&mut c, 3, Some("k"));
+    let head: i64 = c.query_one("SELECT head FROM sqlstreams.streams WHERE name = $1", &[&s.name]).unwrap().get(0);
+    let at: i64 =
+        c.query_one("SELECT sqlstreams.seek($1, 'g', to_id => $2)", &[&s.name, &(head + 100)]).unwrap().get(0);
+    assert_eq!(at, head, "never past the head");
+    assert!(g.claim(&mut c, 10).is_empty());
+    let after = s.produce(&mut c, json!({}), Some("k"));
+    assert_eq!(g.drain(&mut c), vec![after]);
+
+    // By time: before everything is the beginning.
+    let at: i64 = c
+        .query_one("SELECT sqlstreams.seek($1, 'g', to_time => now() - interval '1 hour')", &[&s.name])
+        .unwrap()
+        .get(0);
+    assert_eq!(at, 0);
+    let err = c.query_one("SELECT sqlstreams.seek($1, 'g')", &[&s.name]).unwrap_err();
+    assert_eq!(sqlstate(&err), "22023");
+}
+
+#[test]
+fn a_paused_group_hands_out_nothing_but_its_outcomes_count() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "pause");
+    let g = s.group(&mut c, "g", None);
+    s.produce_many(&mut c, 2, None);
+    let held = g.claim(&mut c, 1);
+    assert!(c.query_one("SELECT sqlstreams.pause_group($1, 'g')", &[&s.name]).unwrap().get::<_, bool>(0));
+    assert!(!c.query_one("SELECT sqlstreams.pause_group($1, 'g')", &[&s.name]).unwrap().get::<_, bool>(0));
+    assert!(g.claim(&mut c, 10).is_empty());
+    assert!(g.ack(&mut c, &held[0]), "outcomes of open leases still count");
+    let paused: bool =
+        c.query_one("SELECT paused FROM sqlstreams.consumer_groups WHERE id = $1", &[&g.id]).unwrap().get(0);
+    assert!(paused);
+    assert!(c.query_one("SELECT sqlstreams.resume_group($1, 'g')", &[&s.name]).unwrap().get::<_, bool>(0));
+    assert_eq!(g.claim(&mut c, 10).len(), 1);
+}
+
+#[test]
+fn alter_group_changes_only_what_it_is_told() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "alter");
+    let g = s.group_with(&mut c, "g", Some("ordered"), 7);
+    c.query_one("SELECT sqlstreams.alter_group($1, 'g', max_reclaims => 5)", &[&s.name]).unwrap();
+    let row = c
+        .query_one(
+            "SELECT concurrency_override, max_retries, max_reclaims, on_dead FROM sqlstreams.consumer_groups WHERE id = $1",
+            &[&g.id],
+        )
+        .unwrap();
+    let got: (Option<String>, i32, i32, String) = (row.get(0), row.get(1), row.get(2), row.get(3));
+    assert_eq!(got, (Some("ordered".into()), 7, 5, "release".into()));
+    c.query_one("SELECT sqlstreams.alter_group($1, 'g', concurrency_override => 'none')", &[&s.name]).unwrap();
+    let over: Option<String> = c
+        .query_one("SELECT concurrency_override FROM sqlstreams.consumer_groups WHERE id = $1", &[&g.id])
+        .unwrap()
+        .get(0);
+    assert_eq!(over, None);
+    let err = c.query_one("SELECT sqlstreams.alter_group($1, 'g', on_dead => 'forget')", &[&s.name]).unwrap_err();
+    assert_eq!(sqlstate(&err), "22023");
+}
+
+#[test]
+fn operators_see_how_old_the_backlog_is_and_who_holds_the_fence() {
+    let mut c = connect();
+    let mut producer = connect();
+    let s = Stream::create(&mut c, "visibility");
+    let g = s.group(&mut c, "g", None);
+    let none: Option<std::time::SystemTime> =
+        c.query_one("SELECT oldest_unresolved_at FROM sqlstreams.group_status($1, 'g')", &[&s.name]).unwrap().get(0);
+    assert_eq!(none, None);
+    s.produce(&mut c, json!({}), None);
+    let age: bool = c
+        .query_one(
+            "SELECT oldest_unresolved_age >= interval '0' FROM sqlstreams.consumer_groups WHERE id = $1",
+            &[&g.id],
+        )
+        .unwrap()
+        .get(0);
+    assert!(age);
+
+    let mut tx = producer.transaction().unwrap();
+    s.produce(&mut tx, json!({}), None);
+    let holders: Vec<i32> = c
+        .query("SELECT pid FROM sqlstreams.fence_holders WHERE stream = $1", &[&s.name])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(holders.len(), 1, "the open producer transaction holds the fence");
+    tx.commit().unwrap();
+    assert!(c.query("SELECT pid FROM sqlstreams.fence_holders WHERE stream = $1", &[&s.name]).unwrap().is_empty());
+}

@@ -517,6 +517,13 @@ SET plan_cache_mode = force_generic_plan;
 
 
 -- Operations (src/stream.rs, src/group.rs, src/dead_letters.rs, src/seek.rs)
+CREATE FUNCTION sqlstreams.peek(stream text, after_id bigint DEFAULT 0, max_messages integer DEFAULT 100)
+RETURNS TABLE (message_id bigint, message_key text, produced_at timestamptz, payload jsonb)
+STABLE PARALLEL SAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'peek_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
 CREATE FUNCTION sqlstreams.alter_stream(name text, dead_retention interval DEFAULT NULL, idempotency_ttl interval DEFAULT NULL)
 RETURNS boolean
 VOLATILE PARALLEL UNSAFE
@@ -655,7 +662,8 @@ GRANT EXECUTE ON FUNCTION
     sqlstreams.lane(text, bigint, integer),
     sqlstreams.visible(bigint, text),
     sqlstreams.stream_head(bigint),
-    sqlstreams.stream_channel(bigint)
+    sqlstreams.stream_channel(bigint),
+    sqlstreams.peek(text, bigint, integer)
     TO sqlstreams_producer, sqlstreams_consumer, pg_monitor;
 GRANT EXECUTE ON FUNCTION
     sqlstreams.produce(text, jsonb, text, text, boolean, text),
@@ -747,3 +755,6 @@ COMMENT ON FUNCTION sqlstreams.seek(text, text, bigint, timestamptz) IS
     'forgets the group''s open ranges and exception rows. Returns the new position. Admins only.';
 COMMENT ON VIEW sqlstreams.fence_holders IS
     'Transactions producing to a stream that have not ended (claims wait for them), with their age.';
+COMMENT ON FUNCTION sqlstreams.peek(text, bigint, integer) IS
+    'The messages of a stream after after_id, oldest first, without claiming anything (an operator''s tail). '
+    'Needs any grant on the stream.';

@@ -319,3 +319,60 @@ fn stream_head(stream_id: i64) -> std::result::Result<i64, ErrorReport> {
         })
     })?)
 }
+
+const PEEK: Statement = Statement {
+    name: "inspect_peek",
+    sql: "SELECT id, message_key, produced_at, payload FROM sqlstreams.message_log_@id@
+          WHERE id > $1 ORDER BY id LIMIT $2",
+    params: &[INT8OID, INT4OID],
+};
+
+/// The messages of a stream after `after_id`, oldest first (at most `max_messages`), without
+/// claiming anything: what an operator's `tail` shows. Needs any grant on the stream.
+#[pg_extern(stable, parallel_safe)]
+fn peek(
+    stream: Option<&str>,
+    after_id: default!(Option<i64>, 0),
+    max_messages: default!(Option<i32>, 100),
+) -> std::result::Result<
+    TableIterator<
+        'static,
+        (
+            name!(message_id, i64),
+            name!(message_key, Option<String>),
+            name!(produced_at, TimestampWithTimeZone),
+            name!(payload, RawJsonb),
+        ),
+    >,
+    ErrorReport,
+> {
+    let stream = validate_name("stream", stream)?;
+    let limit = match max_messages {
+        Some(n) if (1..=10_000).contains(&n) => n,
+        other => {
+            return Err(StreamError::invalid(
+                format!("max_messages {} is not valid", other.map_or("NULL".into(), |n| n.to_string())),
+                "Pass between 1 and 10000.",
+            )
+            .into())
+        }
+    };
+    let after = after_id.unwrap_or(0);
+    let rows = access::as_owner(|caller| {
+        Spi::connect(|client| {
+            let s = crate::stream::lookup_read(client, stream)?;
+            caller.require(client, s.id, stream, Right::Observe)?;
+            PEEK.read(client, s.id, &[after.into(), limit.into()])?
+                .map(|row| {
+                    Ok((
+                        row.required("id")?,
+                        row.value("message_key")?,
+                        row.required("produced_at")?,
+                        row.required("payload")?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+    })?;
+    Ok(TableIterator::new(rows))
+}

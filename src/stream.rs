@@ -59,8 +59,17 @@ const DELETE: Statement =
 
 /// The stream called `name`, or `UnknownStream`.
 pub fn lookup(client: &SpiClient<'_>, name: &str) -> Result<StreamRef> {
-    crate::version::check(client, Access::Write)?;
-    let row = LOOKUP.run(client, 0, &[name.into()])?.first();
+    lookup_with(client, name, Access::Write)
+}
+
+/// `lookup` for a function declared `stable` (the caller's snapshot).
+pub fn lookup_read(client: &SpiClient<'_>, name: &str) -> Result<StreamRef> {
+    lookup_with(client, name, Access::Read)
+}
+
+fn lookup_with(client: &SpiClient<'_>, name: &str, access: Access) -> Result<StreamRef> {
+    crate::version::check(client, access)?;
+    let row = LOOKUP.exec(client, 0, &[name.into()], access)?.first();
     if row.is_empty() {
         return Err(StreamError::UnknownStream(name.to_string()));
     }

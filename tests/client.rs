@@ -581,3 +581,31 @@ async fn the_client_connects_over_tls_when_the_url_asks() {
     let err = untrusted.pool().get().await.expect_err("an unverified server");
     assert!(format!("{err:?}").to_lowercase().contains("certificate"), "{err:?}");
 }
+
+/// Registering a group that exists with other settings is refused, naming them, unless the
+/// configuration says to replace them: a consumer started with defaults never silently turns
+/// an ordered group parallel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn register_refuses_other_settings_unless_told_to_replace_them() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("settings"));
+    stream.register().await.unwrap();
+    let group = stream.consumer("apply-balance");
+    group.register(config(Some(Concurrency::Ordered))).await.unwrap();
+    group.register(config(Some(Concurrency::Ordered))).await.expect("the same settings register again");
+    let err = group.register(config(None)).await.err().expect("a parallel consumer of an ordered group");
+    match &err {
+        sqlstreams_client::Error::SettingsMismatch { differences, .. } => {
+            assert_eq!(differences, &vec!["concurrency_override: Some(\"ordered\") → None".to_string()]);
+        }
+        other => panic!("expected SettingsMismatch, got {other:?}"),
+    }
+    let conn = client.pool().get().await.unwrap();
+    let policy =
+        "SELECT concurrency_override FROM sqlstreams.consumer_groups WHERE stream = $1 AND name = 'apply-balance'";
+    let stored: Option<String> = conn.query_one(policy, &[&stream.name()]).await.unwrap().get(0);
+    assert_eq!(stored.as_deref(), Some("ordered"), "nothing changed");
+    group.register(ConsumerConfig { update_settings: true, ..config(None) }).await.unwrap();
+    let stored: Option<String> = conn.query_one(policy, &[&stream.name()]).await.unwrap().get(0);
+    assert_eq!(stored, None);
+}

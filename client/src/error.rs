@@ -34,6 +34,15 @@ pub enum Error {
     /// this host): retrying will not help; fix `ssl_root_cert` or the server's certificate.
     #[error("TLS: {0}")]
     Tls(String),
+    /// The group exists with other settings than the consumer's configuration, and
+    /// `update_settings` was not set: nothing was changed.
+    #[error("consumer group \"{group}\" exists with other settings ({}); set update_settings to replace them", differences.join(", "))]
+    SettingsMismatch {
+        /// The group.
+        group: String,
+        /// "setting: stored → wanted", one per difference.
+        differences: Vec<String>,
+    },
     /// The client's own configuration is inconsistent.
     #[error("invalid configuration: {0}")]
     Config(String),

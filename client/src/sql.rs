@@ -16,6 +16,12 @@ pub const CREATE_GROUP: &str = "SELECT sqlstreams.create_group($1, $2, $3, $4::i
         max_delays => $9::int4,
         max_reclaims => $10::int4)";
 
+/// A group's stored settings (durations in microseconds), for `register` to compare.
+pub const GROUP_SETTINGS: &str = "SELECT concurrency_override, max_retries,
+        (extract(epoch FROM backoff_base) * 1e6)::int8, (extract(epoch FROM backoff_cap) * 1e6)::int8,
+        backoff_exponent, max_delays, max_reclaims
+        FROM sqlstreams.consumer_groups WHERE stream = $1 AND name = $2";
+
 pub const PRODUCE: &str = "SELECT sqlstreams.produce($1, $2::text::jsonb, $3, $4, $5, $6)";
 
 pub const PRODUCE_BATCH: &str = "SELECT sqlstreams.produce_batch($1, $2::text[]::jsonb[], $3, $4, $5)";

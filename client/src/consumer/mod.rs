@@ -57,6 +57,11 @@ pub struct ConsumerConfig {
     pub max_reclaims: u32,
     /// Where the group starts when it is created (ignored for an existing group).
     pub start_at: StartAt,
+    /// What [`ConsumerGroup::register`] does when the group exists with other settings: `false`
+    /// (the default) refuses with [`Error::SettingsMismatch`], so a consumer started with a
+    /// default configuration never silently turns an ordered group parallel; `true` stores
+    /// this configuration's settings for every consumer of the group.
+    pub update_settings: bool,
 
     /// Handlers this consumer runs at once (default 64). A chain of same-key messages counts
     /// once: it runs one message at a time, so a hot key stays serial whatever this is.
@@ -83,6 +88,7 @@ impl Default for ConsumerConfig {
             max_delays: None,
             max_reclaims: 2,
             start_at: StartAt::Beginning,
+            update_settings: false,
             message_concurrency: 64,
             batch_size: 100,
             handler_timeout: Duration::from_secs(30),
@@ -136,10 +142,32 @@ where
         &self.name
     }
 
-    /// Creates the group, or updates the settings of the existing one, and returns a consumer.
+    /// Creates the group, and returns a consumer. An existing group with other settings is
+    /// refused with [`Error::SettingsMismatch`] naming them, unless
+    /// [`ConsumerConfig::update_settings`] says to store this configuration's.
     pub async fn register(&self, config: ConsumerConfig) -> Result<Consumer<T>> {
         config.validate()?;
         let conn = self.stream.pool.conn().await?;
+        if let Some(row) = conn.query_opt(sql::GROUP_SETTINGS, &[&self.stream.name, &self.name]).await? {
+            let stored = Settings {
+                concurrency_override: row.get(0),
+                max_retries: row.get(1),
+                backoff_base_micros: row.get(2),
+                backoff_cap_micros: row.get(3),
+                backoff_exponent: row.get(4),
+                max_delays: row.get(5),
+                max_reclaims: row.get(6),
+            };
+            let differences = stored.differences(&Settings::of(&config));
+            if differences.is_empty() {
+                drop(conn);
+                let channel = self.stream.channel().await?;
+                return Ok(Consumer { group: self.clone(), config, channel, counters: Arc::new(Counters::default()) });
+            }
+            if !config.update_settings {
+                return Err(Error::SettingsMismatch { group: self.name.clone(), differences });
+            }
+        }
         let start_at = match config.start_at {
             StartAt::Beginning => "beginning",
             StartAt::Head => "head",
@@ -257,5 +285,53 @@ impl RunningConsumer {
             }
         };
         Shutdown { drained, metrics: self.counters.snapshot() }
+    }
+}
+
+/// A group's stored settings, as compared by `register`.
+#[derive(Debug, PartialEq)]
+struct Settings {
+    concurrency_override: Option<String>,
+    max_retries: i32,
+    backoff_base_micros: i64,
+    backoff_cap_micros: i64,
+    backoff_exponent: f64,
+    max_delays: Option<i32>,
+    max_reclaims: i32,
+}
+
+impl Settings {
+    fn of(config: &ConsumerConfig) -> Settings {
+        Settings {
+            concurrency_override: config.concurrency_override.map(|c| c.as_str().to_string()),
+            max_retries: config.max_retries.min(i32::MAX as u32) as i32,
+            backoff_base_micros: config.backoff_base.as_micros().min(i64::MAX as u128) as i64,
+            backoff_cap_micros: config.backoff_cap.as_micros().min(i64::MAX as u128) as i64,
+            backoff_exponent: config.backoff_exponent,
+            max_delays: config.max_delays.map(|d| d.min(i32::MAX as u32) as i32),
+            max_reclaims: config.max_reclaims.min(i32::MAX as u32) as i32,
+        }
+    }
+
+    /// "name: stored → wanted" for every setting that differs.
+    fn differences(&self, wanted: &Settings) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut check = |name: &str, stored: String, want: String| {
+            if stored != want {
+                out.push(format!("{name}: {stored} → {want}"));
+            }
+        };
+        check(
+            "concurrency_override",
+            format!("{:?}", self.concurrency_override),
+            format!("{:?}", wanted.concurrency_override),
+        );
+        check("max_retries", self.max_retries.to_string(), wanted.max_retries.to_string());
+        check("backoff_base", format!("{}µs", self.backoff_base_micros), format!("{}µs", wanted.backoff_base_micros));
+        check("backoff_cap", format!("{}µs", self.backoff_cap_micros), format!("{}µs", wanted.backoff_cap_micros));
+        check("backoff_exponent", self.backoff_exponent.to_string(), wanted.backoff_exponent.to_string());
+        check("max_delays", format!("{:?}", self.max_delays), format!("{:?}", wanted.max_delays));
+        check("max_reclaims", self.max_reclaims.to_string(), wanted.max_reclaims.to_string());
+        out
     }
 }

@@ -1,0 +1,240 @@
+//! `sqlstreams`: the admin CLI. Every command is one call of the extension's SQL API (nothing
+//! reads the extension's tables), printed as a table, or as JSON with `--json` for scripts.
+//!
+//! ```text
+//! sqlstreams [--dsn URL] [--json] status [--stream S]
+//! sqlstreams lag|blocked --stream S --group G
+//! sqlstreams dead list|redrive|purge --stream S --group G [--ids 1,2] [--older-than '7 days']
+//! sqlstreams seek --stream S --group G (--to-id N | --to-time T)
+//! sqlstreams pause|resume --stream S --group G
+//! sqlstreams tail --stream S [--after ID] [--limit N] [--follow]
+//! ```
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use serde_json::Value;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::NoTls;
+
+#[derive(Parser)]
+#[command(name = "sqlstreams", version, about = "Operate sqlstreams streams and consumer groups")]
+struct Cli {
+    /// Connection string; defaults to DATABASE_URL.
+    #[arg(long, env = "DATABASE_URL", global = true, default_value = "postgres://localhost/postgres")]
+    dsn: String,
+    /// Print JSON (one array of objects) instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args)]
+struct Target {
+    #[arg(long)]
+    stream: String,
+    #[arg(long)]
+    group: String,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Every group (of one stream) with its cursor, lag, age of its backlog and queue counts.
+    Status {
+        #[arg(long)]
+        stream: Option<String>,
+    },
+    /// One group's cursor, head, lag and exception-queue counts.
+    Lag(Target),
+    /// Keys waiting in a group's exception queue.
+    Blocked(Target),
+    /// Dead letters.
+    Dead {
+        #[command(subcommand)]
+        action: Dead,
+    },
+    /// Moves a group: back replays, forward skips (its open leases and exception rows are
+    /// forgotten).
+    Seek {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long, conflicts_with = "to_time", required_unless_present = "to_time")]
+        to_id: Option<i64>,
+        /// A timestamp Postgres understands, e.g. '2026-11-30 12:00+00'.
+        #[arg(long)]
+        to_time: Option<String>,
+    },
+    /// Stops a group's claims (outcomes still count).
+    Pause(Target),
+    /// Resumes a paused group.
+    Resume(Target),
+    /// The messages of a stream after an id; with --follow, new ones as they come.
+    Tail {
+        #[arg(long)]
+        stream: String,
+        #[arg(long, default_value_t = 0)]
+        after: i64,
+        #[arg(long, default_value_t = 20)]
+        limit: i32,
+        #[arg(long)]
+        follow: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum Dead {
+    /// The group's dead messages with their errors and payloads.
+    List(Target),
+    /// Gives dead messages (all, or --ids) another run with a fresh retry budget.
+    Redrive {
+        #[command(flatten)]
+        target: Target,
+        /// Comma-separated message ids.
+        #[arg(long, value_delimiter = ',')]
+        ids: Option<Vec<i64>>,
+    },
+    /// Removes dead messages that died at least --older-than ago (all by default).
+    Purge {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long, default_value = "0 seconds")]
+        older_than: String,
+    },
+}
+
+/// A query's result: its column names in order, and each row as a JSON object.
+struct Rows {
+    columns: Vec<String>,
+    rows: Vec<Value>,
+}
+
+fn describe(e: tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => match db.hint() {
+            Some(hint) => format!("{} ({})\nhint: {hint}", db.message(), db.code().code()),
+            None => format!("{} ({})", db.message(), db.code().code()),
+        },
+        None => e.to_string(),
+    }
+}
+
+/// Runs `sql`, each row as `to_jsonb`.
+async fn rows(db: &tokio_postgres::Client, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Rows, String> {
+    let columns = db.prepare(sql).await.map_err(describe)?.columns().iter().map(|c| c.name().to_string()).collect();
+    let wrapped = format!("SELECT to_jsonb(r) FROM ({sql}) r");
+    let rows = db.query(&wrapped, params).await.map_err(describe)?;
+    Ok(Rows { columns, rows: rows.iter().map(|r| r.get::<_, Value>(0)).collect() })
+}
+
+/// Prints rows as JSON or as an aligned table, columns in the query's order.
+fn print(out: &Rows, json: bool) {
+    if json {
+        println!("{}", Value::Array(out.rows.clone()));
+        return;
+    }
+    if out.rows.is_empty() {
+        println!("(none)");
+        return;
+    }
+    let cell = |v: &Value| match v {
+        Value::String(s) => s.clone(),
+        Value::Null => String::new(),
+        other => other.to_string(),
+    };
+    let table: Vec<Vec<String>> = out
+        .rows
+        .iter()
+        .map(|r| out.columns.iter().map(|c| cell(r.get(c.as_str()).unwrap_or(&Value::Null))).collect())
+        .collect();
+    let widths: Vec<usize> = out
+        .columns
+        .iter()
+        .enumerate()
+        .map(|(i, c)| table.iter().map(|r| r[i].chars().count()).max().unwrap_or(0).max(c.len()))
+        .collect();
+    let line = |cells: &[String]| {
+        cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect::<Vec<_>>().join("  ").trim_end().to_string()
+    };
+    println!("{}", line(&out.columns));
+    for row in &table {
+        println!("{}", line(row));
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), String> {
+    let (db, connection) = tokio_postgres::connect(&cli.dsn, NoTls).await.map_err(|e| e.to_string())?;
+    tokio::spawn(connection);
+    let json = cli.json;
+    let out = match cli.command {
+        Command::Status { stream } => {
+            rows(
+                &db,
+                "SELECT stream, name AS group, paused, claimed, committed, head, lag, oldest_unresolved_age::text AS oldest_age,
+                        open_ranges, ready, inflight, deferred, dead
+                 FROM sqlstreams.consumer_groups WHERE $1::text IS NULL OR stream = $1 ORDER BY stream, name",
+                &[&stream],
+            )
+            .await?
+        }
+        Command::Lag(t) => rows(&db, "SELECT * FROM sqlstreams.group_status($1, $2)", &[&t.stream, &t.group]).await?,
+        Command::Blocked(t) => rows(&db, "SELECT * FROM sqlstreams.blocked_keys($1, $2)", &[&t.stream, &t.group]).await?,
+        Command::Dead { action: Dead::List(t) } => {
+            rows(&db, "SELECT * FROM sqlstreams.dead_messages($1, $2)", &[&t.stream, &t.group]).await?
+        }
+        Command::Dead { action: Dead::Redrive { target: t, ids } } => {
+            rows(
+                &db,
+                "SELECT unnest(sqlstreams.redrive($1, $2, $3)) AS redriven",
+                &[&t.stream, &t.group, &ids],
+            )
+            .await?
+        }
+        Command::Dead { action: Dead::Purge { target: t, older_than } } => {
+            rows(&db, "SELECT sqlstreams.purge_dead($1, $2, $3::text::interval) AS purged", &[&t.stream, &t.group, &older_than])
+                .await?
+        }
+        Command::Seek { target: t, to_id, to_time } => {
+            rows(
+                &db,
+                "SELECT sqlstreams.seek($1, $2, $3, $4::text::timestamptz) AS position",
+                &[&t.stream, &t.group, &to_id, &to_time],
+            )
+            .await?
+        }
+        Command::Pause(t) => rows(&db, "SELECT sqlstreams.pause_group($1, $2) AS paused", &[&t.stream, &t.group]).await?,
+        Command::Resume(t) => rows(&db, "SELECT sqlstreams.resume_group($1, $2) AS resumed", &[&t.stream, &t.group]).await?,
+        Command::Tail { stream, mut after, limit, follow } => loop {
+            let batch = rows(
+                &db,
+                "SELECT message_id, message_key, produced_at, payload FROM sqlstreams.peek($1, $2, $3)",
+                &[&stream, &after, &limit],
+            )
+            .await?;
+            if let Some(last) = batch.rows.last().and_then(|r| r.get("message_id")).and_then(Value::as_i64) {
+                after = last;
+            }
+            if !follow {
+                break batch;
+            }
+            if !batch.rows.is_empty() {
+                print(&batch, json);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        },
+    };
+    print(&out, json);
+    Ok(())
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    match run(Cli::parse()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sqlstreams: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

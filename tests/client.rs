@@ -576,7 +576,7 @@ async fn the_client_connects_over_tls_when_the_url_asks() {
     running.shutdown(Duration::from_secs(5)).await;
 
     // Without the CA the server's certificate is not trusted, and nothing connects.
-    let options = ClientOptions { pool_size: 1, ssl_root_cert: None };
+    let options = ClientOptions { pool_size: 1, ssl_root_cert: None, ..Default::default() };
     let untrusted = Client::connect_with(&url, options).unwrap();
     let err = untrusted.pool().get().await.expect_err("an unverified server");
     assert!(format!("{err:?}").to_lowercase().contains("certificate"), "{err:?}");
@@ -608,4 +608,128 @@ async fn register_refuses_other_settings_unless_told_to_replace_them() {
     group.register(ConsumerConfig { update_settings: true, ..config(None) }).await.unwrap();
     let stored: Option<String> = conn.query_one(policy, &[&stream.name()]).await.unwrap().get(0);
     assert_eq!(stored, None);
+}
+
+/// A transactional handler's writes commit with its ack, and roll back with its failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transactional_handler_commits_its_writes_with_the_ack() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("tx"));
+    stream.register().await.unwrap();
+    let table = format!("public.applied_{}", stream.name().replace(['.', '-'], "_"));
+    let conn = client.pool().get().await.unwrap();
+    conn.batch_execute(&format!("CREATE TABLE {table} (id bigint, attempt int)")).await.unwrap();
+    let producer = stream.producer();
+    let ok = producer.produce(&adjustment("acct-1", 1), keyed("acct-1")).await.unwrap().id().unwrap();
+    let flaky = producer.produce(&adjustment("acct-2", -1), keyed("acct-2")).await.unwrap().id().unwrap();
+    let consumer = stream.consumer("g").register(config(None)).await.unwrap();
+    let insert = format!("INSERT INTO {table} VALUES ($1, $2)");
+    let running = consumer.start_in_transaction(move |d: Delivery<Adjustment>, tx: sqlstreams_client::Tx| {
+        let insert = insert.clone();
+        async move {
+            tx.execute(&insert, &[&d.id, &(d.attempt as i32)]).await?;
+            if d.message.delta < 0 && d.attempt == 0 {
+                return Err(HandlerError::retry_after("declined the first time", Duration::ZERO));
+            }
+            Ok(())
+        }
+    });
+    let done = Arc::new(Mutex::new(false));
+    let query = format!("SELECT id, attempt FROM {table} ORDER BY id, attempt");
+    for _ in 0..300 {
+        let rows = conn.query(&query, &[]).await.unwrap();
+        if rows.len() >= 2 {
+            *done.lock().unwrap() = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let report = running.shutdown(Duration::from_secs(5)).await;
+    assert!(*done.lock().unwrap(), "both messages applied");
+    let rows: Vec<(i64, i32)> = conn.query(&query, &[]).await.unwrap().iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(rows, vec![(ok, 0), (flaky, 1)], "the failed attempt's write rolled back with it");
+    assert_eq!((report.metrics.succeeded, report.metrics.failed), (2, 1));
+    assert!(exception_statuses(&client, stream.name(), "g").await.is_empty(), "both acked in their transactions");
+}
+
+/// A consumer whose group is dropped stops with the error instead of retrying for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_whose_group_is_dropped_stops_with_the_error() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("dropped"));
+    stream.register().await.unwrap();
+    let consumer = stream.consumer("g").register(config(None)).await.unwrap();
+    let calls: Calls = Arc::default();
+    let running = consumer.start(record_calls(&calls));
+    let conn = client.pool().get().await.unwrap();
+    conn.query_one("SELECT sqlstreams.drop_group($1, 'g')", &[&stream.name()]).await.unwrap();
+    stream.producer().produce(&adjustment("a", 1), ProduceOptions::default()).await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(30), running.join()).await.expect("the consumer stops");
+    let error = ended.error.expect("with the reason");
+    assert!(error.is_unknown_object(), "{error:?}");
+}
+
+/// 32 consumers on one client of 16 connections all make progress: none holds a connection
+/// while it waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn thirty_two_consumers_share_one_client() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("many"));
+    stream.register().await.unwrap();
+    let calls: Calls = Arc::default();
+    let mut running = Vec::new();
+    for i in 0..32 {
+        let consumer = stream.consumer(format!("g{i}")).register(config(None)).await.unwrap();
+        running.push(consumer.start(record_calls(&calls)));
+    }
+    for i in 0..5 {
+        stream.producer().produce(&adjustment("a", i), ProduceOptions::default()).await.unwrap();
+    }
+    eventually("every group got every message", || calls.lock().unwrap().len() == 32 * 5).await;
+    for r in running {
+        assert_eq!(r.shutdown(Duration::from_secs(5)).await.metrics.succeeded, 5);
+    }
+}
+
+/// Deliveries, outcomes and timings reach the `metrics` facade, labelled by stream and group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumers_report_through_the_metrics_facade() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+    static SNAPSHOTTER: std::sync::OnceLock<Snapshotter> = std::sync::OnceLock::new();
+    let snapshotter = SNAPSHOTTER.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder.install().expect("the only recorder of this test binary");
+        snapshotter
+    });
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("metrics"));
+    stream.register().await.unwrap();
+    let consumer = stream.consumer("g").register(config(None)).await.unwrap();
+    let calls: Calls = Arc::default();
+    let running = consumer.start(record_calls(&calls));
+    for i in 0..3 {
+        stream.producer().produce(&adjustment("a", i), ProduceOptions::default()).await.unwrap();
+    }
+    eventually("three handled", || calls.lock().unwrap().len() == 3).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let mut succeeded = 0;
+    let mut handler_samples = 0;
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let labels: Vec<(String, String)> =
+            key.key().labels().map(|l| (l.key().to_string(), l.value().to_string())).collect();
+        if !labels.contains(&("stream".into(), stream.name().to_string())) {
+            continue;
+        }
+        match (key.key().name(), value) {
+            ("sqlstreams_deliveries_total", DebugValue::Counter(n))
+                if labels.contains(&("outcome".into(), "succeeded".into())) =>
+            {
+                succeeded += n
+            }
+            ("sqlstreams_handler_seconds", DebugValue::Histogram(samples)) => handler_samples += samples.len(),
+            _ => {}
+        }
+    }
+    assert_eq!((succeeded, handler_samples), (3, 3));
 }

@@ -2,10 +2,11 @@
 //! `DATABASE_URL` (started by `scripts/rig bench` with durable settings). Writes
 //! `results.md` and SVG plots to `--out` (default `docs/benchmarks`) and prints the ratios.
 //!
-//! Usage: sqlstreams-bench [--quick] [--out DIR] [--only w1,w2,w3,w4,w5,w7]
+//! Usage: sqlstreams-bench [--quick] [--out DIR] [--only w1,w2,w3,w4,w5,w7,w8]
 
 mod report;
 mod scaling;
+mod soak;
 mod stats;
 mod systems;
 mod workloads;
@@ -38,6 +39,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         w4: vec![],
         w5: vec![],
         w7: vec![],
+        w8: vec![],
     };
     for (k, v) in &results.machine {
         println!("{k}: {v}");
@@ -99,6 +101,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         // Consumers are threads with blocking connections: off the async runtime.
         let (url, quick) = (url.clone(), bench.quick);
         results.w7 = std::thread::spawn(move || scaling::run_all(&url, quick)).join().expect("W7");
+    }
+
+    if run("w8") {
+        results.w8 = soak::run(&url, bench.quick).await;
     }
 
     println!();

@@ -17,6 +17,7 @@ pub struct Results {
     pub w4: Vec<Latency>,
     pub w5: Vec<Idle>,
     pub w7: Vec<Scaling>,
+    pub w8: Vec<crate::soak::Sample>,
 }
 
 fn name(system: Option<System>) -> &'static str {
@@ -125,6 +126,27 @@ impl Results {
         let _ = writeln!(md, "## W2 keyed throughput\n\nW1 with message keys (sqlstreams only: PgQ and the floor have no per-key delivery).\n\n![keyed](keyed.svg)\n\n{}", throughput_table(&self.w2));
         if !self.w7.is_empty() {
             let _ = writeln!(md, "{}", self.scaling_section());
+        }
+        if !self.w8.is_empty() {
+            let _ = writeln!(
+                md,
+                "## W8 disk over a long run\n\nOne producer at 5,000 messages/s and one consumer keeping up, on the default \
+                 setup: no cron, no `maintain()`, no preloaded library; retention runs from the consumer's claims (at most \
+                 once a minute). partition_size 100,000, so the run fills a partition every 20 s. The stream's size on disk \
+                 (every table of its family):\n\n| elapsed s | produced | consumed | partitions | MB on disk |\n|---|---|---|---|---|"
+            );
+            for s in &self.w8 {
+                let _ = writeln!(
+                    md,
+                    "| {:.0} | {} | {} | {} | {:.1} |",
+                    s.elapsed_s,
+                    s.produced,
+                    s.consumed,
+                    s.partitions,
+                    s.bytes as f64 / 1e6
+                );
+            }
+            let _ = writeln!(md);
         }
         let _ = writeln!(
             md,

@@ -13,8 +13,12 @@ use crate::stream::Stream;
 /// How a [`Client`] connects.
 #[derive(Clone, Debug)]
 pub struct ClientOptions {
-    /// Connections in the pool (default 16).
+    /// Connections in the pool (default 16). Every consumer uses one while it claims or writes
+    /// outcomes, and the LISTEN connection of each runs outside the pool.
     pub pool_size: usize,
+    /// How long a call waits for a free connection before it fails (default 30 s): with more
+    /// busy consumers than connections, someone logs it instead of everyone waiting silently.
+    pub pool_wait_timeout: std::time::Duration,
     /// A PEM file of certificate authorities to trust besides the system's, for servers whose
     /// certificate they sign (a self-signed one, say). Default: `PGSSLROOTCERT`, as libpq.
     /// Used only when the connection string asks for TLS (`sslmode=require`).
@@ -23,7 +27,11 @@ pub struct ClientOptions {
 
 impl Default for ClientOptions {
     fn default() -> Self {
-        ClientOptions { pool_size: 16, ssl_root_cert: std::env::var_os("PGSSLROOTCERT").map(PathBuf::from) }
+        ClientOptions {
+            pool_size: 16,
+            pool_wait_timeout: std::time::Duration::from_secs(30),
+            ssl_root_cert: std::env::var_os("PGSSLROOTCERT").map(PathBuf::from),
+        }
     }
 }
 
@@ -48,7 +56,9 @@ impl Client {
 
     /// Like [`Client::connect`] with explicit options.
     pub fn connect_with(url: &str, options: ClientOptions) -> Result<Client> {
-        Ok(Client { pool: Pool::new(url, options.pool_size, options.ssl_root_cert.as_deref())? })
+        Ok(Client {
+            pool: Pool::new(url, options.pool_size, options.pool_wait_timeout, options.ssl_root_cert.as_deref())?,
+        })
     }
 
     /// A typed handle to the stream called `name`. Nothing is checked until it is used; call

@@ -72,6 +72,7 @@
 
 #![deny(missing_docs)]
 
+mod backoff;
 mod client;
 mod consumer;
 mod error;
@@ -83,7 +84,7 @@ mod tls;
 
 pub use client::{Client, ClientOptions};
 pub use consumer::{
-    Consumer, ConsumerConfig, ConsumerGroup, Delivery, HandlerError, Metrics, RunningConsumer, Shutdown, StartAt,
+    Consumer, ConsumerConfig, ConsumerGroup, Delivery, HandlerError, Metrics, RunningConsumer, Shutdown, StartAt, Tx,
 };
 pub use error::{Error, Result};
 pub use producer::{BatchOptions, ProduceOptions, Produced, Producer};

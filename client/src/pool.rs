@@ -24,7 +24,7 @@ struct Inner {
 }
 
 impl Pool {
-    pub fn new(url: &str, size: usize, root_cert: Option<&Path>) -> Result<Pool> {
+    pub fn new(url: &str, size: usize, wait: std::time::Duration, root_cert: Option<&Path>) -> Result<Pool> {
         let config: tokio_postgres::Config =
             url.parse().map_err(|e| Error::Config(format!("connection string: {e}")))?;
         let tls = Tls::for_config(&config, root_cert)?;
@@ -35,6 +35,10 @@ impl Pool {
         };
         let pool = deadpool_postgres::Pool::builder(manager)
             .max_size(size)
+            // A caller waiting longer than this for a connection gets an error (and a consumer
+            // logs it and tries again) instead of waiting silently for ever.
+            .wait_timeout(Some(wait))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
             .build()
             .map_err(|e| Error::Config(e.to_string()))?;
         Ok(Pool { inner: Arc::new(Inner { pool, config, tls }) })

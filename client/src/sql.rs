@@ -30,6 +30,8 @@ pub const PRODUCE_BATCH: &str = "SELECT sqlstreams.produce_batch($1, $2::text[]:
 pub const CLAIM: &str = "SELECT message_id, message_key, concurrency, attempt, payload::text, lease_token, run_after
         FROM sqlstreams.claim($1, $2, $3, $4::float8 * interval '1 second', $5, $6)";
 
+pub const ACK: &str = "SELECT sqlstreams.ack($1, $2, $3, $4)";
+
 pub const ACK_BATCH: &str = "SELECT sqlstreams.ack_batch($1, $2, $3, $4)";
 
 pub const FAIL: &str = "SELECT sqlstreams.fail($1, $2, $3, $4, $5, $6, $7::float8 * interval '1 second')";

@@ -52,8 +52,8 @@ impl<T> Delivery<T> {
     }
 }
 
-/// What a failed handler asks for. Any `std::error::Error` converts into a retryable failure,
-/// so `?` works in handlers.
+/// What a failed handler asks for. Any error converts into a retryable failure, so `?` works in
+/// handlers (see the `From` impl).
 pub enum HandlerError {
     /// Retry with the group's backoff, or after `after`.
     Retry {
@@ -90,9 +90,24 @@ impl HandlerError {
     }
 }
 
-impl<E: std::error::Error> From<E> for HandlerError {
+/// Anything that converts into `Box<dyn Error + Send + Sync>` (any error type, `anyhow::Error`,
+/// a `String`) is a failure to retry, so `?` works in handlers. The recorded `last_error`
+/// keeps the whole chain of causes ("outer: inner: root").
+impl<E: Into<Box<dyn std::error::Error + Send + Sync>>> From<E> for HandlerError {
     fn from(error: E) -> Self {
-        HandlerError::retry(error)
+        let error: Box<dyn std::error::Error + Send + Sync> = error.into();
+        let mut text = error.to_string();
+        let mut source = error.source();
+        while let Some(cause) = source {
+            let cause_text = cause.to_string();
+            // anyhow's context already shows its cause in its own message only with {:#}.
+            if !text.ends_with(&cause_text) {
+                text.push_str(": ");
+                text.push_str(&cause_text);
+            }
+            source = cause.source();
+        }
+        HandlerError::Retry { error: text, after: None }
     }
 }
 

@@ -4,7 +4,6 @@
 //! the fallback while this connection is down.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures_util::StreamExt;
 use tokio::sync::Notify;
@@ -13,6 +12,7 @@ use tokio_postgres::{AsyncMessage, NoTls, Socket};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
+use crate::backoff::Backoff;
 use crate::tls::Tls;
 
 pub(crate) fn spawn(
@@ -23,7 +23,7 @@ pub(crate) fn spawn(
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let mut backoff = Duration::from_millis(100);
+        let mut backoff = Backoff::new();
         while !stop.is_cancelled() {
             let listened = match &tls {
                 Tls::Off => listen(&config, NoTls, &channel, &wake, &stop).await,
@@ -36,10 +36,9 @@ pub(crate) fn spawn(
                     // Whatever happened while disconnected, look once.
                     wake.notify_one();
                     tokio::select! {
-                        _ = tokio::time::sleep(backoff) => {}
+                        _ = tokio::time::sleep(backoff.next()) => {}
                         _ = stop.cancelled() => return,
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
         }

@@ -1,9 +1,50 @@
-//! Counters a user can read while a consumer runs.
+//! What a consumer counts: counters a user can read while it runs ([`Metrics`]), and the same
+//! events through the `metrics` facade, for whatever recorder the application installed
+//! (Prometheus, OpenTelemetry, ...):
+//! - `sqlstreams_deliveries_total{stream, group, outcome}`: claimed, succeeded, failed, dead,
+//!   delayed, deferred, released, lease_lost, timed_out, panicked;
+//! - `sqlstreams_handler_seconds{stream, group}`: each handler run;
+//! - `sqlstreams_claim_seconds{stream, group}`: each claim's round trip.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// An event a consumer counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Event {
+    Claimed,
+    Succeeded,
+    Failed,
+    Dead,
+    Delayed,
+    Deferred,
+    Released,
+    LeaseLost,
+    TimedOut,
+    Panicked,
+}
+
+impl Event {
+    fn label(self) -> &'static str {
+        match self {
+            Event::Claimed => "claimed",
+            Event::Succeeded => "succeeded",
+            Event::Failed => "failed",
+            Event::Dead => "dead",
+            Event::Delayed => "delayed",
+            Event::Deferred => "deferred",
+            Event::Released => "released",
+            Event::LeaseLost => "lease_lost",
+            Event::TimedOut => "timed_out",
+            Event::Panicked => "panicked",
+        }
+    }
+}
 
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
+    stream: String,
+    group: String,
     pub claimed: AtomicU64,
     pub succeeded: AtomicU64,
     pub failed: AtomicU64,
@@ -17,8 +58,39 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
-    pub fn add(counter: &AtomicU64, n: u64) {
+    pub fn new(stream: &str, group: &str) -> Counters {
+        Counters { stream: stream.to_string(), group: group.to_string(), ..Counters::default() }
+    }
+
+    pub fn add(&self, event: Event, n: u64) {
+        let counter = match event {
+            Event::Claimed => &self.claimed,
+            Event::Succeeded => &self.succeeded,
+            Event::Failed => &self.failed,
+            Event::Dead => &self.dead,
+            Event::Delayed => &self.delayed,
+            Event::Deferred => &self.deferred,
+            Event::Released => &self.released,
+            Event::LeaseLost => &self.lease_lost,
+            Event::TimedOut => &self.timed_out,
+            Event::Panicked => &self.panicked,
+        };
         counter.fetch_add(n, Ordering::Relaxed);
+        metrics::counter!("sqlstreams_deliveries_total",
+            "stream" => self.stream.clone(), "group" => self.group.clone(), "outcome" => event.label())
+        .increment(n);
+    }
+
+    /// A handler ran for `took`.
+    pub fn handler_ran(&self, took: Duration) {
+        metrics::histogram!("sqlstreams_handler_seconds", "stream" => self.stream.clone(), "group" => self.group.clone())
+            .record(took.as_secs_f64());
+    }
+
+    /// A claim's round trip took `took`.
+    pub fn claimed_in(&self, took: Duration) {
+        metrics::histogram!("sqlstreams_claim_seconds", "stream" => self.stream.clone(), "group" => self.group.clone())
+            .record(took.as_secs_f64());
     }
 
     pub fn snapshot(&self) -> Metrics {

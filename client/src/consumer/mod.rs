@@ -1,6 +1,7 @@
 //! Consumer groups and consumers that run handlers.
 
 mod delivery;
+mod handler;
 mod leases;
 mod listener;
 mod metrics;
@@ -17,6 +18,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use delivery::{Delivery, HandlerError};
+pub use handler::Tx;
+use handler::{Handle, InTransaction, Plain};
 pub use metrics::Metrics;
 
 use crate::error::{Error, Result};
@@ -162,7 +165,12 @@ where
             if differences.is_empty() {
                 drop(conn);
                 let channel = self.stream.channel().await?;
-                return Ok(Consumer { group: self.clone(), config, channel, counters: Arc::new(Counters::default()) });
+                return Ok(Consumer {
+                    group: self.clone(),
+                    config,
+                    channel,
+                    counters: Arc::new(Counters::new(&self.stream.name, &self.name)),
+                });
             }
             if !config.update_settings {
                 return Err(Error::SettingsMismatch { group: self.name.clone(), differences });
@@ -190,7 +198,12 @@ where
         .await?;
         drop(conn);
         let channel = self.stream.channel().await?;
-        Ok(Consumer { group: self.clone(), config, channel, counters: Arc::new(Counters::default()) })
+        Ok(Consumer {
+            group: self.clone(),
+            config,
+            channel,
+            counters: Arc::new(Counters::new(&self.stream.name, &self.name)),
+        })
     }
 }
 
@@ -218,6 +231,27 @@ where
         H: Fn(Delivery<T>) -> F + Send + Sync + 'static,
         F: Future<Output = Result<(), HandlerError>> + Send + 'static,
     {
+        self.spawn(Plain(handler))
+    }
+
+    /// Like [`Consumer::start`], for a handler whose work is in this database: each call gets
+    /// an open transaction ([`Tx`]); when the handler succeeds, the message's ack is recorded
+    /// in that transaction and it commits, so the handler's writes and the ack commit (or roll
+    /// back) together: exactly once for effects in this database. A failed handler's
+    /// transaction rolls back, and the failure is recorded as usual.
+    ///
+    /// Use it when the handler writes to this database; keep [`Consumer::start`] for handlers
+    /// that call other systems (a transaction held open across a remote call only holds locks
+    /// longer). Each running handler holds one pooled connection while it runs.
+    pub fn start_in_transaction<H, F>(self, handler: H) -> RunningConsumer
+    where
+        H: Fn(Delivery<T>, Tx) -> F + Send + Sync + 'static,
+        F: Future<Output = Result<(), HandlerError>> + Send + 'static,
+    {
+        self.spawn(InTransaction(handler))
+    }
+
+    fn spawn<H: Handle<T>>(self, handler: H) -> RunningConsumer {
         let stop = CancellationToken::new();
         let cancel = CancellationToken::new();
         let counters = self.counters.clone();
@@ -251,17 +285,20 @@ where
 pub struct RunningConsumer {
     stop: CancellationToken,
     cancel: CancellationToken,
-    task: JoinHandle<()>,
+    task: JoinHandle<Result<()>>,
     counters: Arc<Counters>,
 }
 
-/// How a shutdown went.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How a consumer ended.
+#[derive(Debug)]
 pub struct Shutdown {
     /// Every handler finished within the grace period (none had to be cancelled).
     pub drained: bool,
     /// The consumer's counters at the end.
     pub metrics: Metrics,
+    /// Why the consumer stopped on its own, when it did: an error retrying cannot fix (its
+    /// group or stream was dropped, or its role lost the right to consume).
+    pub error: Option<Error>,
 }
 
 impl RunningConsumer {
@@ -276,15 +313,34 @@ impl RunningConsumer {
     pub async fn shutdown(self, grace: Duration) -> Shutdown {
         self.stop.cancel();
         let mut task = self.task;
-        let drained = match tokio::time::timeout(grace, &mut task).await {
-            Ok(_) => true,
+        let (drained, ended) = match tokio::time::timeout(grace, &mut task).await {
+            Ok(ended) => (true, ended),
             Err(_) => {
                 self.cancel.cancel();
-                let _finished = task.await;
-                false
+                (false, task.await)
             }
         };
-        Shutdown { drained, metrics: self.counters.snapshot() }
+        Shutdown { drained, metrics: self.counters.snapshot(), error: ended_with(ended) }
+    }
+
+    /// Whether the consumer has stopped on its own (see [`Shutdown::error`]).
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Waits until the consumer stops on its own: after an error retrying cannot fix. Use
+    /// [`RunningConsumer::shutdown`] to stop it.
+    pub async fn join(self) -> Shutdown {
+        let ended = self.task.await;
+        Shutdown { drained: true, metrics: self.counters.snapshot(), error: ended_with(ended) }
+    }
+}
+
+fn ended_with(ended: std::result::Result<Result<()>, tokio::task::JoinError>) -> Option<Error> {
+    match ended {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e),
+        Err(panic) => Some(Error::Config(format!("the consumer task failed: {panic}"))),
     }
 }
 

@@ -2,7 +2,6 @@
 //! task (one message at a time, in id order), record outcomes.
 
 use std::any::Any;
-use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -15,15 +14,17 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info_span, warn, Instrument};
+use tracing::{debug, error, info_span, warn, Instrument};
 use uuid::Uuid;
 
 use super::delivery::{Delivery, HandlerError};
+use super::handler::{Handle, Tx};
 use super::leases::LeaseBook;
 use super::listener;
-use super::metrics::Counters;
+use super::metrics::{Counters, Event};
 use super::writer::Writer;
 use super::{ConsumerConfig, ConsumerGroup};
+use crate::backoff::Backoff;
 use crate::error::Result;
 use crate::{sql, Concurrency};
 
@@ -62,7 +63,7 @@ struct Ctx<T, H> {
     progress: Notify,
 }
 
-pub(crate) async fn run<T, H, F>(
+pub(crate) async fn run<T, H>(
     group: ConsumerGroup<T>,
     config: ConsumerConfig,
     channel: String,
@@ -70,10 +71,10 @@ pub(crate) async fn run<T, H, F>(
     counters: Arc<Counters>,
     stop: CancellationToken,
     cancel: CancellationToken,
-) where
+) -> Result<()>
+where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
-    H: Fn(Delivery<T>) -> F + Send + Sync + 'static,
-    F: Future<Output = Result<(), HandlerError>> + Send + 'static,
+    H: Handle<T>,
 {
     let pool = group.stream.pool.clone();
     let (stream, group_name) = (group.stream.name.clone(), group.name.clone());
@@ -98,7 +99,8 @@ pub(crate) async fn run<T, H, F>(
     });
 
     let mut chains = JoinSet::new();
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::new();
+    let mut fatal = None;
     // Whether the last claim split into many chains: then the next claim may overlap it.
     let mut pipelined = true;
     while !stop.is_cancelled() {
@@ -138,17 +140,22 @@ pub(crate) async fn run<T, H, F>(
                 if let Some((token, ids)) = acks {
                     ctx.writer.return_acks(token, ids);
                 }
-                warn!(error = %e, "sqlstreams: claim failed; retrying");
                 drop(permits);
+                if e.is_unknown_object() || e.is_permission_denied() {
+                    // Retrying cannot bring a dropped group or a revoked grant back.
+                    error!(error = %e, "sqlstreams: claim refused; the consumer stops");
+                    fatal = Some(e);
+                    break;
+                }
+                warn!(error = %e, "sqlstreams: claim failed; retrying");
                 tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
+                    _ = tokio::time::sleep(backoff.next()) => {}
                     _ = stop.cancelled() => break,
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(5));
                 continue;
             }
         };
-        backoff = Duration::from_millis(100);
+        backoff.reset();
         if rows.is_empty() {
             drop(permits);
             tokio::select! {
@@ -158,7 +165,7 @@ pub(crate) async fn run<T, H, F>(
             }
             continue;
         }
-        Counters::add(&ctx.counters.claimed, rows.len() as u64);
+        ctx.counters.add(Event::Claimed, rows.len() as u64);
         ctx.outstanding.fetch_add(rows.len(), Ordering::AcqRel);
         ctx.leases.track(rows[0].token, rows.len(), claimed_at);
         let row_count = rows.len();
@@ -182,6 +189,7 @@ pub(crate) async fn run<T, H, F>(
     let _stopped = (listener.await, heartbeat.await);
     drop(ctx);
     let _written = writer_task.await;
+    fatal.map_or(Ok(()), Err)
 }
 
 async fn heartbeat(leases: Arc<LeaseBook>, every: Duration, stop: CancellationToken) {
@@ -196,6 +204,7 @@ async fn heartbeat(leases: Arc<LeaseBook>, every: Duration, stop: CancellationTo
 async fn claim<T, H>(ctx: &Ctx<T, H>, batch: i32, acks: Option<&(Uuid, Vec<i64>)>) -> Result<Vec<Claimed>> {
     let span = info_span!("sqlstreams.claim", stream = %ctx.group.stream.name, group = %ctx.group.name, batch);
     async {
+        let started = Instant::now();
         let conn = ctx.group.stream.pool.conn().await?;
         let claim = conn.prepare_cached(sql::CLAIM).await?;
         let rows = conn
@@ -211,6 +220,7 @@ async fn claim<T, H>(ctx: &Ctx<T, H>, batch: i32, acks: Option<&(Uuid, Vec<i64>)
                 ],
             )
             .await?;
+        ctx.counters.claimed_in(started.elapsed());
         debug!(claimed = rows.len());
         Ok(rows
             .iter()
@@ -247,11 +257,10 @@ fn chains_of(rows: Vec<Claimed>) -> Vec<Vec<Claimed>> {
     chains
 }
 
-async fn run_chain<T, H, F>(ctx: Arc<Ctx<T, H>>, chain: Vec<Claimed>, _permit: OwnedSemaphorePermit)
+async fn run_chain<T, H>(ctx: Arc<Ctx<T, H>>, chain: Vec<Claimed>, _permit: OwnedSemaphorePermit)
 where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
-    H: Fn(Delivery<T>) -> F + Send + Sync + 'static,
-    F: Future<Output = Result<(), HandlerError>> + Send + 'static,
+    H: Handle<T>,
 {
     let token = chain[0].token;
     let mut rows = chain.into_iter();
@@ -260,19 +269,19 @@ where
         let rest = 1 + rows.len();
         if !resolved {
             // Its predecessor failed or was delayed: the server recorded the rest deferred.
-            Counters::add(&ctx.counters.deferred, rest as u64);
+            ctx.counters.add(Event::Deferred, rest as u64);
             ctx.finished(token, rest);
             break;
         }
         if ctx.cancel.is_cancelled() {
             let ids: Vec<i64> = std::iter::once(row.id).chain(rows.map(|r| r.id)).collect();
             let released = ctx.writer.release(token, ids).await;
-            Counters::add(&ctx.counters.released, released.len() as u64);
+            ctx.counters.add(Event::Released, released.len() as u64);
             ctx.finished(token, rest);
             break;
         }
         if !ctx.leases.covers(token, ctx.config.handler_timeout).await {
-            Counters::add(&ctx.counters.lease_lost, rest as u64);
+            ctx.counters.add(Event::LeaseLost, rest as u64);
             ctx.finished(token, rest);
             break;
         }
@@ -281,11 +290,10 @@ where
     }
 }
 
-impl<T, H, F> Ctx<T, H>
+impl<T, H> Ctx<T, H>
 where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
-    H: Fn(Delivery<T>) -> F + Send + Sync + 'static,
-    F: Future<Output = Result<(), HandlerError>> + Send + 'static,
+    H: Handle<T>,
 {
     fn finished(&self, token: Uuid, rows: usize) {
         self.leases.finished(token, rows);
@@ -297,20 +305,35 @@ where
     /// died), so the next row of its chain may start.
     async fn deliver(&self, row: Claimed) -> bool {
         let span = info_span!("sqlstreams.handler", message_id = row.id, attempt = row.attempt, key = ?row.key);
-        let outcome = self.execute(&row).instrument(span.clone()).await;
-        self.record(row, outcome).instrument(span).await
+        let started = Instant::now();
+        let (outcome, tx) = self.execute(&row).instrument(span.clone()).await;
+        self.counters.handler_ran(started.elapsed());
+        match tx {
+            Some(tx) => self.finish_transaction(row, outcome, tx).instrument(span).await,
+            None => self.record(row, outcome).instrument(span).await,
+        }
     }
 
-    async fn execute(&self, row: &Claimed) -> Outcome {
+    /// Runs the handler; returns how it ended and, for a transactional handler, its open
+    /// transaction.
+    async fn execute(&self, row: &Claimed) -> (Outcome, Option<Tx>) {
         let message: T = match serde_json::from_str(&row.payload) {
             Ok(message) => message,
             Err(e) => {
-                return Outcome::Undecodable(format!(
-                    "the payload of message {} does not decode as {}: {e}",
-                    row.id,
-                    std::any::type_name::<T>()
-                ))
+                let error =
+                    format!("the payload of message {} does not decode as {}: {e}", row.id, std::any::type_name::<T>());
+                return (Outcome::Undecodable(error), None);
             }
+        };
+        let tx = if H::TRANSACTIONAL {
+            match self.begin().await {
+                Ok(tx) => Some(tx),
+                Err(e) => {
+                    return (Outcome::Failed(HandlerError::retry(format!("no transaction for the handler: {e}"))), None)
+                }
+            }
+        } else {
+            None
         };
         let cancel = self.cancel.child_token();
         let deadline = Instant::now() + self.config.handler_timeout;
@@ -323,8 +346,8 @@ where
             cancel: cancel.clone(),
             deadline,
         };
-        let handler = AssertUnwindSafe((self.handler)(delivery)).catch_unwind();
-        tokio::select! {
+        let handler = AssertUnwindSafe(self.handler.call(delivery, tx.clone())).catch_unwind();
+        let outcome = tokio::select! {
             // A handler that finishes as it is cancelled has its result recorded.
             biased;
             result = handler => match result {
@@ -337,7 +360,47 @@ where
                 Outcome::TimedOut
             }
             _ = self.cancel.cancelled() => Outcome::Cancelled,
+        };
+        (outcome, tx)
+    }
+
+    async fn begin(&self) -> Result<Tx> {
+        let conn = self.group.stream.pool.conn().await?;
+        conn.batch_execute("BEGIN").await?;
+        Ok(Tx { conn: Arc::new(conn) })
+    }
+
+    /// A transactional handler ended: on success its transaction records the ack and commits
+    /// (a lost lease rolls it back instead); otherwise it rolls back and the failure is
+    /// recorded as for any handler.
+    async fn finish_transaction(&self, row: Claimed, outcome: Outcome, tx: Tx) -> bool {
+        if let Outcome::Success = outcome {
+            let stream = &self.group.stream.name;
+            let acked = tx.query_one(sql::ACK, &[stream, &self.group.name, &row.token, &row.id]).await;
+            match acked {
+                Ok(ack) if ack.get::<_, bool>(0) => match tx.batch_execute("COMMIT").await {
+                    Ok(()) => {
+                        self.counters.add(Event::Succeeded, 1);
+                        return true;
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "sqlstreams: the handler's transaction did not commit; it runs again");
+                        return self.record(row, Outcome::Failed(HandlerError::retry(e))).await;
+                    }
+                },
+                Ok(_) => {
+                    let _ = tx.batch_execute("ROLLBACK").await;
+                    self.counters.add(Event::LeaseLost, 1);
+                    return false;
+                }
+                Err(e) => {
+                    let _ = tx.batch_execute("ROLLBACK").await;
+                    return self.record(row, Outcome::Failed(HandlerError::retry(e))).await;
+                }
+            }
         }
+        let _ = tx.batch_execute("ROLLBACK").await;
+        self.record(row, outcome).await
     }
 
     async fn record(&self, row: Claimed, outcome: Outcome) -> bool {
@@ -345,24 +408,24 @@ where
         let (error, permanent, retry_after) = match outcome {
             Outcome::Success => {
                 self.writer.ack(row.token, row.id);
-                Counters::add(&c.succeeded, 1);
+                c.add(Event::Succeeded, 1);
                 return true;
             }
             Outcome::Failed(HandlerError::Delay(after)) => {
                 let after = after.max(Duration::from_millis(1));
                 let recorded = self.writer.delay(row.token, row.id, after).await;
-                Counters::add(if recorded { &c.delayed } else { &c.lease_lost }, 1);
+                c.add(if recorded { Event::Delayed } else { Event::LeaseLost }, 1);
                 return false;
             }
             Outcome::Failed(HandlerError::Retry { error, after }) => (error, false, after),
             Outcome::Failed(HandlerError::Permanent(error)) => (error, true, None),
             Outcome::Undecodable(error) => (error, true, None),
             Outcome::Panicked(message) => {
-                Counters::add(&c.panicked, 1);
+                c.add(Event::Panicked, 1);
                 (format!("the handler panicked: {message}"), false, None)
             }
             Outcome::TimedOut => {
-                Counters::add(&c.timed_out, 1);
+                c.add(Event::TimedOut, 1);
                 (format!("the handler did not finish within {:?}", self.config.handler_timeout), false, None)
             }
             Outcome::Cancelled => {
@@ -371,15 +434,15 @@ where
         };
         match self.writer.fail(row.token, row.id, error, permanent, retry_after).await.as_deref() {
             Some("dead") => {
-                Counters::add(&c.dead, 1);
+                c.add(Event::Dead, 1);
                 true
             }
             Some(_) => {
-                Counters::add(&c.failed, 1);
+                c.add(Event::Failed, 1);
                 false
             }
             None => {
-                Counters::add(&c.lease_lost, 1);
+                c.add(Event::LeaseLost, 1);
                 false
             }
         }

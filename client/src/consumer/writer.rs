@@ -1,4 +1,5 @@
-//! The outcome writer: one task and one connection that record a consumer's outcomes in order.
+//! The outcome writer: one task that records a consumer's outcomes in order, on a pooled
+//! connection it holds only while it has something to write.
 //!
 //! Acks are pipelined: a chain puts its ack in a buffer and starts its next row at once. The
 //! consumer's next claim takes the buffered acks along (`claim(..., ack_lease_token,
@@ -20,7 +21,8 @@ use uuid::Uuid;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
-use crate::consumer::metrics::Counters;
+use crate::backoff::Backoff;
+use crate::consumer::metrics::{Counters, Event};
 use crate::error::Result;
 use crate::pool::Pool;
 use crate::sql;
@@ -168,6 +170,11 @@ struct WriterTask {
 impl WriterTask {
     async fn run(mut self) {
         loop {
+            if self.rx.is_empty() {
+                // Nothing to write: the connection goes back to the pool meanwhile, for claims
+                // and other consumers.
+                self.conn = None;
+            }
             let command = tokio::select! {
                 command = self.rx.recv() => command,
                 _ = self.acks_waiting.notified() => {
@@ -233,7 +240,7 @@ impl WriterTask {
             let recorded = row.map(|r| r.get::<_, Vec<i64>>(0).len()).unwrap_or(0);
             if recorded < ids.len() {
                 let lost = (ids.len() - recorded) as u64;
-                Counters::add(&self.counters.lease_lost, lost);
+                self.counters.add(Event::LeaseLost, lost);
                 warn!(lost, "sqlstreams: acks refused: their lease was lost (the messages will run again)");
             }
         }
@@ -242,7 +249,7 @@ impl WriterTask {
     /// Runs one statement, retrying with backoff across lost connections. A refusal by the
     /// server (not a connection problem) is final: it is logged and `None` is returned.
     async fn query_one(&mut self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Option<Row> {
-        let mut backoff = Duration::from_millis(50);
+        let mut backoff = Backoff::new();
         loop {
             let result = match self.connection().await {
                 Ok(conn) => match conn.prepare_cached(statement).await {
@@ -256,8 +263,7 @@ impl WriterTask {
                 Err(e) if e.is_transient() => {
                     debug!(error = %e, "sqlstreams: outcome writer reconnecting");
                     self.conn = None;
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    tokio::time::sleep(backoff.next()).await;
                 }
                 Err(e) => {
                     warn!(error = %e, statement, "sqlstreams: outcome refused");

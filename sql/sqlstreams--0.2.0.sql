@@ -397,8 +397,14 @@ BEGIN
         BEGIN
             EXECUTE format('DROP TABLE sqlstreams.%I', part.relname);
             dropped := dropped + 1;
-        EXCEPTION WHEN lock_not_available THEN
-            EXIT;
+        EXCEPTION
+            WHEN lock_not_available THEN
+                EXIT;
+            WHEN OTHERS THEN
+                -- For example a view of the user's that depends on the partition: retention
+                -- must never fail the claim or maintain() that runs it.
+                RAISE WARNING 'sqlstreams: partition % not dropped: %', part.relname, SQLERRM;
+                EXIT;
         END;
     END LOOP;
     PERFORM set_config('lock_timeout', timeout, true);
@@ -780,8 +786,9 @@ SELECT s.name AS stream, l.pid, l.virtualtransaction, a.backend_xid AS xid, a.xa
        p.gid AS prepared_gid, p.prepared
 FROM pg_catalog.pg_locks l
 JOIN sqlstreams.stream s ON l.classid::int8 = (s.id >> 32) AND l.objid::int8 = (s.id & 4294967295)
-LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid AND l.pid <> 0
-LEFT JOIN pg_catalog.pg_prepared_xacts p ON l.pid = 0 AND l.virtualtransaction = '-1/' || p.transaction
+LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+-- A prepared transaction's locks have no backend (pid NULL).
+LEFT JOIN pg_catalog.pg_prepared_xacts p ON l.pid IS NULL AND l.virtualtransaction = '-1/' || p.transaction
 WHERE l.locktype = 'advisory' AND l.objsubid = 21328 AND l.granted
   AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database());
 
@@ -933,4 +940,4 @@ COMMENT ON VIEW sqlstreams.fence_holders IS
     'Transactions producing to a stream that have not ended (claims wait for them), with their age.';
 COMMENT ON FUNCTION sqlstreams.peek(text, bigint, integer) IS
     'The messages of a stream after after_id, oldest first, without claiming anything (an operator''s tail). '
-    'Needs any grant on the stream.';
+    'Needs a consume grant on one of the stream''s groups, or pg_monitor.';

@@ -368,6 +368,14 @@ impl Claim<'_> {
                 exception_queue::insert(client, stream_id, self.group.id, &rows, self.now)?;
                 range::delete(client, stream_id, self.group.id, expired.first_id)?;
             } else {
+                if expired.pending.len() > room as usize {
+                    // More than the batch has room for: the rest stays an expired range of its
+                    // own, for the next claim.
+                    let rest = expired.split_off(room as usize);
+                    range::split(client, stream_id, self.group.id, expired.first_id, &rest)?;
+                }
+                let messages: Vec<Message> =
+                    messages.into_iter().filter(|m| expired.pending.contains(&m.candidate.message_id)).collect();
                 expired.reclaims += 1;
                 room -= messages.len() as i32;
                 self.push_range(messages, expired.reclaims, expired.first_id);

@@ -107,8 +107,13 @@ pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str, access: Access)
     let Some(id) = row.value::<i64>("group_id")? else {
         return Err(StreamError::UnknownGroup { stream: stream.to_string(), group: group.to_string() });
     };
+    group_from(&row, stream_ref, id)
+}
+
+/// The settings columns of `LOOKUP` and `BY_ID`, as a `GroupRef` of `stream`.
+fn group_from<R: Columns>(row: &R, stream: StreamRef, id: i64) -> Result<GroupRef> {
     Ok(GroupRef {
-        stream: stream_ref,
+        stream,
         id,
         concurrency_override: row
             .value::<String>("concurrency_override")?
@@ -125,6 +130,25 @@ pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str, access: Access)
         paused: row.required("paused")?,
         hold_on_dead: row.required::<String>("on_dead")? == "hold",
     })
+}
+
+const BY_ID: Statement = Statement {
+    name: "group_by_id",
+    sql: "SELECT g.concurrency_override, g.max_retries,
+                 (extract(epoch FROM g.backoff_base) * 1e6)::int8 AS backoff_base,
+                 (extract(epoch FROM g.backoff_cap) * 1e6)::int8 AS backoff_cap,
+                 g.backoff_exponent, g.max_delays, g.max_reclaims, g.paused, g.on_dead
+          FROM sqlstreams.consumer_group g WHERE g.id = $1",
+    params: &[INT8OID],
+};
+
+/// Group `id` of `stream`, for work that goes over every group of a stream (retention).
+pub fn by_id(client: &SpiClient<'_>, stream: &StreamRef, id: i64) -> Result<GroupRef> {
+    let row = BY_ID.run(client, 0, &[id.into()])?.first();
+    if row.is_empty() {
+        return Err(StreamError::Internal(format!("consumer group {id} disappeared")));
+    }
+    group_from(&row, stream.clone(), id)
 }
 
 /// A group's settings, validated.
@@ -308,6 +332,14 @@ const ALTER: Statement = Statement {
     params: &[INT8OID, TEXTOID, INT4OID, INT8OID, INT8OID, FLOAT8OID, INT4OID, INT4OID, TEXTOID],
 };
 
+/// Keys of a group's dead ordered messages (those a hold kept waiting).
+const HELD_KEYS: Statement = Statement {
+    name: "group_held_keys",
+    sql: "SELECT DISTINCT message_key FROM sqlstreams.exception_queue_@id@
+          WHERE consumer_group_id = $1 AND status = 'dead' AND concurrency = 'ordered' AND message_key IS NOT NULL",
+    params: &[INT8OID],
+};
+
 const SET_PAUSED: Statement = Statement {
     name: "group_set_paused",
     sql: "UPDATE sqlstreams.consumer_group SET paused = $2 WHERE id = $1 AND paused <> $2 RETURNING id",
@@ -392,6 +424,21 @@ fn alter_group(
                 on_dead.into(),
             ],
         )?;
+        if g.hold_on_dead && on_dead == "release" {
+            // Keys held at a dead message go on now: wake what waits behind them.
+            let keys: Vec<Option<String>> = HELD_KEYS
+                .run(client, g.stream.id, &[g.id.into()])?
+                .map(|row| row.value("message_key"))
+                .collect::<Result<_>>()?;
+            let released = GroupRef { hold_on_dead: false, ..g.clone() };
+            crate::exception_queue::after_resolution(
+                client,
+                &released,
+                &crate::exception_queue::distinct_keys(&keys),
+                crate::clock::now(),
+                crate::exception_queue::Waker::Outcome,
+            )?;
+        }
         Ok(true)
     })?)
 }

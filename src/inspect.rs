@@ -328,7 +328,8 @@ const PEEK: Statement = Statement {
 };
 
 /// The messages of a stream after `after_id`, oldest first (at most `max_messages`), without
-/// claiming anything: what an operator's `tail` shows. Needs any grant on the stream.
+/// claiming anything: what an operator's `tail` shows. Needs a consume grant on one of the
+/// stream's groups (or pg_monitor).
 #[pg_extern(stable, parallel_safe)]
 fn peek(
     stream: Option<&str>,
@@ -361,7 +362,7 @@ fn peek(
     let rows = access::as_owner(|caller| {
         Spi::connect(|client| {
             let s = crate::stream::lookup_read(client, stream)?;
-            caller.require(client, s.id, stream, Right::Observe)?;
+            caller.require(client, s.id, stream, Right::ReadMessages)?;
             PEEK.read(client, s.id, &[after.into(), limit.into()])?
                 .map(|row| {
                     Ok((

@@ -86,15 +86,14 @@ const STORE: Statement = Statement {
 };
 
 /// Frees each lane token `$2` holds once nothing it handed out from that lane is unresolved.
-/// A lane row locked by someone else is skipped: a claim taking it over (its hold ran out) or
-/// a seek overwrites the hold anyway, and an outcome never waits for a lane row (src/seek.rs).
+/// It waits for a lane row another transaction has locked, never skips it: a claim that read
+/// the lane free in an older snapshot keeps the row locked to the end of its (short)
+/// transaction although it did not take it, and skipping would leave the hold until its
+/// lease runs out.
 const RELEASE: Statement = Statement {
     name: "lanes_release",
     sql: "UPDATE sqlstreams.lane_@id@ l SET held_by = NULL, held_until = NULL
-          WHERE (l.consumer_group_id, l.lane) IN (SELECT consumer_group_id, lane FROM sqlstreams.lane_@id@
-                                                  WHERE consumer_group_id = $1 AND held_by = $2
-                                                  FOR UPDATE SKIP LOCKED)
-            AND l.held_by = $2
+          WHERE l.consumer_group_id = $1 AND l.held_by = $2
             AND NOT EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@ r
                             WHERE r.consumer_group_id = $1 AND r.lease_token = $2
                               AND (r.lane = l.lane OR r.lane IS NULL))

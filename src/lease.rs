@@ -23,9 +23,7 @@ use crate::outcome;
 use crate::range;
 use crate::statement::{self, Access, Columns, Statement};
 
-/// Locks everything `token` holds, so the new expiry is computed after any wait for it. Lane
-/// rows someone else has locked are skipped, never waited for: a claim taking one over (the
-/// hold ran out) or a seek overwrites the hold anyway.
+/// Locks everything `token` holds, so the new expiry is computed after any wait for it.
 const LOCK_HELD: Statement = Statement {
     name: "lease_lock_held",
     sql: "WITH r AS (SELECT 1 FROM sqlstreams.range_lease_@id@
@@ -33,7 +31,7 @@ const LOCK_HELD: Statement = Statement {
                e AS (SELECT 1 FROM sqlstreams.exception_queue_@id@
                      WHERE consumer_group_id = $1 AND lease_token = $2 AND status = 'inflight' FOR UPDATE),
                k AS (SELECT 1 FROM sqlstreams.lane_@id@
-                     WHERE consumer_group_id = $1 AND held_by = $2 FOR UPDATE SKIP LOCKED)
+                     WHERE consumer_group_id = $1 AND held_by = $2 FOR UPDATE)
           SELECT (SELECT count(*) FROM r) + (SELECT count(*) FROM e) + (SELECT count(*) FROM k)",
     params: &[INT8OID, UUIDOID],
 };
@@ -45,10 +43,7 @@ const EXTEND: Statement = Statement {
                e AS (UPDATE sqlstreams.exception_queue_@id@ SET lease_expires_at = $3
                      WHERE consumer_group_id = $1 AND lease_token = $2 AND status = 'inflight' RETURNING 1),
                k AS (UPDATE sqlstreams.lane_@id@ SET held_until = $3
-                     WHERE (consumer_group_id, lane) IN (SELECT consumer_group_id, lane FROM sqlstreams.lane_@id@
-                                                         WHERE consumer_group_id = $1 AND held_by = $2
-                                                         FOR UPDATE SKIP LOCKED)
-                       AND held_by = $2 RETURNING 1)
+                     WHERE consumer_group_id = $1 AND held_by = $2 RETURNING 1)
           SELECT (SELECT count(*) FROM r) + (SELECT count(*) FROM e) + (SELECT count(*) FROM k) AS held",
     params: &[INT8OID, UUIDOID, TIMESTAMPTZOID],
 };

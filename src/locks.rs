@@ -18,7 +18,11 @@
 //! 2. the token's exception rows, then its range rows (`extend_lease`: then its lane rows);
 //! 3. the clock;
 //! 4. key locks, shared, in key order; then wake-ups (`SKIP LOCKED`); then the token's lane
-//!    rows, to free the lanes whose work is resolved.
+//!    rows, to free the lanes whose work is resolved (waiting: a claim may hold one for a
+//!    moment without taking it, src/lanes.rs).
+//!
+//! **Seek** (`src/seek.rs`) takes the group's rows in the outcomes' order: exception rows,
+//! ranges, lane rows, then the cursor row.
 //!
 //! **Why there is no deadlock.** Claims never wait, so every wait is an outcome's, for a row or
 //! key lock that a claim holds (the claim commits without waiting) or for its own token's lock

@@ -15,8 +15,12 @@ use crate::retention;
 use crate::statement::{Access, Columns, Statement};
 use crate::stream;
 
-const STREAMS: Statement =
-    Statement { name: "maintain_streams", sql: "SELECT name FROM sqlstreams.stream ORDER BY id", params: &[] };
+const STREAMS: Statement = Statement {
+    name: "maintain_streams",
+    // A stream being dropped right now is skipped (drop_stream locks its row first).
+    sql: "SELECT name FROM sqlstreams.stream ORDER BY id FOR KEY SHARE SKIP LOCKED",
+    params: &[],
+};
 
 const GROUPS: Statement = Statement {
     name: "maintain_groups",

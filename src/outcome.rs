@@ -113,11 +113,11 @@ fn record_setback(
         let mut ranges = range::for_token(client, stream_id, group.id, token)?;
         // After the rows' locks: a backoff or a delay counts from when the outcome is recorded.
         let now = clock::now();
-        let (key, setback) = if let Some(row) = row {
+        let (key, concurrency, setback) = if let Some(row) = row {
             let setback = decide(group, row.attempts, row.delays, now);
             let update = exception_queue::setback_again(id, setback, error, now);
             exception_queue::update(client, stream_id, group.id, &[update], now)?;
-            (row.key, setback)
+            (row.key, row.concurrency, setback)
         } else if ranges.contains(id) {
             ranges.remove(&[id]);
             let Some(message) = message::candidates(client, group, &[id])?.pop() else {
@@ -126,7 +126,7 @@ fn record_setback(
             let setback = decide(group, 0, 0, now);
             let row = exception_queue::setback_first_delivery(&message, setback, error, now);
             exception_queue::insert(client, stream_id, group.id, &[row], now)?;
-            (message.key, setback)
+            (message.key, message.concurrency, setback)
         } else {
             return Ok(None);
         };
@@ -134,7 +134,9 @@ fn record_setback(
         // dead-lettered: `fail` returned 'dead', so the caller may start the next row. A delay
         // always stops the caller's chain (it returns only true), even one the delay budget
         // dead-lettered; its successors are then due at once.
+        // A parallel message heads no chain: the gate never chains a row behind it.
         let chain_waits = match setback {
+            _ if !concurrency.is_keyed_gate() => None,
             Setback::Retry { can_run_after, .. } => Some(can_run_after),
             Setback::Dead { .. } if kind == SetbackKind::Delay => Some(now),
             Setback::Dead { .. } => None,

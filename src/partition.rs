@@ -41,8 +41,16 @@ fn headroom(partition_size: i64) -> i64 {
 /// when they already do.
 pub fn ensure(client: &SpiClient<'_>, stream: &StreamRef, id: i64, need: Need) -> Result<()> {
     match need {
-        Need::Now if id >= stream.partitions_through => {
-            ADD.run(client, 0, &[stream.id.into(), id.into(), true.into()])?;
+        Need::Now => {
+            if id >= stream.partitions_through {
+                ADD.run(client, 0, &[stream.id.into(), id.into(), true.into()])?;
+            }
+            // A partition another transaction attached since this one first touched the log
+            // is not in this backend's partition descriptor until it reads the invalidations
+            // (it holds the log's lock already, so nothing else makes it): without this, an
+            // insert into that partition fails with "no partition of relation found for row".
+            // SAFETY: processes pending catalog invalidations, as any lock acquisition does.
+            unsafe { pgrx::pg_sys::AcceptInvalidationMessages() };
         }
         Need::Ahead if needs_more(stream, id) => {
             let upto = id.saturating_add(headroom(stream.partition_size));

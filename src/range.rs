@@ -41,6 +41,23 @@ impl RangeLease {
         removed
     }
 
+    /// Splits off the pending messages after the first `keep`, as a range of their own that
+    /// starts at the first of them and ends where this one did; this one ends before it.
+    pub fn split_off(&mut self, keep: usize) -> RangeLease {
+        let pending = self.pending.split_off(keep);
+        let pending_keys = self.pending_keys.split_off(keep);
+        let rest = RangeLease {
+            first_id: pending[0],
+            last_id: self.last_id,
+            reclaims: self.reclaims,
+            pending,
+            pending_keys,
+            lane: self.lane,
+        };
+        self.last_id = rest.first_id - 1;
+        rest
+    }
+
     /// Pending messages of `key` after `after`, in id order.
     pub fn pending_after(&self, key: &str, after: i64) -> Vec<i64> {
         self.pending
@@ -75,9 +92,20 @@ const LEASE: Statement = Statement {
               (consumer_group_id, first_id, last_id, lease_token, lease_expires_at, reclaims, pending, pending_keys, lane)
           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
           ON CONFLICT (consumer_group_id, first_id) DO UPDATE
-          SET lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expires_at,
+          SET last_id = EXCLUDED.last_id, lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expires_at,
               reclaims = EXCLUDED.reclaims, pending = EXCLUDED.pending, pending_keys = EXCLUDED.pending_keys",
     params: &[INT8OID, INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID, INT4OID, INT8ARRAYOID, TEXTARRAYOID, INT4OID],
+};
+
+/// The rest of range `$2` as a range of its own (`split_off`), under its old token and
+/// expiry: still expired, it waits for the next claim.
+const SPLIT: Statement = Statement {
+    name: "range_split",
+    sql: "INSERT INTO sqlstreams.range_lease_@id@
+              (consumer_group_id, first_id, last_id, lease_token, lease_expires_at, reclaims, pending, pending_keys, lane)
+          SELECT consumer_group_id, $3, last_id, lease_token, lease_expires_at, reclaims, $4, $5, lane
+          FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1 AND first_id = $2",
+    params: &[INT8OID, INT8OID, INT8OID, INT8ARRAYOID, TEXTARRAYOID],
 };
 
 const SET_PENDING: Statement = Statement {
@@ -199,6 +227,22 @@ pub fn lease(
             range.pending.clone().into(),
             range.pending_keys.clone().into(),
             range.lane.into(),
+        ],
+    )?;
+    Ok(())
+}
+
+/// Stores `rest`, split off range `first_id` (see `RangeLease::split_off`).
+pub fn split(client: &SpiClient<'_>, stream_id: i64, group_id: i64, first_id: i64, rest: &RangeLease) -> Result<()> {
+    SPLIT.run(
+        client,
+        stream_id,
+        &[
+            group_id.into(),
+            first_id.into(),
+            rest.first_id.into(),
+            rest.pending.clone().into(),
+            rest.pending_keys.clone().into(),
         ],
     )?;
     Ok(())

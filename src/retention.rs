@@ -6,6 +6,9 @@
 //! lowest id anything needs, whole partitions of the log are dropped; compaction heads there can
 //! never supersede anything again and go too.
 //!
+//! Nothing here waits for a row lock: rows another transaction holds (a producer's compaction
+//! head, a row an outcome is changing) are left for the next step.
+//!
 //! Who runs it: `maintain()` (cron), and otherwise the consumers themselves: a claim runs one
 //! bounded step for its stream at most once a minute per session, and only one session at a
 //! time per stream (a try-lock). A partition drop never waits for the log's lock
@@ -20,6 +23,7 @@ use pgrx::spi::SpiClient;
 
 use crate::cursor;
 use crate::error::Result;
+use crate::exception_queue::{self, Waker};
 use crate::locks;
 use crate::statement::{Columns, Statement};
 use crate::stream::StreamRef;
@@ -42,7 +46,8 @@ const PURGE_RESOLVED: Statement = Statement {
               SELECT ctid FROM sqlstreams.exception_queue_@id@
               WHERE status IN ('dead', 'superseded')
                 AND updated_at < now() - (SELECT dead_retention FROM sqlstreams.stream WHERE id = $1)
-              LIMIT $2))",
+              LIMIT $2 FOR UPDATE SKIP LOCKED))
+          RETURNING consumer_group_id, message_key",
     params: &[INT8OID, INT8OID],
 };
 
@@ -58,7 +63,8 @@ const NEEDED_FROM: Statement = Statement {
 
 const DROP_HEADS: Statement = Statement {
     name: "retention_drop_heads",
-    sql: "DELETE FROM sqlstreams.compaction_head_@id@ WHERE message_id <= $1",
+    sql: "DELETE FROM sqlstreams.compaction_head_@id@ WHERE ctid = ANY (ARRAY(
+              SELECT ctid FROM sqlstreams.compaction_head_@id@ WHERE message_id <= $1 FOR UPDATE SKIP LOCKED))",
     params: &[INT8OID],
 };
 
@@ -82,7 +88,17 @@ pub fn step(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Retained> {
     for group in groups {
         cursor::advance(client, stream.id, group)?;
     }
-    let rows_purged = PURGE_RESOLVED.run(client, stream.id, &[stream.id.into(), PURGE_BATCH.into()])?.len() as i64;
+    let mut purged: HashMap<i64, Vec<Option<String>>> = HashMap::new();
+    for row in PURGE_RESOLVED.run(client, stream.id, &[stream.id.into(), PURGE_BATCH.into()])? {
+        purged.entry(row.required("consumer_group_id")?).or_default().push(row.value("message_key")?);
+    }
+    let rows_purged = purged.values().map(Vec::len).sum::<usize>() as i64;
+    // A dead row that held its ordered key (on_dead = 'hold') is gone: its key goes on.
+    for (group_id, keys) in purged {
+        let group = crate::group::by_id(client, stream, group_id)?;
+        let keys = exception_queue::distinct_keys(&keys);
+        exception_queue::after_resolution(client, &group, &keys, crate::clock::now(), Waker::Claim)?;
+    }
     let row = NEEDED_FROM.run(client, stream.id, &[])?;
     let below: Option<i64> = if row.is_empty() { None } else { row.first().value("below")? };
     let Some(below) = below else { return Ok(Retained { partitions_dropped: 0, rows_purged }) };

@@ -6,9 +6,11 @@
 //! skips them, dead ones included), its lanes are free, and `claimed` and `committed` are P.
 //! Messages that retention dropped are gone: a replay starts at the oldest one kept.
 //!
-//! Locks: the group's lane rows and cursor row first (waiting for claims in progress, which
-//! never wait), then its exception rows and ranges (waiting for outcomes in progress, which do
-//! not wait for lane rows: they skip locked ones, src/lanes.rs). So no cycle of waits forms.
+//! Locks, in the order outcomes take them (src/locks.rs): the group's exception rows, its
+//! ranges, its lane rows, then its cursor row. It waits for outcomes and claims in progress;
+//! claims never wait, and outcomes wait for these rows in the same order, so no cycle of waits
+//! forms. A claim that commits while the seek waits is ordered before it: what it handed out
+//! stays handed out (a replay delivers it again).
 
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
@@ -21,7 +23,11 @@ use crate::statement::{self, Columns, Statement};
 
 const LOCK: Statement = Statement {
     name: "seek_lock",
-    sql: "SELECT (SELECT count(*) FROM (SELECT 1 FROM sqlstreams.lane_@id@ WHERE consumer_group_id = $1
+    sql: "SELECT (SELECT count(*) FROM (SELECT 1 FROM sqlstreams.exception_queue_@id@
+                                        WHERE consumer_group_id = $1 FOR UPDATE) e)
+               + (SELECT count(*) FROM (SELECT 1 FROM sqlstreams.range_lease_@id@
+                                        WHERE consumer_group_id = $1 FOR UPDATE) r)
+               + (SELECT count(*) FROM (SELECT 1 FROM sqlstreams.lane_@id@ WHERE consumer_group_id = $1
                                         ORDER BY lane FOR UPDATE) l)
                + (SELECT count(*) FROM (SELECT 1 FROM sqlstreams.cursor_@id@ WHERE consumer_group_id = $1
                                         FOR UPDATE) c) AS locked",

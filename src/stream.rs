@@ -141,11 +141,20 @@ pub fn create(name: &str, partition_size: i64, idempotency_ttl_micros: i64, lane
     })
 }
 
+const LOCK_FOR_DROP: Statement = Statement {
+    name: "stream_lock_for_drop",
+    sql: "SELECT 1 FROM sqlstreams.stream WHERE name = $1 FOR UPDATE",
+    params: &[TEXTOID],
+};
+
 /// Drops the stream, its groups and its table family. False when no such stream exists.
 pub fn drop(name: &str) -> Result<bool> {
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "drop streams")?;
+            // The stream's row first: maintain() skips a stream whose row is locked, so it
+            // never reaches tables this call is dropping.
+            LOCK_FOR_DROP.run(client, 0, &[name.into()])?;
             let stream = match lookup(client, name) {
                 Ok(stream) => stream,
                 Err(StreamError::UnknownStream(_)) => return Ok(false),

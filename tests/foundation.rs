@@ -682,3 +682,54 @@ fn status_is_one_consistent_reading_while_consumers_claim() {
         t.join().unwrap();
     }
 }
+
+#[test]
+fn a_reclaimed_range_is_handed_out_no_larger_than_the_batch() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "reclaim-batch");
+    let g = s.group(&mut c, "g", None);
+    let produced = s.produce_many(&mut c, 10, None);
+    assert_eq!(g.claim(&mut c, 10).len(), 10);
+    g.expire_leases(&mut c);
+    let mut again = Vec::new();
+    loop {
+        let batch = g.claim(&mut c, 3);
+        if batch.is_empty() {
+            break;
+        }
+        assert!(batch.len() <= 3, "a claim of 3 handed out {}", batch.len());
+        assert!(batch.iter().all(|d| d.attempt == 1));
+        again.extend(g.ack_batch(&mut c, &batch));
+    }
+    assert_eq!(again, produced, "every message once more, in order, three at a time");
+}
+
+#[test]
+fn a_failed_parallel_message_does_not_hold_back_a_later_message_of_its_key() {
+    let mut c = connect();
+    let mut other = connect();
+    let s = Stream::create(&mut c, "parallel-setback");
+    let g = s.group(&mut c, "g", None);
+    let par = s.produce_with(&mut c, json!({}), Some("k"), Some("parallel"), false).unwrap().unwrap();
+    let excl = s.produce_with(&mut c, json!({}), Some("k"), Some("exclusive"), false).unwrap().unwrap();
+    let batch = g.claim(&mut c, 10);
+    assert_eq!(ids(&batch), vec![par, excl]);
+    assert!(batch.iter().all(|d| d.run_after.is_none()), "both may start at once");
+    assert_eq!(g.fail(&mut c, &batch[0], "x", false, Some("1 hour")).as_deref(), Some("ready"));
+    assert!(g.claim(&mut other, 10).is_empty(), "{excl} is still this claim's: nobody else gets it");
+    assert!(g.ack(&mut c, &batch[1]), "and its outcome is still recorded");
+}
+
+#[test]
+fn a_producer_writes_into_a_partition_another_transaction_attached_meanwhile() {
+    let mut c = connect();
+    let mut other = connect();
+    let s = Stream::create_sized(&mut c, "partition-meanwhile", 1000);
+    let mut tx = c.transaction().unwrap();
+    let first = s.produce(&mut tx, json!({}), None);
+    // Another producer fills the first partition and attaches the next one, and commits.
+    s.produce_many(&mut other, 1500, None);
+    let later = s.produce(&mut tx, json!({}), None);
+    tx.commit().unwrap();
+    assert!(later > 1500 && first < later);
+}

@@ -265,3 +265,19 @@ fn operators_see_how_old_the_backlog_is_and_who_holds_the_fence() {
     tx.commit().unwrap();
     assert!(c.query("SELECT pid FROM sqlstreams.fence_holders WHERE stream = $1", &[&s.name]).unwrap().is_empty());
 }
+
+#[test]
+fn maintain_passes_over_a_stream_being_dropped() {
+    let mut c = connect();
+    let mut dropper = connect();
+    let s = Stream::create(&mut c, "dropping");
+    s.group(&mut c, "g", None);
+    s.produce_many(&mut c, 3, None);
+    let mut tx = dropper.transaction().unwrap();
+    assert!(tx.query_one("SELECT sqlstreams.drop_stream($1)", &[&s.name]).unwrap().get::<_, bool>(0));
+    // The drop has not committed: maintain() neither waits for it nor trips over its tables.
+    let listed: Vec<String> =
+        c.query("SELECT stream FROM sqlstreams.maintain()", &[]).unwrap().iter().map(|r| r.get(0)).collect();
+    assert!(!listed.contains(&s.name));
+    tx.commit().unwrap();
+}

@@ -30,7 +30,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL is not set: run `scripts/rig bench`")?;
 
     let bench = Bench::new(&url, quick).await;
-    bench.db.batch_execute("CREATE EXTENSION IF NOT EXISTS sqlstreams; CREATE EXTENSION IF NOT EXISTS pgq;").await?;
+    bench.db.batch_execute("CREATE EXTENSION IF NOT EXISTS sqlstreams;").await?;
+    if ["w1", "w3", "w5"].iter().any(|w| run(w)) {
+        bench.db.batch_execute("CREATE EXTENSION IF NOT EXISTS pgq;").await?;
+    }
     let mut results = Results {
         machine: machine(&bench).await,
         w1: vec![],
@@ -136,9 +139,15 @@ async fn machine(bench: &Bench) -> Vec<(String, String)> {
         let v: String = bench.db.query_one(&format!("SHOW {setting}"), &[]).await.unwrap().get(0);
         facts.push((setting.into(), v));
     }
-    let pgq: String =
-        bench.db.query_one("SELECT extversion FROM pg_extension WHERE extname = 'pgq'", &[]).await.unwrap().get(0);
-    facts.push(("PgQ".into(), format!("{pgq} (Debian postgresql-15-pgq3), ticker called every 50 ms")));
+    let pgq: Option<String> = bench
+        .db
+        .query_opt("SELECT extversion FROM pg_extension WHERE extname = 'pgq'", &[])
+        .await
+        .unwrap()
+        .map(|r| r.get(0));
+    if let Some(pgq) = pgq {
+        facts.push(("PgQ".into(), format!("{pgq} (Debian postgresql-15-pgq3), ticker called every 50 ms")));
+    }
     facts.push(("mode".into(), if bench.quick { "quick (short runs)".into() } else { "full".to_string() }));
     facts
 }

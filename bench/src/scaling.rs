@@ -229,6 +229,33 @@ fn consume(
         acks = (None, None);
         if rows.is_empty() {
             empty += 1;
+            if empty % 2000 == 0 {
+                // Seconds without work while messages remain: show what holds the lanes.
+                let id: i64 =
+                    c.query_one("SELECT id FROM sqlstreams.streams WHERE name = $1", &[&stream]).unwrap().get(0);
+                let lanes: Vec<String> = c
+                    .query(
+                        &format!(
+                            "SELECT format('lane %s claimed %s held_by %s until %s (now %s)', lane, claimed, held_by, held_until, now())
+                             FROM sqlstreams.lane_{id} WHERE held_by IS NOT NULL OR claimed < (SELECT max(id) FROM sqlstreams.message_log_{id})"
+                        ),
+                        &[],
+                    )
+                    .unwrap()
+                    .iter()
+                    .map(|r| r.get(0))
+                    .collect();
+                let ranges: Vec<String> = c
+                    .query(
+                        &format!("SELECT format('range %s..%s lane %s token %s expires %s pending %s', first_id, last_id, lane, lease_token, lease_expires_at, cardinality(pending)) FROM sqlstreams.range_lease_{id}"),
+                        &[],
+                    )
+                    .unwrap()
+                    .iter()
+                    .map(|r| r.get(0))
+                    .collect();
+                eprintln!("W7 stalled ({empty} empty claims): {lanes:#?} {ranges:#?}");
+            }
             std::thread::sleep(Duration::from_millis(2));
             continue;
         }

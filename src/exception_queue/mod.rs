@@ -104,6 +104,8 @@ pub enum Change {
 /// The inflight row a token holds, as an outcome sees it (locked).
 pub struct Inflight {
     pub key: Option<String>,
+    /// The policy resolved when it was claimed.
+    pub concurrency: Concurrency,
     pub attempts: i32,
     pub delays: i32,
 }
@@ -164,7 +166,7 @@ const UPDATE: Statement = Statement {
 
 const INFLIGHT: Statement = Statement {
     name: "eq_inflight",
-    sql: "SELECT message_key, attempts, delays FROM sqlstreams.exception_queue_@id@
+    sql: "SELECT message_key, concurrency, attempts, delays FROM sqlstreams.exception_queue_@id@
           WHERE consumer_group_id = $1 AND message_id = $2 AND status = 'inflight' AND lease_token = $3
           FOR UPDATE",
     params: &[INT8OID, INT8OID, UUIDOID],
@@ -270,6 +272,7 @@ pub fn inflight(
     }
     Ok(Some(Inflight {
         key: row.value("message_key")?,
+        concurrency: Concurrency::from_stored(&row.required::<String>("concurrency")?)?,
         attempts: row.required("attempts")?,
         delays: row.required("delays")?,
     }))

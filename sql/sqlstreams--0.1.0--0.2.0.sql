@@ -424,7 +424,6 @@ ALTER FUNCTION sqlstreams.drop_stream(text) SET search_path = pg_catalog, pg_tem
 ALTER FUNCTION sqlstreams.create_group(text, text, text, integer, text, interval, interval, double precision, integer, integer) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.drop_group(text, text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.produce(text, jsonb, text, text, boolean, text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
-ALTER FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.claim(text, text, integer, interval, uuid, bigint[]) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.ack(text, text, uuid, bigint) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.ack_batch(text, text, uuid, bigint[]) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
@@ -436,6 +435,21 @@ ALTER FUNCTION sqlstreams.group_status(text, text) SET search_path = pg_catalog,
 ALTER FUNCTION sqlstreams.blocked_keys(text, text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.dead_messages(text, text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.stream_head(bigint) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
+
+-- produce_batch takes idempotency keys.
+DROP FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean);
+CREATE FUNCTION sqlstreams.produce_batch(
+    stream text,
+    payloads jsonb[],
+    message_keys text[] DEFAULT NULL,
+    concurrency text DEFAULT NULL,
+    compaction boolean DEFAULT false,
+    idempotency_keys text[] DEFAULT NULL
+) RETURNS SETOF bigint
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'produce_batch_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
 
 -- create_stream takes the lane count.
 DROP FUNCTION sqlstreams.create_stream(text, bigint, interval);
@@ -674,7 +688,7 @@ GRANT EXECUTE ON FUNCTION
     TO sqlstreams_producer, sqlstreams_consumer, pg_monitor;
 GRANT EXECUTE ON FUNCTION
     sqlstreams.produce(text, jsonb, text, text, boolean, text),
-    sqlstreams.produce_batch(text, jsonb[], text[], text, boolean)
+    sqlstreams.produce_batch(text, jsonb[], text[], text, boolean, text[])
     TO sqlstreams_producer;
 GRANT EXECUTE ON FUNCTION
     sqlstreams.create_group(text, text, text, integer, text, interval, interval, double precision, integer, integer),
@@ -765,3 +779,6 @@ COMMENT ON VIEW sqlstreams.fence_holders IS
 COMMENT ON FUNCTION sqlstreams.peek(text, bigint, integer) IS
     'The messages of a stream after after_id, oldest first, without claiming anything (an operator''s tail). '
     'Needs a consume grant on one of the stream''s groups, or pg_monitor.';
+COMMENT ON FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean, text[]) IS
+    'Appends many messages in one call (the fast path); returns their ids in payload order (NULL for a '
+    'message whose idempotency key was already used).';

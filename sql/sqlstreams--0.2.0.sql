@@ -476,7 +476,8 @@ CREATE FUNCTION sqlstreams.produce_batch(
     payloads jsonb[],
     message_keys text[] DEFAULT NULL,
     concurrency text DEFAULT NULL,
-    compaction boolean DEFAULT false
+    compaction boolean DEFAULT false,
+    idempotency_keys text[] DEFAULT NULL
 ) RETURNS SETOF bigint
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'produce_batch_wrapper'
@@ -815,7 +816,7 @@ GRANT EXECUTE ON FUNCTION
     TO sqlstreams_producer, sqlstreams_consumer, pg_monitor;
 GRANT EXECUTE ON FUNCTION
     sqlstreams.produce(text, jsonb, text, text, boolean, text),
-    sqlstreams.produce_batch(text, jsonb[], text[], text, boolean)
+    sqlstreams.produce_batch(text, jsonb[], text[], text, boolean, text[])
     TO sqlstreams_producer;
 GRANT EXECUTE ON FUNCTION
     sqlstreams.create_group(text, text, text, integer, text, interval, interval, double precision, integer, integer),
@@ -874,8 +875,9 @@ COMMENT ON FUNCTION sqlstreams.produce(text, jsonb, text, text, boolean, text) I
     'Appends a message in the caller''s transaction and returns its id (NULL for a repeated idempotency_key). '
     'Takes: the stream''s producer lock (shared) and a transaction id before the message id; the key''s '
     'compaction head row until commit.';
-COMMENT ON FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean) IS
-    'Appends many messages in one call (the fast path); returns their ids in payload order.';
+COMMENT ON FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean, text[]) IS
+    'Appends many messages in one call (the fast path); returns their ids in payload order (NULL for a '
+    'message whose idempotency key was already used).';
 COMMENT ON FUNCTION sqlstreams.claim(text, text, integer, interval, uuid, bigint[]) IS
     'Returns the work a consumer may run now under one lease: due exception rows and a claimed range '
     'from each lane it takes, in id order; run_after chains same-key rows. Takes: free lanes of the '

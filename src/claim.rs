@@ -156,7 +156,7 @@ pub fn claim(
         }
         // The stored fence first, then the world (src/fence.rs): the order is the proof.
         let stored = cursor::read_fence(client, stream_id, group.id)?;
-        let fence = advance_fence(client, stream_id, stored)?;
+        let (fence, head) = advance_fence(client, stream_id, stored)?;
         let now = clock::now();
         let (candidates, share) = lanes::candidates(client, group, fence.safe, now, released.first().copied())?;
         if fence != stored {
@@ -180,7 +180,7 @@ pub fn claim(
             dead_on_expiry: vec![],
             resolved_keys: vec![],
         };
-        let (deliveries, taken) = claim.run(client, fence.safe, &candidates, share)?;
+        let (deliveries, taken) = claim.run(client, fence.safe, &candidates, head, share)?;
         signal_left(client, stream_id, &released, &taken)?;
         Ok(deliveries)
     })
@@ -196,14 +196,15 @@ fn signal_left(client: &SpiClient<'_>, stream_id: i64, released: &[i32], taken: 
 
 /// The group's fence after a fresh reading of the world. The global bound is cheap; only when
 /// it proves nothing new does the claim look up this stream's own running producers.
-fn advance_fence(client: &SpiClient<'_>, stream_id: i64, stored: Fence) -> Result<Fence> {
+/// Also returns the head it read.
+fn advance_fence(client: &SpiClient<'_>, stream_id: i64, stored: Fence) -> Result<(Fence, i64)> {
     let head = cursor::sequence_head(client, stream_id, Access::Write)?;
     let reading = fence::read(head);
     if stored.stalled(&reading) {
         let bound = fence::oldest_producer(client, stream_id, reading.next_xid)?;
-        return Ok(stored.advance(&reading.with_producer_bound(bound)));
+        return Ok((stored.advance(&reading.with_producer_bound(bound)), head));
     }
-    Ok(stored.advance(&reading))
+    Ok((stored.advance(&reading), head))
 }
 
 impl Claim<'_> {
@@ -212,7 +213,8 @@ impl Claim<'_> {
         mut self,
         client: &SpiClient<'_>,
         safe: i64,
-        candidates: &[i32],
+        candidates: &[lanes::Candidate],
+        head: i64,
         share: usize,
     ) -> Result<(Vec<Delivery>, Vec<i32>)> {
         let stream_id = self.group.stream.id;
@@ -221,22 +223,23 @@ impl Claim<'_> {
             if room <= 0 || self.lanes.len() >= share {
                 break;
             }
-            let Some(mut lane) = lanes::take(client, self.group, candidate, self.now)? else { continue };
-            if self.work.is_empty() && self.collect_isolated(client, lane.lane)? {
+            let Some(mut lane) = lanes::take(client, self.group, candidate.lane, self.now)? else { continue };
+            if candidate.isolated && self.work.is_empty() && self.collect_isolated(client, lane.lane)? {
                 self.lanes.push(lane);
                 break;
             }
-            self.collect_rows(client, lane.lane, room)?;
+            if candidate.due_rows {
+                self.collect_rows(client, lane.lane, room)?;
+            }
             let room = self.batch - self.work.len() as i32;
             if room > 0 {
-                self.collect_range(client, &mut lane, safe, room)?;
+                self.collect_range(client, &mut lane, safe, room, candidate.expired_range)?;
             }
             self.lanes.push(lane);
         }
         if self.lanes.is_empty() {
             return Ok((vec![], vec![]));
         }
-        let head = cursor::sequence_head(client, stream_id, Access::Write)?;
         partition::ensure(client, &self.group.stream, head, partition::Need::Ahead)?;
         self.work.sort_by_key(|w| w.candidate.message_id);
 
@@ -356,9 +359,21 @@ impl Claim<'_> {
 
     /// The lane's oldest expired range again (quarantined after `max_reclaims`), then, with room
     /// left, a range of the lane's next messages up to `safe`, moving the lane's position.
-    fn collect_range(&mut self, client: &SpiClient<'_>, lane: &mut Lane, safe: i64, mut room: i32) -> Result<()> {
+    fn collect_range(
+        &mut self,
+        client: &SpiClient<'_>,
+        lane: &mut Lane,
+        safe: i64,
+        mut room: i32,
+        look_for_expired: bool,
+    ) -> Result<()> {
         let stream_id = self.group.stream.id;
-        if let Some(mut expired) = range::oldest_expired(client, stream_id, self.group.id, lane.lane, self.now)? {
+        let expired = if look_for_expired {
+            range::oldest_expired(client, stream_id, self.group.id, lane.lane, self.now)?
+        } else {
+            None
+        };
+        if let Some(mut expired) = expired {
             let messages = message::by_id(client, self.group, &expired.pending)?;
             if expired.reclaims >= self.group.max_reclaims {
                 // Written at once, so this claim's gate sees them as unresolved predecessors of

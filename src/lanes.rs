@@ -45,27 +45,43 @@ pub struct Lane {
 /// only; `take` locks.
 const CANDIDATES: Statement = Statement {
     name: "lanes_candidates",
-    sql: "SELECT l.lane,
-                 (SELECT count(DISTINCT held_by) FROM sqlstreams.lane_@id@
-                  WHERE consumer_group_id = $1 AND held_until > $2) AS holders
-          FROM sqlstreams.lane_@id@ l
+    sql: "WITH g AS (
+              -- Whether the group has any such work at all: one probe each, so the per-lane
+              -- probes below run only when there is something to find.
+              SELECT EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
+                             WHERE e.consumer_group_id = $1 AND e.status IN ('ready', 'deferred')
+                               AND e.can_run_after <= $2)
+                     OR EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
+                                WHERE e.consumer_group_id = $1 AND e.status = 'inflight'
+                                  AND e.lease_expires_at <= $2) AS any_due,
+                     EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@ r
+                             WHERE r.consumer_group_id = $1 AND r.lease_expires_at <= $2) AS any_expired,
+                     (SELECT count(DISTINCT held_by) FROM sqlstreams.lane_@id@
+                      WHERE $3 AND consumer_group_id = $1 AND held_until > $2) AS holders
+          )
+          SELECT c.lane, c.due_rows, c.expired_range, c.isolated, c.holders
+          FROM (
+          SELECT l.lane, l.claimed, g.holders,
+                 g.any_due AND (EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
+                                        WHERE e.consumer_group_id = $1 AND e.lane = l.lane
+                                          AND e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
+                                OR EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
+                                           WHERE e.consumer_group_id = $1 AND e.lane = l.lane
+                                             AND e.status = 'inflight' AND e.lease_expires_at <= $2)) AS due_rows,
+                 g.any_expired AND EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@ r
+                                           WHERE r.consumer_group_id = $1 AND (r.lane = l.lane OR r.lane IS NULL)
+                                             AND r.lease_expires_at <= $2) AS expired_range,
+                 g.any_due AND EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
+                                       WHERE e.consumer_group_id = $1 AND e.lane = l.lane AND e.isolated
+                                         AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
+                                              OR (e.status = 'inflight' AND e.lease_expires_at <= $2))) AS isolated,
+                 EXISTS (SELECT 1 FROM sqlstreams.message_log_@id@ m
+                         WHERE m.lane = l.lane AND m.id > l.claimed AND m.id <= $4) AS messages
+          FROM sqlstreams.lane_@id@ l CROSS JOIN g
           WHERE l.consumer_group_id = $1 AND (NOT $3 OR l.held_until IS NULL OR l.held_until <= $2)
-            AND (EXISTS (SELECT 1 FROM sqlstreams.message_log_@id@ m
-                         WHERE m.lane = l.lane AND m.id > l.claimed AND m.id <= $4)
-                 OR EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
-                            WHERE e.consumer_group_id = $1 AND e.lane = l.lane
-                              AND e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
-                 OR EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
-                            WHERE e.consumer_group_id = $1 AND e.lane = l.lane
-                              AND e.status = 'inflight' AND e.lease_expires_at <= $2)
-                 OR EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@ r
-                            WHERE r.consumer_group_id = $1 AND (r.lane = l.lane OR r.lane IS NULL)
-                              AND r.lease_expires_at <= $2))
-          ORDER BY EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
-                           WHERE e.consumer_group_id = $1 AND e.lane = l.lane AND e.isolated
-                             AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
-                                  OR (e.status = 'inflight' AND e.lease_expires_at <= $2))) DESC,
-                   l.claimed, l.lane = $5 DESC, l.lane",
+          ) c
+          WHERE c.messages OR c.due_rows OR c.expired_range
+          ORDER BY c.isolated DESC, c.claimed, c.lane = $5 DESC, c.lane",
     params: &[INT8OID, TIMESTAMPTZOID, BOOLOID, INT8OID, INT4OID],
 };
 
@@ -116,8 +132,22 @@ pub fn holds(group: &GroupRef) -> bool {
     group.may_park()
 }
 
+/// A lane with work, and what kind: the claim looks only for what is there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    pub lane: i32,
+    /// Due exception rows (retries, delays, woken or expired rows).
+    pub due_rows: bool,
+    /// An expired range (or one claimed before lanes existed).
+    pub expired_range: bool,
+    /// A due isolated row (it goes out alone).
+    pub isolated: bool,
+}
+
 /// Lanes with work that no other claim holds, best first, and how many of them one claim may
-/// take. A claim of a group that holds lanes takes at most its share (the lanes divided among
+/// take. What a candidate says it has was true when read; a claim that finds less (another
+/// claim took the lane meanwhile) finds nothing, and what it does not look for stays due for the
+/// next claim. A claim of a group that holds lanes takes at most its share (the lanes divided among
 /// the claims holding some now and itself), so a consumer that finds every lane with work
 /// leaves some for the next one; other groups take what fills the batch. `preferred` is a lane
 /// the caller's carried acks just released. Reads only.
@@ -127,7 +157,7 @@ pub fn candidates(
     safe: i64,
     now: i64,
     preferred: Option<i32>,
-) -> Result<(Vec<i32>, usize)> {
+) -> Result<(Vec<Candidate>, usize)> {
     let rows = CANDIDATES.run(
         client,
         group.stream.id,
@@ -142,8 +172,13 @@ pub fn candidates(
     let mut lanes = Vec::new();
     let mut holders = 0i64;
     for row in rows {
-        lanes.push(row.required("lane")?);
-        holders = row.required("holders")?;
+        lanes.push(Candidate {
+            lane: row.required("lane")?,
+            due_rows: row.required("due_rows")?,
+            expired_range: row.required("expired_range")?,
+            isolated: row.required("isolated")?,
+        });
+        holders = row.value("holders")?.unwrap_or(0);
     }
     let share = if holds(group) {
         let lanes_total = group.stream.lanes as usize;

@@ -35,12 +35,28 @@ const INSERT_ONE: Statement = Statement {
     params: &[INT8OID, TEXTOID, TEXTOID, BOOLOID, JSONBOID, INT4OID],
 };
 
+/// Every message of the batch, or only the ids in `$7` (those whose idempotency key was new).
 const INSERT_MANY: Statement = Statement {
     name: "produce_insert_many",
     sql: "INSERT INTO sqlstreams.message_log_@id@ (id, message_key, concurrency, compaction, payload, lane)
           SELECT u.id, u.message_key, $3, $4, u.payload, sqlstreams.lane(u.message_key, u.id, $6)
-          FROM unnest($1::bigint[], $2::text[], $5::jsonb[]) AS u(id, message_key, payload)",
-    params: &[INT8ARRAYOID, TEXTARRAYOID, TEXTOID, BOOLOID, JSONBARRAYOID, INT4OID],
+          FROM unnest($1::bigint[], $2::text[], $5::jsonb[]) AS u(id, message_key, payload)
+          WHERE $7::bigint[] IS NULL OR u.id = ANY($7)",
+    params: &[INT8ARRAYOID, TEXTARRAYOID, TEXTOID, BOOLOID, JSONBARRAYOID, INT4OID, INT8ARRAYOID],
+};
+
+/// `IDEMPOTENCY` for a batch: returns the ids whose key was new (or had expired).
+const IDEMPOTENCY_MANY: Statement = Statement {
+    name: "produce_idempotency_many",
+    sql: "INSERT INTO sqlstreams.idempotency_key_@id@ AS k (idempotency_key, message_id, expires_at)
+          SELECT u.idempotency_key, u.id, now() + s.idempotency_ttl
+          FROM unnest($1::text[], $2::bigint[]) AS u(idempotency_key, id), sqlstreams.stream s
+          WHERE s.id = $3
+          ON CONFLICT (idempotency_key) DO UPDATE
+              SET message_id = EXCLUDED.message_id, expires_at = EXCLUDED.expires_at
+              WHERE k.expires_at <= now()
+          RETURNING k.message_id",
+    params: &[TEXTARRAYOID, INT8ARRAYOID, INT8OID],
 };
 
 const IDEMPOTENCY: Statement = Statement {
@@ -144,14 +160,17 @@ pub fn produce_one(
     })
 }
 
-/// Produces many messages in one statement; ids follow the order of `payloads`.
+/// Produces many messages in one statement; ids follow the order of `payloads`. A message whose
+/// idempotency key was already used (within the stream's TTL, or earlier in the batch)
+/// produces nothing and its id is `None`.
 pub fn produce_many(
     stream_name: &str,
     payloads: RawJsonbArray,
     keys: Option<Vec<Option<&str>>>,
     concurrency: Option<&str>,
     compaction: bool,
-) -> Result<Vec<i64>> {
+    idempotency_keys: Option<Vec<Option<&str>>>,
+) -> Result<Vec<Option<i64>>> {
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             let stream = stream::lookup(client, stream_name)?;
@@ -181,11 +200,47 @@ pub fn produce_many(
             for key in &keys {
                 ProduceRequest::validate(*key, concurrency, compaction)?;
             }
+            if let Some(idempotency) = &idempotency_keys {
+                check_idempotency_keys(idempotency, count as usize)?;
+            }
             if count == 0 {
                 return Ok(vec![]);
             }
             let ids = next_ids(client, &stream, count)?;
-            partition::ensure(client, &stream, ids[ids.len() - 1], Need::Now)?;
+            // With idempotency keys: the first message of each key that is new produces.
+            let produced: Option<Vec<i64>> = match &idempotency_keys {
+                None => None,
+                Some(idempotency) => {
+                    let mut seen = std::collections::HashSet::new();
+                    let (fresh_keys, fresh_ids): (Vec<&str>, Vec<i64>) = idempotency
+                        .iter()
+                        .zip(&ids)
+                        .filter_map(|(key, id)| key.filter(|k| seen.insert(*k)).map(|k| (k, *id)))
+                        .unzip();
+                    let won: std::collections::HashSet<i64> = IDEMPOTENCY_MANY
+                        .run(client, stream.id, &[fresh_keys.into(), fresh_ids.into(), stream.id.into()])?
+                        .map(|row| row.required::<i64>("message_id"))
+                        .collect::<Result<_>>()?;
+                    Some(
+                        idempotency
+                            .iter()
+                            .zip(&ids)
+                            .filter(|(key, id)| key.is_none() || won.contains(id))
+                            .map(|(_, id)| *id)
+                            .collect(),
+                    )
+                }
+            };
+            let written: Vec<(i64, Option<&str>)> = ids
+                .iter()
+                .zip(&keys)
+                .filter(|(id, _)| produced.as_ref().is_none_or(|p| p.contains(id)))
+                .map(|(id, key)| (*id, *key))
+                .collect();
+            let Some(&(last, _)) = written.last() else {
+                return Ok(vec![None; ids.len()]);
+            };
+            partition::ensure(client, &stream, last, Need::Now)?;
             INSERT_MANY.run(
                 client,
                 stream.id,
@@ -196,10 +251,12 @@ pub fn produce_many(
                     compaction.into(),
                     payloads.into(),
                     stream.lanes.into(),
+                    produced.clone().into(),
                 ],
             )?;
-            finish(client, &stream, &ids, &keys, compaction)?;
-            Ok(ids)
+            let (written_ids, written_keys): (Vec<i64>, Vec<Option<&str>>) = written.into_iter().unzip();
+            finish(client, &stream, &written_ids, &written_keys, compaction)?;
+            Ok(ids.iter().map(|id| produced.as_ref().is_none_or(|p| p.contains(id)).then_some(*id)).collect())
         })
     })
 }
@@ -237,8 +294,32 @@ fn produce(
     Ok(produce_one(stream, payload, &request, idempotency_key)?)
 }
 
+/// Checks a batch's idempotency keys: one per payload (NULL for a message without one), none
+/// empty or too long.
+fn check_idempotency_keys(keys: &[Option<&str>], count: usize) -> Result<()> {
+    if keys.len() != count {
+        return Err(StreamError::invalid(
+            format!("idempotency_keys has {} elements but payloads has {count}", keys.len()),
+            "Pass one idempotency key per payload (NULL for a message without one), or none at all.",
+        ));
+    }
+    for key in keys.iter().flatten() {
+        if key.is_empty() {
+            return Err(StreamError::invalid(
+                "an idempotency key of the batch is empty",
+                "Pass non-empty idempotency keys, or NULL for a message without one.",
+            ));
+        }
+        crate::names::check_key_length("idempotency_key", key)?;
+    }
+    Ok(())
+}
+
 /// Appends many messages in one call (the fast path) and returns their ids in payload order.
 /// message_keys, when given, has one key per payload; concurrency and compaction apply to all.
+/// idempotency_keys, when given, has one per payload: a message whose key was already used
+/// (within the stream's idempotency_ttl, or earlier in the same batch) produces nothing and
+/// its id is NULL.
 #[pg_extern(volatile, parallel_unsafe)]
 fn produce_batch(
     stream: Option<&str>,
@@ -246,12 +327,15 @@ fn produce_batch(
     message_keys: default!(Option<Vec<Option<String>>>, "NULL"),
     concurrency: default!(Option<&str>, "NULL"),
     compaction: default!(Option<bool>, false),
-) -> std::result::Result<SetOfIterator<'static, i64>, ErrorReport> {
+    idempotency_keys: default!(Option<Vec<Option<String>>>, "NULL"),
+) -> std::result::Result<SetOfIterator<'static, Option<i64>>, ErrorReport> {
     let stream = validate_name("stream", stream)?;
     let payloads = payloads.ok_or_else(|| {
         StreamError::invalid("payloads must not be NULL", "Pass an array with one jsonb per message.")
     })?;
     let keys: Option<Vec<Option<&str>>> = message_keys.as_ref().map(|k| k.iter().map(Option::as_deref).collect());
-    let ids = produce_many(stream, payloads, keys, concurrency, compaction.unwrap_or(false))?;
+    let idempotency: Option<Vec<Option<&str>>> =
+        idempotency_keys.as_ref().map(|k| k.iter().map(Option::as_deref).collect());
+    let ids = produce_many(stream, payloads, keys, concurrency, compaction.unwrap_or(false), idempotency)?;
     Ok(SetOfIterator::new(ids))
 }

@@ -733,3 +733,32 @@ fn a_producer_writes_into_a_partition_another_transaction_attached_meanwhile() {
     tx.commit().unwrap();
     assert!(later > 1500 && first < later);
 }
+
+#[test]
+fn a_batch_with_idempotency_keys_produces_each_key_once() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "batch-idempotency");
+    let g = s.group(&mut c, "g", None);
+    let batch = |c: &mut postgres::Client, keys: Vec<Option<&str>>| -> Vec<Option<i64>> {
+        let payloads: Vec<serde_json::Value> = (0..keys.len()).map(|i| json!({ "n": i })).collect();
+        c.query("SELECT sqlstreams.produce_batch($1, $2, idempotency_keys => $3)", &[&s.name, &payloads, &keys])
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    };
+    let first = batch(&mut c, vec![Some("order-1"), None, Some("order-2"), Some("order-1")]);
+    assert!(first[0].is_some() && first[1].is_some() && first[2].is_some());
+    assert_eq!(first[3], None, "a key repeated within the batch produces once");
+    let second = batch(&mut c, vec![Some("order-2"), Some("order-3")]);
+    assert_eq!(second[0], None, "a key used by an earlier batch produces nothing");
+    let produced: Vec<i64> = first.iter().chain(&second).flatten().copied().collect();
+    assert_eq!(ids(&g.claim(&mut c, 10)), produced, "only what was produced is delivered, in order");
+    let err = c
+        .query(
+            "SELECT sqlstreams.produce_batch($1, ARRAY['{}']::jsonb[], idempotency_keys => ARRAY['a', 'b'])",
+            &[&s.name],
+        )
+        .unwrap_err();
+    assert_eq!(sqlstate(&err), "22023");
+}

@@ -116,6 +116,11 @@ BEGIN
             PRIMARY KEY (consumer_group_id, first_id),
             CHECK (cardinality(pending) = cardinality(pending_keys))
         );
+        -- 0.2.0: a claim's ranges, found by its token (outcomes, lane releases) in one probe
+        -- however many ranges other claims opened and closed since the last vacuum.
+        CREATE INDEX range_lease_@id@_token_idx ON sqlstreams.range_lease_@id@ (consumer_group_id, lease_token);
+        -- 0.2.0: expired ranges, found without visiting every range closed since the last vacuum.
+        CREATE INDEX range_lease_@id@_expiry_idx ON sqlstreams.range_lease_@id@ (consumer_group_id, lease_expires_at);
 
         -- Every (group, message) that left the happy path (docs/semantics.md; the states and
         -- what moves a row between them: src/exception_queue/lifecycle.rs). A waiting row is
@@ -167,6 +172,19 @@ BEGIN
         CREATE INDEX exception_queue_@id@_parked_idx
             ON sqlstreams.exception_queue_@id@ (consumer_group_id, message_key, message_id)
             WHERE parked;
+        -- 0.2.0: a key's first row that runs or retries, which the wake-up of an ordered key
+        -- looks for in one probe however many rows are parked behind it.
+        CREATE INDEX exception_queue_@id@_runnable_idx
+            ON sqlstreams.exception_queue_@id@ (consumer_group_id, message_key, message_id)
+            WHERE status IN ('ready', 'inflight') AND NOT parked;
+        -- 0.2.0: whether a group has anything due at all, in one probe however many rows wait
+        -- for a later time (the idle claim's question).
+        CREATE INDEX exception_queue_@id@_due_any_idx
+            ON sqlstreams.exception_queue_@id@ (consumer_group_id, can_run_after)
+            WHERE status IN ('ready', 'deferred');
+        CREATE INDEX exception_queue_@id@_expiry_any_idx
+            ON sqlstreams.exception_queue_@id@ (consumer_group_id, lease_expires_at)
+            WHERE status = 'inflight';
         -- Unresolved messages of quarantined ranges (usually none).
         CREATE INDEX exception_queue_@id@_isolated_idx
             ON sqlstreams.exception_queue_@id@ (consumer_group_id, lane, message_id)
@@ -384,6 +402,8 @@ BEGIN
 
             -- Ranges open now were claimed across lanes.
             ALTER TABLE sqlstreams.range_lease_@id@ ADD COLUMN lane integer;
+            CREATE INDEX range_lease_@id@_token_idx ON sqlstreams.range_lease_@id@ (consumer_group_id, lease_token);
+            CREATE INDEX range_lease_@id@_expiry_idx ON sqlstreams.range_lease_@id@ (consumer_group_id, lease_expires_at);
 
             -- Exception rows: isolated (quarantine), and their message's lane.
             ALTER TABLE sqlstreams.exception_queue_@id@ ADD COLUMN isolated boolean NOT NULL DEFAULT false;
@@ -402,6 +422,15 @@ BEGIN
             CREATE INDEX exception_queue_@id@_isolated_idx
                 ON sqlstreams.exception_queue_@id@ (consumer_group_id, lane, message_id)
                 WHERE isolated AND status IN ('ready', 'inflight', 'deferred');
+            CREATE INDEX exception_queue_@id@_runnable_idx
+                ON sqlstreams.exception_queue_@id@ (consumer_group_id, message_key, message_id)
+                WHERE status IN ('ready', 'inflight') AND NOT parked;
+            CREATE INDEX exception_queue_@id@_due_any_idx
+                ON sqlstreams.exception_queue_@id@ (consumer_group_id, can_run_after)
+                WHERE status IN ('ready', 'deferred');
+            CREATE INDEX exception_queue_@id@_expiry_any_idx
+                ON sqlstreams.exception_queue_@id@ (consumer_group_id, lease_expires_at)
+                WHERE status = 'inflight';
             -- 0.1.0 charged each quarantined message a failure before it ever ran alone. Those
             -- that have not run since are quarantined the 0.2.0 way: isolated, the charge taken
             -- back, due at once. A dead one is left for an operator to triage.

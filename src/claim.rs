@@ -62,9 +62,10 @@ pub struct Delivery {
 macro_rules! due_rows {
     ($isolated:literal, $limit:literal) => {
         concat!(
-            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane, m.payload
+            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane,
+                    -- A lookup per row, never a join the planner could turn into a scan of the log.
+                    (SELECT m.payload FROM sqlstreams.message_log_@id@ m WHERE m.id = e.message_id) AS payload
              FROM sqlstreams.exception_queue_@id@ e
-             JOIN sqlstreams.message_log_@id@ m ON m.id = e.message_id
              WHERE e.consumer_group_id = $1 AND e.lane = $3 AND e.isolated = ",
             $isolated,
             "

@@ -173,7 +173,9 @@ pub fn gate(
 /// other, never in neither.
 /// - Kind 1, for ordered keys `$2` (with the highest candidate id of each in `$3`): the
 ///   earliest unresolved exception row below it, outside this claim (`$4`); with `$9`
-///   (`on_dead = 'hold'`) a dead row counts too, and never clears on its own.
+///   (`on_dead = 'hold'`) a dead row counts too, and never clears on its own. One index probe
+///   per key, however many rows wait behind it: the key is blocked until that row resolves
+///   (which wakes the key's parked rows), so its own clear time is the one that matters.
 /// - Kind 2, for ordered and exclusive keys `$6`: the earliest same-key message pending in
 ///   another open range (`$5` are this claim's own) of a lane the claim took (`$7`), or of a
 ///   range claimed before lanes existed.
@@ -181,15 +183,18 @@ pub fn gate(
 ///   this claim.
 const CHECK: Statement = Statement {
     name: "gate_check",
-    sql: "SELECT 1 AS kind, k.message_key, min(e.message_id) AS blocker,
-                 min(CASE e.status WHEN 'inflight' THEN e.lease_expires_at WHEN 'dead' THEN 'infinity'
-                                   ELSE e.can_run_after END) AS clears_at
+    sql: "SELECT 1 AS kind, k.message_key, b.message_id AS blocker, b.clears_at
           FROM unnest($2::text[], $3::bigint[]) AS k(message_key, upto)
-          JOIN sqlstreams.exception_queue_@id@ e
-            ON e.consumer_group_id = $1 AND e.message_key = k.message_key AND e.message_id < k.upto
-          WHERE (e.status IN ('ready', 'inflight', 'deferred') OR ($9 AND e.status = 'dead'))
-            AND e.message_id <> ALL($4)
-          GROUP BY k.message_key
+          CROSS JOIN LATERAL (
+              SELECT e.message_id,
+                     CASE e.status WHEN 'inflight' THEN e.lease_expires_at WHEN 'dead' THEN 'infinity'
+                                   ELSE e.can_run_after END AS clears_at
+              FROM sqlstreams.exception_queue_@id@ e
+              WHERE e.consumer_group_id = $1 AND e.message_key = k.message_key AND e.message_id < k.upto
+                AND (e.status IN ('ready', 'inflight', 'deferred') OR ($9 AND e.status = 'dead'))
+                AND e.message_id <> ALL($4)
+              ORDER BY e.message_id
+              LIMIT 1) b
           UNION ALL
           SELECT 2, u.message_key, min(u.id), min(r.lease_expires_at)
           FROM sqlstreams.range_lease_@id@ r

@@ -47,38 +47,52 @@ const CANDIDATES: Statement = Statement {
     name: "lanes_candidates",
     sql: "WITH g AS (
               -- Whether the group has any such work at all: one probe each, so the per-lane
-              -- probes below run only when there is something to find.
-              SELECT EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
-                             WHERE e.consumer_group_id = $1 AND e.status IN ('ready', 'deferred')
-                               AND e.can_run_after <= $2)
-                     OR EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
-                                WHERE e.consumer_group_id = $1 AND e.status = 'inflight'
-                                  AND e.lease_expires_at <= $2) AS any_due,
-                     EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@ r
-                             WHERE r.consumer_group_id = $1 AND r.lease_expires_at <= $2) AS any_expired,
+              -- probes below run only when there is something to find. Every probe here and
+              -- below is a scalar subquery ordered along an index with LIMIT 1, never EXISTS:
+              -- an EXISTS may be planned as a bitmap scan (which reads every match before the
+              -- first) or as one hashed scan of the whole table, and a plan cached while the
+              -- tables were young stays for as long as the backend lives.
+              SELECT coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
+                               WHERE e.consumer_group_id = $1 AND e.status IN ('ready', 'deferred')
+                                 AND e.can_run_after <= $2
+                               ORDER BY e.can_run_after LIMIT 1), false)
+                     OR coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
+                                  WHERE e.consumer_group_id = $1 AND e.status = 'inflight'
+                                    AND e.lease_expires_at <= $2
+                                  ORDER BY e.lease_expires_at LIMIT 1), false) AS any_due,
+                     coalesce((SELECT true FROM sqlstreams.range_lease_@id@ r
+                               WHERE r.consumer_group_id = $1 AND r.lease_expires_at <= $2
+                               ORDER BY r.lease_expires_at LIMIT 1), false) AS any_expired,
                      (SELECT count(DISTINCT held_by) FROM sqlstreams.lane_@id@
                       WHERE $3 AND consumer_group_id = $1 AND held_until > $2) AS holders
           )
           SELECT c.lane, c.due_rows, c.expired_range, c.isolated, c.holders
           FROM (
           SELECT l.lane, l.claimed, g.holders,
-                 g.any_due AND (EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
-                                        WHERE e.consumer_group_id = $1 AND e.lane = l.lane
-                                          AND e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
-                                OR EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
-                                           WHERE e.consumer_group_id = $1 AND e.lane = l.lane
-                                             AND e.status = 'inflight' AND e.lease_expires_at <= $2)) AS due_rows,
-                 g.any_expired AND EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@ r
-                                           WHERE r.consumer_group_id = $1 AND (r.lane = l.lane OR r.lane IS NULL)
-                                             AND r.lease_expires_at <= $2) AS expired_range,
-                 g.any_due AND EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
-                                       WHERE e.consumer_group_id = $1 AND e.lane = l.lane AND e.isolated
-                                         AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
-                                              OR (e.status = 'inflight' AND e.lease_expires_at <= $2))) AS isolated,
-                 EXISTS (SELECT 1 FROM sqlstreams.message_log_@id@ m
-                         WHERE m.lane = l.lane AND m.id > l.claimed AND m.id <= $4) AS messages
+                 g.any_due AND (coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
+                                          WHERE e.consumer_group_id = $1 AND e.lane = l.lane
+                                            AND e.status IN ('ready', 'deferred') AND e.can_run_after <= $2
+                                          ORDER BY e.can_run_after LIMIT 1), false)
+                                OR coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
+                                             WHERE e.consumer_group_id = $1 AND e.lane = l.lane
+                                               AND e.status = 'inflight' AND e.lease_expires_at <= $2
+                                             ORDER BY e.lease_expires_at LIMIT 1), false)) AS due_rows,
+                 g.any_expired AND coalesce((SELECT true FROM sqlstreams.range_lease_@id@ r
+                                             WHERE r.consumer_group_id = $1 AND (r.lane = l.lane OR r.lane IS NULL)
+                                               AND r.lease_expires_at <= $2
+                                             ORDER BY r.lease_expires_at LIMIT 1), false) AS expired_range,
+                 g.any_due AND coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
+                                         WHERE e.consumer_group_id = $1 AND e.lane = l.lane AND e.isolated
+                                           AND e.status IN ('ready', 'inflight', 'deferred')
+                                           AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
+                                                OR (e.status = 'inflight' AND e.lease_expires_at <= $2))
+                                         ORDER BY e.message_id LIMIT 1), false) AS isolated,
+                 coalesce((SELECT true FROM sqlstreams.message_log_@id@ m
+                           WHERE m.lane = l.lane AND m.id > l.claimed AND m.id <= $4
+                           ORDER BY m.id LIMIT 1), false) AS messages
           FROM sqlstreams.lane_@id@ l CROSS JOIN g
           WHERE l.consumer_group_id = $1 AND (NOT $3 OR l.held_until IS NULL OR l.held_until <= $2)
+          OFFSET 0 -- evaluated once per lane, not again in the filter below
           ) c
           WHERE c.messages OR c.due_rows OR c.expired_range
           ORDER BY c.isolated DESC, c.claimed, c.lane = $5 DESC, c.lane",

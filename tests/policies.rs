@@ -507,3 +507,80 @@ fn a_delay_that_spends_the_budget_still_lets_the_chain_go_on() {
     let next = g.claim(&mut c, 10);
     assert_eq!((ids(&next), next[0].run_after), (vec![p[1]], None), "the dead predecessor released it at once");
 }
+
+/// Many rows deferred behind one blocked ordered key (the size at which the predecessor check
+/// used to read every one of them on every claim): nothing of the key runs while it is blocked,
+/// other keys flow past it, and once the blocker succeeds every deferred message runs exactly
+/// once, in order, a bounded batch of wake-ups at a time.
+#[test]
+fn a_key_blocked_behind_thousands_of_deferred_rows_keeps_its_order() {
+    const BEHIND: usize = 12_000;
+    let mut c = connect();
+    let s = Stream::create(&mut c, "blocked-many");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let head = s.produce(&mut c, json!({"n": "head"}), Some("blocked"));
+    let first = g.claim(&mut c, 10);
+    assert_eq!(ids(&first), vec![head]);
+    assert_eq!(g.fail(&mut c, &first[0], "boom", false, Some("1 hour")).as_deref(), Some("ready"));
+
+    let behind = s.produce_many(&mut c, BEHIND, Some("blocked"));
+    let mut free = s.produce_many(&mut c, 30, Some("free"));
+    free.extend(s.produce_many(&mut c, 30, None));
+    let mut flowed = Vec::new();
+    for _ in 0..BEHIND / 1000 + 5 {
+        let batch = g.claim(&mut c, 1000);
+        assert!(batch.iter().all(|d| d.message_key.as_deref() != Some("blocked")), "the blocked key ran");
+        flowed.extend(ids(&batch));
+        g.ack_batch(&mut c, &batch);
+        let deferred: i64 =
+            c.query_one("SELECT deferred FROM sqlstreams.group_status($1, 'g')", &[&s.name]).unwrap().get(0);
+        if deferred == BEHIND as i64 && flowed.len() >= free.len() {
+            break;
+        }
+    }
+    flowed.sort_unstable();
+    assert_eq!(flowed, free, "other keys flow past the blocked one");
+    let deferred: i64 =
+        c.query_one("SELECT deferred FROM sqlstreams.group_status($1, 'g')", &[&s.name]).unwrap().get(0);
+    assert_eq!(deferred, BEHIND as i64, "every later message of the key waits");
+    let blocked: (i64, i64) = {
+        let r = c
+            .query_one("SELECT oldest_message_id, waiting_behind FROM sqlstreams.blocked_keys($1, 'g')", &[&s.name])
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!(blocked, (head, BEHIND as i64));
+
+    // Its retry comes due (only the head: the rest stays parked behind it) and succeeds.
+    c.execute(
+        &format!(
+            "UPDATE {} SET can_run_after = now() - interval '1 second' WHERE message_id = $1",
+            s.table("exception_queue")
+        ),
+        &[&head],
+    )
+    .unwrap();
+    let retry = g.claim(&mut c, 1000);
+    assert_eq!(ids(&retry), vec![head], "the blocker runs alone");
+    assert_eq!(retry[0].attempt, first[0].attempt + 1);
+    assert!(g.ack(&mut c, &retry[0]));
+
+    let mut ran = Vec::new();
+    for _ in 0..BEHIND {
+        let batch = g.claim(&mut c, 1000);
+        if batch.is_empty() {
+            break;
+        }
+        // One chain per result: each row runs after the one before it.
+        for pair in batch.windows(2) {
+            assert_eq!(pair[1].run_after, Some(pair[0].message_id), "a result of one key is one chain");
+        }
+        ran.extend(ids(&batch));
+        assert_eq!(g.ack_batch(&mut c, &batch).len(), batch.len());
+    }
+    assert_eq!(ran, behind, "every deferred message ran once, in order");
+    let status = c
+        .query_one("SELECT ready + inflight + deferred, lag FROM sqlstreams.group_status($1, 'g')", &[&s.name])
+        .unwrap();
+    assert_eq!((status.get::<_, i64>(0), status.get::<_, i64>(1)), (0, 0));
+}

@@ -2,8 +2,9 @@
 //! `DATABASE_URL` (started by `scripts/rig bench` with durable settings). Writes
 //! `results.md` and SVG plots to `--out` (default `docs/benchmarks`) and prints the ratios.
 //!
-//! Usage: sqlstreams-bench [--quick] [--out DIR] [--only w1,w2,w3,w4,w5,w7,w8]
+//! Usage: sqlstreams-bench [--quick] [--out DIR] [--only w1,w2,w3,w4,w5,w7,w8,w9]
 
+mod growth;
 mod report;
 mod scaling;
 mod soak;
@@ -109,15 +110,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if run("w8") {
         results.w8 = soak::run(&url, bench.quick).await;
     }
+    let growth = if run("w9") { Some(growth::run(&url, bench.quick).await) } else { None };
 
-    println!();
-    for line in results.ratios() {
-        println!("{line}");
-    }
     std::fs::create_dir_all(&out)?;
-    std::fs::write(out.join("results.md"), results.markdown())?;
-    results.plots(&out)?;
-    println!("\nwrote {}", out.join("results.md").display());
+    println!();
+    // The results page holds W1-W8; W9 has a page of its own, so each can be re-run alone.
+    if ["w1", "w2", "w3", "w4", "w5", "w7", "w8"].iter().any(|w| run(w)) {
+        for line in results.ratios() {
+            println!("{line}");
+        }
+        std::fs::write(out.join("results.md"), results.markdown())?;
+        results.plots(&out)?;
+        println!("wrote {}", out.join("results.md").display());
+    }
+    if let Some(growth) = growth {
+        for line in growth.ratios() {
+            println!("{line}");
+        }
+        growth.write(&out, &results.machine)?;
+        println!("wrote {}", out.join("growth.md").display());
+    }
     Ok(())
 }
 

@@ -353,9 +353,10 @@ const WAKE: Statement = Statement {
                   SELECT p.message_id FROM sqlstreams.exception_queue_@id@ p
                   WHERE p.consumer_group_id = $1 AND p.message_key = k.message_key AND p.parked
                     AND (p.concurrency <> 'ordered' OR p.message_id < coalesce(
-                            (SELECT min(b.message_id) FROM sqlstreams.exception_queue_@id@ b
+                            (SELECT b.message_id FROM sqlstreams.exception_queue_@id@ b
                              WHERE b.consumer_group_id = $1 AND b.message_key = k.message_key
-                               AND b.status IN ('ready', 'inflight') AND NOT b.parked),
+                               AND b.status IN ('ready', 'inflight') AND NOT b.parked
+                             ORDER BY b.message_id LIMIT 1),
                             9223372036854775807))
                   ORDER BY p.message_id
                   LIMIT $4) w

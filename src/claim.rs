@@ -62,10 +62,12 @@ pub struct Delivery {
 macro_rules! due_rows {
     ($isolated:literal, $limit:literal) => {
         concat!(
-            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane,
-                    -- A lookup per row, never a join the planner could turn into a scan of the log.
-                    (SELECT m.payload FROM sqlstreams.message_log_@id@ m WHERE m.id = e.message_id) AS payload
+            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane, m.payload
              FROM sqlstreams.exception_queue_@id@ e
+             -- A lookup per row (LIMIT keeps the planner from turning it into a join that
+             -- scans the log); a row whose message is gone is passed over, as by a join.
+             CROSS JOIN LATERAL (SELECT m.payload FROM sqlstreams.message_log_@id@ m
+                                 WHERE m.id = e.message_id LIMIT 1) m
              WHERE e.consumer_group_id = $1 AND e.lane = $3 AND e.isolated = ",
             $isolated,
             "
@@ -246,13 +248,17 @@ impl Claim<'_> {
 
         let candidates: Vec<Candidate> = self.work.iter().map(|w| w.candidate.clone()).collect();
         // Rows this claim decides (candidates, and expired ones it dead-letters) are not blockers
-        // of the candidates: the gate decides them together.
+        // of the candidates: the gate decides them together. Except a message going dead here
+        // when the group holds on dead: it stops its key from now on, so it stays a blocker
+        // (still inflight in this snapshot, then dead; the wake-up it triggers parks the key's
+        // rows behind it for good).
+        let dead_release = if self.group.hold_on_dead { &[][..] } else { &self.dead_on_expiry[..] };
         let exception_ids: Vec<i64> = self
             .work
             .iter()
             .filter(|w| w.held != Held::Range)
             .map(|w| w.candidate.message_id)
-            .chain(self.dead_on_expiry.iter().copied())
+            .chain(dead_release.iter().copied())
             .collect();
         let input = GatherInput {
             stream_id,

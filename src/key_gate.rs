@@ -193,7 +193,7 @@ const CHECK: Statement = Statement {
               WHERE e.consumer_group_id = $1 AND e.message_key = k.message_key AND e.message_id < k.upto
                 AND (e.status IN ('ready', 'inflight', 'deferred') OR ($9 AND e.status = 'dead'))
                 AND e.message_id <> ALL($4)
-              ORDER BY e.message_id
+              ORDER BY e.message_key, e.message_id -- along the key's index, never the whole group's
               LIMIT 1) b
           UNION ALL
           SELECT 2, u.message_key, min(u.id), min(r.lease_expires_at)

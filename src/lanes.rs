@@ -48,10 +48,12 @@ const CANDIDATES: Statement = Statement {
     sql: "WITH g AS (
               -- Whether the group has any such work at all: one probe each, so the per-lane
               -- probes below run only when there is something to find. Every probe here and
-              -- below is a scalar subquery ordered along an index with LIMIT 1, never EXISTS:
-              -- an EXISTS may be planned as a bitmap scan (which reads every match before the
-              -- first) or as one hashed scan of the whole table, and a plan cached while the
-              -- tables were young stays for as long as the backend lives.
+              -- below is a scalar subquery with LIMIT 1 ordered by exactly the columns of one
+              -- index, never EXISTS: an EXISTS may be planned as a bitmap scan (which reads
+              -- every match before the first) or as one hashed scan of the whole table, and
+              -- ordering by the id alone invites a walk of the primary key that filters out
+              -- every other lane's rows (all of them, for a lane with nothing new). A plan
+              -- cached while the tables were young stays for as long as the backend lives.
               SELECT coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
                                WHERE e.consumer_group_id = $1 AND e.status IN ('ready', 'deferred')
                                  AND e.can_run_after <= $2
@@ -72,11 +74,11 @@ const CANDIDATES: Statement = Statement {
                  g.any_due AND (coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
                                           WHERE e.consumer_group_id = $1 AND e.lane = l.lane
                                             AND e.status IN ('ready', 'deferred') AND e.can_run_after <= $2
-                                          ORDER BY e.can_run_after LIMIT 1), false)
+                                          ORDER BY e.lane, e.can_run_after LIMIT 1), false)
                                 OR coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
                                              WHERE e.consumer_group_id = $1 AND e.lane = l.lane
                                                AND e.status = 'inflight' AND e.lease_expires_at <= $2
-                                             ORDER BY e.lease_expires_at LIMIT 1), false)) AS due_rows,
+                                             ORDER BY e.lane, e.lease_expires_at LIMIT 1), false)) AS due_rows,
                  g.any_expired AND coalesce((SELECT true FROM sqlstreams.range_lease_@id@ r
                                              WHERE r.consumer_group_id = $1 AND (r.lane = l.lane OR r.lane IS NULL)
                                                AND r.lease_expires_at <= $2
@@ -86,10 +88,10 @@ const CANDIDATES: Statement = Statement {
                                            AND e.status IN ('ready', 'inflight', 'deferred')
                                            AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
                                                 OR (e.status = 'inflight' AND e.lease_expires_at <= $2))
-                                         ORDER BY e.message_id LIMIT 1), false) AS isolated,
+                                         ORDER BY e.lane, e.message_id LIMIT 1), false) AS isolated,
                  coalesce((SELECT true FROM sqlstreams.message_log_@id@ m
                            WHERE m.lane = l.lane AND m.id > l.claimed AND m.id <= $4
-                           ORDER BY m.id LIMIT 1), false) AS messages
+                           ORDER BY m.lane, m.id LIMIT 1), false) AS messages
           FROM sqlstreams.lane_@id@ l CROSS JOIN g
           WHERE l.consumer_group_id = $1 AND (NOT $3 OR l.held_until IS NULL OR l.held_until <= $2)
           OFFSET 0 -- evaluated once per lane, not again in the filter below

@@ -22,7 +22,7 @@ const BY_ID: Statement = Statement {
 const AFTER: Statement = Statement {
     name: "message_after",
     sql: "SELECT id, message_key, concurrency, compaction, lane, payload FROM sqlstreams.message_log_@id@
-          WHERE lane = $4 AND id > $1 AND id <= $2 ORDER BY id LIMIT $3",
+          WHERE lane = $4 AND id > $1 AND id <= $2 ORDER BY lane, id LIMIT $3",
     params: &[INT8OID, INT8OID, INT4OID, INT4OID],
 };
 

@@ -7,7 +7,8 @@
 //! never supersede anything again and go too.
 //!
 //! Nothing here waits for a row lock: rows another transaction holds (a producer's compaction
-//! head, a row an outcome is changing) are left for the next step.
+//! head, a row an outcome is changing) are left for the next step. The one wait is for the key
+//! lock of a held key whose dead row it purged, while a claim parks that key (see `step`).
 //!
 //! Who runs it: `maintain()` (cron), and otherwise the consumers themselves: a claim runs one
 //! bounded step for its stream at most once a minute per session, and only one session at a
@@ -93,11 +94,17 @@ pub fn step(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Retained> {
         purged.entry(row.required("consumer_group_id")?).or_default().push(row.value("message_key")?);
     }
     let rows_purged = purged.values().map(Vec::len).sum::<usize>() as i64;
-    // A dead row that held its ordered key (on_dead = 'hold') is gone: its key goes on.
+    // A dead row that held its ordered key (on_dead = 'hold') is gone: its key goes on. This
+    // wake-up waits for a claim parking one of those keys right now (as an outcome's does): that
+    // claim still saw the dead row and parks behind it for good, so it must be woken after it
+    // commits. A claim never waits, so this wait is short and cannot close a cycle.
     for (group_id, keys) in purged {
         let group = crate::group::by_id(client, stream, group_id)?;
+        if !group.hold_on_dead {
+            continue;
+        }
         let keys = exception_queue::distinct_keys(&keys);
-        exception_queue::after_resolution(client, &group, &keys, crate::clock::now(), Waker::Claim)?;
+        exception_queue::after_resolution(client, &group, &keys, crate::clock::now(), Waker::Outcome)?;
     }
     let row = NEEDED_FROM.run(client, stream.id, &[])?;
     let below: Option<i64> = if row.is_empty() { None } else { row.first().value("below")? };

@@ -127,6 +127,34 @@ fn hold_on_dead_stops_only_that_key_until_redrive_restores_its_order() {
     assert_eq!(rest, k[1..]);
 }
 
+/// A message that goes dead because its lease ran out (not through `fail`) holds its key too:
+/// the claim that dead-letters it must not hand out the key's next message beside it.
+#[test]
+fn hold_on_dead_holds_a_key_whose_message_died_on_expiry() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "hold-expiry");
+    let g = s.group_with(&mut c, "g", Some("ordered"), 1);
+    c.query_one("SELECT sqlstreams.alter_group($1, 'g', on_dead => 'hold')", &[&s.name]).unwrap();
+    let a = s.produce(&mut c, json!({}), Some("k"));
+    let b = s.produce(&mut c, json!({}), Some("k"));
+
+    let first = g.claim(&mut c, 10);
+    assert_eq!(ids(&first), vec![a], "one message per ordered key per claim when holding");
+    assert_eq!(g.fail(&mut c, &first[0], "flaky", false, Some("0 seconds")).as_deref(), Some("ready"));
+    g.make_due(&mut c);
+    // Its last try, from the exception queue; then its lease runs out: that spends the budget.
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![a]);
+    g.expire_leases(&mut c);
+    g.make_due(&mut c);
+    assert!(g.claim(&mut c, 10).is_empty(), "k stops at its message that died on expiry");
+    assert_eq!(g.statuses(&mut c).iter().find(|(id, _)| *id == a).map(|(_, st)| st.as_str()), Some("dead"));
+    g.make_due(&mut c);
+    assert!(g.claim(&mut c, 10).is_empty(), "and stays stopped");
+
+    assert!(c.query_one("SELECT sqlstreams.skip($1, 'g', $2)", &[&s.name, &a]).unwrap().get::<_, bool>(0));
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![b], "skip releases it");
+}
+
 #[test]
 fn skip_releases_a_held_key_and_purge_removes_old_dead_messages() {
     let mut c = connect();

@@ -356,9 +356,9 @@ const WAKE: Statement = Statement {
                             (SELECT b.message_id FROM sqlstreams.exception_queue_@id@ b
                              WHERE b.consumer_group_id = $1 AND b.message_key = k.message_key
                                AND b.status IN ('ready', 'inflight') AND NOT b.parked
-                             ORDER BY b.message_id LIMIT 1),
+                             ORDER BY b.message_key, b.message_id LIMIT 1),
                             9223372036854775807))
-                  ORDER BY p.message_id
+                  ORDER BY p.message_key, p.message_id
                   LIMIT $4) w
           ), free AS (
               SELECT e.message_id FROM sqlstreams.exception_queue_@id@ e

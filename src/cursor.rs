@@ -29,10 +29,11 @@ macro_rules! claimed_now {
             ",
                (SELECT min(n.id) - 1 FROM sqlstreams.lane_@id@ l
                 CROSS JOIN LATERAL (SELECT m.id FROM sqlstreams.message_log_@id@ m
-                                    WHERE m.lane = l.lane AND m.id > l.claimed AND m.id <= ",
+                                    WHERE (m.lane, m.id) > (l.lane, l.claimed) AND m.id > l.claimed
+                                      AND (m.lane, m.id) <= (l.lane, ",
             $safe,
-            "
-                                    ORDER BY m.id LIMIT 1) n
+            ")
+                                    ORDER BY m.lane, m.id LIMIT 1) n
                 WHERE l.consumer_group_id = $1))"
         )
     };

@@ -190,10 +190,14 @@ const CHECK: Statement = Statement {
                      CASE e.status WHEN 'inflight' THEN e.lease_expires_at WHEN 'dead' THEN 'infinity'
                                    ELSE e.can_run_after END AS clears_at
               FROM sqlstreams.exception_queue_@id@ e
-              WHERE e.consumer_group_id = $1 AND e.message_key = k.message_key AND e.message_id < k.upto
+              -- Row comparisons: only the key's index answers them (with `message_key = k`, a
+              -- plan made while one key filled the statistics walks the whole group's rows).
+              WHERE e.consumer_group_id = $1
+                AND (e.message_key, e.message_id) > (k.message_key, 0)
+                AND (e.message_key, e.message_id) < (k.message_key, k.upto)
                 AND (e.status IN ('ready', 'inflight', 'deferred') OR ($9 AND e.status = 'dead'))
                 AND e.message_id <> ALL($4)
-              ORDER BY e.message_key, e.message_id -- along the key's index, never the whole group's
+              ORDER BY e.message_key, e.message_id
               LIMIT 1) b
           UNION ALL
           SELECT 2, u.message_key, min(u.id), min(r.lease_expires_at)

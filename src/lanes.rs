@@ -50,10 +50,14 @@ const CANDIDATES: Statement = Statement {
               -- probes below run only when there is something to find. Every probe here and
               -- below is a scalar subquery with LIMIT 1 ordered by exactly the columns of one
               -- index, never EXISTS: an EXISTS may be planned as a bitmap scan (which reads
-              -- every match before the first) or as one hashed scan of the whole table, and
-              -- ordering by the id alone invites a walk of the primary key that filters out
-              -- every other lane's rows (all of them, for a lane with nothing new). A plan
-              -- cached while the tables were young stays for as long as the backend lives.
+              -- every match before the first) or as one hashed scan of the whole table. A
+              -- plan cached while the tables were young stays for as long as the backend
+              -- lives. The log is probed with row comparisons on (lane, id), which only the
+              -- lane index can answer: with `lane = x`, statistics of one hot lane make the
+              -- planner walk the primary key and filter out every row of that lane, which is
+              -- the whole backlog for a lane with nothing new (src/message.rs). Only a one-sided
+              -- plain id bound goes beside them: a two-sided one looks narrow enough for the
+              -- planner to take the primary key and sort.
               SELECT coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
                                WHERE e.consumer_group_id = $1 AND e.status IN ('ready', 'deferred')
                                  AND e.can_run_after <= $2
@@ -90,7 +94,8 @@ const CANDIDATES: Statement = Statement {
                                                 OR (e.status = 'inflight' AND e.lease_expires_at <= $2))
                                          ORDER BY e.lane, e.message_id LIMIT 1), false) AS isolated,
                  coalesce((SELECT true FROM sqlstreams.message_log_@id@ m
-                           WHERE m.lane = l.lane AND m.id > l.claimed AND m.id <= $4
+                           WHERE (m.lane, m.id) > (l.lane, l.claimed) AND (m.lane, m.id) <= (l.lane, $4)
+                             AND m.id > l.claimed -- prunes consumed partitions
                            ORDER BY m.lane, m.id LIMIT 1), false) AS messages
           FROM sqlstreams.lane_@id@ l CROSS JOIN g
           WHERE l.consumer_group_id = $1 AND (NOT $3 OR l.held_until IS NULL OR l.held_until <= $2)

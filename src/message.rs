@@ -18,11 +18,16 @@ const BY_ID: Statement = Statement {
     params: &[INT8ARRAYOID],
 };
 
-/// The next messages of a lane.
+/// The next messages of a lane. The bounds are row comparisons on (lane, id), which only the
+/// lane index can answer: written as `lane = $4`, a plan made while one hot lane filled the
+/// statistics walks the primary key instead, through every row of other lanes. The plain lower
+/// bound prunes consumed partitions; a plain upper one too would make the id range look narrow
+/// enough to take the primary key and sort.
 const AFTER: Statement = Statement {
     name: "message_after",
     sql: "SELECT id, message_key, concurrency, compaction, lane, payload FROM sqlstreams.message_log_@id@
-          WHERE lane = $4 AND id > $1 AND id <= $2 ORDER BY lane, id LIMIT $3",
+          WHERE (lane, id) > ($4, $1) AND (lane, id) <= ($4, $2) AND id > $1
+          ORDER BY lane, id LIMIT $3",
     params: &[INT8OID, INT8OID, INT4OID, INT4OID],
 };
 

@@ -351,10 +351,15 @@ const WAKE: Statement = Statement {
               FROM unnest($2::text[]) AS k(message_key)
               CROSS JOIN LATERAL (
                   SELECT p.message_id FROM sqlstreams.exception_queue_@id@ p
-                  WHERE p.consumer_group_id = $1 AND p.message_key = k.message_key AND p.parked
+                  -- Row comparisons on (key, id): only the key's indexes answer them.
+                  WHERE p.consumer_group_id = $1 AND p.parked
+                    AND (p.message_key, p.message_id) > (k.message_key, 0)
+                    AND (p.message_key, p.message_id) <= (k.message_key, 9223372036854775807)
                     AND (p.concurrency <> 'ordered' OR p.message_id < coalesce(
                             (SELECT b.message_id FROM sqlstreams.exception_queue_@id@ b
-                             WHERE b.consumer_group_id = $1 AND b.message_key = k.message_key
+                             WHERE b.consumer_group_id = $1
+                               AND (b.message_key, b.message_id) > (k.message_key, 0)
+                               AND (b.message_key, b.message_id) <= (k.message_key, 9223372036854775807)
                                AND b.status IN ('ready', 'inflight') AND NOT b.parked
                              ORDER BY b.message_key, b.message_id LIMIT 1),
                             9223372036854775807))

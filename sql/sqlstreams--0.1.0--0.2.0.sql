@@ -411,8 +411,10 @@ BEGIN
             UPDATE sqlstreams.exception_queue_@id@ SET lane = sqlstreams.lane(message_key, message_id, @lanes@);
             GRANT SELECT ON sqlstreams.exception_queue_@id@ TO sqlstreams_admin, pg_monitor;
             ALTER TABLE sqlstreams.exception_queue_@id@ ALTER COLUMN lane SET NOT NULL;
-            DROP INDEX sqlstreams.exception_queue_@id@_due_idx;
-            DROP INDEX sqlstreams.exception_queue_@id@_inflight_idx;
+            -- 0.1.0's due and inflight indexes are 0.2.0's "anything due at all" indexes, under
+            -- new names (no rebuild); the per-lane ones are new.
+            ALTER INDEX sqlstreams.exception_queue_@id@_due_idx RENAME TO exception_queue_@id@_due_any_idx;
+            ALTER INDEX sqlstreams.exception_queue_@id@_inflight_idx RENAME TO exception_queue_@id@_expiry_any_idx;
             CREATE INDEX exception_queue_@id@_due_idx
                 ON sqlstreams.exception_queue_@id@ (consumer_group_id, lane, can_run_after)
                 WHERE status IN ('ready', 'deferred');
@@ -425,12 +427,6 @@ BEGIN
             CREATE INDEX exception_queue_@id@_runnable_idx
                 ON sqlstreams.exception_queue_@id@ (consumer_group_id, message_key, message_id)
                 WHERE status IN ('ready', 'inflight') AND NOT parked;
-            CREATE INDEX exception_queue_@id@_due_any_idx
-                ON sqlstreams.exception_queue_@id@ (consumer_group_id, can_run_after)
-                WHERE status IN ('ready', 'deferred');
-            CREATE INDEX exception_queue_@id@_expiry_any_idx
-                ON sqlstreams.exception_queue_@id@ (consumer_group_id, lease_expires_at)
-                WHERE status = 'inflight';
             -- 0.1.0 charged each quarantined message a failure before it ever ran alone. Those
             -- that have not run since are quarantined the 0.2.0 way: isolated, the charge taken
             -- back, due at once. A dead one is left for an operator to triage.

@@ -162,6 +162,21 @@ pub struct GroupSettings {
     pub max_reclaims: i32,
 }
 
+impl GroupSettings {
+    /// The settings as statement parameters, in the order `UPSERT` and `ALTER` take them.
+    fn args<'a>(&self) -> [pgrx::datum::DatumWithOid<'a>; 7] {
+        [
+            self.concurrency_override.map(Concurrency::as_str).into(),
+            self.max_retries.into(),
+            self.backoff.base_micros.into(),
+            self.backoff.cap_micros.into(),
+            self.backoff.exponent.into(),
+            self.max_delays.into(),
+            self.max_reclaims.into(),
+        ]
+    }
+}
+
 /// Creates the group (placing its cursor) or updates the settings of the existing one.
 pub fn create(stream_name: &str, name: &str, settings: &GroupSettings) -> Result<i64> {
     access::as_owner(|caller| {
@@ -172,17 +187,7 @@ pub fn create(stream_name: &str, name: &str, settings: &GroupSettings) -> Result
                 .run(
                     client,
                     0,
-                    &[
-                        stream.id.into(),
-                        name.into(),
-                        settings.concurrency_override.map(Concurrency::as_str).into(),
-                        settings.max_retries.into(),
-                        settings.backoff.base_micros.into(),
-                        settings.backoff.cap_micros.into(),
-                        settings.backoff.exponent.into(),
-                        settings.max_delays.into(),
-                        settings.max_reclaims.into(),
-                    ],
+                    &[stream.id.into(), name.into()].into_iter().chain(settings.args()).collect::<Vec<_>>(),
                 )?
                 .first();
             let id: i64 = row.required("id")?;
@@ -412,17 +417,7 @@ fn alter_group(
         ALTER.run(
             client,
             0,
-            &[
-                g.id.into(),
-                merged.concurrency_override.map(Concurrency::as_str).into(),
-                merged.max_retries.into(),
-                merged.backoff.base_micros.into(),
-                merged.backoff.cap_micros.into(),
-                merged.backoff.exponent.into(),
-                merged.max_delays.into(),
-                merged.max_reclaims.into(),
-                on_dead.into(),
-            ],
+            &std::iter::once(g.id.into()).chain(merged.args()).chain([on_dead.into()]).collect::<Vec<_>>(),
         )?;
         if g.hold_on_dead && on_dead == "release" {
             // Keys held at a dead message go on now: wake what waits behind them.

@@ -16,6 +16,8 @@
 -- - every function runs with a pinned search_path;
 -- - maintain() reports the expired lane holds it clears; streams shows schema_version, the
 --   channel and the lanes; open_leases shows lanes.
+-- - messages carry headers and may be delayed (produce's headers, deliver_after);
+--   claim_with_metadata returns produced_at and headers.
 
 \echo Use "ALTER EXTENSION sqlstreams UPDATE TO '0.2.0'" to load this file. \quit
 
@@ -60,6 +62,10 @@ BEGIN
             -- (Columns added by upgrades come last; see exception_queue.)
             -- 0.2.0: sqlstreams.lane(message_key, id, stream.lanes).
             lane        integer     NOT NULL,
+            -- 0.2.0: the producer's headers (a JSON object), handed out by claim_with_metadata.
+            headers     jsonb,
+            -- 0.2.0: not handed out before this time (produce's deliver_after); NULL: at once.
+            deliver_at  timestamptz,
             PRIMARY KEY (id)
         ) PARTITION BY RANGE (id);
         -- A claim takes the next messages of one lane.
@@ -378,6 +384,8 @@ BEGIN
             UPDATE sqlstreams.message_log_@id@ SET lane = sqlstreams.lane(message_key, id, @lanes@);
             ALTER TABLE sqlstreams.message_log_@id@ ALTER COLUMN lane SET NOT NULL;
             CREATE INDEX message_log_@id@_lane_idx ON sqlstreams.message_log_@id@ (lane, id);
+            -- Headers and delayed delivery: NULL for every message produced so far.
+            ALTER TABLE sqlstreams.message_log_@id@ ADD COLUMN headers jsonb, ADD COLUMN deliver_at timestamptz;
 
             -- The fence's proven head: everything claimed was proven when it was claimed.
             ALTER TABLE sqlstreams.cursor_@id@ ADD COLUMN fence_safe bigint NOT NULL DEFAULT 0;
@@ -448,7 +456,6 @@ $migrate$;
 ALTER FUNCTION sqlstreams.drop_stream(text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.create_group(text, text, text, integer, text, interval, interval, double precision, integer, integer) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.drop_group(text, text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
-ALTER FUNCTION sqlstreams.produce(text, jsonb, text, text, boolean, text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.claim(text, text, integer, interval, uuid, bigint[]) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.ack(text, text, uuid, bigint) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.ack_batch(text, text, uuid, bigint[]) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
@@ -461,7 +468,49 @@ ALTER FUNCTION sqlstreams.blocked_keys(text, text) SET search_path = pg_catalog,
 ALTER FUNCTION sqlstreams.dead_messages(text, text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.stream_head(bigint) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 
--- produce_batch takes idempotency keys.
+-- produce takes headers and deliver_after.
+DROP FUNCTION sqlstreams.produce(text, jsonb, text, text, boolean, text);
+CREATE FUNCTION sqlstreams.produce(
+    stream text,
+    payload jsonb,
+    message_key text DEFAULT NULL,
+    concurrency text DEFAULT NULL,
+    compaction boolean DEFAULT false,
+    idempotency_key text DEFAULT NULL,
+    headers jsonb DEFAULT NULL,
+    deliver_after interval DEFAULT NULL
+) RETURNS bigint
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'produce_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+-- claim's columns are the contract's; the same claim with when each message was produced and
+-- its headers has a function of its own.
+CREATE FUNCTION sqlstreams.claim_with_metadata(
+    stream text,
+    group_name text,
+    batch_size integer DEFAULT 100,
+    lease interval DEFAULT '30 seconds',
+    ack_lease_token uuid DEFAULT NULL,
+    ack_message_ids bigint[] DEFAULT NULL
+) RETURNS TABLE (
+    message_id bigint,
+    message_key text,
+    concurrency text,
+    attempt integer,
+    payload jsonb,
+    lease_token uuid,
+    run_after bigint,
+    produced_at timestamptz,
+    headers jsonb
+)
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'claim_with_metadata_sql_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+-- produce_batch takes idempotency keys, headers and deliver_after.
 DROP FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean);
 CREATE FUNCTION sqlstreams.produce_batch(
     stream text,
@@ -469,7 +518,9 @@ CREATE FUNCTION sqlstreams.produce_batch(
     message_keys text[] DEFAULT NULL,
     concurrency text DEFAULT NULL,
     compaction boolean DEFAULT false,
-    idempotency_keys text[] DEFAULT NULL
+    idempotency_keys text[] DEFAULT NULL,
+    headers jsonb[] DEFAULT NULL,
+    deliver_after interval DEFAULT NULL
 ) RETURNS SETOF bigint
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'produce_batch_wrapper'
@@ -712,12 +763,13 @@ GRANT EXECUTE ON FUNCTION
     sqlstreams.peek(text, bigint, integer)
     TO sqlstreams_producer, sqlstreams_consumer, pg_monitor;
 GRANT EXECUTE ON FUNCTION
-    sqlstreams.produce(text, jsonb, text, text, boolean, text),
-    sqlstreams.produce_batch(text, jsonb[], text[], text, boolean, text[])
+    sqlstreams.produce(text, jsonb, text, text, boolean, text, jsonb, interval),
+    sqlstreams.produce_batch(text, jsonb[], text[], text, boolean, text[], jsonb[], interval)
     TO sqlstreams_producer;
 GRANT EXECUTE ON FUNCTION
     sqlstreams.create_group(text, text, text, integer, text, interval, interval, double precision, integer, integer),
     sqlstreams.claim(text, text, integer, interval, uuid, bigint[]),
+    sqlstreams.claim_with_metadata(text, text, integer, interval, uuid, bigint[]),
     sqlstreams.ack(text, text, uuid, bigint),
     sqlstreams.ack_batch(text, text, uuid, bigint[]),
     sqlstreams.fail(text, text, uuid, bigint, text, boolean, interval),
@@ -748,10 +800,13 @@ COMMENT ON FUNCTION sqlstreams.create_stream(text, bigint, interval, integer) IS
     'Creates a stream and its table family and returns its id; an existing name returns its id. '
     'lanes: how many lanes its messages are spread over (fixed). Takes: the stream catalog row, '
     'DDL locks on the new tables.';
-COMMENT ON FUNCTION sqlstreams.produce(text, jsonb, text, text, boolean, text) IS
+COMMENT ON FUNCTION sqlstreams.produce(text, jsonb, text, text, boolean, text, jsonb, interval) IS
     'Appends a message in the caller''s transaction and returns its id (NULL for a repeated idempotency_key). '
-    'Takes: the stream''s producer lock (shared) and a transaction id before the message id; the key''s '
-    'compaction head row until commit.';
+    'headers: a JSON object handed out with it; deliver_after: not handed out before that long after the '
+    'transaction started. Takes: the stream''s producer lock (shared) and a transaction id before the '
+    'message id; the key''s compaction head row until commit.';
+COMMENT ON FUNCTION sqlstreams.claim_with_metadata(text, text, integer, interval, uuid, bigint[]) IS
+    'claim, with two more columns: produced_at (the producer''s transaction start) and headers.';
 COMMENT ON FUNCTION sqlstreams.claim(text, text, integer, interval, uuid, bigint[]) IS
     'Returns the work a consumer may run now under one lease: due exception rows and a claimed range '
     'from each lane it takes, in id order; run_after chains same-key rows. Takes: free lanes of the '
@@ -804,6 +859,7 @@ COMMENT ON VIEW sqlstreams.fence_holders IS
 COMMENT ON FUNCTION sqlstreams.peek(text, bigint, integer) IS
     'The messages of a stream after after_id, oldest first, without claiming anything (an operator''s tail). '
     'Needs a consume grant on one of the stream''s groups, or pg_monitor.';
-COMMENT ON FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean, text[]) IS
+COMMENT ON FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean, text[], jsonb[], interval) IS
     'Appends many messages in one call (the fast path); returns their ids in payload order (NULL for a '
-    'message whose idempotency key was already used).';
+    'message whose idempotency key was already used). headers: one object (or NULL) per message; '
+    'deliver_after: for every message.';

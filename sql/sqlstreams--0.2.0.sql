@@ -158,6 +158,10 @@ BEGIN
             -- (Columns added by upgrades come last; see exception_queue.)
             -- 0.2.0: sqlstreams.lane(message_key, id, stream.lanes).
             lane        integer     NOT NULL,
+            -- 0.2.0: the producer's headers (a JSON object), handed out by claim_with_metadata.
+            headers     jsonb,
+            -- 0.2.0: not handed out before this time (produce's deliver_after); NULL: at once.
+            deliver_at  timestamptz,
             PRIMARY KEY (id)
         ) PARTITION BY RANGE (id);
         -- A claim takes the next messages of one lane.
@@ -482,7 +486,9 @@ CREATE FUNCTION sqlstreams.produce(
     message_key text DEFAULT NULL,
     concurrency text DEFAULT NULL,
     compaction boolean DEFAULT false,
-    idempotency_key text DEFAULT NULL
+    idempotency_key text DEFAULT NULL,
+    headers jsonb DEFAULT NULL,
+    deliver_after interval DEFAULT NULL
 ) RETURNS bigint
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'produce_wrapper'
@@ -495,7 +501,9 @@ CREATE FUNCTION sqlstreams.produce_batch(
     message_keys text[] DEFAULT NULL,
     concurrency text DEFAULT NULL,
     compaction boolean DEFAULT false,
-    idempotency_keys text[] DEFAULT NULL
+    idempotency_keys text[] DEFAULT NULL,
+    headers jsonb[] DEFAULT NULL,
+    deliver_after interval DEFAULT NULL
 ) RETURNS SETOF bigint
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'produce_batch_wrapper'
@@ -521,6 +529,31 @@ CREATE FUNCTION sqlstreams.claim(
 )
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'claim_sql_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
+-- claim's columns are the contract's; the same claim with when each message was produced and
+-- its headers has a function of its own.
+CREATE FUNCTION sqlstreams.claim_with_metadata(
+    stream text,
+    group_name text,
+    batch_size integer DEFAULT 100,
+    lease interval DEFAULT '30 seconds',
+    ack_lease_token uuid DEFAULT NULL,
+    ack_message_ids bigint[] DEFAULT NULL
+) RETURNS TABLE (
+    message_id bigint,
+    message_key text,
+    concurrency text,
+    attempt integer,
+    payload jsonb,
+    lease_token uuid,
+    run_after bigint,
+    produced_at timestamptz,
+    headers jsonb
+)
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'claim_with_metadata_sql_wrapper'
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;
 
@@ -833,12 +866,13 @@ GRANT EXECUTE ON FUNCTION
     sqlstreams.peek(text, bigint, integer)
     TO sqlstreams_producer, sqlstreams_consumer, pg_monitor;
 GRANT EXECUTE ON FUNCTION
-    sqlstreams.produce(text, jsonb, text, text, boolean, text),
-    sqlstreams.produce_batch(text, jsonb[], text[], text, boolean, text[])
+    sqlstreams.produce(text, jsonb, text, text, boolean, text, jsonb, interval),
+    sqlstreams.produce_batch(text, jsonb[], text[], text, boolean, text[], jsonb[], interval)
     TO sqlstreams_producer;
 GRANT EXECUTE ON FUNCTION
     sqlstreams.create_group(text, text, text, integer, text, interval, interval, double precision, integer, integer),
     sqlstreams.claim(text, text, integer, interval, uuid, bigint[]),
+    sqlstreams.claim_with_metadata(text, text, integer, interval, uuid, bigint[]),
     sqlstreams.ack(text, text, uuid, bigint),
     sqlstreams.ack_batch(text, text, uuid, bigint[]),
     sqlstreams.fail(text, text, uuid, bigint, text, boolean, interval),
@@ -889,13 +923,17 @@ COMMENT ON FUNCTION sqlstreams.create_group(text, text, text, integer, text, int
     'concurrency_override: NULL, parallel, exclusive or ordered; start_at: beginning or head.';
 COMMENT ON FUNCTION sqlstreams.drop_group(text, text) IS
     'Drops a consumer group with its cursor, leases and exception-queue rows; false when it does not exist.';
-COMMENT ON FUNCTION sqlstreams.produce(text, jsonb, text, text, boolean, text) IS
+COMMENT ON FUNCTION sqlstreams.produce(text, jsonb, text, text, boolean, text, jsonb, interval) IS
     'Appends a message in the caller''s transaction and returns its id (NULL for a repeated idempotency_key). '
-    'Takes: the stream''s producer lock (shared) and a transaction id before the message id; the key''s '
-    'compaction head row until commit.';
-COMMENT ON FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean, text[]) IS
+    'headers: a JSON object handed out with it; deliver_after: not handed out before that long after the '
+    'transaction started. Takes: the stream''s producer lock (shared) and a transaction id before the '
+    'message id; the key''s compaction head row until commit.';
+COMMENT ON FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean, text[], jsonb[], interval) IS
     'Appends many messages in one call (the fast path); returns their ids in payload order (NULL for a '
-    'message whose idempotency key was already used).';
+    'message whose idempotency key was already used). headers: one object (or NULL) per message; '
+    'deliver_after: for every message.';
+COMMENT ON FUNCTION sqlstreams.claim_with_metadata(text, text, integer, interval, uuid, bigint[]) IS
+    'claim, with two more columns: produced_at (the producer''s transaction start) and headers.';
 COMMENT ON FUNCTION sqlstreams.claim(text, text, integer, interval, uuid, bigint[]) IS
     'Returns the work a consumer may run now under one lease: due exception rows and a claimed range '
     'from each lane it takes, in id order; run_after chains same-key rows. Takes: free lanes of the '

@@ -32,7 +32,7 @@ use crate::group::GroupRef;
 use crate::key_gate::{self, Candidate, GatherInput, Verdict};
 use crate::lanes::{self, Lane};
 use crate::locks;
-use crate::message::{self, Message};
+use crate::message::{self, Message, Meta};
 use crate::names::{self, positive_micros, validate_name};
 use crate::notify;
 use crate::outcome::{self, Signal};
@@ -55,6 +55,7 @@ pub struct Delivery {
     pub payload: RawJsonb,
     pub lease_token: pgrx::Uuid,
     pub run_after: Option<i64>,
+    pub meta: Meta,
 }
 
 /// Due exception rows of lane `$3`: retries, delays, woken or expired parked rows, expired
@@ -62,11 +63,12 @@ pub struct Delivery {
 macro_rules! due_rows {
     ($isolated:literal, $limit:literal) => {
         concat!(
-            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane, m.payload
+            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane,
+                    m.payload, m.produced_at, m.headers
              FROM sqlstreams.exception_queue_@id@ e
              -- A lookup per row (LIMIT keeps the planner from turning it into a join that
              -- scans the log); a row whose message is gone is passed over, as by a join.
-             CROSS JOIN LATERAL (SELECT m.payload FROM sqlstreams.message_log_@id@ m
+             CROSS JOIN LATERAL (SELECT m.payload, m.produced_at, m.headers FROM sqlstreams.message_log_@id@ m
                                  WHERE m.id = e.message_id LIMIT 1) m
              WHERE e.consumer_group_id = $1 AND e.lane = $3 AND e.isolated = ",
             $isolated,
@@ -98,6 +100,7 @@ struct Work {
     held: Held,
     attempt: i32,
     payload: RawJsonb,
+    meta: Meta,
     /// The first id of the range it is in, when it is a range message.
     range: Option<i64>,
 }
@@ -358,6 +361,7 @@ impl Claim<'_> {
                 held: Held::Row { status, expired },
                 attempt: attempts,
                 payload: row.required("payload")?,
+                meta: Meta::from_row(&row)?,
                 range: None,
             });
         }
@@ -407,10 +411,11 @@ impl Claim<'_> {
         if safe <= lane.claimed || room <= 0 {
             return Ok(());
         }
-        let messages = message::after(client, self.group, lane.lane, lane.claimed, safe, room)?;
+        let mut messages = message::after(client, self.group, lane.lane, lane.claimed, safe, room)?;
         let taken = messages.len();
         let first = messages.first().map(|m| m.candidate.message_id);
         let last = messages.last().map_or(lane.claimed, |m| m.candidate.message_id);
+        self.hold_back_delayed(client, &mut messages)?;
         // A full batch ends at its last message; otherwise the lane is handed out up to the
         // safe head, including ids of rolled-back producers that will never appear.
         lane.claimed = if taken as i32 == room { last } else { safe };
@@ -428,12 +433,31 @@ impl Claim<'_> {
         Ok(())
     }
 
+    /// Messages produced with `deliver_after` whose time has not come leave the range for the
+    /// queue: `ready` rows due at that time, written at once so this claim's gate sees them as
+    /// unresolved predecessors of later messages of their ordered keys.
+    fn hold_back_delayed(&mut self, client: &SpiClient<'_>, messages: &mut Vec<Message>) -> Result<()> {
+        let now = self.now;
+        let (later, due): (Vec<Message>, Vec<Message>) =
+            std::mem::take(messages).into_iter().partition(|m| m.deliver_at.is_some_and(|at| at > now));
+        *messages = due;
+        if later.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<_> = later
+            .iter()
+            .map(|m| exception_queue::delayed(&m.candidate, m.deliver_at.unwrap_or(now), now))
+            .collect();
+        exception_queue::insert(client, self.group.stream.id, self.group.id, &rows, now)
+    }
+
     fn push_range(&mut self, messages: Vec<Message>, attempt: i32, first_id: i64) {
         self.work.extend(messages.into_iter().map(|m| Work {
             candidate: m.candidate,
             held: Held::Range,
             attempt,
             payload: m.payload,
+            meta: m.meta,
             range: Some(first_id),
         }));
     }
@@ -463,6 +487,7 @@ impl Claim<'_> {
                         payload: work.payload,
                         lease_token: self.token,
                         run_after,
+                        meta: work.meta,
                     });
                 }
                 Verdict::Defer { until } => {
@@ -478,6 +503,59 @@ impl Claim<'_> {
             }
         }
         (deliveries, pending, holding)
+    }
+}
+
+/// The arguments both claim functions share, checked.
+struct ClaimArgs<'a> {
+    stream: &'a str,
+    group_name: &'a str,
+    batch: i32,
+    lease_micros: i64,
+    carried: Option<CarriedAcks>,
+}
+
+impl<'a> ClaimArgs<'a> {
+    fn check(
+        stream: Option<&'a str>,
+        group_name: Option<&'a str>,
+        batch_size: Option<i32>,
+        lease: Option<Interval>,
+        ack_lease_token: Option<pgrx::Uuid>,
+        ack_message_ids: Option<Vec<Option<i64>>>,
+    ) -> Result<Self> {
+        let stream = validate_name("stream", stream)?;
+        let group_name = validate_name("group", group_name)?;
+        let batch = match batch_size {
+            Some(n) if (1..=MAX_BATCH).contains(&n) => n,
+            other => {
+                return Err(StreamError::invalid(
+                    format!("batch_size {} is not valid", other.map_or("NULL".into(), |n| n.to_string())),
+                    format!("Pass a batch_size between 1 and {MAX_BATCH}."),
+                ))
+            }
+        };
+        let lease_micros = crate::settings::check_lease(
+            "lease",
+            positive_micros("lease", lease.map(|l| l.as_micros()), "'30 seconds'")?,
+        )?;
+        let carried = match (ack_lease_token, ack_message_ids) {
+            (Some(token), ids @ Some(_)) => {
+                Some(CarriedAcks { token, ids: names::message_ids("ack_message_ids", ids)? })
+            }
+            (None, None) => None,
+            _ => {
+                return Err(StreamError::invalid(
+                    "ack_lease_token and ack_message_ids go together",
+                    "Pass both (to ack an earlier claim's messages first) or neither.",
+                ))
+            }
+        };
+        Ok(ClaimArgs { stream, group_name, batch, lease_micros, carried })
+    }
+
+    fn claim(self) -> Result<Vec<Delivery>> {
+        claim(self.stream, self.group_name, self.batch, self.lease_micros, self.carried)
     }
 }
 
@@ -512,33 +590,8 @@ fn claim_sql(
     >,
     ErrorReport,
 > {
-    let stream = validate_name("stream", stream)?;
-    let group_name = validate_name("group", group_name)?;
-    let batch = match batch_size {
-        Some(n) if (1..=MAX_BATCH).contains(&n) => n,
-        other => {
-            return Err(StreamError::invalid(
-                format!("batch_size {} is not valid", other.map_or("NULL".into(), |n| n.to_string())),
-                format!("Pass a batch_size between 1 and {MAX_BATCH}."),
-            )
-            .into())
-        }
-    };
-    let lease_micros =
-        crate::settings::check_lease("lease", positive_micros("lease", lease.map(|l| l.as_micros()), "'30 seconds'")?)?;
-    let carried = match (ack_lease_token, ack_message_ids) {
-        (Some(token), ids @ Some(_)) => Some(CarriedAcks { token, ids: names::message_ids("ack_message_ids", ids)? }),
-        (None, None) => None,
-        _ => {
-            return Err(StreamError::invalid(
-                "ack_lease_token and ack_message_ids go together",
-                "Pass both (to ack an earlier claim's messages first) or neither.",
-            )
-            .into())
-        }
-    };
-    let deliveries = claim(stream, group_name, batch, lease_micros, carried)?;
-    Ok(TableIterator::new(deliveries.into_iter().map(|d| {
+    let args = ClaimArgs::check(stream, group_name, batch_size, lease, ack_lease_token, ack_message_ids)?;
+    Ok(TableIterator::new(args.claim()?.into_iter().map(|d| {
         (
             d.message_id,
             d.message_key,
@@ -549,4 +602,54 @@ fn claim_sql(
             d.run_after,
         )
     })))
+}
+
+/// `claim`, with two more columns: when each message was produced and its headers. The
+/// contract fixes `claim`'s columns, so the longer row has a function of its own.
+#[pg_extern(volatile, parallel_unsafe, name = "claim_with_metadata")]
+fn claim_with_metadata_sql(
+    stream: Option<&str>,
+    group_name: Option<&str>,
+    batch_size: default!(Option<i32>, 100),
+    lease: default!(Option<Interval>, "'30 seconds'"),
+    ack_lease_token: default!(Option<pgrx::Uuid>, "NULL"),
+    ack_message_ids: default!(Option<Vec<Option<i64>>>, "NULL"),
+) -> Result<
+    TableIterator<
+        'static,
+        (
+            name!(message_id, i64),
+            name!(message_key, Option<String>),
+            name!(concurrency, String),
+            name!(attempt, i32),
+            name!(payload, RawJsonb),
+            name!(lease_token, pgrx::Uuid),
+            name!(run_after, Option<i64>),
+            name!(produced_at, TimestampWithTimeZone),
+            name!(headers, Option<RawJsonb>),
+        ),
+    >,
+    ErrorReport,
+> {
+    let args = ClaimArgs::check(stream, group_name, batch_size, lease, ack_lease_token, ack_message_ids)?;
+    let deliveries = args.claim()?;
+    let rows: Vec<_> = deliveries
+        .into_iter()
+        .map(|d| {
+            let produced_at = TimestampWithTimeZone::try_from(d.meta.produced_at)
+                .map_err(|_| StreamError::Internal(format!("message {} has no finite produced_at", d.message_id)))?;
+            Ok((
+                d.message_id,
+                d.message_key,
+                d.concurrency.as_str().to_string(),
+                d.attempt,
+                d.payload,
+                d.lease_token,
+                d.run_after,
+                produced_at,
+                d.meta.headers,
+            ))
+        })
+        .collect::<Result<_>>()?;
+    Ok(TableIterator::new(rows))
 }

@@ -2,6 +2,7 @@
 //! the group that reads it.
 
 use pgrx::pg_sys::BuiltinOid::*;
+use pgrx::datum::TimestampWithTimeZone;
 use pgrx::spi::{SpiClient, SpiHeapTupleData, SpiTupleTable};
 
 use crate::concurrency::{self, Concurrency};
@@ -13,7 +14,7 @@ use crate::statement::{Columns, Statement};
 
 const BY_ID: Statement = Statement {
     name: "message_by_id",
-    sql: "SELECT id, message_key, concurrency, compaction, lane, payload FROM sqlstreams.message_log_@id@
+    sql: "SELECT id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at FROM sqlstreams.message_log_@id@
           WHERE id = ANY($1) ORDER BY id",
     params: &[INT8ARRAYOID],
 };
@@ -25,7 +26,7 @@ const BY_ID: Statement = Statement {
 /// enough to take the primary key and sort.
 const AFTER: Statement = Statement {
     name: "message_after",
-    sql: "SELECT id, message_key, concurrency, compaction, lane, payload FROM sqlstreams.message_log_@id@
+    sql: "SELECT id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at FROM sqlstreams.message_log_@id@
           WHERE (lane, id) > ($4, $1) AND (lane, id) <= ($4, $2) AND id > $1
           ORDER BY lane, id LIMIT $3",
     params: &[INT8OID, INT8OID, INT4OID, INT4OID],
@@ -35,6 +36,27 @@ const AFTER: Statement = Statement {
 pub struct Message {
     pub candidate: Candidate,
     pub payload: RawJsonb,
+    pub meta: Meta,
+    /// Not to be handed out before this time (produce's `deliver_after`).
+    pub deliver_at: Option<i64>,
+}
+
+/// What a delivery carries besides the payload: when the message was produced, its headers.
+#[derive(Clone, Copy)]
+pub struct Meta {
+    pub produced_at: i64,
+    pub headers: Option<RawJsonb>,
+}
+
+impl Meta {
+    /// Reads `produced_at` and `headers` from a row that selected them.
+    pub fn from_row(row: &SpiHeapTupleData<'_>) -> Result<Meta> {
+        Ok(Meta { produced_at: micros(row.required("produced_at")?), headers: row.value("headers")? })
+    }
+}
+
+fn micros(t: TimestampWithTimeZone) -> i64 {
+    t.into_inner()
 }
 
 fn candidate(row: &SpiHeapTupleData<'_>, group: &GroupRef) -> Result<Candidate> {
@@ -50,7 +72,15 @@ fn candidate(row: &SpiHeapTupleData<'_>, group: &GroupRef) -> Result<Candidate> 
 }
 
 fn messages(rows: SpiTupleTable<'_>, group: &GroupRef) -> Result<Vec<Message>> {
-    rows.map(|row| Ok(Message { candidate: candidate(&row, group)?, payload: row.required("payload")? })).collect()
+    rows.map(|row| {
+        Ok(Message {
+            candidate: candidate(&row, group)?,
+            payload: row.required("payload")?,
+            meta: Meta::from_row(&row)?,
+            deliver_at: row.value::<TimestampWithTimeZone>("deliver_at")?.map(micros),
+        })
+    })
+    .collect()
 }
 
 /// The messages `ids` (those that exist), in id order, with their payloads.

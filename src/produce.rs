@@ -28,21 +28,35 @@ const NEXT_IDS: Statement = Statement {
     params: &[INT4OID],
 };
 
+/// `deliver_at` counts from the producer's transaction start, like `produced_at`.
 const INSERT_ONE: Statement = Statement {
     name: "produce_insert_one",
-    sql: "INSERT INTO sqlstreams.message_log_@id@ (id, message_key, concurrency, compaction, payload, lane)
-          VALUES ($1, $2, $3, $4, $5, sqlstreams.lane($2, $1, $6))",
-    params: &[INT8OID, TEXTOID, TEXTOID, BOOLOID, JSONBOID, INT4OID],
+    sql: "INSERT INTO sqlstreams.message_log_@id@
+              (id, message_key, concurrency, compaction, payload, lane, headers, deliver_at)
+          VALUES ($1, $2, $3, $4, $5, sqlstreams.lane($2, $1, $6), $7, now() + $8)",
+    params: &[INT8OID, TEXTOID, TEXTOID, BOOLOID, JSONBOID, INT4OID, JSONBOID, INTERVALOID],
 };
 
 /// Every message of the batch, or only the ids in `$7` (those whose idempotency key was new).
 const INSERT_MANY: Statement = Statement {
     name: "produce_insert_many",
-    sql: "INSERT INTO sqlstreams.message_log_@id@ (id, message_key, concurrency, compaction, payload, lane)
-          SELECT u.id, u.message_key, $3, $4, u.payload, sqlstreams.lane(u.message_key, u.id, $6)
-          FROM unnest($1::bigint[], $2::text[], $5::jsonb[]) AS u(id, message_key, payload)
+    sql: "INSERT INTO sqlstreams.message_log_@id@
+              (id, message_key, concurrency, compaction, payload, lane, headers, deliver_at)
+          SELECT u.id, u.message_key, $3, $4, u.payload, sqlstreams.lane(u.message_key, u.id, $6),
+                 u.headers, now() + $9
+          FROM unnest($1::bigint[], $2::text[], $5::jsonb[], $8::jsonb[]) AS u(id, message_key, payload, headers)
           WHERE $7::bigint[] IS NULL OR u.id = ANY($7)",
-    params: &[INT8ARRAYOID, TEXTARRAYOID, TEXTOID, BOOLOID, JSONBARRAYOID, INT4OID, INT8ARRAYOID],
+    params: &[
+        INT8ARRAYOID,
+        TEXTARRAYOID,
+        TEXTOID,
+        BOOLOID,
+        JSONBARRAYOID,
+        INT4OID,
+        INT8ARRAYOID,
+        JSONBARRAYOID,
+        INTERVALOID,
+    ],
 };
 
 /// `IDEMPOTENCY` for a batch: returns the ids whose key was new (or had expired).
@@ -90,6 +104,72 @@ const BATCH_SHAPE: Statement = Statement {
     params: &[JSONBARRAYOID],
 };
 
+/// Headers must be a JSON object (NULL: none).
+const HEADERS_KIND: Statement =
+    Statement { name: "produce_headers_kind", sql: "SELECT jsonb_typeof($1) AS kind", params: &[JSONBOID] };
+
+/// A batch's headers: one per payload, each an object or NULL.
+const BATCH_HEADERS: Statement = Statement {
+    name: "produce_batch_headers",
+    sql: "SELECT coalesce(cardinality($1), 0) AS count, coalesce(array_ndims($1), 1) AS dimensions,
+                 (SELECT min(u.n) FROM unnest($1) WITH ORDINALITY AS u(h, n)
+                  WHERE jsonb_typeof(u.h) <> 'object')::int4 AS first_bad",
+    params: &[JSONBARRAYOID],
+};
+
+const HEADERS_HINT: &str = "Pass headers as a JSON object, such as '{\"traceparent\": \"00-...\"}', or NULL for none.";
+
+fn check_headers(client: &SpiClient<'_>, headers: Option<RawJsonb>) -> Result<()> {
+    let Some(headers) = headers else { return Ok(()) };
+    let kind: String = HEADERS_KIND.run(client, 0, &[headers.into()])?.first().required("kind")?;
+    if kind != "object" {
+        return Err(StreamError::invalid(format!("headers must be a JSON object, not {kind}"), HEADERS_HINT));
+    }
+    Ok(())
+}
+
+fn check_batch_headers(client: &SpiClient<'_>, headers: Option<RawJsonbArray>, count: i32) -> Result<()> {
+    let Some(headers) = headers else { return Ok(()) };
+    let shape = BATCH_HEADERS.run(client, 0, &[headers.into()])?.first();
+    let given: i32 = shape.required("count")?;
+    if shape.value::<i32>("dimensions")? != Some(1) || given != count {
+        return Err(StreamError::invalid(
+            format!("headers has {given} elements but payloads has {count}"),
+            "Pass one headers object per payload (NULL for a message without headers), or no headers at all.",
+        ));
+    }
+    if let Some(position) = shape.value::<i32>("first_bad")? {
+        return Err(StreamError::invalid(format!("headers {position} of the batch is not a JSON object"), HEADERS_HINT));
+    }
+    Ok(())
+}
+
+/// `deliver_after`, checked: not negative; zero (or NULL) delivers at once.
+pub fn check_deliver_after(deliver_after: Option<Interval>) -> Result<Option<Interval>> {
+    match deliver_after {
+        Some(d) if d.as_micros() < 0 => Err(StreamError::invalid(
+            format!("deliver_after {d} is negative"),
+            "Pass how long to hold the message back, such as '5 minutes', or NULL to deliver it at once.",
+        )),
+        Some(d) if d.as_micros() == 0 => Ok(None),
+        other => Ok(other),
+    }
+}
+
+/// What a message carries besides its payload and key: headers, and when it may be delivered.
+#[derive(Clone, Copy, Default)]
+pub struct Extras {
+    pub headers: Option<RawJsonb>,
+    pub deliver_after: Option<Interval>,
+}
+
+/// `Extras` of a batch: one headers object per message; one `deliver_after` for all.
+#[derive(Clone, Copy, Default)]
+pub struct BatchExtras {
+    pub headers: Option<RawJsonbArray>,
+    pub deliver_after: Option<Interval>,
+}
+
 /// Registers this transaction as a producer of the stream, then takes its transaction id, both
 /// before any message id (the fence's rules, src/fence.rs).
 fn become_producer(stream: &StreamRef) {
@@ -129,11 +209,13 @@ pub fn produce_one(
     payload: RawJsonb,
     request: &ProduceRequest<'_>,
     idempotency_key: Option<&str>,
+    extras: Extras,
 ) -> Result<Option<i64>> {
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             let stream = stream::lookup(client, stream_name)?;
             caller.require(client, stream.id, stream_name, Right::Produce)?;
+            check_headers(client, extras.headers)?;
             let id = next_ids(client, &stream, 1)?[0];
             if let Some(key) = idempotency_key {
                 let claimed = IDEMPOTENCY.run(client, stream.id, &[key.into(), id.into(), stream.id.into()])?;
@@ -152,6 +234,8 @@ pub fn produce_one(
                     request.compaction.into(),
                     payload.into(),
                     stream.lanes.into(),
+                    extras.headers.into(),
+                    extras.deliver_after.into(),
                 ],
             )?;
             finish(client, &stream, &[id], &[request.message_key], request.compaction)?;
@@ -170,7 +254,9 @@ pub fn produce_many(
     concurrency: Option<&str>,
     compaction: bool,
     idempotency_keys: Option<Vec<Option<&str>>>,
+    extras: BatchExtras,
 ) -> Result<Vec<Option<i64>>> {
+    let BatchExtras { headers, deliver_after } = extras;
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             let stream = stream::lookup(client, stream_name)?;
@@ -203,6 +289,7 @@ pub fn produce_many(
             if let Some(idempotency) = &idempotency_keys {
                 check_idempotency_keys(idempotency, count as usize)?;
             }
+            check_batch_headers(client, headers, count)?;
             if count == 0 {
                 return Ok(vec![]);
             }
@@ -252,6 +339,8 @@ pub fn produce_many(
                     payloads.into(),
                     stream.lanes.into(),
                     produced.clone().into(),
+                    headers.into(),
+                    deliver_after.into(),
                 ],
             )?;
             let (written_ids, written_keys): (Vec<i64>, Vec<Option<&str>>) = written.into_iter().unzip();
@@ -263,7 +352,9 @@ pub fn produce_many(
 
 /// Appends a message to a stream in the caller's transaction and returns its id. Consumers see
 /// it when the transaction commits. Returns NULL (producing nothing) when idempotency_key was
-/// already used within the stream's idempotency_ttl.
+/// already used within the stream's idempotency_ttl. `headers` (a JSON object) travel with the
+/// message to `claim_with_metadata`; `deliver_after` holds it back that long from the
+/// transaction's start.
 #[pg_extern(volatile, parallel_unsafe)]
 fn produce(
     stream: Option<&str>,
@@ -272,6 +363,8 @@ fn produce(
     concurrency: default!(Option<&str>, "NULL"),
     compaction: default!(Option<bool>, false),
     idempotency_key: default!(Option<&str>, "NULL"),
+    headers: default!(Option<RawJsonb>, "NULL"),
+    deliver_after: default!(Option<Interval>, "NULL"),
 ) -> SqlResult<Option<i64>> {
     let stream = validate_name("stream", stream)?;
     let request = ProduceRequest::validate(message_key, concurrency, compaction.unwrap_or(false))?;
@@ -291,7 +384,8 @@ fn produce(
     if let Some(key) = idempotency_key {
         crate::names::check_key_length("idempotency_key", key)?;
     }
-    Ok(produce_one(stream, payload, &request, idempotency_key)?)
+    let extras = Extras { headers, deliver_after: check_deliver_after(deliver_after)? };
+    Ok(produce_one(stream, payload, &request, idempotency_key, extras)?)
 }
 
 /// Checks a batch's idempotency keys: one per payload (NULL for a message without one), none
@@ -328,6 +422,8 @@ fn produce_batch(
     concurrency: default!(Option<&str>, "NULL"),
     compaction: default!(Option<bool>, false),
     idempotency_keys: default!(Option<Vec<Option<String>>>, "NULL"),
+    headers: default!(Option<RawJsonbArray>, "NULL"),
+    deliver_after: default!(Option<Interval>, "NULL"),
 ) -> std::result::Result<SetOfIterator<'static, Option<i64>>, ErrorReport> {
     let stream = validate_name("stream", stream)?;
     let payloads = payloads.ok_or_else(|| {
@@ -336,6 +432,7 @@ fn produce_batch(
     let keys: Option<Vec<Option<&str>>> = message_keys.as_ref().map(|k| k.iter().map(Option::as_deref).collect());
     let idempotency: Option<Vec<Option<&str>>> =
         idempotency_keys.as_ref().map(|k| k.iter().map(Option::as_deref).collect());
-    let ids = produce_many(stream, payloads, keys, concurrency, compaction.unwrap_or(false), idempotency)?;
+    let extras = BatchExtras { headers, deliver_after: check_deliver_after(deliver_after)? };
+    let ids = produce_many(stream, payloads, keys, concurrency, compaction.unwrap_or(false), idempotency, extras)?;
     Ok(SetOfIterator::new(ids))
 }

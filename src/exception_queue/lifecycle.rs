@@ -10,7 +10,8 @@
 //!   ├─ a newer compacted message of its key .... superseded             supersede
 //!   ├─ an earlier row of its chain failed ...... deferred (parked)       defer_chain
 //!   ├─ given back unstarted .................... ready, due now          give_back
-//!   └─ its range kept expiring ................. ready, isolated, due now quarantine
+//!   ├─ its range kept expiring ................. ready, isolated, due now quarantine
+//!   └─ produced with a deliver_after to come ... ready, due then          delayed
 //! ready | deferred, once due
 //!   ├─ the gate lets it run .................... inflight (leased)       hand_out
 //!   ├─ still blocked ........................... same status, parked     defer_behind
@@ -215,6 +216,13 @@ pub fn quarantine(c: &Candidate, range: &RangeLease, now: i64) -> NewRow {
         range.reclaims + 1
     );
     NewRow { isolated: true, last_error: Some(error), ..new_row(c, Status::Ready, now) }
+}
+
+/// A message produced with `deliver_after` whose time has not come: it has never run, so no
+/// attempt is counted; it is `ready` from `deliver_at` on. Until then it holds its ordered
+/// key's later messages like any unresolved row.
+pub fn delayed(c: &Candidate, deliver_at: i64, now: i64) -> NewRow {
+    new_row(c, Status::Ready, deliver_at.max(now))
 }
 
 /// Later inflight rows of a key under the same token: the rest of a failed row's chain.

@@ -83,6 +83,14 @@ SELECT message_id, payload FROM d;
 SELECT sqlstreams.ack('upgrade.idempotent', 'g', lease_token, message_id) FROM d;
 DROP TABLE d;
 
+-- Headers and delayed delivery on an upgraded stream.
+SELECT sqlstreams.produce('upgrade.idempotent', '{"n": 3}', headers => '{"h": "v"}') > 0 AS produced;
+SELECT sqlstreams.produce('upgrade.idempotent', '{"n": 4}', deliver_after => '1 hour') > 0 AS produced;
+CREATE TEMP TABLE d AS SELECT * FROM sqlstreams.claim_with_metadata('upgrade.idempotent', 'g');
+SELECT payload, headers, produced_at IS NOT NULL AS has_produced_at FROM d;
+SELECT sqlstreams.ack('upgrade.idempotent', 'g', lease_token, message_id) FROM d;
+DROP TABLE d;
+
 -- New messages on an upgraded stream, a new group, a new stream with its own lane count.
 SELECT count(*) FROM sqlstreams.produce_batch('upgrade.ordered', ARRAY['{"n": 8}', '{"n": 9}']::jsonb[], ARRAY['a', 'd']);
 SELECT sqlstreams.create_group('upgrade.ordered', 'late', start_at => 'beginning');

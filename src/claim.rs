@@ -444,10 +444,8 @@ impl Claim<'_> {
         if later.is_empty() {
             return Ok(());
         }
-        let rows: Vec<_> = later
-            .iter()
-            .map(|m| exception_queue::delayed(&m.candidate, m.deliver_at.unwrap_or(now), now))
-            .collect();
+        let rows: Vec<_> =
+            later.iter().map(|m| exception_queue::delayed(&m.candidate, m.deliver_at.unwrap_or(now), now)).collect();
         exception_queue::insert(client, self.group.stream.id, self.group.id, &rows, now)
     }
 

@@ -1,8 +1,8 @@
 //! Reading the stream's log (`message_log_<id>`), with each message's concurrency resolved for
 //! the group that reads it.
 
-use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::datum::TimestampWithTimeZone;
+use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::{SpiClient, SpiHeapTupleData, SpiTupleTable};
 
 use crate::concurrency::{self, Concurrency};

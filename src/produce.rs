@@ -139,7 +139,10 @@ fn check_batch_headers(client: &SpiClient<'_>, headers: Option<RawJsonbArray>, c
         ));
     }
     if let Some(position) = shape.value::<i32>("first_bad")? {
-        return Err(StreamError::invalid(format!("headers {position} of the batch is not a JSON object"), HEADERS_HINT));
+        return Err(StreamError::invalid(
+            format!("headers {position} of the batch is not a JSON object"),
+            HEADERS_HINT,
+        ));
     }
     Ok(())
 }

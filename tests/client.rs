@@ -733,3 +733,46 @@ async fn consumers_report_through_the_metrics_facade() {
     }
     assert_eq!((succeeded, handler_samples), (3, 3));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn headers_produced_at_and_deliver_after_reach_the_handler() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("headers"));
+    stream.register().await.unwrap();
+    let consumer = stream.consumer("g").register(config(None)).await.unwrap();
+    let producer = stream.producer();
+    let mut trace = sqlstreams_client::Headers::new();
+    trace.insert("traceparent".into(), "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into());
+    let traced = ProduceOptions { headers: Some(trace.clone()), ..keyed("a") };
+    let one = producer.produce(&adjustment("a", 1), traced).await.unwrap().id().unwrap();
+    let plain = producer.produce(&adjustment("b", 2), keyed("b")).await.unwrap().id().unwrap();
+    let mut tenant = sqlstreams_client::Headers::new();
+    tenant.insert("tenant".into(), 7.into());
+    let batch_options = BatchOptions { headers: Some(tenant.clone()), ..Default::default() };
+    let (c, d) = (adjustment("c", 3), adjustment("d", 4));
+    let batch = producer.produce_batch([(&c, Some("c")), (&d, Some("d"))], batch_options).await.unwrap();
+    let wait = Duration::from_millis(300);
+    let delayed_options = ProduceOptions { deliver_after: Some(wait), ..keyed("e") };
+    let delayed = producer.produce(&adjustment("e", 5), delayed_options).await.unwrap().id().unwrap();
+
+    type Seen = Arc<Mutex<Vec<(i64, sqlstreams_client::Headers, std::time::SystemTime, std::time::SystemTime)>>>;
+    let seen: Seen = Arc::default();
+    let running = {
+        let seen = seen.clone();
+        consumer.start(move |d: Delivery<Adjustment>| {
+            seen.lock().unwrap().push((d.id, d.headers.clone(), d.produced_at, std::time::SystemTime::now()));
+            std::future::ready(Ok::<(), HandlerError>(()))
+        })
+    };
+    eventually("all five", || seen.lock().unwrap().len() == 5).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    let seen = seen.lock().unwrap();
+    let by_id = |id: i64| seen.iter().find(|s| s.0 == id).unwrap().clone();
+    assert_eq!(by_id(one).1, trace);
+    assert!(by_id(plain).1.is_empty());
+    assert_eq!((by_id(batch[0]).1, by_id(batch[1]).1), (tenant.clone(), tenant));
+    let (_, _, produced_at, ran_at) = by_id(delayed);
+    assert!(ran_at >= produced_at + wait, "delivered {:?} after it was produced", ran_at.duration_since(produced_at));
+    let age = std::time::SystemTime::now().duration_since(by_id(plain).2).unwrap();
+    assert!(age < Duration::from_secs(60), "produced_at is the producer's time, {age:?} ago");
+}

@@ -133,7 +133,8 @@ fn a_delayed_message_waits_for_its_time_and_holds_only_its_ordered_key() {
     let behind = s.produce(&mut c, json!({"n": 2}), Some("k"));
     let other = s.produce(&mut c, json!({"n": 3}), Some("j"));
 
-    let sql = format!("SELECT deliver_at - produced_at = interval '1 hour' FROM {} WHERE id = $1", s.table("message_log"));
+    let sql =
+        format!("SELECT deliver_at - produced_at = interval '1 hour' FROM {} WHERE id = $1", s.table("message_log"));
     assert!(c.query_one(&sql, &[&later]).unwrap().get::<_, bool>(0), "deliver_after counts from produced_at");
 
     // Ordered: k's later message waits behind the delayed one; j is not held.

@@ -90,6 +90,10 @@ pub use error::{Error, Result};
 pub use producer::{BatchOptions, ProduceOptions, Produced, Producer};
 pub use stream::{Stream, StreamConfig};
 
+/// A message's headers: a JSON object produced with it (a W3C `traceparent`, a tenant, a
+/// schema version) and handed to its handlers in [`Delivery::headers`].
+pub type Headers = serde_json::Map<String, serde_json::Value>;
+
 /// When a keyed message must wait (see the extension's documentation).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Concurrency {

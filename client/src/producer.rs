@@ -8,7 +8,9 @@ use tokio_postgres::GenericClient;
 use crate::error::Result;
 use crate::sql;
 use crate::stream::Stream;
-use crate::Concurrency;
+use std::time::Duration;
+
+use crate::{Concurrency, Headers};
 
 /// Options of one produced message. All default to "none".
 #[derive(Clone, Debug, Default)]
@@ -23,6 +25,10 @@ pub struct ProduceOptions {
     pub compaction: bool,
     /// A repeat of this key within the stream's idempotency TTL produces nothing.
     pub idempotency_key: Option<String>,
+    /// Handed to handlers with the message ([`crate::Delivery::headers`]).
+    pub headers: Option<Headers>,
+    /// Not delivered before this long after the producing transaction started.
+    pub deliver_after: Option<Duration>,
 }
 
 /// Options shared by every message of a batch.
@@ -32,6 +38,20 @@ pub struct BatchOptions {
     pub concurrency: Option<Concurrency>,
     /// Every message carries its key's latest state (see [`ProduceOptions::compaction`]).
     pub compaction: bool,
+    /// Headers of every message of the batch (see [`ProduceOptions::headers`]).
+    pub headers: Option<Headers>,
+    /// Every message waits this long (see [`ProduceOptions::deliver_after`]).
+    pub deliver_after: Option<Duration>,
+}
+
+impl BatchOptions {
+    fn headers(&self) -> Option<serde_json::Value> {
+        self.headers.clone().map(serde_json::Value::Object)
+    }
+
+    fn deliver_after(&self) -> Option<f64> {
+        self.deliver_after.map(|d| d.as_secs_f64())
+    }
 }
 
 /// The outcome of a produce.
@@ -103,8 +123,13 @@ where
         let conn = self.stream.pool.conn().await?;
         let statement = conn.prepare_cached(sql::PRODUCE_BATCH).await?;
         let concurrency = options.concurrency.map(Concurrency::as_str);
-        let rows =
-            conn.query(&statement, &[&self.stream.name, &payloads, &keys, &concurrency, &options.compaction]).await?;
+        let (headers, deliver_after) = (options.headers(), options.deliver_after());
+        let rows = conn
+            .query(
+                &statement,
+                &[&self.stream.name, &payloads, &keys, &concurrency, &options.compaction, &headers, &deliver_after],
+            )
+            .await?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 
@@ -127,6 +152,8 @@ where
                     &keys,
                     &options.concurrency.map(Concurrency::as_str),
                     &options.compaction,
+                    &options.headers(),
+                    &options.deliver_after(),
                 ],
             )
             .await?;
@@ -142,6 +169,8 @@ struct ProduceArgs<'a> {
     concurrency: Option<&'static str>,
     compaction: bool,
     idempotency_key: Option<&'a str>,
+    headers: Option<serde_json::Value>,
+    deliver_after: Option<f64>,
 }
 
 impl<'a> ProduceArgs<'a> {
@@ -153,11 +182,22 @@ impl<'a> ProduceArgs<'a> {
             concurrency: options.concurrency.map(Concurrency::as_str),
             compaction: options.compaction,
             idempotency_key: options.idempotency_key.as_deref(),
+            headers: options.headers.clone().map(serde_json::Value::Object),
+            deliver_after: options.deliver_after.map(|d| d.as_secs_f64()),
         })
     }
 
-    fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 6] {
-        [&self.stream, &self.payload, &self.key, &self.concurrency, &self.compaction, &self.idempotency_key]
+    fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 8] {
+        [
+            &self.stream,
+            &self.payload,
+            &self.key,
+            &self.concurrency,
+            &self.compaction,
+            &self.idempotency_key,
+            &self.headers,
+            &self.deliver_after,
+        ]
     }
 }
 

@@ -22,13 +22,18 @@ pub const GROUP_SETTINGS: &str = "SELECT concurrency_override, max_retries,
         backoff_exponent, max_delays, max_reclaims
         FROM sqlstreams.consumer_groups WHERE stream = $1 AND name = $2";
 
-pub const PRODUCE: &str = "SELECT sqlstreams.produce($1, $2::text::jsonb, $3, $4, $5, $6)";
+pub const PRODUCE: &str = "SELECT sqlstreams.produce($1, $2::text::jsonb, $3, $4, $5, $6,
+        headers => $7, deliver_after => $8::float8 * interval '1 second')";
 
-pub const PRODUCE_BATCH: &str = "SELECT sqlstreams.produce_batch($1, $2::text[]::jsonb[], $3, $4, $5)";
+/// `$6`, the batch's headers, go with every message of it.
+pub const PRODUCE_BATCH: &str = "SELECT sqlstreams.produce_batch($1, $2::text[]::jsonb[], $3, $4, $5,
+        headers => CASE WHEN $6::jsonb IS NOT NULL THEN array_fill($6::jsonb, ARRAY[cardinality($2)]) END,
+        deliver_after => $7::float8 * interval '1 second')";
 
 /// Claims, first acking `$6` under lease token `$5` when given (one round trip, one commit).
-pub const CLAIM: &str = "SELECT message_id, message_key, concurrency, attempt, payload::text, lease_token, run_after
-        FROM sqlstreams.claim($1, $2, $3, $4::float8 * interval '1 second', $5, $6)";
+pub const CLAIM: &str = "SELECT message_id, message_key, concurrency, attempt, payload::text, lease_token, run_after,
+        produced_at, headers
+        FROM sqlstreams.claim_with_metadata($1, $2, $3, $4::float8 * interval '1 second', $5, $6)";
 
 pub const ACK: &str = "SELECT sqlstreams.ack($1, $2, $3, $4)";
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::Concurrency;
+use crate::{Concurrency, Headers};
 
 /// One delivery of one message to a handler.
 ///
@@ -26,6 +26,11 @@ pub struct Delivery<T> {
     pub attempt: u32,
     /// The policy the group applied.
     pub concurrency: Concurrency,
+    /// When the message was produced: the start of the producer's transaction, by the
+    /// database's clock.
+    pub produced_at: std::time::SystemTime,
+    /// The headers it was produced with (empty when none).
+    pub headers: Headers,
     pub(crate) cancel: CancellationToken,
     pub(crate) deadline: Instant,
 }
@@ -39,6 +44,11 @@ impl<T> Delivery<T> {
     /// Whether the handler has been asked to stop.
     pub fn is_cancelled(&self) -> bool {
         self.cancel.is_cancelled()
+    }
+
+    /// A header's value as text, when it is a JSON string (a `traceparent`, for example).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(serde_json::Value::as_str)
     }
 
     /// A token to pass to blocking calls that take one.

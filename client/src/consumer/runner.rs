@@ -26,7 +26,7 @@ use super::writer::Writer;
 use super::{ConsumerConfig, ConsumerGroup};
 use crate::backoff::Backoff;
 use crate::error::Result;
-use crate::{sql, Concurrency};
+use crate::{sql, Concurrency, Headers};
 
 /// One row of a claim result.
 struct Claimed {
@@ -37,6 +37,8 @@ struct Claimed {
     payload: String,
     token: Uuid,
     run_after: Option<i64>,
+    produced_at: std::time::SystemTime,
+    headers: Option<serde_json::Value>,
 }
 
 /// How a delivery ended, before it is recorded.
@@ -232,6 +234,8 @@ async fn claim<T, H>(ctx: &Ctx<T, H>, batch: i32, acks: Option<&(Uuid, Vec<i64>)
                 payload: r.get(4),
                 token: r.get(5),
                 run_after: r.get(6),
+                produced_at: r.get(7),
+                headers: r.get(8),
             })
             .collect())
     }
@@ -343,6 +347,11 @@ where
             key: row.key.clone(),
             attempt: row.attempt,
             concurrency: row.concurrency,
+            produced_at: row.produced_at,
+            headers: match &row.headers {
+                Some(serde_json::Value::Object(headers)) => headers.clone(),
+                _ => Headers::new(),
+            },
             cancel: cancel.clone(),
             deadline,
         };

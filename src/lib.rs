@@ -48,6 +48,7 @@ mod settings;
 mod statement;
 mod stream;
 mod version;
+mod worker;
 
 /// Runs once per backend, when the library is loaded.
 #[pg_guard]
@@ -57,6 +58,7 @@ pub extern "C-unwind" fn _PG_init() {
     std::env::set_var("RUST_LIB_BACKTRACE", "0");
     commit::init();
     settings::init();
+    worker::init();
 }
 
 // The install and upgrade scripts are written by hand (sql/sqlstreams--*.sql); `scripts/rig test`

@@ -1,0 +1,102 @@
+//! The maintenance worker: when the library is preloaded (`shared_preload_libraries =
+//! 'sqlstreams'`), a background worker runs `maintain()` in one database every
+//! `sqlstreams.maintain_interval`, so retention, partitions ahead and expired idempotency keys
+//! need no external scheduler. Without preloading, consumers' claims run retention themselves
+//! (src/retention.rs) and `maintain()` is there for cron.
+//!
+//! - `sqlstreams.worker_database` (server start): the database it maintains; default `postgres`.
+//!   A database without the extension is left alone.
+//! - `sqlstreams.maintain_interval` (reload): seconds between rounds; 0 pauses the worker.
+//!
+//! An error in a round ends the worker process with the error in the server log; the
+//! postmaster starts it again after `RESTART`.
+
+use std::ffi::CString;
+use std::time::Duration;
+
+use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
+use pgrx::prelude::*;
+use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
+
+static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
+/// Seconds.
+static INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(60);
+
+const RESTART: Duration = Duration::from_secs(10);
+
+/// While `shared_preload_libraries` is being loaded: registers the worker's settings and the
+/// worker. (A library loaded later may not define a server-start setting, and has no worker.)
+pub fn init() {
+    // SAFETY: reads a flag the postmaster sets while it loads preloaded libraries.
+    if !unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
+        return;
+    }
+    GucRegistry::define_string_guc(
+        c"sqlstreams.worker_database",
+        c"The database the sqlstreams maintenance worker runs maintain() in.",
+        c"Only used when sqlstreams is in shared_preload_libraries.",
+        &DATABASE,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"sqlstreams.maintain_interval",
+        c"How often the sqlstreams maintenance worker runs maintain(); 0 pauses it.",
+        c"Only used when sqlstreams is in shared_preload_libraries.",
+        &INTERVAL,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
+    BackgroundWorkerBuilder::new("sqlstreams maintenance")
+        .set_type("sqlstreams maintenance")
+        .set_library("sqlstreams")
+        .set_function("sqlstreams_maintenance_main")
+        .enable_spi_access()
+        .set_restart_time(Some(RESTART))
+        .load();
+}
+
+fn interval() -> Option<Duration> {
+    match INTERVAL.get() {
+        0 => None,
+        seconds => Some(Duration::from_secs(seconds as u64)),
+    }
+}
+
+/// One round: `maintain()`, if the extension is installed here.
+fn round() {
+    BackgroundWorker::transaction(|| {
+        let installed = Spi::get_one::<bool>("SELECT true FROM pg_catalog.pg_extension WHERE extname = 'sqlstreams'")
+            .ok()
+            .flatten()
+            .unwrap_or(false);
+        if installed {
+            if let Err(e) = Spi::get_one::<i64>("SELECT count(*) FROM sqlstreams.maintain()") {
+                warning!("sqlstreams maintenance: {e}");
+            }
+        }
+    });
+}
+
+#[pg_guard]
+#[no_mangle]
+pub extern "C-unwind" fn sqlstreams_maintenance_main(_arg: pg_sys::Datum) {
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    let database = DATABASE.get().and_then(|d| d.into_string().ok()).unwrap_or_else(|| "postgres".into());
+    BackgroundWorker::connect_worker_to_spi(Some(&database), None);
+    log!("sqlstreams maintenance worker started in database \"{database}\"");
+    loop {
+        if interval().is_some() {
+            round();
+        }
+        if !BackgroundWorker::wait_latch(interval()) {
+            break;
+        }
+        if BackgroundWorker::sighup_received() {
+            // SAFETY: rereads the configuration files, as any backend does on SIGHUP.
+            unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+        }
+    }
+}

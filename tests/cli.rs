@@ -65,3 +65,28 @@ fn an_operator_inspects_and_repairs_a_group_from_the_command_line() {
     let (ok, _, err) = cli(&["lag", "--stream", &s.name, "--group", "nobody"]);
     assert!(!ok && err.contains("does not exist") && err.contains("42704") && err.contains("hint:"), "{err}");
 }
+
+/// Runs the CLI against `url` with PGSSLROOTCERT set to `root`.
+fn cli_tls(url: &str, root: &str, args: &[&str]) -> (bool, String, String) {
+    let bin = std::env::var("SQLSTREAMS_CLI").expect("SQLSTREAMS_CLI is not set: run `scripts/rig test`");
+    let out = Command::new(bin).args(args).env("DATABASE_URL", url).env("PGSSLROOTCERT", root).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+#[test]
+fn the_cli_connects_over_tls_and_verifies_the_server() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "cli-tls");
+    s.group(&mut c, "g", None);
+    let ca = std::env::var("SQLSTREAMS_TEST_CA").expect("SQLSTREAMS_TEST_CA is not set: run `scripts/rig test`");
+    let url = format!("{}?sslmode=require", database_url());
+    let (ok, out, err) = cli_tls(&url, &ca, &["--json", "status", "--stream", &s.name]);
+    assert!(ok, "{err}");
+    assert_eq!(serde_json::from_str::<Value>(&out).unwrap()[0]["group"], "g");
+
+    // The server's own certificate is not the authority that signed it: refused, so the
+    // connection above was TLS and verified.
+    let not_the_ca = std::path::Path::new(&ca).with_file_name("server.crt");
+    let (ok, _, err) = cli_tls(&url, not_the_ca.to_str().unwrap(), &["status", "--stream", &s.name]);
+    assert!(!ok && err.to_lowercase().contains("certificate"), "{err}");
+}

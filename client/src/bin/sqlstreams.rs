@@ -16,12 +16,12 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use serde_json::Value;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::NoTls;
 
 #[derive(Parser)]
 #[command(name = "sqlstreams", version, about = "Operate sqlstreams streams and consumer groups")]
 struct Cli {
-    /// Connection string; defaults to DATABASE_URL.
+    /// Connection string; defaults to DATABASE_URL. `sslmode=require` connects over TLS and
+    /// verifies the server against the system's roots and the CA file in PGSSLROOTCERT.
     #[arg(long, env = "DATABASE_URL", global = true, default_value = "postgres://localhost/postgres")]
     dsn: String,
     /// Print JSON (one array of objects) instead of a table.
@@ -164,8 +164,11 @@ fn print(out: &Rows, json: bool) {
 }
 
 async fn run(cli: Cli) -> Result<(), String> {
-    let (db, connection) = tokio_postgres::connect(&cli.dsn, NoTls).await.map_err(|e| e.to_string())?;
-    tokio::spawn(connection);
+    // The client library's connection: TLS when the DSN says sslmode=require, verified against
+    // the system's roots and PGSSLROOTCERT.
+    let client = sqlstreams_client::Client::with_pool_size(&cli.dsn, 1).map_err(|e| e.to_string())?;
+    let db = client.pool().get().await.map_err(|e| e.to_string())?;
+    let db: &tokio_postgres::Client = &db;
     let json = cli.json;
     let out = match cli.command {
         Command::Status { stream } => {

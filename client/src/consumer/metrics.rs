@@ -5,6 +5,10 @@
 //!   delayed, deferred, released, lease_lost, timed_out, panicked;
 //! - `sqlstreams_handler_seconds{stream, group}`: each handler run;
 //! - `sqlstreams_claim_seconds{stream, group}`: each claim's round trip.
+//!
+//! The facade's handles are made once, when the consumer registers: install the recorder
+//! before that (as the `metrics` crate asks of every library), and no delivery pays for
+//! building its labels again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -41,10 +45,35 @@ impl Event {
     }
 }
 
-#[derive(Debug, Default)]
+/// The facade's handles, one per event and timing.
+struct Handles {
+    deliveries: [metrics::Counter; EVENTS.len()],
+    handler: metrics::Histogram,
+    claim: metrics::Histogram,
+}
+
+const EVENTS: [Event; 10] = [
+    Event::Claimed,
+    Event::Succeeded,
+    Event::Failed,
+    Event::Dead,
+    Event::Delayed,
+    Event::Deferred,
+    Event::Released,
+    Event::LeaseLost,
+    Event::TimedOut,
+    Event::Panicked,
+];
+
+impl std::fmt::Debug for Handles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Handles")
+    }
+}
+
+#[derive(Debug)]
 pub(crate) struct Counters {
-    stream: String,
-    group: String,
+    handles: Handles,
     pub claimed: AtomicU64,
     pub succeeded: AtomicU64,
     pub failed: AtomicU64,
@@ -59,7 +88,29 @@ pub(crate) struct Counters {
 
 impl Counters {
     pub fn new(stream: &str, group: &str) -> Counters {
-        Counters { stream: stream.to_string(), group: group.to_string(), ..Counters::default() }
+        let labels = [("stream", stream.to_string()), ("group", group.to_string())];
+        let handles = Handles {
+            deliveries: EVENTS.map(|event| {
+                let mut labels = labels.to_vec();
+                labels.push(("outcome", event.label().to_string()));
+                metrics::counter!("sqlstreams_deliveries_total", &labels)
+            }),
+            handler: metrics::histogram!("sqlstreams_handler_seconds", &labels),
+            claim: metrics::histogram!("sqlstreams_claim_seconds", &labels),
+        };
+        Counters {
+            handles,
+            claimed: AtomicU64::default(),
+            succeeded: AtomicU64::default(),
+            failed: AtomicU64::default(),
+            dead: AtomicU64::default(),
+            delayed: AtomicU64::default(),
+            deferred: AtomicU64::default(),
+            released: AtomicU64::default(),
+            lease_lost: AtomicU64::default(),
+            timed_out: AtomicU64::default(),
+            panicked: AtomicU64::default(),
+        }
     }
 
     pub fn add(&self, event: Event, n: u64) {
@@ -76,21 +127,17 @@ impl Counters {
             Event::Panicked => &self.panicked,
         };
         counter.fetch_add(n, Ordering::Relaxed);
-        metrics::counter!("sqlstreams_deliveries_total",
-            "stream" => self.stream.clone(), "group" => self.group.clone(), "outcome" => event.label())
-        .increment(n);
+        self.handles.deliveries[event as usize].increment(n);
     }
 
     /// A handler ran for `took`.
     pub fn handler_ran(&self, took: Duration) {
-        metrics::histogram!("sqlstreams_handler_seconds", "stream" => self.stream.clone(), "group" => self.group.clone())
-            .record(took.as_secs_f64());
+        self.handles.handler.record(took.as_secs_f64());
     }
 
     /// A claim's round trip took `took`.
     pub fn claimed_in(&self, took: Duration) {
-        metrics::histogram!("sqlstreams_claim_seconds", "stream" => self.stream.clone(), "group" => self.group.clone())
-            .record(took.as_secs_f64());
+        self.handles.claim.record(took.as_secs_f64());
     }
 
     pub fn snapshot(&self) -> Metrics {
@@ -134,4 +181,16 @@ pub struct Metrics {
     pub timed_out: u64,
     /// Handlers that panicked.
     pub panicked: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_event_indexes_its_own_handle() {
+        for (i, event) in EVENTS.iter().enumerate() {
+            assert_eq!(*event as usize, i, "{event:?}");
+        }
+    }
 }

@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::FutureExt;
+use futures_util::stream::FuturesUnordered;
+use futures_util::{FutureExt, StreamExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
@@ -101,6 +102,7 @@ where
     });
 
     let mut chains = JoinSet::new();
+    let workers = tokio::runtime::Handle::current().metrics().num_workers().max(1);
     let mut backoff = Backoff::new();
     let mut fatal = None;
     // Whether the last claim split into many chains: then the next claim may overlap it.
@@ -176,9 +178,21 @@ where
         // only park their successors; parallel work may overlap with the next claim.
         pipelined = split.iter().all(|chain| chain.len() == 1 && chain[0].concurrency == Concurrency::Parallel);
         let _ = row_count;
-        for chain in split {
+        // Chains run concurrently, spread over at most one task per runtime worker: handlers
+        // still use every core, and a claim of a hundred rows costs a few spawns (and cross-
+        // thread wake-ups), not a hundred.
+        let mut buckets: Vec<Vec<(Vec<Claimed>, OwnedSemaphorePermit)>> = (0..workers).map(|_| Vec::new()).collect();
+        for (i, chain) in split.into_iter().enumerate() {
             let permit = permits.pop().expect("a claim returns at most one row per permit");
-            chains.spawn(run_chain(ctx.clone(), chain, permit));
+            buckets[i % workers].push((chain, permit));
+        }
+        for bucket in buckets.into_iter().filter(|b| !b.is_empty()) {
+            let ctx = ctx.clone();
+            chains.spawn(async move {
+                let mut running: FuturesUnordered<_> =
+                    bucket.into_iter().map(|(chain, permit)| run_chain(ctx.clone(), chain, permit)).collect();
+                while running.next().await.is_some() {}
+            });
         }
     }
     while let Some(done) = chains.join_next().await {
@@ -301,8 +315,14 @@ where
 {
     fn finished(&self, token: Uuid, rows: usize) {
         self.leases.finished(token, rows);
-        self.outstanding.fetch_sub(rows, Ordering::AcqRel);
-        self.progress.notify_one();
+        let before = self.outstanding.fetch_sub(rows, Ordering::AcqRel);
+        // The claim loop waits for all work to finish, or for less than half a batch left
+        // (see `run`): wake it only when one of those is crossed, not for every row.
+        let after = before - rows;
+        let half = self.config.batch_size as usize / 2;
+        if after == 0 || (before >= half && after < half) {
+            self.progress.notify_one();
+        }
     }
 
     /// Runs one delivery and records its outcome. True when the message resolved (succeeded or
@@ -310,7 +330,7 @@ where
     async fn deliver(&self, row: Claimed) -> bool {
         let span = info_span!("sqlstreams.handler", message_id = row.id, attempt = row.attempt, key = ?row.key);
         let started = Instant::now();
-        let (outcome, tx) = self.execute(&row).instrument(span.clone()).await;
+        let (outcome, tx) = self.execute(&row, started).instrument(span.clone()).await;
         self.counters.handler_ran(started.elapsed());
         match tx {
             Some(tx) => self.finish_transaction(row, outcome, tx).instrument(span).await,
@@ -320,7 +340,7 @@ where
 
     /// Runs the handler; returns how it ended and, for a transactional handler, its open
     /// transaction.
-    async fn execute(&self, row: &Claimed) -> (Outcome, Option<Tx>) {
+    async fn execute(&self, row: &Claimed, started: Instant) -> (Outcome, Option<Tx>) {
         let message: T = match serde_json::from_str(&row.payload) {
             Ok(message) => message,
             Err(e) => {
@@ -339,8 +359,10 @@ where
         } else {
             None
         };
-        let cancel = self.cancel.child_token();
-        let deadline = Instant::now() + self.config.handler_timeout;
+        // A token of its own (not a child of the consumer's: no shared lock per delivery); the
+        // consumer's cancellation reaches it below.
+        let cancel = CancellationToken::new();
+        let deadline = started + self.config.handler_timeout;
         let delivery = Delivery {
             message,
             id: row.id,
@@ -356,19 +378,32 @@ where
             deadline,
         };
         let handler = AssertUnwindSafe(self.handler.call(delivery, tx.clone())).catch_unwind();
+        let mut handler = std::pin::pin!(handler);
+        let ended = |result: std::thread::Result<std::result::Result<(), HandlerError>>| match result {
+            Ok(Ok(())) => Outcome::Success,
+            Ok(Err(e)) => Outcome::Failed(e),
+            Err(panic) => Outcome::Panicked(panic_message(panic)),
+        };
+        // A handler that finishes at its first poll needs no deadline timer.
+        if let std::task::Poll::Ready(result) = futures_util::poll!(handler.as_mut()) {
+            return (ended(result), tx);
+        }
         let outcome = tokio::select! {
             // A handler that finishes as it is cancelled has its result recorded.
             biased;
-            result = handler => match result {
-                Ok(Ok(())) => Outcome::Success,
-                Ok(Err(e)) => Outcome::Failed(e),
-                Err(panic) => Outcome::Panicked(panic_message(panic)),
-            },
+            result = handler.as_mut() => ended(result),
             _ = tokio::time::sleep_until(deadline) => {
                 cancel.cancel();
                 Outcome::TimedOut
             }
-            _ = self.cancel.cancelled() => Outcome::Cancelled,
+            _ = self.cancel.cancelled() => {
+                // Told to stop, a handler that then finishes at once has its result recorded.
+                cancel.cancel();
+                match futures_util::poll!(handler.as_mut()) {
+                    std::task::Poll::Ready(result) => ended(result),
+                    std::task::Poll::Pending => Outcome::Cancelled,
+                }
+            }
         };
         (outcome, tx)
     }

@@ -691,17 +691,34 @@ async fn thirty_two_consumers_share_one_client() {
     }
 }
 
-/// Deliveries, outcomes and timings reach the `metrics` facade, labelled by stream and group.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn consumers_report_through_the_metrics_facade() {
-    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+/// The test binary's one metrics recorder.
+fn snapshotter() -> &'static metrics_util::debugging::Snapshotter {
+    use metrics_util::debugging::{DebuggingRecorder, Snapshotter};
     static SNAPSHOTTER: std::sync::OnceLock<Snapshotter> = std::sync::OnceLock::new();
-    let snapshotter = SNAPSHOTTER.get_or_init(|| {
+    SNAPSHOTTER.get_or_init(|| {
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
         recorder.install().expect("the only recorder of this test binary");
         snapshotter
-    });
+    })
+}
+
+/// A gauge's value for `stream`, if it was set.
+fn gauge(name: &str, stream: &str) -> Option<f64> {
+    snapshotter().snapshot().into_vec().into_iter().find_map(|(key, _, _, value)| {
+        let mine = key.key().name() == name && key.key().labels().any(|l| l.key() == "stream" && l.value() == stream);
+        match value {
+            metrics_util::debugging::DebugValue::Gauge(v) if mine => Some(v.into_inner()),
+            _ => None,
+        }
+    })
+}
+
+/// Deliveries, outcomes and timings reach the `metrics` facade, labelled by stream and group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumers_report_through_the_metrics_facade() {
+    use metrics_util::debugging::DebugValue;
+    let snapshotter = snapshotter();
     let client = client();
     let stream = client.stream::<Adjustment>(unique("metrics"));
     stream.register().await.unwrap();
@@ -775,4 +792,36 @@ async fn headers_produced_at_and_deliver_after_reach_the_handler() {
     assert!(ran_at >= produced_at + wait, "delivered {:?} after it was produced", ran_at.duration_since(produced_at));
     let age = std::time::SystemTime::now().duration_since(by_id(plain).2).unwrap();
     assert!(age < Duration::from_secs(60), "produced_at is the producer's time, {age:?} ago");
+}
+
+/// The lag gauges follow the group: three messages waiting, then none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lag_gauges_follow_the_group() {
+    let _recorder = snapshotter();
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("lag"));
+    stream.register().await.unwrap();
+    let lag_config = ConsumerConfig { lag_interval: Some(Duration::from_millis(20)), ..config(None) };
+    let consumer = stream.consumer("g").register(lag_config).await.unwrap();
+    for i in 0..3 {
+        stream.producer().produce(&adjustment("a", i), ProduceOptions::default()).await.unwrap();
+    }
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let running = {
+        let release = release.clone();
+        consumer.start(move |_d: Delivery<Adjustment>| {
+            let release = release.clone();
+            async move {
+                release.acquire().await.unwrap().forget(); // held until the test saw the lag
+                Ok(())
+            }
+        })
+    };
+    let name = stream.name().to_string();
+    eventually("lag 3", || gauge("sqlstreams_lag_messages", &name) == Some(3.0)).await;
+    assert!(gauge("sqlstreams_oldest_unresolved_seconds", &name).is_some_and(|age| age >= 0.0));
+    release.add_permits(3);
+    eventually("lag 0", || gauge("sqlstreams_lag_messages", &name) == Some(0.0)).await;
+    assert_eq!(gauge("sqlstreams_oldest_unresolved_seconds", &name), Some(0.0));
+    running.shutdown(Duration::from_secs(5)).await;
 }

@@ -45,4 +45,8 @@ pub const DELAY: &str = "SELECT sqlstreams.delay($1, $2, $3, $4, $5::float8 * in
 
 pub const RELEASE: &str = "SELECT sqlstreams.release($1, $2, $3, $4)";
 
+/// The group's lag and the age of its oldest unresolved message, in seconds.
+pub const LAG: &str = "SELECT lag, coalesce(extract(epoch FROM now() - oldest_unresolved_at), 0)::float8
+        FROM sqlstreams.group_status($1, $2)";
+
 pub const EXTEND_LEASE: &str = "SELECT sqlstreams.extend_lease($1, $2, $3, $4::float8 * interval '1 second')";

@@ -4,7 +4,11 @@
 //! - `sqlstreams_deliveries_total{stream, group, outcome}`: claimed, succeeded, failed, dead,
 //!   delayed, deferred, released, lease_lost, timed_out, panicked;
 //! - `sqlstreams_handler_seconds{stream, group}`: each handler run;
-//! - `sqlstreams_claim_seconds{stream, group}`: each claim's round trip.
+//! - `sqlstreams_claim_seconds{stream, group}`: each claim's round trip;
+//! - `sqlstreams_lag_messages{stream, group}`: messages produced and not yet resolved by the
+//!   group (`group_status.lag`), read every `lag_interval`;
+//! - `sqlstreams_oldest_unresolved_seconds{stream, group}`: the age of the oldest of them (0
+//!   when there is none), read with it.
 //!
 //! The facade's handles are made once, when the consumer registers: install the recorder
 //! before that (as the `metrics` crate asks of every library), and no delivery pays for
@@ -50,6 +54,8 @@ struct Handles {
     deliveries: [metrics::Counter; EVENTS.len()],
     handler: metrics::Histogram,
     claim: metrics::Histogram,
+    lag: metrics::Gauge,
+    oldest: metrics::Gauge,
 }
 
 const EVENTS: [Event; 10] = [
@@ -97,6 +103,8 @@ impl Counters {
             }),
             handler: metrics::histogram!("sqlstreams_handler_seconds", &labels),
             claim: metrics::histogram!("sqlstreams_claim_seconds", &labels),
+            lag: metrics::gauge!("sqlstreams_lag_messages", &labels),
+            oldest: metrics::gauge!("sqlstreams_oldest_unresolved_seconds", &labels),
         };
         Counters {
             handles,
@@ -138,6 +146,12 @@ impl Counters {
     /// A claim's round trip took `took`.
     pub fn claimed_in(&self, took: Duration) {
         self.handles.claim.record(took.as_secs_f64());
+    }
+
+    /// The group's lag as `group_status` read it.
+    pub fn lag(&self, messages: i64, oldest_seconds: f64) {
+        self.handles.lag.set(messages as f64);
+        self.handles.oldest.set(oldest_seconds);
     }
 
     pub fn snapshot(&self) -> Metrics {

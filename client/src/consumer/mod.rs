@@ -78,6 +78,10 @@ pub struct ConsumerConfig {
     pub lease: Duration,
     /// How often an idle consumer looks for work when no notification arrives (default 1 s).
     pub poll_interval: Duration,
+    /// How often the consumer reads its group's lag for the `sqlstreams_lag_messages` and
+    /// `sqlstreams_oldest_unresolved_seconds` gauges (default 15 s; `None`: never). Each
+    /// reading is one `group_status` call.
+    pub lag_interval: Option<Duration>,
 }
 
 impl Default for ConsumerConfig {
@@ -97,6 +101,7 @@ impl Default for ConsumerConfig {
             handler_timeout: Duration::from_secs(30),
             lease: Duration::from_secs(60),
             poll_interval: Duration::from_secs(1),
+            lag_interval: Some(Duration::from_secs(15)),
         }
     }
 }
@@ -113,6 +118,8 @@ impl ConsumerConfig {
             "lease must be longer than handler_timeout (a message only starts when its lease covers the timeout)"
         } else if self.poll_interval.is_zero() {
             "poll_interval must be positive"
+        } else if self.lag_interval.is_some_and(|i| i.is_zero()) {
+            "lag_interval must be positive (or None)"
         } else {
             return Ok(());
         };

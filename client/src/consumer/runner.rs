@@ -88,6 +88,11 @@ where
     let listener =
         listener::spawn(pool.config().clone(), pool.tls().clone(), channel, wake.clone(), background.clone());
     let heartbeat = tokio::spawn(heartbeat(leases.clone(), config.lease / 3, background.clone()));
+    let lag = config.lag_interval.map(|every| {
+        let (pool, counters, stop) = (pool.clone(), counters.clone(), background.clone());
+        let (stream, group) = (group.stream.name.clone(), group.name.clone());
+        tokio::spawn(read_lag(pool, stream, group, counters, every, stop))
+    });
     let semaphore = Arc::new(Semaphore::new(config.message_concurrency));
     let ctx = Arc::new(Ctx {
         group,
@@ -203,6 +208,9 @@ where
     ctx.writer.flush().await;
     background.cancel();
     let _stopped = (listener.await, heartbeat.await);
+    if let Some(lag) = lag {
+        let _stopped = lag.await;
+    }
     drop(ctx);
     let _written = writer_task.await;
     fatal.map_or(Ok(()), Err)
@@ -212,6 +220,32 @@ async fn heartbeat(leases: Arc<LeaseBook>, every: Duration, stop: CancellationTo
     loop {
         tokio::select! {
             _ = tokio::time::sleep(every) => leases.heartbeat().await,
+            _ = stop.cancelled() => return,
+        }
+    }
+}
+
+/// Sets the lag gauges every `every`, until `stop`.
+async fn read_lag(
+    pool: crate::pool::Pool,
+    stream: String,
+    group: String,
+    counters: Arc<Counters>,
+    every: Duration,
+    stop: CancellationToken,
+) {
+    loop {
+        let reading = async {
+            let conn = pool.conn().await?;
+            let row = conn.query_one(sql::LAG, &[&stream, &group]).await?;
+            Ok::<_, crate::Error>((row.get::<_, i64>(0), row.get::<_, f64>(1)))
+        };
+        match reading.await {
+            Ok((messages, oldest)) => counters.lag(messages, oldest),
+            Err(e) => debug!(error = %e, "sqlstreams: could not read the group's lag"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
             _ = stop.cancelled() => return,
         }
     }

@@ -825,3 +825,77 @@ async fn the_lag_gauges_follow_the_group() {
     assert_eq!(gauge("sqlstreams_oldest_unresolved_seconds", &name), Some(0.0));
     running.shutdown(Duration::from_secs(5)).await;
 }
+
+/// The `testing` feature: a handler run until nothing is left, every outcome reported, no
+/// waiting for backoffs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_until_idle_reports_every_delivery_and_waits_for_no_clock() {
+    use sqlstreams_client::testing::{Outcome, Worked};
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("testing"));
+    stream.register().await.unwrap();
+    let producer = stream.producer();
+    let mut ids = Vec::new();
+    for (account, delta) in [("a", 1), ("a", -1), ("a", 2), ("b", 5), ("c", 0)] {
+        ids.push(producer.produce(&adjustment(account, delta), keyed(account)).await.unwrap().id().unwrap());
+    }
+    let slow_retries = ConsumerConfig {
+        backoff_base: Duration::from_secs(3600),
+        backoff_cap: Duration::from_secs(3600),
+        ..config(Some(Concurrency::Ordered))
+    };
+    let consumer = stream.consumer("g").register(slow_retries).await.unwrap();
+    let worked = consumer
+        .work_until_idle(|d: Delivery<Adjustment>| async move {
+            match d.message.delta {
+                -1 => Err(HandlerError::permanent("negative")),
+                0 => Err(HandlerError::retry("try later")),
+                _ => Ok(()),
+            }
+        })
+        .await
+        .unwrap();
+    let mut by_id: Vec<(i64, Outcome)> = worked.iter().map(|w| (w.id, w.outcome.clone())).collect();
+    by_id.sort_by_key(|(id, _)| *id);
+    assert_eq!(
+        by_id,
+        vec![
+            (ids[0], Outcome::Succeeded),
+            (ids[1], Outcome::Dead { error: "negative".into() }),
+            (ids[2], Outcome::Succeeded),
+            (ids[3], Outcome::Succeeded),
+            (ids[4], Outcome::Retrying { error: "try later".into() }),
+        ],
+        "{worked:?}"
+    );
+    assert!(worked.iter().all(|w: &Worked| w.attempt == 0));
+    // What it recorded is what the group's state says.
+    let statuses = exception_statuses(&client, stream.name(), "g").await;
+    assert_eq!(statuses, vec![(ids[1], "dead".to_string()), (ids[4], "ready".to_string())]);
+
+    // Transactional: the handler's writes commit with the ack.
+    let conn = client.pool().get().await.unwrap();
+    let table = format!("applied_{}", &uuid_suffix());
+    conn.batch_execute(&format!("CREATE TABLE {table} (id bigint)")).await.unwrap();
+    let next = producer.produce(&adjustment("d", 1), keyed("d")).await.unwrap().id().unwrap();
+    let other = stream.consumer("tx").register(config(None)).await.unwrap();
+    let insert = format!("INSERT INTO {table} VALUES ($1)");
+    let worked = other
+        .work_until_idle_in_transaction(move |d: Delivery<Adjustment>, tx| {
+            let insert = insert.clone();
+            async move {
+                tx.execute(&insert, &[&d.id]).await?;
+                Ok(())
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!(worked.len(), 6);
+    assert!(worked.iter().all(|w| w.outcome == Outcome::Succeeded));
+    let applied: i64 = conn.query_one(&format!("SELECT count(*) FROM {table}"), &[]).await.unwrap().get(0);
+    assert_eq!(applied, 6, "including {next}");
+}
+
+fn uuid_suffix() -> String {
+    unique("x").replace('-', "_")
+}

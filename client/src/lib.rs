@@ -80,6 +80,8 @@ mod pool;
 mod producer;
 mod sql;
 mod stream;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod tls;
 
 pub use client::{Client, ClientOptions};

@@ -8,6 +8,11 @@ mod metrics;
 mod runner;
 mod writer;
 
+#[cfg(feature = "testing")]
+pub(crate) use metrics::Event;
+#[cfg(feature = "testing")]
+pub(crate) use runner::Noted;
+
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use delivery::{Delivery, HandlerError};
 pub use handler::Tx;
-use handler::{Handle, InTransaction, Plain};
+pub(crate) use handler::{Handle, InTransaction, Plain};
 pub use metrics::Metrics;
 
 use crate::error::{Error, Result};
@@ -270,8 +275,29 @@ where
             counters.clone(),
             stop.clone(),
             cancel.clone(),
+            None,
         ));
         RunningConsumer { stop, cancel, task, counters }
+    }
+
+    /// Runs `handler` as a consumer would until nothing is left to claim (see
+    /// [`crate::testing`]).
+    #[cfg(feature = "testing")]
+    pub(crate) async fn work_until_idle_with<H: Handle<T>>(self, handler: H) -> Result<Vec<runner::Noted>> {
+        let journal = runner::Journal::default();
+        runner::run(
+            self.group,
+            self.config,
+            self.channel,
+            Arc::new(handler),
+            self.counters.clone(),
+            CancellationToken::new(),
+            CancellationToken::new(),
+            Some(journal.clone()),
+        )
+        .await?;
+        let noted = journal.lock().unwrap().clone();
+        Ok(noted)
     }
 
     /// Runs `handler` until `shutdown` resolves, then shuts down gracefully within

@@ -42,6 +42,19 @@ struct Claimed {
     headers: Option<serde_json::Value>,
 }
 
+/// What happened to one delivery, kept when a test asks for it (`Consumer::work_until_idle`).
+#[cfg_attr(not(feature = "testing"), allow(dead_code))]
+#[derive(Clone, Debug)]
+pub(crate) struct Noted {
+    pub id: i64,
+    pub key: Option<String>,
+    pub attempt: u32,
+    pub event: Event,
+    pub error: Option<String>,
+}
+
+pub(crate) type Journal = Arc<std::sync::Mutex<Vec<Noted>>>;
+
 /// How a delivery ended, before it is recorded.
 enum Outcome {
     Success,
@@ -64,6 +77,8 @@ struct Ctx<T, H> {
     /// Rows claimed and not finished, and a signal when that number drops.
     outstanding: AtomicUsize,
     progress: Notify,
+    /// Set by tests: every delivery's outcome, and stop once nothing is left to claim.
+    journal: Option<Journal>,
 }
 
 pub(crate) async fn run<T, H>(
@@ -74,6 +89,7 @@ pub(crate) async fn run<T, H>(
     counters: Arc<Counters>,
     stop: CancellationToken,
     cancel: CancellationToken,
+    journal: Option<Journal>,
 ) -> Result<()>
 where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
@@ -104,7 +120,10 @@ where
         cancel,
         outstanding: AtomicUsize::new(0),
         progress: Notify::new(),
+        journal,
     });
+    // Until idle (tests): a claim that found nothing after everything before it was written.
+    let mut idle_after_flush = false;
 
     let mut chains = JoinSet::new();
     let workers = tokio::runtime::Handle::current().metrics().num_workers().max(1);
@@ -165,6 +184,22 @@ where
             }
         };
         backoff.reset();
+        if rows.is_empty() && ctx.journal.is_some() {
+            drop(permits);
+            if ctx.outstanding.load(Ordering::Acquire) > 0 {
+                tokio::select! {
+                    _ = ctx.progress.notified() => {}
+                    _ = stop.cancelled() => break,
+                }
+            } else if idle_after_flush {
+                break;
+            } else {
+                ctx.writer.flush().await;
+                idle_after_flush = true;
+            }
+            continue;
+        }
+        idle_after_flush = false;
         if rows.is_empty() {
             drop(permits);
             tokio::select! {
@@ -322,18 +357,21 @@ where
         if !resolved {
             // Its predecessor failed or was delayed: the server recorded the rest deferred.
             ctx.counters.add(Event::Deferred, rest as u64);
+            ctx.note_all(std::iter::once(&row).chain(rows.as_slice()), Event::Deferred);
             ctx.finished(token, rest);
             break;
         }
         if ctx.cancel.is_cancelled() {
-            let ids: Vec<i64> = std::iter::once(row.id).chain(rows.map(|r| r.id)).collect();
+            let ids: Vec<i64> = std::iter::once(row.id).chain(rows.as_slice().iter().map(|r| r.id)).collect();
             let released = ctx.writer.release(token, ids).await;
             ctx.counters.add(Event::Released, released.len() as u64);
+            ctx.note_all(std::iter::once(&row).chain(rows.as_slice()), Event::Released);
             ctx.finished(token, rest);
             break;
         }
         if !ctx.leases.covers(token, ctx.config.handler_timeout).await {
             ctx.counters.add(Event::LeaseLost, rest as u64);
+            ctx.note_all(std::iter::once(&row).chain(rows.as_slice()), Event::LeaseLost);
             ctx.finished(token, rest);
             break;
         }
@@ -347,6 +385,26 @@ where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
     H: Handle<T>,
 {
+    /// Keeps `row`'s outcome for a test.
+    fn note(&self, row: &Claimed, event: Event, error: Option<&str>) {
+        if let Some(journal) = &self.journal {
+            let noted = Noted {
+                id: row.id,
+                key: row.key.clone(),
+                attempt: row.attempt,
+                event,
+                error: error.map(str::to_string),
+            };
+            journal.lock().unwrap().push(noted);
+        }
+    }
+
+    fn note_all<'r>(&self, rows: impl Iterator<Item = &'r Claimed>, event: Event) {
+        if self.journal.is_some() {
+            rows.for_each(|row| self.note(row, event, None));
+        }
+    }
+
     fn finished(&self, token: Uuid, rows: usize) {
         self.leases.finished(token, rows);
         let before = self.outstanding.fetch_sub(rows, Ordering::AcqRel);
@@ -459,6 +517,7 @@ where
                 Ok(ack) if ack.get::<_, bool>(0) => match tx.batch_execute("COMMIT").await {
                     Ok(()) => {
                         self.counters.add(Event::Succeeded, 1);
+                        self.note(&row, Event::Succeeded, None);
                         return true;
                     }
                     Err(e) => {
@@ -469,6 +528,7 @@ where
                 Ok(_) => {
                     let _ = tx.batch_execute("ROLLBACK").await;
                     self.counters.add(Event::LeaseLost, 1);
+                    self.note(&row, Event::LeaseLost, None);
                     return false;
                 }
                 Err(e) => {
@@ -487,12 +547,15 @@ where
             Outcome::Success => {
                 self.writer.ack(row.token, row.id);
                 c.add(Event::Succeeded, 1);
+                self.note(&row, Event::Succeeded, None);
                 return true;
             }
             Outcome::Failed(HandlerError::Delay(after)) => {
                 let after = after.max(Duration::from_millis(1));
                 let recorded = self.writer.delay(row.token, row.id, after).await;
-                c.add(if recorded { Event::Delayed } else { Event::LeaseLost }, 1);
+                let event = if recorded { Event::Delayed } else { Event::LeaseLost };
+                c.add(event, 1);
+                self.note(&row, event, None);
                 return false;
             }
             Outcome::Failed(HandlerError::Retry { error, after }) => (error, false, after),
@@ -510,20 +573,16 @@ where
                 ("the consumer shut down while the handler ran".to_string(), false, Some(Duration::ZERO))
             }
         };
-        match self.writer.fail(row.token, row.id, error, permanent, retry_after).await.as_deref() {
-            Some("dead") => {
-                c.add(Event::Dead, 1);
-                true
-            }
-            Some(_) => {
-                c.add(Event::Failed, 1);
-                false
-            }
-            None => {
-                c.add(Event::LeaseLost, 1);
-                false
-            }
-        }
+        let noted = self.journal.is_some().then(|| error.clone());
+        let (event, resolved) =
+            match self.writer.fail(row.token, row.id, error, permanent, retry_after).await.as_deref() {
+                Some("dead") => (Event::Dead, true),
+                Some(_) => (Event::Failed, false),
+                None => (Event::LeaseLost, false),
+            };
+        c.add(event, 1);
+        self.note(&row, event, noted.as_deref());
+        resolved
     }
 }
 

@@ -196,6 +196,51 @@ BEGIN
             ON sqlstreams.exception_queue_@id@ (consumer_group_id, lane, message_id)
             WHERE isolated AND status IN ('ready', 'inflight', 'deferred');
 
+        -- 0.2.0: how many exception rows each group has in each status, as deltas that
+        -- group_status sums, so its cost does not grow with the queue. Statement triggers on
+        -- the queue append one row per group and status a statement changed; no writer updates
+        -- a shared row, so none waits for another. Retention folds the deltas (src/retention.rs).
+        CREATE TABLE sqlstreams.exception_count_@id@ (
+            consumer_group_id bigint NOT NULL,
+            status            text   NOT NULL,
+            delta             bigint NOT NULL
+        );
+        CREATE INDEX exception_count_@id@_group_idx ON sqlstreams.exception_count_@id@ (consumer_group_id);
+        CREATE FUNCTION sqlstreams.exception_count_@id@() RETURNS trigger
+        LANGUAGE plpgsql
+        SET search_path = pg_catalog, pg_temp
+        AS $count$
+        BEGIN
+            IF TG_OP = 'INSERT' THEN
+                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
+                SELECT consumer_group_id, status, count(*) FROM added GROUP BY 1, 2;
+            ELSIF TG_OP = 'DELETE' THEN
+                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
+                SELECT consumer_group_id, status, -count(*) FROM removed GROUP BY 1, 2;
+            ELSE
+                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
+                SELECT consumer_group_id, status, sum(d)
+                FROM (SELECT consumer_group_id, status, 1 AS d FROM added
+                      UNION ALL
+                      SELECT consumer_group_id, status, -1 FROM removed) c
+                GROUP BY 1, 2 HAVING sum(d) <> 0;
+            END IF;
+            RETURN NULL;
+        END
+        $count$;
+        REVOKE ALL ON FUNCTION sqlstreams.exception_count_@id@() FROM PUBLIC;
+        COMMENT ON FUNCTION sqlstreams.exception_count_@id@() IS
+            'Keeps exception_count_@id@ in step with exception_queue_@id@ (statement triggers).';
+        CREATE TRIGGER exception_count_added AFTER INSERT ON sqlstreams.exception_queue_@id@
+            REFERENCING NEW TABLE AS added
+            FOR EACH STATEMENT EXECUTE FUNCTION sqlstreams.exception_count_@id@();
+        CREATE TRIGGER exception_count_changed AFTER UPDATE ON sqlstreams.exception_queue_@id@
+            REFERENCING OLD TABLE AS removed NEW TABLE AS added
+            FOR EACH STATEMENT EXECUTE FUNCTION sqlstreams.exception_count_@id@();
+        CREATE TRIGGER exception_count_removed AFTER DELETE ON sqlstreams.exception_queue_@id@
+            REFERENCING OLD TABLE AS removed
+            FOR EACH STATEMENT EXECUTE FUNCTION sqlstreams.exception_count_@id@();
+
         -- Compaction: the newest compacted message id per key, for every group of the stream.
         CREATE TABLE sqlstreams.compaction_head_@id@ (
             message_key text   PRIMARY KEY,
@@ -224,7 +269,9 @@ BEGIN
     EXECUTE replace($family$
         DROP TABLE sqlstreams.message_log_@id@, sqlstreams.cursor_@id@, sqlstreams.lane_@id@,
                    sqlstreams.range_lease_@id@, sqlstreams.exception_queue_@id@,
-                   sqlstreams.compaction_head_@id@, sqlstreams.idempotency_key_@id@;
+                   sqlstreams.compaction_head_@id@, sqlstreams.idempotency_key_@id@,
+                   sqlstreams.exception_count_@id@;
+        DROP FUNCTION sqlstreams.exception_count_@id@();
         DROP SEQUENCE sqlstreams.message_log_@id@_seq;
     $family$, '@id@', stream_id::text);
 END
@@ -445,6 +492,59 @@ BEGIN
             -- Lanes hold keys now; a delivery in flight under a 0.1.0 key lease is still seen by
             -- the gate (in its range's pending list, or as an inflight row).
             DROP TABLE sqlstreams.message_key_lease_@id@;
+
+            -- The exception counts, as the install script writes them (the same text, so the
+            -- trigger function is the same), seeded with the rows there are.
+        -- 0.2.0: how many exception rows each group has in each status, as deltas that
+        -- group_status sums, so its cost does not grow with the queue. Statement triggers on
+        -- the queue append one row per group and status a statement changed; no writer updates
+        -- a shared row, so none waits for another. Retention folds the deltas (src/retention.rs).
+        CREATE TABLE sqlstreams.exception_count_@id@ (
+            consumer_group_id bigint NOT NULL,
+            status            text   NOT NULL,
+            delta             bigint NOT NULL
+        );
+        CREATE INDEX exception_count_@id@_group_idx ON sqlstreams.exception_count_@id@ (consumer_group_id);
+        CREATE FUNCTION sqlstreams.exception_count_@id@() RETURNS trigger
+        LANGUAGE plpgsql
+        SET search_path = pg_catalog, pg_temp
+        AS $count$
+        BEGIN
+            IF TG_OP = 'INSERT' THEN
+                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
+                SELECT consumer_group_id, status, count(*) FROM added GROUP BY 1, 2;
+            ELSIF TG_OP = 'DELETE' THEN
+                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
+                SELECT consumer_group_id, status, -count(*) FROM removed GROUP BY 1, 2;
+            ELSE
+                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
+                SELECT consumer_group_id, status, sum(d)
+                FROM (SELECT consumer_group_id, status, 1 AS d FROM added
+                      UNION ALL
+                      SELECT consumer_group_id, status, -1 FROM removed) c
+                GROUP BY 1, 2 HAVING sum(d) <> 0;
+            END IF;
+            RETURN NULL;
+        END
+        $count$;
+        REVOKE ALL ON FUNCTION sqlstreams.exception_count_@id@() FROM PUBLIC;
+        COMMENT ON FUNCTION sqlstreams.exception_count_@id@() IS
+            'Keeps exception_count_@id@ in step with exception_queue_@id@ (statement triggers).';
+        CREATE TRIGGER exception_count_added AFTER INSERT ON sqlstreams.exception_queue_@id@
+            REFERENCING NEW TABLE AS added
+            FOR EACH STATEMENT EXECUTE FUNCTION sqlstreams.exception_count_@id@();
+        CREATE TRIGGER exception_count_changed AFTER UPDATE ON sqlstreams.exception_queue_@id@
+            REFERENCING OLD TABLE AS removed NEW TABLE AS added
+            FOR EACH STATEMENT EXECUTE FUNCTION sqlstreams.exception_count_@id@();
+        CREATE TRIGGER exception_count_removed AFTER DELETE ON sqlstreams.exception_queue_@id@
+            REFERENCING OLD TABLE AS removed
+            FOR EACH STATEMENT EXECUTE FUNCTION sqlstreams.exception_count_@id@();
+            -- Created by this script, they would belong to the extension; a stream's own do not.
+            ALTER EXTENSION sqlstreams DROP TABLE sqlstreams.exception_count_@id@;
+            ALTER EXTENSION sqlstreams DROP FUNCTION sqlstreams.exception_count_@id@();
+            INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
+            SELECT consumer_group_id, status, count(*) FROM sqlstreams.exception_queue_@id@ GROUP BY 1, 2;
+
         $family$, '@id@', s.id::text), '@lanes@', s.lanes::text);
         UPDATE sqlstreams.stream SET schema_version = '0.2.0' WHERE id = s.id;
     END LOOP;
@@ -752,6 +852,18 @@ GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA sqlstreams TO sqlstreams_admin;
 REVOKE EXECUTE ON FUNCTION sqlstreams.create_stream_tables(bigint), sqlstreams.drop_stream_tables(bigint),
     sqlstreams.add_partitions(bigint, bigint, boolean), sqlstreams.drop_partitions(bigint, bigint)
     FROM sqlstreams_admin;
+-- Each stream's trigger function (exception_count_<id>) is nobody's to call; the grant above
+-- took them in.
+DO $revoke$
+DECLARE
+    f regprocedure;
+BEGIN
+    FOR f IN SELECT p.oid::regprocedure FROM pg_catalog.pg_proc p
+             WHERE p.pronamespace = 'sqlstreams'::regnamespace AND p.proname ~ '^exception_count_[0-9]+$' LOOP
+        EXECUTE format('REVOKE ALL ON FUNCTION %s FROM sqlstreams_admin', f);
+    END LOOP;
+END
+$revoke$;
 GRANT SELECT ON sqlstreams.streams, sqlstreams.consumer_groups
     TO sqlstreams_admin, sqlstreams_producer, sqlstreams_consumer, pg_monitor;
 GRANT SELECT ON sqlstreams.fence_holders TO sqlstreams_admin, pg_monitor;

@@ -34,12 +34,14 @@ const PROGRESS: Statement = Statement {
               LATERAL (SELECT greatest(c.committed, ",
         committed_now!("c.fence_safe"),
         ") AS committed) p,
-              LATERAL (SELECT count(*) FILTER (WHERE status = 'ready') AS ready,
-                              count(*) FILTER (WHERE status = 'inflight') AS inflight,
-                              count(*) FILTER (WHERE status = 'deferred') AS deferred,
-                              count(*) FILTER (WHERE status = 'dead') AS dead,
-                              count(*) FILTER (WHERE status = 'superseded') AS superseded
-                       FROM sqlstreams.exception_queue_@id@ WHERE consumer_group_id = $1) e
+              -- The counts are the sums of the group's deltas (exception_count_<id>, kept by
+              -- triggers on the queue): as many rows as recent changes, not as queued messages.
+              LATERAL (SELECT coalesce(sum(delta) FILTER (WHERE status = 'ready'), 0)::int8 AS ready,
+                              coalesce(sum(delta) FILTER (WHERE status = 'inflight'), 0)::int8 AS inflight,
+                              coalesce(sum(delta) FILTER (WHERE status = 'deferred'), 0)::int8 AS deferred,
+                              coalesce(sum(delta) FILTER (WHERE status = 'dead'), 0)::int8 AS dead,
+                              coalesce(sum(delta) FILTER (WHERE status = 'superseded'), 0)::int8 AS superseded
+                       FROM sqlstreams.exception_count_@id@ WHERE consumer_group_id = $1) e
          WHERE c.consumer_group_id = $1"
     ),
     params: &[INT8OID],

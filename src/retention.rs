@@ -75,6 +75,19 @@ const DROP_PARTITIONS: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
+/// Folds the exception counts' deltas into one row per group and status (the triggers append a
+/// row per change; group_status sums them). Rows of dropped groups go. Only one step runs per
+/// stream at a time, so no two folds meet; a delta committed meanwhile stays for the next one.
+const FOLD_COUNTS: Statement = Statement {
+    name: "retention_fold_counts",
+    sql: "WITH gone AS (DELETE FROM sqlstreams.exception_count_@id@ RETURNING consumer_group_id, status, delta)
+          INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
+          SELECT g.consumer_group_id, g.status, sum(g.delta) FROM gone g
+          WHERE EXISTS (SELECT 1 FROM sqlstreams.consumer_group c WHERE c.id = g.consumer_group_id)
+          GROUP BY 1, 2 HAVING sum(g.delta) <> 0",
+    params: &[],
+};
+
 const GROUPS: Statement = Statement {
     name: "retention_groups",
     sql: "SELECT id FROM sqlstreams.consumer_group WHERE stream_id = $1 ORDER BY id",
@@ -82,7 +95,7 @@ const GROUPS: Statement = Statement {
 };
 
 /// One step for `stream`: stores every group's committed cursor, removes expired resolved
-/// rows, then what nobody needs below them.
+/// rows, folds the exception counts, then removes what nobody needs below the rows.
 pub fn step(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Retained> {
     let groups: Vec<i64> =
         GROUPS.run(client, 0, &[stream.id.into()])?.map(|row| row.required("id")).collect::<Result<_>>()?;
@@ -106,6 +119,7 @@ pub fn step(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Retained> {
         let keys = exception_queue::distinct_keys(&keys);
         exception_queue::after_resolution(client, &group, &keys, crate::clock::now(), Waker::Outcome)?;
     }
+    FOLD_COUNTS.run(client, stream.id, &[])?;
     let row = NEEDED_FROM.run(client, stream.id, &[])?;
     let below: Option<i64> = if row.is_empty() { None } else { row.first().value("below")? };
     let Some(below) = below else { return Ok(Retained { partitions_dropped: 0, rows_purged }) };

@@ -407,11 +407,14 @@ fn a_crashed_consumers_messages_are_redelivered_after_its_lease() {
         stream.producer().produce_batch(batch.iter().map(|m| (m, None)), BatchOptions::default()).await.unwrap()
     });
 
-    // Consumer A claims the batch and dies with its handlers running (its whole runtime goes).
+    // Consumer A claims the batch and dies with its handlers running (its whole runtime goes,
+    // and its client with it: a crashed process shares no connection with the survivor).
     let started = Arc::new(Mutex::new(0));
     let crashing = tokio::runtime::Runtime::new().unwrap();
+    let crashing_client = Client::connect(&database_url()).unwrap();
+    let crashing_group = crashing_client.stream::<Adjustment>(stream.name().to_string()).consumer("g");
     crashing.block_on(async {
-        let consumer = group.register(short.clone()).await.unwrap();
+        let consumer = crashing_group.register(short.clone()).await.unwrap();
         let counter = started.clone();
         let _running = consumer.start(move |_d: Delivery<Adjustment>| {
             let started = counter.clone();

@@ -463,6 +463,7 @@ fn competing(concurrency: &str) {
     let (committed_cursor, head, open_ranges, unresolved, dead): (i64, i64, i64, i64, i64) =
         (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
     assert_eq!((open_ranges, unresolved), (0, 0), "nothing left open after the drain");
+    group.assert_counts_exact(&mut c);
     assert_eq!(committed_cursor, head, "committed reaches the head");
     let deliveries: usize = starts.values().sum();
     eprintln!(

@@ -309,3 +309,85 @@ fn maintain_passes_over_a_stream_being_dropped() {
     assert!(!listed.contains(&s.name));
     tx.commit().unwrap();
 }
+
+#[test]
+fn group_status_counts_stay_exact_through_every_transition() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "counts");
+    let g = s.group_with(&mut c, "g", Some("ordered"), 1);
+    let chain = s.produce_many(&mut c, 5, Some("k"));
+    let batch = g.claim(&mut c, 100);
+    assert_eq!(ids(&batch), chain);
+    assert_eq!(g.assert_counts_exact(&mut c), [0; 5], "a claimed range has no rows");
+
+    // The head fails: it is ready, the rest of its chain deferred.
+    assert_eq!(g.fail(&mut c, &batch[0], "boom", false, Some("0 seconds")).as_deref(), Some("ready"));
+    assert_eq!(g.assert_counts_exact(&mut c), [1, 0, 4, 0, 0]);
+    // Handed out again: inflight; its budget spent on the next failure: dead, and the rest of
+    // its chain may run.
+    g.make_due(&mut c);
+    let again = g.claim(&mut c, 100);
+    assert_eq!(ids(&again), chain);
+    assert_eq!(g.assert_counts_exact(&mut c), [0, 5, 0, 0, 0]);
+    assert_eq!(g.fail(&mut c, &again[0], "boom", false, None).as_deref(), Some("dead"));
+    g.assert_counts_exact(&mut c);
+    for d in &again[1..] {
+        assert!(g.ack(&mut c, d));
+    }
+    assert!(g.drain(&mut c).is_empty());
+    assert_eq!(g.assert_counts_exact(&mut c), [0, 0, 0, 1, 0]);
+
+    // Redrive, dead again, purge.
+    c.query_one("SELECT sqlstreams.redrive($1, 'g')", &[&s.name]).unwrap();
+    assert_eq!(g.assert_counts_exact(&mut c), [1, 0, 0, 0, 0]);
+    let d = g.claim(&mut c, 100);
+    g.fail(&mut c, &d[0], "still", true, None);
+    assert_eq!(g.assert_counts_exact(&mut c), [0, 0, 0, 1, 0]);
+    c.query_one("SELECT sqlstreams.purge_dead($1, 'g')", &[&s.name]).unwrap();
+    assert_eq!(g.assert_counts_exact(&mut c), [0; 5]);
+
+    // Compaction on a parallel group: an older state is superseded.
+    let p = s.group(&mut c, "p", Some("parallel"));
+    p.drain(&mut c);
+    let _older = s.produce_with(&mut c, json!({"v": 1}), Some("acct"), None, true).unwrap();
+    let _newer = s.produce_with(&mut c, json!({"v": 2}), Some("acct"), None, true).unwrap();
+    p.drain(&mut c);
+    assert_eq!(p.assert_counts_exact(&mut c), [0, 0, 0, 0, 1]);
+    g.drain(&mut c);
+    g.assert_counts_exact(&mut c);
+
+    // A seek forgets the group's rows; retention folds the deltas and the counts stay exact.
+    let failing = s.produce_many(&mut c, 3, None);
+    let got = g.claim(&mut c, 100);
+    assert_eq!(ids(&got), failing);
+    for d in &got {
+        g.fail(&mut c, d, "later", false, Some("1 hour"));
+    }
+    g.assert_counts_exact(&mut c);
+    let deltas = |c: &mut Client| -> i64 {
+        c.query_one(&format!("SELECT count(*) FROM {}", s.table("exception_count")), &[]).unwrap().get(0)
+    };
+    let before = deltas(&mut c);
+    c.query("SELECT * FROM sqlstreams.maintain()", &[]).unwrap();
+    assert!(deltas(&mut c) < before, "maintain() folded {before} deltas");
+    g.assert_counts_exact(&mut c);
+    p.assert_counts_exact(&mut c);
+    c.query_one("SELECT sqlstreams.seek($1, 'g', to_id => 0)", &[&s.name]).unwrap();
+    assert_eq!(g.assert_counts_exact(&mut c), [0; 5]);
+
+    // A dropped group leaves no counts behind; one created under its name starts at zero.
+    g.claim(&mut c, 100).iter().for_each(|d| {
+        g.fail(&mut c, d, "x", true, None);
+    });
+    c.query_one("SELECT sqlstreams.drop_group($1, 'g')", &[&s.name]).unwrap();
+    let left: i64 = c
+        .query_one(
+            &format!("SELECT count(*) FROM {} WHERE consumer_group_id = $1", s.table("exception_count")),
+            &[&g.id],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0);
+    let reborn = s.group(&mut c, "g", Some("ordered"));
+    assert_eq!(reborn.assert_counts_exact(&mut c), [0; 5]);
+}

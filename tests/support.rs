@@ -297,6 +297,33 @@ impl Group {
         self.exception_rows(c).into_iter().map(|r| (r.message_id, r.status)).collect()
     }
 
+    /// `group_status`'s counts by status must be the queue's rows, counted: (ready, inflight,
+    /// deferred, dead, superseded). Returns them.
+    pub fn assert_counts_exact(&self, c: &mut Client) -> [i64; 5] {
+        let reported = c
+            .query_one(
+                "SELECT ready, inflight, deferred, dead, superseded FROM sqlstreams.group_status($1, $2)",
+                &[&self.stream.name, &self.name],
+            )
+            .expect("group_status");
+        let sql = format!(
+            "SELECT count(*) FILTER (WHERE status = 'ready'), count(*) FILTER (WHERE status = 'inflight'),
+                    count(*) FILTER (WHERE status = 'deferred'), count(*) FILTER (WHERE status = 'dead'),
+                    count(*) FILTER (WHERE status = 'superseded')
+             FROM {} WHERE consumer_group_id = $1",
+            self.stream.table("exception_queue")
+        );
+        let counted = c.query_one(&sql, &[&self.id]).expect("count the queue");
+        let reported: [i64; 5] = std::array::from_fn(|i| reported.get(i));
+        let counted: [i64; 5] = std::array::from_fn(|i| counted.get(i));
+        assert_eq!(
+            reported, counted,
+            "group_status counts (ready, inflight, deferred, dead, superseded) of {}",
+            self.name
+        );
+        reported
+    }
+
     /// The group's cursor as `group_status` reads it now: (claimed, committed).
     pub fn cursor(&self, c: &mut Client) -> (i64, i64) {
         let row = c

@@ -243,6 +243,7 @@ fn torture_ordered_and_exclusive_under_failures_and_open_transactions() {
             .unwrap()
             .get(0);
         assert_eq!(left, 0, "{label}: unresolved exception rows remain");
+        group.assert_counts_exact(&mut c);
     }
     let deliveries = events.iter().filter(|e| matches!(e, Event::Start { .. })).count();
     eprintln!(

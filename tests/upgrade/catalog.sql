@@ -47,6 +47,10 @@ WITH objects AS (
     FROM pg_catalog.pg_sequence s JOIN pg_catalog.pg_class c ON c.oid = s.seqrelid
     WHERE c.relnamespace = 'sqlstreams'::regnamespace
     UNION ALL
+    SELECT format('trigger %s', pg_catalog.pg_get_triggerdef(t.oid))
+    FROM pg_catalog.pg_trigger t JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid
+    WHERE c.relnamespace = 'sqlstreams'::regnamespace AND NOT t.tgisinternal
+    UNION ALL
     SELECT format('view %s %s', c.relname, pg_catalog.pg_get_viewdef(c.oid))
     FROM pg_catalog.pg_class c WHERE c.relnamespace = 'sqlstreams'::regnamespace AND c.relkind = 'v'
     UNION ALL
@@ -77,5 +81,5 @@ WITH objects AS (
 )
 SELECT line FROM objects
 -- Only stream 1's tables: names carry the stream id as `_<id>` (partitions add `_p<n>`).
-WHERE line !~ '_([2-9]|[1-9][0-9]+)(_|\s|\.|$)'
+WHERE line !~ '_([2-9]|[1-9][0-9]+)(_|\s|\.|\(|$)'
 ORDER BY line;

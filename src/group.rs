@@ -90,14 +90,6 @@ const DELETE: Statement = Statement {
     params: &[INT8OID],
 };
 
-/// The dropped group's exception counts, after `DELETE` (whose own trigger adds the last
-/// deltas when that statement ends).
-const DELETE_COUNTS: Statement = Statement {
-    name: "group_delete_counts",
-    sql: "DELETE FROM sqlstreams.exception_count_@id@ WHERE consumer_group_id = $1",
-    params: &[INT8OID],
-};
-
 /// The group `group` of stream `stream`, or `UnknownStream` / `UnknownGroup`.
 pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str, access: Access) -> Result<GroupRef> {
     version::check(client, access)?;
@@ -220,7 +212,6 @@ pub fn drop(stream: &str, name: &str) -> Result<bool> {
             match lookup(client, stream, name, Access::Write) {
                 Ok(group) => {
                     DELETE.run(client, group.stream.id, &[group.id.into()])?;
-                    DELETE_COUNTS.run(client, group.stream.id, &[group.id.into()])?;
                     Ok(true)
                 }
                 Err(StreamError::UnknownGroup { .. }) => Ok(false),

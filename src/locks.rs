@@ -35,8 +35,9 @@
 //! compaction-head rows of its keys in key order (`src/produce.rs`); only a producer whose
 //! message id has no partition yet waits, for the stream row, behind another transaction
 //! creating that partition. **`maintain()`** takes cursor rows and expired lane holds with
-//! `SKIP LOCKED`. **A retention step** (`src/retention.rs`; from `maintain()` or at the end of a
-//! claim, one session per stream at a time) takes its rows with `SKIP LOCKED`, then, for a
+//! `SKIP LOCKED`. **A retention step** (`src/retention.rs`; from `maintain()`, or at the end of a
+//! claim, one claiming session per stream at a time) takes its rows with `SKIP LOCKED` (the
+//! exception counts it folds too, so two steps that meet fold disjoint rows), then, for a
 //! group with `on_dead = 'hold'`, the key locks of the held dead rows it deleted, shared and
 //! waiting as an outcome's do: it waits only for a claim parking that key, which never waits.
 //!

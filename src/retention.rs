@@ -76,11 +76,15 @@ const DROP_PARTITIONS: Statement = Statement {
 };
 
 /// Folds the exception counts' deltas into one row per group and status (the triggers append a
-/// row per change; group_status sums them). Rows of dropped groups go. Only one step runs per
-/// stream at a time, so no two folds meet; a delta committed meanwhile stays for the next one.
+/// row per change; group_status sums them). Rows of dropped groups go. It takes only the rows
+/// no one else holds (a concurrent fold, from `maintain()` or another claim's step, folds the
+/// others), so it never waits, and the sums stay exact; a delta committed meanwhile stays for
+/// the next fold.
 const FOLD_COUNTS: Statement = Statement {
     name: "retention_fold_counts",
-    sql: "WITH gone AS (DELETE FROM sqlstreams.exception_count_@id@ RETURNING consumer_group_id, status, delta)
+    sql: "WITH gone AS (DELETE FROM sqlstreams.exception_count_@id@ WHERE ctid = ANY (ARRAY(
+                  SELECT ctid FROM sqlstreams.exception_count_@id@ FOR UPDATE SKIP LOCKED))
+              RETURNING consumer_group_id, status, delta)
           INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
           SELECT g.consumer_group_id, g.status, sum(g.delta) FROM gone g
           WHERE EXISTS (SELECT 1 FROM sqlstreams.consumer_group c WHERE c.id = g.consumer_group_id)

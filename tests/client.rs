@@ -328,6 +328,41 @@ async fn a_panicking_handler_is_a_retryable_failure() {
     assert_eq!((report.metrics.panicked, report.metrics.failed, report.metrics.succeeded), (1, 1, 1));
 }
 
+/// A handler that panics before it even returns its future (in the closure's synchronous part)
+/// fails like any panicking handler; the other deliveries of its claim are not disturbed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_panicking_before_its_future_is_a_retryable_failure() {
+    use sqlstreams_client::testing::Outcome;
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("panic-sync"));
+    stream.register().await.unwrap();
+    let producer = stream.producer();
+    let mut ids = Vec::new();
+    for delta in [1, -1, 2, 3] {
+        ids.push(producer.produce(&adjustment("a", delta), ProduceOptions::default()).await.unwrap().id().unwrap());
+    }
+    let consumer = stream.consumer("g").register(config(None)).await.unwrap();
+    let worked = consumer
+        .work_until_idle(|d: Delivery<Adjustment>| {
+            assert!(d.message.delta >= 0, "a negative delta");
+            async { Ok(()) }
+        })
+        .await
+        .unwrap();
+    let mut outcomes: Vec<(i64, Outcome)> = worked.into_iter().map(|w| (w.id, w.outcome)).collect();
+    outcomes.sort_by_key(|(id, _)| *id);
+    let retrying = Outcome::Retrying { error: "the handler panicked: a negative delta".into() };
+    assert_eq!(
+        outcomes,
+        vec![
+            (ids[0], Outcome::Succeeded),
+            (ids[1], retrying),
+            (ids[2], Outcome::Succeeded),
+            (ids[3], Outcome::Succeeded)
+        ]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn graceful_shutdown_finishes_in_flight_handlers() {
     let client = client();

@@ -4,7 +4,10 @@
 //! claims, chains, outcomes, leases and transactions) until a claim finds nothing left to
 //! run, and reports what happened to every delivery. It waits for no clock: a retry whose
 //! backoff has not passed, or a delayed message, is left for later and shows as
-//! [`Outcome::Retrying`] or [`Outcome::Delayed`].
+//! [`Outcome::Retrying`] or [`Outcome::Delayed`]. (A handler that keeps asking for delays
+//! shorter than a claim round trip keeps it running, since delays are unbounded unless the
+//! group sets `max_delays`: give such tests one.) A claim that fails ends it with
+//! the error.
 //!
 //! ```no_run
 //! # async fn example() -> sqlstreams_client::Result<()> {
@@ -41,8 +44,8 @@ use crate::{Consumer, Delivery, HandlerError, Tx};
 /// What happened to one delivery.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// The handler succeeded and the ack was recorded (for a transactional handler, committed
-    /// with its writes).
+    /// The handler succeeded and its ack was sent (for a transactional handler, committed with
+    /// its writes).
     Succeeded,
     /// The handler failed; a retry is scheduled.
     Retrying {

@@ -169,8 +169,9 @@ where
                     ctx.writer.return_acks(token, ids);
                 }
                 drop(permits);
-                if e.is_unknown_object() || e.is_permission_denied() {
-                    // Retrying cannot bring a dropped group or a revoked grant back.
+                if e.is_unknown_object() || e.is_permission_denied() || ctx.journal.is_some() {
+                    // Retrying cannot bring a dropped group or a revoked grant back (and a
+                    // test wants to see any error).
                     error!(error = %e, "sqlstreams: claim refused; the consumer stops");
                     fatal = Some(e);
                     break;
@@ -228,9 +229,14 @@ where
         }
         for bucket in buckets.into_iter().filter(|b| !b.is_empty()) {
             let ctx = ctx.clone();
+            // The consumer's cancellation reaches each delivery's token through one token per
+            // bucket, whose lock only this task takes.
+            let scope = ctx.cancel.child_token();
             chains.spawn(async move {
-                let mut running: FuturesUnordered<_> =
-                    bucket.into_iter().map(|(chain, permit)| run_chain(ctx.clone(), chain, permit)).collect();
+                let mut running: FuturesUnordered<_> = bucket
+                    .into_iter()
+                    .map(|(chain, permit)| run_chain(ctx.clone(), chain, permit, scope.clone()))
+                    .collect();
                 while running.next().await.is_some() {}
             });
         }
@@ -344,8 +350,12 @@ fn chains_of(rows: Vec<Claimed>) -> Vec<Vec<Claimed>> {
     chains
 }
 
-async fn run_chain<T, H>(ctx: Arc<Ctx<T, H>>, chain: Vec<Claimed>, _permit: OwnedSemaphorePermit)
-where
+async fn run_chain<T, H>(
+    ctx: Arc<Ctx<T, H>>,
+    chain: Vec<Claimed>,
+    _permit: OwnedSemaphorePermit,
+    scope: CancellationToken,
+) where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
     H: Handle<T>,
 {
@@ -375,7 +385,7 @@ where
             ctx.finished(token, rest);
             break;
         }
-        resolved = ctx.deliver(row).await;
+        resolved = ctx.deliver(row, &scope).await;
         ctx.finished(token, 1);
     }
 }
@@ -419,10 +429,10 @@ where
 
     /// Runs one delivery and records its outcome. True when the message resolved (succeeded or
     /// died), so the next row of its chain may start.
-    async fn deliver(&self, row: Claimed) -> bool {
+    async fn deliver(&self, row: Claimed, scope: &CancellationToken) -> bool {
         let span = info_span!("sqlstreams.handler", message_id = row.id, attempt = row.attempt, key = ?row.key);
         let started = Instant::now();
-        let (outcome, tx) = self.execute(&row, started).instrument(span.clone()).await;
+        let (outcome, tx) = self.execute(&row, started, scope).instrument(span.clone()).await;
         self.counters.handler_ran(started.elapsed());
         match tx {
             Some(tx) => self.finish_transaction(row, outcome, tx).instrument(span).await,
@@ -432,7 +442,7 @@ where
 
     /// Runs the handler; returns how it ended and, for a transactional handler, its open
     /// transaction.
-    async fn execute(&self, row: &Claimed, started: Instant) -> (Outcome, Option<Tx>) {
+    async fn execute(&self, row: &Claimed, started: Instant, scope: &CancellationToken) -> (Outcome, Option<Tx>) {
         let message: T = match serde_json::from_str(&row.payload) {
             Ok(message) => message,
             Err(e) => {
@@ -451,10 +461,9 @@ where
         } else {
             None
         };
-        // A token of its own (not a child of the consumer's: no shared lock per delivery); the
-        // consumer's cancellation reaches it below.
-        let cancel = CancellationToken::new();
-        let deadline = started + self.config.handler_timeout;
+        let cancel = scope.child_token();
+        // The handler's time starts when it can run: after its transaction is open.
+        let deadline = if H::TRANSACTIONAL { Instant::now() } else { started } + self.config.handler_timeout;
         let delivery = Delivery {
             message,
             id: row.id,
@@ -469,7 +478,12 @@ where
             cancel: cancel.clone(),
             deadline,
         };
-        let handler = AssertUnwindSafe(self.handler.call(delivery, tx.clone())).catch_unwind();
+        // A panic in the handler's synchronous part (before its future) is caught as well.
+        let call = std::panic::catch_unwind(AssertUnwindSafe(|| self.handler.call(delivery, tx.clone())));
+        let handler = match call {
+            Ok(future) => AssertUnwindSafe(future).catch_unwind(),
+            Err(panic) => return (Outcome::Panicked(panic_message(panic)), tx),
+        };
         let mut handler = std::pin::pin!(handler);
         let ended = |result: std::thread::Result<std::result::Result<(), HandlerError>>| match result {
             Ok(Ok(())) => Outcome::Success,

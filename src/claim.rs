@@ -46,6 +46,10 @@ use pgrx::pg_sys::panic::ErrorReport;
 /// Largest `batch_size` a claim accepts.
 pub const MAX_BATCH: i32 = 10_000;
 
+/// Reads of one lane's messages per claim when messages are held back for their
+/// `deliver_after` (each read moves up to a batch of them into the queue).
+const MAX_DELAYED_READS: i32 = 8;
+
 /// One row of a claim result.
 pub struct Delivery {
     pub message_id: i64,
@@ -408,17 +412,35 @@ impl Claim<'_> {
                 self.ranges.push(expired);
             }
         }
-        if safe <= lane.claimed || room <= 0 {
-            return Ok(());
+        // Messages held back for their deliver_after leave their room to the next ones: the lane
+        // is read on, a few times at most; past that, consumers are woken to claim again.
+        let mut messages = Vec::new();
+        let mut first = None;
+        let mut reads = 0;
+        while lane.claimed < safe && room > 0 {
+            let mut read = message::after(client, self.group, lane.lane, lane.claimed, safe, room)?;
+            let full = read.len() as i32 == room;
+            first = first.or(read.first().map(|m| m.candidate.message_id));
+            // A full read ends at its last message; otherwise the lane is handed out up to the
+            // safe head, including ids of rolled-back producers that will never appear.
+            lane.claimed = match read.last() {
+                Some(last) if full => last.candidate.message_id,
+                _ => safe,
+            };
+            let held = self.hold_back_delayed(client, &mut read)?;
+            room -= read.len() as i32;
+            messages.extend(read);
+            reads += 1;
+            if held == 0 {
+                break;
+            }
+            if reads == MAX_DELAYED_READS {
+                if full {
+                    notify::signal(client, self.group.stream.id)?;
+                }
+                break;
+            }
         }
-        let mut messages = message::after(client, self.group, lane.lane, lane.claimed, safe, room)?;
-        let taken = messages.len();
-        let first = messages.first().map(|m| m.candidate.message_id);
-        let last = messages.last().map_or(lane.claimed, |m| m.candidate.message_id);
-        self.hold_back_delayed(client, &mut messages)?;
-        // A full batch ends at its last message; otherwise the lane is handed out up to the
-        // safe head, including ids of rolled-back producers that will never appear.
-        lane.claimed = if taken as i32 == room { last } else { safe };
         if let Some(first_id) = first {
             self.push_range(messages, 0, first_id);
             self.ranges.push(RangeLease {
@@ -436,17 +458,19 @@ impl Claim<'_> {
     /// Messages produced with `deliver_after` whose time has not come leave the range for the
     /// queue: `ready` rows due at that time, written at once so this claim's gate sees them as
     /// unresolved predecessors of later messages of their ordered keys.
-    fn hold_back_delayed(&mut self, client: &SpiClient<'_>, messages: &mut Vec<Message>) -> Result<()> {
+    /// Returns how many it held back.
+    fn hold_back_delayed(&mut self, client: &SpiClient<'_>, messages: &mut Vec<Message>) -> Result<usize> {
         let now = self.now;
         let (later, due): (Vec<Message>, Vec<Message>) =
             std::mem::take(messages).into_iter().partition(|m| m.deliver_at.is_some_and(|at| at > now));
         *messages = due;
         if later.is_empty() {
-            return Ok(());
+            return Ok(0);
         }
         let rows: Vec<_> =
             later.iter().map(|m| exception_queue::delayed(&m.candidate, m.deliver_at.unwrap_or(now), now)).collect();
-        exception_queue::insert(client, self.group.stream.id, self.group.id, &rows, now)
+        exception_queue::insert(client, self.group.stream.id, self.group.id, &rows, now)?;
+        Ok(later.len())
     }
 
     fn push_range(&mut self, messages: Vec<Message>, attempt: i32, first_id: i64) {

@@ -132,7 +132,13 @@ fn check_batch_headers(client: &SpiClient<'_>, headers: Option<RawJsonbArray>, c
     let Some(headers) = headers else { return Ok(()) };
     let shape = BATCH_HEADERS.run(client, 0, &[headers.into()])?.first();
     let given: i32 = shape.required("count")?;
-    if shape.value::<i32>("dimensions")? != Some(1) || given != count {
+    if shape.value::<i32>("dimensions")? != Some(1) {
+        return Err(StreamError::invalid(
+            "headers must be a one-dimensional array",
+            "Pass one headers object per payload, such as ARRAY['{\"h\": 1}', NULL]::jsonb[].",
+        ));
+    }
+    if given != count {
         return Err(StreamError::invalid(
             format!("headers has {given} elements but payloads has {count}"),
             "Pass one headers object per payload (NULL for a message without headers), or no headers at all.",
@@ -147,14 +153,25 @@ fn check_batch_headers(client: &SpiClient<'_>, headers: Option<RawJsonbArray>, c
     Ok(())
 }
 
-/// `deliver_after`, checked: not negative; zero (or NULL) delivers at once.
-pub fn check_deliver_after(deliver_after: Option<Interval>) -> Result<Option<Interval>> {
+/// The longest `deliver_after`: ten years (and no timestamp overflow).
+const MAX_DELIVER_AFTER_MICROS: i128 = 10 * 365 * 86_400 * 1_000_000;
+
+/// `deliver_after`, checked: not negative, at most ten years, and not with compaction (a
+/// newer state that is not due yet would supersede the state that is); zero (or NULL)
+/// delivers at once.
+pub fn check_deliver_after(deliver_after: Option<Interval>, compaction: bool) -> Result<Option<Interval>> {
+    let hint = "Pass how long to hold the message back, such as '5 minutes', or NULL to deliver it at once.";
     match deliver_after {
-        Some(d) if d.as_micros() < 0 => Err(StreamError::invalid(
-            format!("deliver_after {d} is negative"),
-            "Pass how long to hold the message back, such as '5 minutes', or NULL to deliver it at once.",
-        )),
+        Some(d) if d.as_micros() < 0 => Err(StreamError::invalid(format!("deliver_after '{d}' is negative"), hint)),
+        Some(d) if d.as_micros() > MAX_DELIVER_AFTER_MICROS => {
+            Err(StreamError::invalid(format!("deliver_after '{d}' is longer than 10 years"), hint))
+        }
         Some(d) if d.as_micros() == 0 => Ok(None),
+        Some(_) if compaction => Err(StreamError::invalid(
+            "a compacted message cannot be delayed",
+            "Compaction delivers a key's latest state, and a state that is not due yet would supersede the one that \
+             is: produce it with compaction => false, or without deliver_after.",
+        )),
         other => Ok(other),
     }
 }
@@ -387,7 +404,7 @@ fn produce(
     if let Some(key) = idempotency_key {
         crate::names::check_key_length("idempotency_key", key)?;
     }
-    let extras = Extras { headers, deliver_after: check_deliver_after(deliver_after)? };
+    let extras = Extras { headers, deliver_after: check_deliver_after(deliver_after, compaction.unwrap_or(false))? };
     Ok(produce_one(stream, payload, &request, idempotency_key, extras)?)
 }
 
@@ -435,7 +452,7 @@ fn produce_batch(
     let keys: Option<Vec<Option<&str>>> = message_keys.as_ref().map(|k| k.iter().map(Option::as_deref).collect());
     let idempotency: Option<Vec<Option<&str>>> =
         idempotency_keys.as_ref().map(|k| k.iter().map(Option::as_deref).collect());
-    let extras = BatchExtras { headers, deliver_after: check_deliver_after(deliver_after)? };
+    let extras = BatchExtras { headers, deliver_after: check_deliver_after(deliver_after, compaction.unwrap_or(false))? };
     let ids = produce_many(stream, payloads, keys, concurrency, compaction.unwrap_or(false), idempotency, extras)?;
     Ok(SetOfIterator::new(ids))
 }

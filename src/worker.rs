@@ -45,7 +45,8 @@ pub fn init() {
         c"Only used when sqlstreams is in shared_preload_libraries.",
         &INTERVAL,
         0,
-        i32::MAX,
+        // The wait is in milliseconds, in a C int.
+        i32::MAX / 1000,
         GucContext::Sighup,
         GucFlags::UNIT_S,
     );

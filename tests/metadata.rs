@@ -109,6 +109,20 @@ fn bad_headers_and_negative_deliver_after_are_refused_and_write_nothing() {
             "headers 2 of the batch is not a JSON object",
         ),
         ("SELECT sqlstreams.produce_batch($1, ARRAY['{}']::jsonb[], deliver_after => '-1 day')", "is negative"),
+        ("SELECT sqlstreams.produce($1, '{}', deliver_after => '11 years')", "is longer than 10 years"),
+        (
+            "SELECT sqlstreams.produce($1, '{}', 'k', compaction => true, deliver_after => '1 minute')",
+            "a compacted message cannot be delayed",
+        ),
+        (
+            "SELECT sqlstreams.produce_batch($1, ARRAY['{}']::jsonb[], ARRAY['k'], compaction => true,
+                                             deliver_after => '1 minute')",
+            "a compacted message cannot be delayed",
+        ),
+        (
+            "SELECT sqlstreams.produce_batch($1, ARRAY['{}', '{}']::jsonb[], headers => ARRAY[['{}'], ['{}']]::jsonb[])",
+            "headers must be a one-dimensional array",
+        ),
     ];
     for (sql, message) in cases {
         let err = c.query(sql, &[&s.name]).expect_err(sql);
@@ -193,4 +207,23 @@ fn a_delayed_message_produced_inside_an_outbox_transaction_vanishes_with_a_rollb
     let kept = s.produce(&mut c, json!({}), Some("k"));
     assert_eq!(ids(&g.claim(&mut c, 100)), vec![kept]);
     assert!(g.exception_rows(&mut c).is_empty());
+}
+
+#[test]
+fn messages_held_back_do_not_take_the_room_of_due_ones() {
+    let mut c = connect();
+    let name = unique("held-back");
+    let id: i64 = c.query_one("SELECT sqlstreams.create_stream($1, lanes => 1)", &[&name]).unwrap().get(0);
+    let s = Stream { name, id };
+    let g = s.group(&mut c, "g", Some("parallel"));
+    c.query_one(
+        "SELECT count(*) FROM sqlstreams.produce_batch($1, array_fill('{}'::jsonb, ARRAY[250]), deliver_after => '1 hour')",
+        &[&s.name],
+    )
+    .unwrap();
+    let due = s.produce(&mut c, json!({"due": true}), None);
+    assert_eq!(ids(&g.claim(&mut c, 100)), vec![due], "the first claim reads past 250 held-back messages");
+    let held = g.statuses(&mut c);
+    assert_eq!(held.len(), 250);
+    assert!(held.iter().all(|(_, status)| status == "ready"));
 }

@@ -452,7 +452,8 @@ fn produce_batch(
     let keys: Option<Vec<Option<&str>>> = message_keys.as_ref().map(|k| k.iter().map(Option::as_deref).collect());
     let idempotency: Option<Vec<Option<&str>>> =
         idempotency_keys.as_ref().map(|k| k.iter().map(Option::as_deref).collect());
-    let extras = BatchExtras { headers, deliver_after: check_deliver_after(deliver_after, compaction.unwrap_or(false))? };
+    let extras =
+        BatchExtras { headers, deliver_after: check_deliver_after(deliver_after, compaction.unwrap_or(false))? };
     let ids = produce_many(stream, payloads, keys, concurrency, compaction.unwrap_or(false), idempotency, extras)?;
     Ok(SetOfIterator::new(ids))
 }

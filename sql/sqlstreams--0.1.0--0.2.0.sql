@@ -199,7 +199,8 @@ BEGIN
         -- 0.2.0: how many exception rows each group has in each status, as deltas that
         -- group_status sums, so its cost does not grow with the queue. Statement triggers on
         -- the queue append one row per group and status a statement changed; no writer updates
-        -- a shared row, so none waits for another. Retention folds the deltas (src/retention.rs).
+        -- a shared row, so none waits for another. The triggers now and then, and retention
+        -- (src/retention.rs), fold the deltas.
         CREATE TABLE sqlstreams.exception_count_@id@ (
             consumer_group_id bigint NOT NULL,
             status            text   NOT NULL,
@@ -224,6 +225,16 @@ BEGIN
                       UNION ALL
                       SELECT consumer_group_id, status, -1 FROM removed) c
                 GROUP BY 1, 2 HAVING sum(d) <> 0;
+            END IF;
+            -- Now and then, fold the deltas (as a retention step does), so group_status sums a
+            -- few rows however busy the queue is; rows another fold holds are skipped.
+            IF random() < 0.02 THEN
+                WITH gone AS (
+                    DELETE FROM sqlstreams.exception_count_@id@ WHERE ctid = ANY (ARRAY(
+                        SELECT ctid FROM sqlstreams.exception_count_@id@ FOR UPDATE SKIP LOCKED))
+                    RETURNING consumer_group_id, status, delta)
+                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
+                SELECT consumer_group_id, status, sum(delta) FROM gone GROUP BY 1, 2 HAVING sum(delta) <> 0;
             END IF;
             RETURN NULL;
         END
@@ -498,7 +509,8 @@ BEGIN
         -- 0.2.0: how many exception rows each group has in each status, as deltas that
         -- group_status sums, so its cost does not grow with the queue. Statement triggers on
         -- the queue append one row per group and status a statement changed; no writer updates
-        -- a shared row, so none waits for another. Retention folds the deltas (src/retention.rs).
+        -- a shared row, so none waits for another. The triggers now and then, and retention
+        -- (src/retention.rs), fold the deltas.
         CREATE TABLE sqlstreams.exception_count_@id@ (
             consumer_group_id bigint NOT NULL,
             status            text   NOT NULL,
@@ -523,6 +535,16 @@ BEGIN
                       UNION ALL
                       SELECT consumer_group_id, status, -1 FROM removed) c
                 GROUP BY 1, 2 HAVING sum(d) <> 0;
+            END IF;
+            -- Now and then, fold the deltas (as a retention step does), so group_status sums a
+            -- few rows however busy the queue is; rows another fold holds are skipped.
+            IF random() < 0.02 THEN
+                WITH gone AS (
+                    DELETE FROM sqlstreams.exception_count_@id@ WHERE ctid = ANY (ARRAY(
+                        SELECT ctid FROM sqlstreams.exception_count_@id@ FOR UPDATE SKIP LOCKED))
+                    RETURNING consumer_group_id, status, delta)
+                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
+                SELECT consumer_group_id, status, sum(delta) FROM gone GROUP BY 1, 2 HAVING sum(delta) <> 0;
             END IF;
             RETURN NULL;
         END

@@ -370,7 +370,13 @@ fn claim_cost_table(rows: &[Throughput]) -> String {
         let per_100 = r.produced.max(1) as f64 / 100.0;
         let line = match r.system {
             Some(System::Sql) | Some(System::Client) => {
-                let claim = per_call_us(r, "sqlstreams.claim");
+                // The client claims through claim_with_metadata (headers, produced_at).
+                let name = if r.system == Some(System::Client) {
+                    "sqlstreams.claim_with_metadata"
+                } else {
+                    "sqlstreams.claim"
+                };
+                let claim = per_call_us(r, name);
                 let ack = per_call_us(r, "sqlstreams.ack_batch").filter(|a| a.0 > 0);
                 let trips = claim.map_or(0, |c| c.0) + ack.map_or(0, |a| a.0);
                 let acks = match ack {

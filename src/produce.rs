@@ -375,6 +375,7 @@ pub fn produce_many(
 /// already used within the stream's idempotency_ttl. `headers` (a JSON object) travel with the
 /// message to `claim_with_metadata`; `deliver_after` holds it back that long from the
 /// transaction's start.
+#[allow(clippy::too_many_arguments)]
 #[pg_extern(volatile, parallel_unsafe)]
 fn produce(
     stream: Option<&str>,
@@ -434,6 +435,7 @@ fn check_idempotency_keys(keys: &[Option<&str>], count: usize) -> Result<()> {
 /// idempotency_keys, when given, has one per payload: a message whose key was already used
 /// (within the stream's idempotency_ttl, or earlier in the same batch) produces nothing and
 /// its id is NULL.
+#[allow(clippy::too_many_arguments)]
 #[pg_extern(volatile, parallel_unsafe)]
 fn produce_batch(
     stream: Option<&str>,

@@ -173,7 +173,7 @@ async fn run(cli: Cli) -> Result<(), String> {
     let out = match cli.command {
         Command::Status { stream } => {
             rows(
-                &db,
+                db,
                 "SELECT stream, name AS group, paused, claimed, committed, head, lag, oldest_unresolved_age::text AS oldest_age,
                         open_ranges, ready, inflight, deferred, dead
                  FROM sqlstreams.consumer_groups WHERE $1::text IS NULL OR stream = $1 ORDER BY stream, name",
@@ -181,36 +181,36 @@ async fn run(cli: Cli) -> Result<(), String> {
             )
             .await?
         }
-        Command::Lag(t) => rows(&db, "SELECT * FROM sqlstreams.group_status($1, $2)", &[&t.stream, &t.group]).await?,
-        Command::Blocked(t) => rows(&db, "SELECT * FROM sqlstreams.blocked_keys($1, $2)", &[&t.stream, &t.group]).await?,
+        Command::Lag(t) => rows(db, "SELECT * FROM sqlstreams.group_status($1, $2)", &[&t.stream, &t.group]).await?,
+        Command::Blocked(t) => rows(db, "SELECT * FROM sqlstreams.blocked_keys($1, $2)", &[&t.stream, &t.group]).await?,
         Command::Dead { action: Dead::List(t) } => {
-            rows(&db, "SELECT * FROM sqlstreams.dead_messages($1, $2)", &[&t.stream, &t.group]).await?
+            rows(db, "SELECT * FROM sqlstreams.dead_messages($1, $2)", &[&t.stream, &t.group]).await?
         }
         Command::Dead { action: Dead::Redrive { target: t, ids } } => {
             rows(
-                &db,
+                db,
                 "SELECT unnest(sqlstreams.redrive($1, $2, $3)) AS redriven",
                 &[&t.stream, &t.group, &ids],
             )
             .await?
         }
         Command::Dead { action: Dead::Purge { target: t, older_than } } => {
-            rows(&db, "SELECT sqlstreams.purge_dead($1, $2, $3::text::interval) AS purged", &[&t.stream, &t.group, &older_than])
+            rows(db, "SELECT sqlstreams.purge_dead($1, $2, $3::text::interval) AS purged", &[&t.stream, &t.group, &older_than])
                 .await?
         }
         Command::Seek { target: t, to_id, to_time } => {
             rows(
-                &db,
+                db,
                 "SELECT sqlstreams.seek($1, $2, $3, $4::text::timestamptz) AS position",
                 &[&t.stream, &t.group, &to_id, &to_time],
             )
             .await?
         }
-        Command::Pause(t) => rows(&db, "SELECT sqlstreams.pause_group($1, $2) AS paused", &[&t.stream, &t.group]).await?,
-        Command::Resume(t) => rows(&db, "SELECT sqlstreams.resume_group($1, $2) AS resumed", &[&t.stream, &t.group]).await?,
+        Command::Pause(t) => rows(db, "SELECT sqlstreams.pause_group($1, $2) AS paused", &[&t.stream, &t.group]).await?,
+        Command::Resume(t) => rows(db, "SELECT sqlstreams.resume_group($1, $2) AS resumed", &[&t.stream, &t.group]).await?,
         Command::Tail { stream, mut after, limit, follow } => loop {
             let batch = rows(
-                &db,
+                db,
                 "SELECT message_id, message_key, produced_at, payload FROM sqlstreams.peek($1, $2, $3)",
                 &[&stream, &after, &limit],
             )

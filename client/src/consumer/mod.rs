@@ -273,8 +273,7 @@ where
             self.channel,
             Arc::new(handler),
             counters.clone(),
-            stop.clone(),
-            cancel.clone(),
+            runner::Stops { stop: stop.clone(), cancel: cancel.clone() },
             None,
         ));
         RunningConsumer { stop, cancel, task, counters }
@@ -291,8 +290,7 @@ where
             self.channel,
             Arc::new(handler),
             self.counters.clone(),
-            CancellationToken::new(),
-            CancellationToken::new(),
+            runner::Stops { stop: CancellationToken::new(), cancel: CancellationToken::new() },
             Some(journal.clone()),
         )
         .await?;

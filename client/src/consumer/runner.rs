@@ -81,20 +81,27 @@ struct Ctx<T, H> {
     journal: Option<Journal>,
 }
 
+/// How a running consumer is told to end: `stop` ends claiming (a graceful shutdown),
+/// `cancel` cancels running handlers too.
+pub(crate) struct Stops {
+    pub stop: CancellationToken,
+    pub cancel: CancellationToken,
+}
+
 pub(crate) async fn run<T, H>(
     group: ConsumerGroup<T>,
     config: ConsumerConfig,
     channel: String,
     handler: Arc<H>,
     counters: Arc<Counters>,
-    stop: CancellationToken,
-    cancel: CancellationToken,
+    stops: Stops,
     journal: Option<Journal>,
 ) -> Result<()>
 where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
     H: Handle<T>,
 {
+    let Stops { stop, cancel } = stops;
     let pool = group.stream.pool.clone();
     let (stream, group_name) = (group.stream.name.clone(), group.name.clone());
     let (writer, writer_task) = Writer::spawn(pool.clone(), stream.clone(), group_name.clone(), counters.clone());

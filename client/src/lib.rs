@@ -70,6 +70,10 @@
 //! an `Exclusive` key runs one delivery at a time. Same-key messages of one claim run in one
 //! task, in order, so a hot key stays serial whatever `message_concurrency` is.
 
+//! With the `opentelemetry` feature, a message carries the trace context of the span it was
+//! produced in (a W3C `traceparent` header), and its handler's span continues that trace; install
+//! a global propagator (`TraceContextPropagator`) and a `tracing-opentelemetry` layer.
+
 #![deny(missing_docs)]
 
 mod backoff;
@@ -83,6 +87,7 @@ mod stream;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod tls;
+mod trace_context;
 
 pub use client::{Client, ClientOptions};
 pub use consumer::{

@@ -25,7 +25,9 @@ pub struct ProduceOptions {
     pub compaction: bool,
     /// A repeat of this key within the stream's idempotency TTL produces nothing.
     pub idempotency_key: Option<String>,
-    /// Handed to handlers with the message ([`crate::Delivery::headers`]).
+    /// Handed to handlers with the message ([`crate::Delivery::headers`]). With the
+    /// `opentelemetry` feature the current span's trace context is added (`traceparent`),
+    /// unless these headers carry one already.
     pub headers: Option<Headers>,
     /// Not delivered before this long after the producing transaction started.
     pub deliver_after: Option<Duration>,
@@ -46,7 +48,7 @@ pub struct BatchOptions {
 
 impl BatchOptions {
     fn headers(&self) -> Option<serde_json::Value> {
-        self.headers.clone().map(serde_json::Value::Object)
+        crate::trace_context::outgoing(self.headers.as_ref())
     }
 
     fn deliver_after(&self) -> Option<f64> {
@@ -182,7 +184,7 @@ impl<'a> ProduceArgs<'a> {
             concurrency: options.concurrency.map(Concurrency::as_str),
             compaction: options.compaction,
             idempotency_key: options.idempotency_key.as_deref(),
-            headers: options.headers.clone().map(serde_json::Value::Object),
+            headers: crate::trace_context::outgoing(options.headers.as_ref()),
             deliver_after: options.deliver_after.map(|d| d.as_secs_f64()),
         })
     }

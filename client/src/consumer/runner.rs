@@ -77,6 +77,9 @@ struct Ctx<T, H> {
     /// Rows claimed and not finished, and a signal when that number drops.
     outstanding: AtomicUsize,
     progress: Notify,
+    /// The claim loop claims again once no more than this many rows are outstanding (room
+    /// for half a batch).
+    claim_again_at: usize,
     /// Set by tests: every delivery's outcome, and stop once nothing is left to claim.
     journal: Option<Journal>,
 }
@@ -117,6 +120,8 @@ where
         tokio::spawn(read_lag(pool, stream, group, counters, every, stop))
     });
     let semaphore = Arc::new(Semaphore::new(config.message_concurrency));
+    let room = (config.message_concurrency.min(config.batch_size as usize) / 2).max(1);
+    let claim_again_at = config.message_concurrency - room;
     let ctx = Arc::new(Ctx {
         group,
         config,
@@ -127,6 +132,7 @@ where
         cancel,
         outstanding: AtomicUsize::new(0),
         progress: Notify::new(),
+        claim_again_at,
         journal,
     });
     // Until idle (tests): a claim that found nothing after everything before it was written.
@@ -140,10 +146,12 @@ where
     let mut pipelined = true;
     while !stop.is_cancelled() {
         while chains.try_join_next().is_some() {}
-        // Do not run ahead of unfinished work. A claim that came back as one long chain (a hot
-        // key) is let finish first: claiming behind it would only park its successors.
+        // Claim again as soon as there is room for half a batch: the next claim's round trip
+        // then overlaps this one's handlers, and the server never waits for the consumer. A
+        // claim that came back as chains (same-key rows) is let finish first: claiming behind
+        // it would only park its successors.
         let outstanding = ctx.outstanding.load(Ordering::Acquire);
-        if outstanding > 0 && (!pipelined || outstanding >= ctx.config.batch_size as usize / 2) {
+        if outstanding > 0 && (!pipelined || outstanding > ctx.claim_again_at) {
             tokio::select! {
                 _ = ctx.progress.notified() => {}
                 _ = stop.cancelled() => break,
@@ -169,7 +177,10 @@ where
             // Acks the writer took before us must be written before this claim decides.
             ctx.writer.flush().await;
         }
-        let rows = match claim(&ctx, permits.len() as i32, acks.as_ref()).await {
+        ctx.writer.claiming(true);
+        let claimed = claim(&ctx, permits.len() as i32, acks.as_ref()).await;
+        ctx.writer.claiming(false);
+        let rows = match claimed {
             Ok(rows) => rows,
             Err(e) => {
                 if let Some((token, ids)) = acks {
@@ -425,11 +436,10 @@ where
     fn finished(&self, token: Uuid, rows: usize) {
         self.leases.finished(token, rows);
         let before = self.outstanding.fetch_sub(rows, Ordering::AcqRel);
-        // The claim loop waits for all work to finish, or for less than half a batch left
-        // (see `run`): wake it only when one of those is crossed, not for every row.
+        // The claim loop waits for all work to finish, or for room for half a batch (see
+        // `run`): wake it only when one of those is crossed, not for every row.
         let after = before - rows;
-        let half = self.config.batch_size as usize / 2;
-        if after == 0 || (before >= half && after < half) {
+        if after == 0 || (before > self.claim_again_at && after <= self.claim_again_at) {
             self.progress.notify_one();
         }
     }
@@ -438,6 +448,7 @@ where
     /// died), so the next row of its chain may start.
     async fn deliver(&self, row: Claimed, scope: &CancellationToken) -> bool {
         let span = info_span!("sqlstreams.handler", message_id = row.id, attempt = row.attempt, key = ?row.key);
+        crate::trace_context::continue_trace(&span, row.headers.as_ref());
         let started = Instant::now();
         let (outcome, tx) = self.execute(&row, started, scope).instrument(span.clone()).await;
         self.counters.handler_ran(started.elapsed());

@@ -4,11 +4,14 @@
 //! Acks are pipelined: a chain puts its ack in a buffer and starts its next row at once. The
 //! consumer's next claim takes the buffered acks along (`claim(..., ack_lease_token,
 //! ack_message_ids)`: one round trip, one commit); when no claim comes soon, this task writes
-//! them as one `ack_batch` per lease token. Fails, delays and releases are answered (the chain
+//! them as one `ack_batch` per lease token. "Soon" does not count the time a claim is in
+//! flight: the consumer claims again as soon as that one's rows are under way, so acks made
+//! meanwhile ride along with that next claim instead of costing a round trip of their own. Fails, delays and releases are answered (the chain
 //! needs to know whether a failure dead-lettered), and each is written after the acks buffered
 //! before it, so the server sees a chain's outcomes in order. A lost connection is retried with
 //! backoff; outcomes are idempotent per lease token.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,7 +56,10 @@ pub(crate) enum Command {
 }
 
 /// How long buffered acks wait for a claim to carry them before this task writes them.
-const ACK_GRACE: Duration = Duration::from_millis(2);
+const ACK_GRACE: Duration = Duration::from_millis(20);
+
+/// How long buffered acks wait behind a slow claim (one waiting on a lock, say) at most.
+const ACK_WAIT_LIMIT: Duration = Duration::from_millis(250);
 
 /// Acks not written yet, in the order they were made.
 type AckBuffer = Arc<Mutex<Vec<(Uuid, i64)>>>;
@@ -64,6 +70,7 @@ pub(crate) struct Writer {
     tx: mpsc::UnboundedSender<Command>,
     acks: AckBuffer,
     acks_waiting: Arc<Notify>,
+    claiming: Arc<AtomicBool>,
 }
 
 impl Writer {
@@ -76,6 +83,7 @@ impl Writer {
         let (tx, rx) = mpsc::unbounded_channel();
         let acks = AckBuffer::default();
         let acks_waiting = Arc::new(Notify::new());
+        let claiming = Arc::new(AtomicBool::new(false));
         let task = WriterTask {
             pool,
             stream,
@@ -84,9 +92,15 @@ impl Writer {
             rx,
             acks: acks.clone(),
             acks_waiting: acks_waiting.clone(),
+            claiming: claiming.clone(),
             conn: None,
         };
-        (Writer { tx, acks, acks_waiting }, tokio::spawn(task.run()))
+        (Writer { tx, acks, acks_waiting, claiming }, tokio::spawn(task.run()))
+    }
+
+    /// Marks a claim in flight (`true`) or back (`false`): buffered acks wait for the next one.
+    pub fn claiming(&self, in_flight: bool) {
+        self.claiming.store(in_flight, Ordering::Release);
     }
 
     pub fn ack(&self, token: Uuid, id: i64) {
@@ -164,6 +178,7 @@ struct WriterTask {
     rx: mpsc::UnboundedReceiver<Command>,
     acks: AckBuffer,
     acks_waiting: Arc<Notify>,
+    claiming: Arc<AtomicBool>,
     conn: Option<deadpool_postgres::Object>,
 }
 
@@ -179,10 +194,19 @@ impl WriterTask {
                 command = self.rx.recv() => command,
                 _ = self.acks_waiting.notified() => {
                     // A claim about to be sent carries the acks; write them only if none comes
-                    // within the grace period (or another outcome must follow them).
+                    // within the grace period after the one in flight (or another outcome must
+                    // follow them).
+                    let claiming = self.claiming.clone();
+                    let no_claim_soon = async move {
+                        let since = tokio::time::Instant::now();
+                        tokio::time::sleep(ACK_GRACE).await;
+                        while claiming.load(Ordering::Acquire) && since.elapsed() < ACK_WAIT_LIMIT {
+                            tokio::time::sleep(ACK_GRACE).await;
+                        }
+                    };
                     tokio::select! {
                         command = self.rx.recv() => command,
-                        _ = tokio::time::sleep(ACK_GRACE) => {
+                        _ = no_claim_soon => {
                             self.write_acks().await;
                             continue;
                         }

@@ -18,6 +18,8 @@
 --   channel and the lanes; open_leases shows lanes.
 -- - messages carry headers and may be delayed (produce's headers, deliver_after);
 --   claim_with_metadata returns produced_at and headers.
+-- - retention archives the messages dead letters refer to (message_archive_<id>) as it drops
+--   their partitions, so exception rows no longer keep the log's partitions.
 
 \echo Use "ALTER EXTENSION sqlstreams UPDATE TO '0.2.0'" to load this file. \quit
 
@@ -264,6 +266,12 @@ BEGIN
             message_id      bigint      NOT NULL,
             expires_at      timestamptz NOT NULL
         );
+
+        -- 0.2.0: the messages exception rows still refer to after retention dropped their
+        -- partition (dead letters, kept for redrive and inspection; src/retention.rs), so no
+        -- row pins the log's partitions and the claim path only opens partitions a group needs.
+        CREATE TABLE sqlstreams.message_archive_@id@
+            (LIKE sqlstreams.message_log_@id@ INCLUDING DEFAULTS INCLUDING CONSTRAINTS, PRIMARY KEY (id));
         -- The exception queue is a visible table (docs/sql-api.md): readable by admins and monitors.
         GRANT SELECT ON sqlstreams.exception_queue_@id@ TO sqlstreams_admin, pg_monitor;
     $family$, '@id@', stream_id::text);
@@ -281,7 +289,7 @@ BEGIN
         DROP TABLE sqlstreams.message_log_@id@, sqlstreams.cursor_@id@, sqlstreams.lane_@id@,
                    sqlstreams.range_lease_@id@, sqlstreams.exception_queue_@id@,
                    sqlstreams.compaction_head_@id@, sqlstreams.idempotency_key_@id@,
-                   sqlstreams.exception_count_@id@;
+                   sqlstreams.exception_count_@id@, sqlstreams.message_archive_@id@;
         DROP FUNCTION sqlstreams.exception_count_@id@();
         DROP SEQUENCE sqlstreams.message_log_@id@_seq;
     $family$, '@id@', stream_id::text);
@@ -356,9 +364,11 @@ END
 $function$;
 
 -- Retention (src/retention.rs): drops the partitions of message_log_<id> whose every id is at
--- or below `below` (no group needs them any more), oldest first, at most 8 per call. Dropping
--- a partition locks the whole log for a moment, so the lock is never waited for: the next
--- caller tries again. Returns how many were dropped.
+-- or below `below` (no group needs them any more), oldest first, at most 8 per call. The
+-- messages of a partition that exception rows still refer to (dead letters) move to
+-- message_archive_<id> first, in the drop's subtransaction. Dropping a partition locks the
+-- whole log for a moment, so the lock is never waited for: the next caller tries again.
+-- Returns how many were dropped.
 CREATE FUNCTION sqlstreams.drop_partitions(stream_id bigint, below bigint) RETURNS integer
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
@@ -379,6 +389,14 @@ BEGIN
     LOOP
         EXIT WHEN (part.n + 1) * size > below OR dropped >= 8;
         BEGIN
+            -- Superseded rows are never handed out again: their payloads are not needed.
+            EXECUTE format($archive$
+                INSERT INTO sqlstreams.message_archive_%1$s
+                SELECT m.* FROM sqlstreams.%2$I m
+                WHERE m.id IN (SELECT e.message_id FROM sqlstreams.exception_queue_%1$s e
+                               WHERE e.message_id BETWEEN %3$s AND %4$s AND e.status <> 'superseded')
+                ON CONFLICT (id) DO NOTHING$archive$,
+                stream_id, part.relname, part.n * size + 1, (part.n + 1) * size);
             EXECUTE format('DROP TABLE sqlstreams.%I', part.relname);
             dropped := dropped + 1;
         EXCEPTION
@@ -566,6 +584,11 @@ BEGIN
             ALTER EXTENSION sqlstreams DROP FUNCTION sqlstreams.exception_count_@id@();
             INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
             SELECT consumer_group_id, status, count(*) FROM sqlstreams.exception_queue_@id@ GROUP BY 1, 2;
+
+            -- The archive of messages that exception rows refer to after their partition goes.
+            CREATE TABLE sqlstreams.message_archive_@id@
+                (LIKE sqlstreams.message_log_@id@ INCLUDING DEFAULTS INCLUDING CONSTRAINTS, PRIMARY KEY (id));
+            ALTER EXTENSION sqlstreams DROP TABLE sqlstreams.message_archive_@id@;
 
         $family$, '@id@', s.id::text), '@lanes@', s.lanes::text);
         UPDATE sqlstreams.stream SET schema_version = '0.2.0' WHERE id = s.id;

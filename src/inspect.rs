@@ -70,7 +70,10 @@ const DEAD: Statement = Statement {
     name: "inspect_dead",
     sql: "SELECT e.message_id, e.message_key, e.attempts, e.delays, e.last_error, e.updated_at, m.payload
           FROM sqlstreams.exception_queue_@id@ e
-          JOIN sqlstreams.message_log_@id@ m ON m.id = e.message_id
+          CROSS JOIN LATERAL (SELECT m.payload FROM sqlstreams.message_log_@id@ m WHERE m.id = e.message_id
+                              UNION ALL
+                              SELECT a.payload FROM sqlstreams.message_archive_@id@ a WHERE a.id = e.message_id
+                              LIMIT 1) m
           WHERE e.consumer_group_id = $1 AND e.status = 'dead'
           ORDER BY e.message_id",
     params: &[INT8OID],

@@ -12,10 +12,16 @@ use crate::key_gate::Candidate;
 use crate::payload::RawJsonb;
 use crate::statement::{Columns, Statement};
 
+/// Messages by id, from the log or, once retention dropped their partition, from the archive
+/// (src/retention.rs; an id is in one or the other, never both).
 const BY_ID: Statement = Statement {
     name: "message_by_id",
     sql: "SELECT id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at FROM sqlstreams.message_log_@id@
-          WHERE id = ANY($1) ORDER BY id",
+          WHERE id = ANY($1)
+          UNION ALL
+          SELECT id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at FROM sqlstreams.message_archive_@id@
+          WHERE id = ANY($1)
+          ORDER BY id",
     params: &[INT8ARRAYOID],
 };
 

@@ -1,10 +1,13 @@
 //! Retention: what no consumer group needs any more leaves the disk.
 //!
-//! A message is needed while some group has not committed past it, or while an exception row
-//! refers to it (a dead message stays readable, with its payload, until its row goes). Resolved
-//! exception rows (`dead`, `superseded`) are kept for the stream's `dead_retention`. Below the
-//! lowest id anything needs, whole partitions of the log are dropped; compaction heads there can
-//! never supersede anything again and go too.
+//! A message is needed while some group has not committed past it. Below the lowest id a
+//! group needs, whole partitions of the log are dropped; compaction heads there can never
+//! supersede anything again and go too. An exception row does not keep its partition: the
+//! messages rows still refer to (a dead letter, readable and redrivable until its row goes)
+//! move to `message_archive_<id>` as their partition is dropped, so a dead letter never makes
+//! every later partition stay, and claims never open more partitions than groups need.
+//! Resolved exception rows (`dead`, `superseded`) are kept for the stream's `dead_retention`;
+//! archived messages no row refers to any more go with them.
 //!
 //! Nothing here waits for a row lock: rows another transaction holds (a producer's compaction
 //! head, a row an outcome is changing) are left for the next step. The one wait is for the key
@@ -52,14 +55,27 @@ const PURGE_RESOLVED: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
-/// The highest id below which nothing is needed: every group committed past it and no
-/// exception row refers to it. NULL for a stream without groups (its messages wait for one).
+/// The highest id below which no group needs the log: every group committed past it. NULL for a
+/// stream without groups (its messages wait for one).
 const NEEDED_FROM: Statement = Statement {
     name: "retention_needed_from",
-    sql: "SELECT least((SELECT min(committed) FROM sqlstreams.cursor_@id@),
-                       (SELECT min(message_id) - 1 FROM sqlstreams.exception_queue_@id@)) AS below
-          WHERE EXISTS (SELECT 1 FROM sqlstreams.cursor_@id@)",
+    sql: "SELECT min(committed) AS below FROM sqlstreams.cursor_@id@",
     params: &[],
+};
+
+/// Archived messages no exception row refers to any more (their rows were purged, skipped or
+/// dropped with their group): one primary-key probe per group of the stream for each archived
+/// message (the archive holds dead letters only, so it stays small).
+const PURGE_ARCHIVE: Statement = Statement {
+    name: "retention_purge_archive",
+    sql: "DELETE FROM sqlstreams.message_archive_@id@ WHERE ctid = ANY (ARRAY(
+              SELECT a.ctid FROM sqlstreams.message_archive_@id@ a
+              WHERE NOT EXISTS (SELECT 1 FROM sqlstreams.consumer_group g
+                                JOIN sqlstreams.exception_queue_@id@ e
+                                  ON e.consumer_group_id = g.id AND e.message_id = a.id
+                                WHERE g.stream_id = $2)
+              LIMIT $1 FOR UPDATE SKIP LOCKED))",
+    params: &[INT8OID, INT8OID],
 };
 
 const DROP_HEADS: Statement = Statement {
@@ -124,6 +140,7 @@ pub fn step(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Retained> {
         exception_queue::after_resolution(client, &group, &keys, crate::clock::now(), Waker::Outcome)?;
     }
     FOLD_COUNTS.run(client, stream.id, &[])?;
+    PURGE_ARCHIVE.run(client, stream.id, &[PURGE_BATCH.into(), stream.id.into()])?;
     let row = NEEDED_FROM.run(client, stream.id, &[])?;
     let below: Option<i64> = if row.is_empty() { None } else { row.first().value("below")? };
     let Some(below) = below else { return Ok(Retained { partitions_dropped: 0, rows_purged }) };

@@ -2,6 +2,7 @@
 //! seek, pause, explicit settings, and what an operator can see.
 
 use postgres::Client;
+use serde_json::Value;
 use sqlstreams_tests::*;
 
 fn partitions(c: &mut Client, s: &Stream) -> Vec<String> {
@@ -42,36 +43,62 @@ fn retention_drops_partitions_every_group_is_done_with_and_keeps_what_any_group_
     assert_eq!(maintain(&mut c, &s), (0, 0), "slow still needs every message");
     assert_eq!(partitions(&mut c, &s), before);
 
-    // slow resolves all but one message of the second partition: it dies.
-    let mut dead = None;
+    // slow resolves everything, but two messages of the second and third partitions die.
+    let payload_of = |c: &mut Client, id: i64| -> Value {
+        let sql = format!("SELECT payload FROM {} WHERE id = $1", s.table("message_log"));
+        c.query_one(&sql, &[&id]).unwrap().get(0)
+    };
+    let (poison, older) = (1500i64, 2500i64);
+    let poison_payload = payload_of(&mut c, poison);
     loop {
         let batch = slow.claim(&mut c, 100);
         if batch.is_empty() {
             break;
         }
         for d in &batch {
-            if d.message_id == 1500 {
+            if d.message_id == poison || d.message_id == older {
                 slow.fail(&mut c, d, "poison", true, None);
-                dead = Some(d.message_id);
             } else {
                 assert!(slow.ack(&mut c, d));
             }
         }
     }
-    assert_eq!(dead, Some(1500));
-    assert_eq!(maintain(&mut c, &s).0, 1, "the first partition goes; the dead message keeps the second");
-    assert_eq!(partitions(&mut c, &s), before[1..]);
-    let dead_payload: i64 = c
-        .query_one("SELECT count(*) FROM sqlstreams.dead_messages($1, 'slow') WHERE payload IS NOT NULL", &[&s.name])
+    // Dead letters keep no partition: every group committed past the first three.
+    assert_eq!(maintain(&mut c, &s), (3, 0));
+    assert_eq!(partitions(&mut c, &s), before[3..], "the partition holding the head stays");
+    let archive = s.table("message_archive");
+    let archived = |c: &mut Client| -> Vec<i64> {
+        let sql = format!("SELECT id FROM {archive} ORDER BY id");
+        c.query(&sql, &[]).unwrap().iter().map(|r| r.get(0)).collect()
+    };
+    assert_eq!(archived(&mut c), vec![poison, older], "only what exception rows refer to is kept");
+    let dead: Vec<(i64, Value)> = c
+        .query("SELECT message_id, payload FROM sqlstreams.dead_messages($1, 'slow')", &[&s.name])
         .unwrap()
-        .get(0);
-    assert_eq!(dead_payload, 1, "a dead message stays readable while its row lives");
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(dead.len(), 2, "dead messages stay readable while their rows live");
+    assert_eq!(dead[0], (poison, poison_payload.clone()));
 
-    // Once dead rows outlive the stream's dead_retention, they go, and their partition with them.
+    // A redriven dead letter runs again with its payload, from the archive.
+    c.query_one("SELECT sqlstreams.redrive($1, 'slow', ARRAY[$2::int8])", &[&s.name, &poison]).unwrap();
+    let again: Vec<(i64, Value, uuid::Uuid)> = c
+        .query("SELECT message_id, payload, lease_token FROM sqlstreams.claim($1, 'slow', 10)", &[&s.name])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(again.iter().map(|(id, p, _)| (*id, p.clone())).collect::<Vec<_>>(), vec![(poison, poison_payload)]);
+    let token = again[0].2;
+    c.query_one("SELECT sqlstreams.ack($1, 'slow', $2, $3)", &[&s.name, &token, &poison]).unwrap();
+    assert_eq!(maintain(&mut c, &s), (0, 0));
+    assert_eq!(archived(&mut c), vec![older], "an archived message no row refers to goes");
+
+    // Once dead rows outlive the stream's dead_retention, they go, and their archived messages.
     c.query_one("SELECT sqlstreams.alter_stream($1, dead_retention => '1 microsecond')", &[&s.name]).unwrap();
-    assert_eq!(maintain(&mut c, &s), (2, 1));
-    let left = partitions(&mut c, &s);
-    assert_eq!(left, before[3..], "the partition holding the head stays");
+    assert_eq!(maintain(&mut c, &s), (0, 1));
+    assert_eq!(archived(&mut c), Vec::<i64>::new());
     // Everything still works above what was dropped.
     let next = s.produce(&mut c, json!({}), None);
     assert_eq!(ids(&fast.claim(&mut c, 10)), vec![next]);

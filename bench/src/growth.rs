@@ -59,13 +59,21 @@ pub async fn run(url: &str, quick: bool) -> Growth {
     growth
 }
 
-/// A stream whose `consumed` messages went through one group, in partitions of 1,000 ids: the
-/// cost of claiming and acking 100 fresh messages with every consumed partition still there,
-/// then after retention (`maintain()`, which the consumers' own claims also run) dropped them.
+/// A stream whose `consumed` messages went through one group, in partitions of 1,000 ids, the
+/// very first of them dead-lettered: the cost of claiming and acking 100 fresh messages with
+/// every consumed partition still there (as between two retention steps), then after retention
+/// (`maintain()`, which the consumers' own claims also run) dropped them. The dead letter keeps
+/// no partition (its message is archived).
 async fn history(db: &Pg, partitions: i64, reps: usize, growth: &mut Growth) {
     let stream = new_stream(db, &format!("history-{partitions}"), "partition_size => 1000").await;
     group(db, &stream, "NULL").await;
     produce(db, &stream, partitions * 1000, None).await;
+    let claim_one = "SELECT message_id, lease_token FROM sqlstreams.claim($1, 'consumer', 1)";
+    let first = db.query_one(claim_one, &[&stream]).await.unwrap();
+    let (id, token): (i64, uuid::Uuid) = (first.get(0), first.get(1));
+    db.execute("SELECT sqlstreams.fail($1, 'consumer', $2, $3, 'growth', permanent => true)", &[&stream, &token, &id])
+        .await
+        .unwrap();
     drain(db, &stream).await;
     produce(db, &stream, 101, None).await;
     settle(db, &stream).await;
@@ -82,7 +90,12 @@ async fn history(db: &Pg, partitions: i64, reps: usize, growth: &mut Growth) {
         }
     }
     let size = format!("{partitions} consumed ({} partitions)", partition_count(db, &stream).await);
-    record(growth, "claim+ack 100, after retention", &size, claim_ack(db, &stream, reps).await);
+    record(
+        growth,
+        "claim+ack 100, after retention (a dead letter at the start)",
+        &size,
+        claim_ack(db, &stream, reps).await,
+    );
     drop_stream(db, &stream).await;
 }
 

@@ -364,11 +364,13 @@ END
 $function$;
 
 -- Retention (src/retention.rs): drops the partitions of message_log_<id> whose every id is at
--- or below `below` (no group needs them any more), oldest first, at most 8 per call. The
--- messages of a partition that exception rows still refer to (dead letters) move to
--- message_archive_<id> first, in the drop's subtransaction. Dropping a partition locks the
--- whole log for a moment, so the lock is never waited for: the next caller tries again.
--- Returns how many were dropped.
+-- or below `below` (no group needs them any more), oldest first, at most 8 per call. First, in
+-- one pass and before any drop locks the log, the messages of those partitions that exception
+-- rows still refer to (dead letters) are copied to message_archive_<id>. Dropping a partition
+-- locks the whole log until commit, so the lock is never waited for long (the next caller tries
+-- again); under it, each drop checks again that every group is past the partition (a seek
+-- backwards or a new group may have moved since `below` was read). Returns how many were
+-- dropped.
 CREATE FUNCTION sqlstreams.drop_partitions(stream_id bigint, below bigint) RETURNS integer
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
@@ -376,27 +378,53 @@ AS $function$
 DECLARE
     size    bigint;
     part    record;
+    upto    bigint;
+    needed  bigint;
     dropped integer := 0;
     timeout text := current_setting('lock_timeout');
 BEGIN
     SELECT s.partition_size INTO size FROM sqlstreams.stream s WHERE s.id = stream_id;
+    -- The end of the last partition that may go this time.
+    SELECT max((p.n + 1) * size) INTO upto
+    FROM (SELECT substring(c.relname FROM '_p([0-9]+)$')::bigint AS n
+          FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
+          WHERE i.inhparent = format('sqlstreams.message_log_%s', stream_id)::regclass
+          ORDER BY 1 LIMIT 8) p
+    WHERE (p.n + 1) * size <= below;
+    IF upto IS NULL THEN
+        RETURN 0;
+    END IF;
     PERFORM set_config('lock_timeout', '20ms', true);
+    BEGIN
+        -- Superseded rows are never handed out again: their payloads are not needed.
+        EXECUTE format($archive$
+            INSERT INTO sqlstreams.message_archive_%1$s
+            SELECT m.* FROM sqlstreams.message_log_%1$s m
+            WHERE m.id <= %2$s
+              AND m.id IN (SELECT e.message_id FROM sqlstreams.exception_queue_%1$s e
+                           WHERE e.message_id <= %2$s AND e.status <> 'superseded')
+            ON CONFLICT (id) DO NOTHING$archive$, stream_id, upto);
+    EXCEPTION
+        WHEN OTHERS THEN
+            -- A concurrent step archiving the same rows, for example: the next step goes on.
+            -- Retention must never fail the claim or maintain() that runs it.
+            IF SQLSTATE <> '55P03' THEN
+                RAISE WARNING 'sqlstreams: messages of stream % not archived: %', stream_id, SQLERRM;
+            END IF;
+            PERFORM set_config('lock_timeout', timeout, true);
+            RETURN 0;
+    END;
     FOR part IN
         SELECT c.relname, substring(c.relname FROM '_p([0-9]+)$')::bigint AS n
         FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
         WHERE i.inhparent = format('sqlstreams.message_log_%s', stream_id)::regclass
         ORDER BY 2
     LOOP
-        EXIT WHEN (part.n + 1) * size > below OR dropped >= 8;
+        EXIT WHEN (part.n + 1) * size > upto;
         BEGIN
-            -- Superseded rows are never handed out again: their payloads are not needed.
-            EXECUTE format($archive$
-                INSERT INTO sqlstreams.message_archive_%1$s
-                SELECT m.* FROM sqlstreams.%2$I m
-                WHERE m.id IN (SELECT e.message_id FROM sqlstreams.exception_queue_%1$s e
-                               WHERE e.message_id BETWEEN %3$s AND %4$s AND e.status <> 'superseded')
-                ON CONFLICT (id) DO NOTHING$archive$,
-                stream_id, part.relname, part.n * size + 1, (part.n + 1) * size);
+            EXECUTE format('LOCK TABLE sqlstreams.message_log_%s IN ACCESS EXCLUSIVE MODE', stream_id);
+            EXECUTE format('SELECT min(committed) FROM sqlstreams.cursor_%s', stream_id) INTO needed;
+            EXIT WHEN needed IS NULL OR (part.n + 1) * size > needed;
             EXECUTE format('DROP TABLE sqlstreams.%I', part.relname);
             dropped := dropped + 1;
         EXCEPTION
@@ -720,6 +748,22 @@ LANGUAGE c AS 'MODULE_PATHNAME', 'maintain_wrapper'
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;
 
+-- maintain() for one stream (src/maintain.rs), so a job can give each stream a transaction.
+CREATE FUNCTION sqlstreams.maintain_stream(stream_name text)
+RETURNS TABLE (
+    stream text,
+    partitions_through bigint,
+    idempotency_keys_purged bigint,
+    cursors_advanced bigint,
+    lane_holds_cleared bigint,
+    partitions_dropped bigint,
+    exception_rows_purged bigint
+)
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'maintain_stream_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
 -- The channel consumers LISTEN on, so clients never spell it themselves.
 CREATE FUNCTION sqlstreams.stream_channel(stream_id bigint) RETURNS text
 STRICT IMMUTABLE PARALLEL SAFE
@@ -975,6 +1019,8 @@ COMMENT ON FUNCTION sqlstreams.stream_channel(bigint) IS 'The channel a stream''
 COMMENT ON FUNCTION sqlstreams.maintain() IS
     'Housekeeping for every stream: partitions ahead of the head, expired idempotency keys, groups'' '
     'claimed and committed cursors, expired lane holds. Idempotent; run it from cron at any frequency.';
+COMMENT ON FUNCTION sqlstreams.maintain_stream(text) IS
+    'maintain() for one stream, in the caller''s transaction.';
 COMMENT ON TABLE sqlstreams.stream_grant IS
     'Who may produce to a stream or consume as its groups; managed with grant_stream and revoke_stream.';
 COMMENT ON FUNCTION sqlstreams.grant_stream(text, text, text, text) IS

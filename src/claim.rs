@@ -71,8 +71,8 @@ macro_rules! due_rows {
                     m.payload, m.produced_at, m.headers
              FROM sqlstreams.exception_queue_@id@ e
              -- A lookup per row (LIMIT keeps the planner from turning it into a join that
-             -- scans the log), in the archive when retention dropped the message's partition;
-             -- a row whose message is gone is passed over, as by a join.
+             -- scans the log), else in the archive when retention dropped the message's
+             -- partition; a row whose message is gone is passed over, as by a join.
              CROSS JOIN LATERAL (SELECT m.payload, m.produced_at, m.headers FROM sqlstreams.message_log_@id@ m
                                  WHERE m.id = e.message_id
                                  UNION ALL

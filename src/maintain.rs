@@ -22,6 +22,13 @@ const STREAMS: Statement = Statement {
     params: &[],
 };
 
+/// The one stream `maintain_stream` works on, unless it is being dropped right now.
+const ONE_STREAM: Statement = Statement {
+    name: "maintain_one_stream",
+    sql: "SELECT name FROM sqlstreams.stream WHERE name = $1 FOR KEY SHARE SKIP LOCKED",
+    params: &[TEXTOID],
+};
+
 const GROUPS: Statement = Statement {
     name: "maintain_groups",
     sql: "SELECT id FROM sqlstreams.consumer_group WHERE stream_id = $1 ORDER BY id",
@@ -45,9 +52,12 @@ const PURGE_IDEMPOTENCY: Statement = Statement {
     params: &[],
 };
 
-/// Per stream: (name, partitions through, idempotency keys purged, cursors advanced, expired
-/// lane holds cleared, partitions dropped, resolved exception rows purged).
-fn maintain_all() -> Result<Vec<(String, i64, i64, i64, i64, i64, i64)>> {
+/// One stream's report: (name, partitions through, idempotency keys purged, cursors advanced,
+/// expired lane holds cleared, partitions dropped, resolved exception rows purged).
+type Report = (String, i64, i64, i64, i64, i64, i64);
+
+/// Every stream's housekeeping, in one transaction.
+fn maintain_all() -> Result<Vec<Report>> {
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "run maintain()")?;
@@ -55,38 +65,45 @@ fn maintain_all() -> Result<Vec<(String, i64, i64, i64, i64, i64, i64)>> {
             for row in STREAMS.run(client, 0, &[])? {
                 names.push(row.required::<String>("name")?);
             }
-            let mut report = Vec::new();
-            for name in names {
-                let stream = stream::lookup(client, &name)?;
-                let head = cursor::sequence_head(client, stream.id, Access::Write)?;
-                partition::ensure(client, &stream, head, Need::Ahead)?;
-                let through = stream::lookup(client, &name)?.partitions_through;
-                let purged = PURGE_IDEMPOTENCY.run(client, stream.id, &[])?.len() as i64;
-                let cleared = CLEAR_HOLDS.run(client, stream.id, &[])?.len() as i64;
-                let mut groups = Vec::new();
-                for row in GROUPS.run(client, 0, &[stream.id.into()])? {
-                    groups.push(row.required::<i64>("id")?);
-                }
-                let mut advanced = 0;
-                for group in groups {
-                    if cursor::advance(client, stream.id, group)?.is_some() {
-                        advanced += 1;
-                    }
-                }
-                let retained = retention::step(client, &stream)?;
-                report.push((
-                    name,
-                    through,
-                    purged,
-                    advanced,
-                    cleared,
-                    retained.partitions_dropped,
-                    retained.rows_purged,
-                ));
-            }
-            Ok(report)
+            names.into_iter().map(|name| maintain_one(client, name)).collect()
         })
     })
+}
+
+/// One stream's housekeeping; nothing when the stream is being dropped right now.
+fn maintain_stream_named(name: &str) -> Result<Vec<Report>> {
+    access::as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            caller.require_admin(client, "run maintain()")?;
+            stream::lookup(client, name)?; // an unknown stream is an error, with its hint
+            let locked = ONE_STREAM.run(client, 0, &[name.into()])?;
+            if locked.is_empty() {
+                return Ok(vec![]);
+            }
+            Ok(vec![maintain_one(client, name.to_string())?])
+        })
+    })
+}
+
+fn maintain_one(client: &mut pgrx::spi::SpiClient<'_>, name: String) -> Result<Report> {
+    let stream = stream::lookup(client, &name)?;
+    let head = cursor::sequence_head(client, stream.id, Access::Write)?;
+    partition::ensure(client, &stream, head, Need::Ahead)?;
+    let through = stream::lookup(client, &name)?.partitions_through;
+    let purged = PURGE_IDEMPOTENCY.run(client, stream.id, &[])?.len() as i64;
+    let cleared = CLEAR_HOLDS.run(client, stream.id, &[])?.len() as i64;
+    let mut groups = Vec::new();
+    for row in GROUPS.run(client, 0, &[stream.id.into()])? {
+        groups.push(row.required::<i64>("id")?);
+    }
+    let mut advanced = 0;
+    for group in groups {
+        if cursor::advance(client, stream.id, group)?.is_some() {
+            advanced += 1;
+        }
+    }
+    let retained = retention::step(client, &stream)?;
+    Ok((name, through, purged, advanced, cleared, retained.partitions_dropped, retained.rows_purged))
 }
 
 /// Housekeeping for every stream: creates message_log partitions ahead of the head, purges
@@ -110,4 +127,28 @@ fn maintain() -> std::result::Result<
     ErrorReport,
 > {
     Ok(TableIterator::new(maintain_all()?))
+}
+
+/// `maintain()` for one stream, in the caller's transaction: a cron job or worker that maintains
+/// its streams one transaction each holds a stream's log (locked by a partition drop until
+/// commit) only for that stream's step, not for every other stream's.
+#[pg_extern(volatile, parallel_unsafe)]
+fn maintain_stream(
+    stream_name: &str,
+) -> std::result::Result<
+    TableIterator<
+        'static,
+        (
+            name!(stream, String),
+            name!(partitions_through, i64),
+            name!(idempotency_keys_purged, i64),
+            name!(cursors_advanced, i64),
+            name!(lane_holds_cleared, i64),
+            name!(partitions_dropped, i64),
+            name!(exception_rows_purged, i64),
+        ),
+    >,
+    ErrorReport,
+> {
+    Ok(TableIterator::new(maintain_stream_named(stream_name)?))
 }

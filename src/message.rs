@@ -13,15 +13,15 @@ use crate::payload::RawJsonb;
 use crate::statement::{Columns, Statement};
 
 /// Messages by id, from the log or, once retention dropped their partition, from the archive
-/// (src/retention.rs; an id is in one or the other, never both).
+/// (src/retention.rs; an id archived just before a drop that then did not happen is in both,
+/// and the log's copy is used).
 const BY_ID: Statement = Statement {
     name: "message_by_id",
-    sql: "SELECT id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at FROM sqlstreams.message_log_@id@
-          WHERE id = ANY($1)
-          UNION ALL
-          SELECT id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at FROM sqlstreams.message_archive_@id@
-          WHERE id = ANY($1)
-          ORDER BY id",
+    sql: "SELECT DISTINCT ON (id) id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at
+          FROM (SELECT m.*, 0 AS source FROM sqlstreams.message_log_@id@ m WHERE m.id = ANY($1)
+                UNION ALL
+                SELECT a.*, 1 AS source FROM sqlstreams.message_archive_@id@ a WHERE a.id = ANY($1)) found
+          ORDER BY id, source",
     params: &[INT8ARRAYOID],
 };
 

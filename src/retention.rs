@@ -1,8 +1,9 @@
 //! Retention: what no consumer group needs any more leaves the disk.
 //!
 //! A message is needed while some group has not committed past it. Below the lowest id a
-//! group needs, whole partitions of the log are dropped; compaction heads there can never
-//! supersede anything again and go too. An exception row does not keep its partition: the
+//! group needs, whole partitions of the log are dropped; compaction heads there go too, unless
+//! a compacted message of their key may still run (a dead letter, which a redrive brings back:
+//! the head must still supersede it). An exception row does not keep its partition: the
 //! messages rows still refer to (a dead letter, readable and redrivable until its row goes)
 //! move to `message_archive_<id>` as their partition is dropped, so a dead letter never makes
 //! every later partition stay, and claims never open more partitions than groups need.
@@ -78,11 +79,19 @@ const PURGE_ARCHIVE: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
+/// Compaction heads no group needs: at or below `$1`, and of a key with no compacted message
+/// that may still run (a dead letter may be redriven: its key's head must still supersede it).
 const DROP_HEADS: Statement = Statement {
     name: "retention_drop_heads",
     sql: "DELETE FROM sqlstreams.compaction_head_@id@ WHERE ctid = ANY (ARRAY(
-              SELECT ctid FROM sqlstreams.compaction_head_@id@ WHERE message_id <= $1 FOR UPDATE SKIP LOCKED))",
-    params: &[INT8OID],
+              SELECT h.ctid FROM sqlstreams.compaction_head_@id@ h
+              WHERE h.message_id <= $1
+                AND NOT EXISTS (SELECT 1 FROM sqlstreams.consumer_group g
+                                JOIN sqlstreams.exception_queue_@id@ e
+                                  ON e.consumer_group_id = g.id AND e.message_key = h.message_key
+                                WHERE g.stream_id = $2 AND e.compaction AND e.status <> 'superseded')
+              FOR UPDATE OF h SKIP LOCKED))",
+    params: &[INT8OID, INT8OID],
 };
 
 const DROP_PARTITIONS: Statement = Statement {
@@ -144,7 +153,7 @@ pub fn step(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Retained> {
     let row = NEEDED_FROM.run(client, stream.id, &[])?;
     let below: Option<i64> = if row.is_empty() { None } else { row.first().value("below")? };
     let Some(below) = below else { return Ok(Retained { partitions_dropped: 0, rows_purged }) };
-    DROP_HEADS.run(client, stream.id, &[below.into()])?;
+    DROP_HEADS.run(client, stream.id, &[below.into(), stream.id.into()])?;
     let partitions_dropped: i32 =
         DROP_PARTITIONS.run(client, 0, &[stream.id.into(), below.into()])?.first().required("dropped")?;
     Ok(Retained { partitions_dropped: partitions_dropped.into(), rows_purged })

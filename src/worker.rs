@@ -1,7 +1,7 @@
 //! The maintenance worker: when the library is preloaded (`shared_preload_libraries =
-//! 'sqlstreams'`), a background worker runs `maintain()` in one database every
-//! `sqlstreams.maintain_interval`, so retention, partitions ahead and expired idempotency keys
-//! need no external scheduler. Without preloading, consumers' claims run retention themselves
+//! 'sqlstreams'`), a background worker does what `maintain()` does in one database every
+//! `sqlstreams.maintain_interval`, stream by stream in a transaction each (`maintain_stream()`),
+//! so retention, partitions ahead and expired idempotency keys need no external scheduler. Without preloading, consumers' claims run retention themselves
 //! (src/retention.rs) and `maintain()` is there for cron.
 //!
 //! - `sqlstreams.worker_database` (server start): the database it maintains; default `postgres`.
@@ -66,19 +66,38 @@ fn interval() -> Option<Duration> {
     }
 }
 
-/// One round: `maintain()`, if the extension is installed here.
+/// One round: `maintain_stream()` for each stream, one transaction each (a partition drop keeps
+/// its stream's log locked until commit: only that stream's step long), if the extension is
+/// installed here.
 fn round() {
-    BackgroundWorker::transaction(|| {
+    let streams: Vec<String> = BackgroundWorker::transaction(|| {
         let installed = Spi::get_one::<bool>("SELECT true FROM pg_catalog.pg_extension WHERE extname = 'sqlstreams'")
             .ok()
             .flatten()
             .unwrap_or(false);
-        if installed {
-            if let Err(e) = Spi::get_one::<i64>("SELECT count(*) FROM sqlstreams.maintain()") {
-                warning!("sqlstreams maintenance: {e}");
-            }
+        if !installed {
+            return vec![];
         }
+        Spi::connect(|client| {
+            let rows = client.select("SELECT name FROM sqlstreams.stream ORDER BY id", None, &[])?;
+            rows.map(|row| row.get::<String>(1)).filter_map(|name| name.transpose()).collect::<Result<Vec<_>, _>>()
+        })
+        .unwrap_or_else(|e: pgrx::spi::SpiError| {
+            warning!("sqlstreams maintenance: {e}");
+            vec![]
+        })
     });
+    for name in streams {
+        BackgroundWorker::transaction(|| {
+            let maintained = Spi::get_one_with_args::<i64>(
+                "SELECT count(*) FROM sqlstreams.maintain_stream($1)",
+                &[name.as_str().into()],
+            );
+            if let Err(e) = maintained {
+                warning!("sqlstreams maintenance of stream \"{name}\": {e}");
+            }
+        });
+    }
 }
 
 #[pg_guard]

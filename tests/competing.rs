@@ -303,7 +303,9 @@ fn competing(concurrency: &str) {
     eprintln!("competing seed: {seed} (set SQLSTREAMS_TORTURE_SEED={seed} to replay the random decisions)");
     let started = Instant::now();
     let mut c = connect();
-    let s = Stream::create(&mut c, &format!("competing-{concurrency}"));
+    // Small partitions, and retention running all along (below): partitions are dropped while
+    // claims, outcomes and crashes go on, with dead letters archived on the way.
+    let s = Stream::create_sized(&mut c, &format!("competing-{concurrency}"), 1000);
     c.batch_execute(&format!("CREATE TABLE {} (id bigserial PRIMARY KEY, note text)", business_table(&s))).unwrap();
     let group_id: i64 = c
         .query_one(
@@ -367,6 +369,21 @@ fn competing(concurrency: &str) {
             readings
         })
     };
+    let retention = {
+        let (s, done) = (s.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut c = connect();
+            let mut dropped = 0i64;
+            while !done.load(Ordering::Relaxed) {
+                let row = c
+                    .query_opt("SELECT partitions_dropped FROM sqlstreams.maintain_stream($1)", &[&s.name])
+                    .unwrap_or_else(|e| panic!("maintain failed under competing claims: {}", describe(&e)));
+                dropped += row.map_or(0, |r| r.get::<_, i64>(0));
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            dropped
+        })
+    };
     for p in producers {
         p.join().expect("producer");
     }
@@ -420,6 +437,7 @@ fn competing(concurrency: &str) {
         consumer.join().expect("a consumer call failed (see the panic above)");
     }
     let readings = monitor.join().expect("a status call failed (see the panic above)");
+    let mut dropped = retention.join().expect("a maintain() call failed (see the panic above)");
     let crashed: usize = crashes.into_iter().map(|c| c.join().expect("a crashing claim failed")).sum();
 
     let events = log.events.lock().unwrap().clone();
@@ -465,12 +483,27 @@ fn competing(concurrency: &str) {
     assert_eq!((open_ranges, unresolved), (0, 0), "nothing left open after the drain");
     group.assert_counts_exact(&mut c);
     assert_eq!(committed_cursor, head, "committed reaches the head");
+    // Once everything is resolved, retention keeps only the partition of the head; every dead
+    // letter stays readable with its payload, most from the archive.
+    dropped += c
+        .query_opt("SELECT partitions_dropped FROM sqlstreams.maintain_stream($1)", &[&s.name])
+        .unwrap()
+        .map_or(0, |r| r.get::<_, i64>(0));
+    let dead_readable: i64 = c
+        .query_one(
+            "SELECT count(*) FROM sqlstreams.dead_messages($1, $2) WHERE payload IS NOT NULL",
+            &[&s.name, &group.name],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(dead_readable, dead, "every dead letter keeps its payload (seed {seed})");
+    assert!(dropped > 0, "retention dropped partitions during the run");
     let deliveries: usize = starts.values().sum();
     eprintln!(
         "competing {concurrency}: {} committed and {} rolled-back messages over {KEYS} keys, {CONSUMERS} consumers \
          ({} carrying acks), {} claims, {deliveries} deliveries, {} failures, {dead} dead, {crashed} messages taken \
-         down by {CRASHES} crashed claims ({} dead on expiry), {readings} status readings; drained {drained_in:?} after the producers \
-         stopped, {:?} in all; violations: 0",
+         down by {CRASHES} crashed claims ({} dead on expiry), {readings} status readings, {dropped} partitions dropped; \
+         drained {drained_in:?} after the producers stopped, {:?} in all; violations: 0",
         committed.len(),
         rolled_back.len(),
         CONSUMERS / 2,

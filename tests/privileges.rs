@@ -92,6 +92,7 @@ fn everything_outside_a_roles_grants_is_refused() {
     refused(app.query_one("SELECT sqlstreams.drop_stream($1)", &[&stream]), "drop a stream");
     refused(app.query_one("SELECT sqlstreams.drop_group($1, 'invoicer')", &[&stream]), "drop a group");
     refused(app.query("SELECT * FROM sqlstreams.maintain()", &[]), "run maintain");
+    refused(app.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&stream]), "run maintain on one stream");
     refused(
         app.query_one("SELECT sqlstreams.grant_stream($1, $2, 'consume')", &[&stream, &app_role]),
         "grant itself more",

@@ -26,7 +26,7 @@ const STREAM_SIZE: &str = "SELECT count(*) FILTER (WHERE c.relispartition)::int8
         coalesce(sum(pg_total_relation_size(c.oid)), 0)::int8
     FROM pg_class c
     WHERE c.relnamespace = 'sqlstreams'::regnamespace AND c.relkind IN ('r', 'p')
-      AND c.relname ~ ('^(message_log|exception_queue|range_lease|lane|cursor|compaction_head|idempotency_key)_' || $1 || '(_p[0-9]+)?$')";
+      AND c.relname ~ ('^(message_log|message_archive|exception_queue|exception_count|range_lease|lane|cursor|compaction_head|idempotency_key)_' || $1 || '(_p[0-9]+)?$')";
 
 pub async fn run(url: &str, quick: bool) -> Vec<Sample> {
     let (minutes, every) = if quick { (1, Duration::from_secs(10)) } else { (10, Duration::from_secs(60)) };

@@ -510,7 +510,7 @@ BEGIN
         WHEN OTHERS THEN
             -- A concurrent step archiving the same rows, for example: the next step goes on.
             -- Retention must never fail the claim or maintain() that runs it.
-            IF SQLSTATE <> '55P03' THEN
+            IF SQLSTATE NOT IN ('55P03', '40P01') THEN
                 RAISE WARNING 'sqlstreams: messages of stream % not archived: %', stream_id, SQLERRM;
             END IF;
             PERFORM set_config('lock_timeout', timeout, true);
@@ -530,7 +530,9 @@ BEGIN
             EXECUTE format('DROP TABLE sqlstreams.%I', part.relname);
             dropped := dropped + 1;
         EXCEPTION
-            WHEN lock_not_available THEN
+            -- Another step holds the log (both read it, then both ask for it whole: Postgres
+            -- reports the deadlock at once, before lock_timeout): the next step drops it.
+            WHEN lock_not_available OR deadlock_detected THEN
                 EXIT;
             WHEN OTHERS THEN
                 -- For example a view of the user's that depends on the partition: retention

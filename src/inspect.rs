@@ -70,10 +70,13 @@ const DEAD: Statement = Statement {
     name: "inspect_dead",
     sql: "SELECT e.message_id, e.message_key, e.attempts, e.delays, e.last_error, e.updated_at, m.payload
           FROM sqlstreams.exception_queue_@id@ e
-          CROSS JOIN LATERAL (SELECT m.payload FROM sqlstreams.message_log_@id@ m WHERE m.id = e.message_id
-                              UNION ALL
-                              SELECT a.payload FROM sqlstreams.message_archive_@id@ a WHERE a.id = e.message_id
-                              LIMIT 1) m
+          -- The payload, from the log or the archive. A partition dropped after the caller's
+          -- snapshot began is gone from both for that snapshot (its archived rows are newer):
+          -- the row still shows, with a NULL payload.
+          LEFT JOIN LATERAL (SELECT m.payload FROM sqlstreams.message_log_@id@ m WHERE m.id = e.message_id
+                             UNION ALL
+                             SELECT a.payload FROM sqlstreams.message_archive_@id@ a WHERE a.id = e.message_id
+                             LIMIT 1) m ON true
           WHERE e.consumer_group_id = $1 AND e.status = 'dead'
           ORDER BY e.message_id",
     params: &[INT8OID],
@@ -249,7 +252,8 @@ fn dead_messages(
             name!(delays, i32),
             name!(last_error, Option<String>),
             name!(died_at, TimestampWithTimeZone),
-            name!(payload, RawJsonb),
+            // NULL only for a snapshot older than the drop of the message's partition.
+            name!(payload, Option<RawJsonb>),
         ),
     >,
     ErrorReport,
@@ -262,7 +266,7 @@ fn dead_messages(
             row.required("delays")?,
             row.value("last_error")?,
             row.required("updated_at")?,
-            row.required("payload")?,
+            row.value("payload")?,
         ))
     })?;
     Ok(TableIterator::new(rows))

@@ -1,9 +1,10 @@
 //! Retention: what no consumer group needs any more leaves the disk.
 //!
 //! A message is needed while some group has not committed past it. Below the lowest id a
-//! group needs, whole partitions of the log are dropped; compaction heads there go too, unless
-//! a compacted message of their key may still run (a dead letter, which a redrive brings back:
-//! the head must still supersede it). An exception row does not keep its partition: the
+//! group needs, whole partitions of the log are dropped; compaction heads below what the log
+//! keeps go too (a head supersedes its key's older messages whenever they are handed out
+//! again), unless a compacted message of their key may still run (a dead letter, which a
+//! redrive brings back: the head must still supersede it). An exception row does not keep its partition: the
 //! messages rows still refer to (a dead letter, readable and redrivable until its row goes)
 //! move to `message_archive_<id>` as their partition is dropped, so a dead letter never makes
 //! every later partition stay, and claims never open more partitions than groups need.
@@ -79,8 +80,10 @@ const PURGE_ARCHIVE: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
-/// Compaction heads no group needs: at or below `$1`, and of a key with no compacted message
-/// that may still run (a dead letter may be redriven: its key's head must still supersede it).
+/// Compaction heads nothing needs: below every message the log still keeps (`$1`: a head
+/// supersedes older messages of its key whenever they are handed out again, after a seek
+/// backwards or to a new group), and of a key with no compacted message that may still run (a
+/// dead letter may be redriven: its key's head must still supersede it).
 const DROP_HEADS: Statement = Statement {
     name: "retention_drop_heads",
     sql: "DELETE FROM sqlstreams.compaction_head_@id@ WHERE ctid = ANY (ARRAY(
@@ -92,6 +95,15 @@ const DROP_HEADS: Statement = Statement {
                                 WHERE g.stream_id = $2 AND e.compaction AND e.status <> 'superseded')
               FOR UPDATE OF h SKIP LOCKED))",
     params: &[INT8OID, INT8OID],
+};
+
+/// The first id the log keeps: where its oldest partition starts.
+const KEPT_FROM: Statement = Statement {
+    name: "retention_kept_from",
+    sql: "SELECT min(substring(c.relname FROM '_p([0-9]+)$')::int8) * $2 + 1 AS kept_from
+          FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
+          WHERE i.inhparent = $1::regclass",
+    params: &[TEXTOID, INT8OID],
 };
 
 const DROP_PARTITIONS: Statement = Statement {
@@ -153,9 +165,13 @@ pub fn step(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Retained> {
     let row = NEEDED_FROM.run(client, stream.id, &[])?;
     let below: Option<i64> = if row.is_empty() { None } else { row.first().value("below")? };
     let Some(below) = below else { return Ok(Retained { partitions_dropped: 0, rows_purged }) };
-    DROP_HEADS.run(client, stream.id, &[below.into(), stream.id.into()])?;
     let partitions_dropped: i32 =
         DROP_PARTITIONS.run(client, 0, &[stream.id.into(), below.into()])?.first().required("dropped")?;
+    let log = format!("sqlstreams.message_log_{}", stream.id);
+    let kept = KEPT_FROM.run(client, 0, &[log.as_str().into(), stream.partition_size.into()])?;
+    if let Some(kept_from) = kept.first().value::<i64>("kept_from")? {
+        DROP_HEADS.run(client, stream.id, &[(kept_from - 1).into(), stream.id.into()])?;
+    }
     Ok(Retained { partitions_dropped: partitions_dropped.into(), rows_purged })
 }
 

@@ -58,6 +58,59 @@ fn a_redriven_compacted_dead_letter_is_still_superseded_after_its_partition_goes
 }
 
 #[test]
+fn compaction_heads_stay_while_the_messages_they_supersede_are_kept() {
+    let mut c = connect();
+    let s = Stream::create_sized(&mut c, "compacted-replay", 1000);
+    let g = s.group(&mut c, "g", None);
+    let _old = s.produce_with(&mut c, json!({"v": 1}), Some("K"), None, true).unwrap().unwrap();
+    let newer = s.produce_with(&mut c, json!({"v": 2}), Some("K"), None, true).unwrap().unwrap();
+    assert_eq!(g.drain(&mut c), vec![newer]);
+    // Every group is past both, but their partition is kept (it holds the head of the log).
+    c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&s.name]).unwrap();
+    // A replay, and a group that starts at the beginning, meet the old value again: superseded.
+    c.query_one("SELECT sqlstreams.seek($1, 'g', to_id => 0)", &[&s.name]).unwrap();
+    assert_eq!(ids(&g.claim(&mut c, 100)), vec![newer]);
+    let late: i64 =
+        c.query_one("SELECT sqlstreams.create_group($1, 'late', start_at => 'beginning')", &[&s.name]).unwrap().get(0);
+    let late = Group { stream: s.clone(), name: "late".into(), id: late };
+    assert_eq!(ids(&late.claim(&mut c, 100)), vec![newer]);
+}
+
+#[test]
+fn a_dead_letter_stays_listed_when_its_partition_goes_during_a_snapshot() {
+    let mut c = connect();
+    let s = Stream::create_sized(&mut c, "dead-snapshot", 1000);
+    let g = s.group(&mut c, "g", None);
+    s.produce_many(&mut c, 1500, None);
+    loop {
+        let batch = g.claim(&mut c, 100);
+        if batch.is_empty() {
+            break;
+        }
+        for d in &batch {
+            if d.message_id == 7 {
+                g.fail(&mut c, d, "poison", true, None);
+            } else {
+                assert!(g.ack(&mut c, d));
+            }
+        }
+    }
+    let mut reader = connect();
+    let mut snapshot =
+        reader.build_transaction().isolation_level(postgres::IsolationLevel::RepeatableRead).start().unwrap();
+    snapshot.query_one("SELECT 1", &[]).unwrap();
+    c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&s.name]).unwrap();
+    let dead: Vec<i64> = snapshot
+        .query("SELECT message_id FROM sqlstreams.dead_messages($1, 'g')", &[&s.name])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(dead, vec![7], "the dead letter is listed (its payload may be NULL for this snapshot)");
+    snapshot.commit().unwrap();
+}
+
+#[test]
 fn maintain_stream_maintains_one_stream() {
     let mut c = connect();
     let (one, other) = (Stream::create_sized(&mut c, "one", 1000), Stream::create_sized(&mut c, "other", 1000));

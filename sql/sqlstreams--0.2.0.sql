@@ -292,54 +292,46 @@ BEGIN
             ON sqlstreams.exception_queue_@id@ (consumer_group_id, lane, message_id)
             WHERE isolated AND status IN ('ready', 'inflight', 'deferred');
 
-        -- 0.2.0: how many exception rows each group has in each status, as a few counter rows
-        -- per group and status that group_status sums, so its cost does not grow with the
-        -- queue. Statement triggers on the queue add each statement's changes to a counter row
-        -- no other transaction holds (or a new one), so no writer waits for another; retention
-        -- (src/retention.rs) folds them into one row each.
+        -- 0.2.0: how many exception rows each group has in each status, as deltas that
+        -- group_status sums, so its cost does not grow with the queue. Statement triggers on
+        -- the queue append one row per group and status a statement changed; no writer updates
+        -- a shared row, so none waits for another. The triggers now and then, and retention
+        -- (src/retention.rs), fold the deltas.
         CREATE TABLE sqlstreams.exception_count_@id@ (
             consumer_group_id bigint NOT NULL,
             status            text   NOT NULL,
             delta             bigint NOT NULL
         );
-        CREATE INDEX exception_count_@id@_group_idx ON sqlstreams.exception_count_@id@ (consumer_group_id, status);
+        CREATE INDEX exception_count_@id@_group_idx ON sqlstreams.exception_count_@id@ (consumer_group_id);
         CREATE FUNCTION sqlstreams.exception_count_@id@() RETURNS trigger
         LANGUAGE plpgsql
         SET search_path = pg_catalog, pg_temp
         AS $count$
-        DECLARE
-            groups   bigint[];
-            statuses text[];
-            deltas   bigint[];
         BEGIN
             IF TG_OP = 'INSERT' THEN
-                SELECT array_agg(consumer_group_id), array_agg(status), array_agg(n) INTO groups, statuses, deltas
-                FROM (SELECT consumer_group_id, status, count(*) AS n FROM added GROUP BY 1, 2) c;
+                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
+                SELECT consumer_group_id, status, count(*) FROM added GROUP BY 1, 2;
             ELSIF TG_OP = 'DELETE' THEN
-                SELECT array_agg(consumer_group_id), array_agg(status), array_agg(n) INTO groups, statuses, deltas
-                FROM (SELECT consumer_group_id, status, -count(*) AS n FROM removed GROUP BY 1, 2) c;
+                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
+                SELECT consumer_group_id, status, -count(*) FROM removed GROUP BY 1, 2;
             ELSE
-                SELECT array_agg(consumer_group_id), array_agg(status), array_agg(n) INTO groups, statuses, deltas
-                FROM (SELECT consumer_group_id, status, sum(d) AS n
-                      FROM (SELECT consumer_group_id, status, 1 AS d FROM added
-                            UNION ALL
-                            SELECT consumer_group_id, status, -1 FROM removed) u
-                      GROUP BY 1, 2 HAVING sum(d) <> 0) c;
+                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
+                SELECT consumer_group_id, status, sum(d)
+                FROM (SELECT consumer_group_id, status, 1 AS d FROM added
+                      UNION ALL
+                      SELECT consumer_group_id, status, -1 FROM removed) c
+                GROUP BY 1, 2 HAVING sum(d) <> 0;
             END IF;
-            -- Each change goes to a counter row of its group and status that no other
-            -- transaction holds, updated in place (no index entry: the table stays a few rows
-            -- however busy the queue is); when every such row is held, to a new one. No writer
-            -- ever waits for another.
-            FOR i IN 1 .. coalesce(cardinality(groups), 0) LOOP
-                UPDATE sqlstreams.exception_count_@id@ SET delta = delta + deltas[i]
-                WHERE ctid = (SELECT ctid FROM sqlstreams.exception_count_@id@
-                              WHERE consumer_group_id = groups[i] AND status = statuses[i]
-                              LIMIT 1 FOR UPDATE SKIP LOCKED);
-                IF NOT FOUND THEN
-                    INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
-                    VALUES (groups[i], statuses[i], deltas[i]);
-                END IF;
-            END LOOP;
+            -- Now and then, fold the deltas (as a retention step does), so group_status sums a
+            -- few rows however busy the queue is; rows another fold holds are skipped.
+            IF random() < 0.02 THEN
+                WITH gone AS (
+                    DELETE FROM sqlstreams.exception_count_@id@ WHERE ctid = ANY (ARRAY(
+                        SELECT ctid FROM sqlstreams.exception_count_@id@ FOR UPDATE SKIP LOCKED))
+                    RETURNING consumer_group_id, status, delta)
+                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
+                SELECT consumer_group_id, status, sum(delta) FROM gone GROUP BY 1, 2 HAVING sum(delta) <> 0;
+            END IF;
             RETURN NULL;
         END
         $count$;

@@ -112,11 +112,11 @@ const DROP_PARTITIONS: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
-/// Folds the exception counts' counter rows into one row per group and status (the triggers
-/// add a new row when every row of a group and status is held by another writer; group_status
-/// sums them). Rows of dropped groups go. It takes only the rows no one else holds (a writer's,
-/// or a concurrent fold's, from `maintain()` or another claim's step), so it never waits, and
-/// the sums stay exact.
+/// Folds the exception counts' deltas into one row per group and status (the triggers append a
+/// row per change; group_status sums them). Rows of dropped groups go. It takes only the rows
+/// no one else holds (a concurrent fold, from `maintain()` or another claim's step, folds the
+/// others), so it never waits, and the sums stay exact; a delta committed meanwhile stays for
+/// the next fold.
 const FOLD_COUNTS: Statement = Statement {
     name: "retention_fold_counts",
     sql: "WITH gone AS (DELETE FROM sqlstreams.exception_count_@id@ WHERE ctid = ANY (ARRAY(

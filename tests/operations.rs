@@ -438,37 +438,6 @@ fn maintain_passes_over_a_stream_being_dropped() {
 }
 
 #[test]
-fn many_single_failures_leave_one_counter_row_per_status() {
-    let mut c = connect();
-    let s = Stream::create(&mut c, "counter-rows");
-    let g = s.group(&mut c, "g", None);
-    s.produce_many(&mut c, 300, None);
-    let mut failed = 0;
-    loop {
-        let batch = g.claim(&mut c, 100);
-        if batch.is_empty() {
-            break;
-        }
-        for d in &batch {
-            // Each its own statement and transaction, as consumers fail messages.
-            g.fail(&mut c, d, "later", false, Some("1 hour"));
-            failed += 1;
-        }
-    }
-    assert_eq!(failed, 300);
-    assert_eq!(g.assert_counts_exact(&mut c), [300, 0, 0, 0, 0]);
-    // The counts are updated in place: group_status sums one row, not one per change.
-    let rows: i64 = c
-        .query_one(
-            &format!("SELECT count(*) FROM {} WHERE consumer_group_id = $1", s.table("exception_count")),
-            &[&g.id],
-        )
-        .unwrap()
-        .get(0);
-    assert_eq!(rows, 1);
-}
-
-#[test]
 fn group_status_counts_stay_exact_through_every_transition() {
     let mut c = connect();
     let s = Stream::create(&mut c, "counts");

@@ -4,12 +4,14 @@
 //! group needs, whole partitions of the log are dropped; compaction heads below what the log
 //! keeps go too (a head supersedes its key's older messages whenever they are handed out
 //! again), unless a compacted message of their key may still run (a dead letter, which a
-//! redrive brings back: the head must still supersede it). An exception row does not keep its partition: the
-//! messages rows still refer to (a dead letter, readable and redrivable until its row goes)
-//! move to `message_archive_<id>` as their partition is dropped, so a dead letter never makes
-//! every later partition stay, and claims never open more partitions than groups need.
-//! Resolved exception rows (`dead`, `superseded`) are kept for the stream's `dead_retention`;
-//! archived messages no row refers to any more go with them.
+//! redrive brings back: the head must still supersede it).
+//!
+//! An exception row does not keep its partition: the messages rows still refer to (a dead
+//! letter, readable and redrivable until its row goes) move to `message_archive_<id>` as their
+//! partition is dropped, so a dead letter never makes every later partition stay, and claims
+//! never open more partitions than groups need. Resolved exception rows (`dead`, `superseded`)
+//! are kept for the stream's `dead_retention`; archived messages no row refers to any more go
+//! with them.
 //!
 //! Nothing here waits for a row lock: rows another transaction holds (a producer's compaction
 //! head, a row an outcome is changing) are left for the next step. The one wait is for the key

@@ -2,6 +2,7 @@
 //! (including inside the caller's transaction), and consumers running handlers.
 
 use std::collections::HashSet;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -391,6 +392,92 @@ async fn graceful_shutdown_finishes_in_flight_handlers() {
     let row =
         conn.query_one("SELECT committed, lag FROM sqlstreams.group_status($1, 'g')", &[&stream.name()]).await.unwrap();
     assert_eq!(row.get::<_, i64>(1), 0, "nothing left behind");
+}
+
+/// A handler that waits is not run to its end before the consumer goes on: the next claim goes
+/// out, and a message produced later is handled while the first one waits for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_handler_does_not_hold_back_the_next_claim() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("waits"));
+    stream.register().await.unwrap();
+    let consumer = stream.consumer("g").register(config(None)).await.unwrap();
+    stream.producer().produce(&adjustment("a", 1), ProduceOptions::default()).await.unwrap();
+    let (second_ran, order) = (Arc::new(tokio::sync::Notify::new()), Arc::new(Mutex::new(Vec::new())));
+    let running = {
+        let (second_ran, order) = (second_ran.clone(), order.clone());
+        consumer.start(move |d: Delivery<Adjustment>| {
+            let (second_ran, order) = (second_ran.clone(), order.clone());
+            async move {
+                order.lock().unwrap().push(format!("start {}", d.message.delta));
+                if d.message.delta == 1 {
+                    tokio::time::timeout(Duration::from_secs(20), second_ran.notified())
+                        .await
+                        .map_err(|_| HandlerError::permanent("the second message never ran"))?;
+                } else {
+                    second_ran.notify_one();
+                }
+                order.lock().unwrap().push(format!("end {}", d.message.delta));
+                Ok(())
+            }
+        })
+    };
+    eventually("the first handler waiting", || order.lock().unwrap().len() == 1).await;
+    stream.producer().produce(&adjustment("a", 2), ProduceOptions::default()).await.unwrap();
+    eventually("both handled", || running.metrics().succeeded == 2).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(*order.lock().unwrap(), ["start 1", "start 2", "end 2", "end 1"]);
+}
+
+/// A full claim of parallel work sends the next claim before its rows run. A consumer told to
+/// stop meanwhile gives that claim's rows back at once: another consumer gets them without
+/// waiting for their lease (a minute here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_sent_ahead_is_given_back_when_the_consumer_stops() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("ahead"));
+    stream.register().await.unwrap();
+    let group = stream.consumer("g");
+    let settings = ConsumerConfig {
+        message_concurrency: 200,
+        batch_size: 100,
+        lease: Duration::from_secs(60),
+        handler_timeout: Duration::from_secs(10),
+        ..config(None)
+    };
+    let batch: Vec<Adjustment> = (0..300).map(|i| adjustment("a", i)).collect();
+    stream.producer().produce_batch(batch.iter().map(|m| (m, None)), BatchOptions::default()).await.unwrap();
+    // The first message's handler holds the claim loop (synchronously, before its future) until
+    // the test has told the consumer to stop: by then the next claim has gone out.
+    let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let gate = Mutex::new((started_tx, go_rx));
+    let running = group.register(settings.clone()).await.unwrap().start(move |d: Delivery<Adjustment>| {
+        if d.message.delta == 0 {
+            let gate = gate.lock().unwrap();
+            gate.0.send(()).unwrap();
+            gate.1.recv_timeout(Duration::from_secs(20)).unwrap();
+        }
+        std::future::ready(Ok(()))
+    });
+    started_rx.recv_timeout(Duration::from_secs(20)).unwrap();
+    let mut shutdown = Box::pin(running.shutdown(Duration::from_secs(10)));
+    let pending = std::future::poll_fn(|cx| std::task::Poll::Ready(shutdown.as_mut().poll(cx).is_pending())).await;
+    assert!(pending, "told to stop, still running the first claim");
+    go_tx.send(()).unwrap();
+    let report = shutdown.await;
+    assert!(report.drained);
+    assert_eq!(
+        (report.metrics.succeeded, report.metrics.released),
+        (100, 100),
+        "the first claim ran; the one sent ahead was given back"
+    );
+
+    let calls: Calls = Arc::default();
+    let next = group.register(settings).await.unwrap().start(record_calls(&calls));
+    eventually("the other 200, long before the lease ends", || calls.lock().unwrap().len() == 200).await;
+    next.shutdown(Duration::from_secs(5)).await;
+    assert!(calls.lock().unwrap().iter().all(|(_, attempt)| *attempt == 0), "a release spends no attempt");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

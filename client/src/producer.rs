@@ -126,13 +126,13 @@ where
         let statement = conn.prepare_cached(sql::PRODUCE_BATCH).await?;
         let concurrency = options.concurrency.map(Concurrency::as_str);
         let (headers, deliver_after) = (options.headers(), options.deliver_after());
-        let rows = conn
-            .query(
+        let row = conn
+            .query_one(
                 &statement,
                 &[&self.stream.name, &payloads, &keys, &concurrency, &options.compaction, &headers, &deliver_after],
             )
             .await?;
-        Ok(rows.iter().map(|r| r.get(0)).collect())
+        Ok(row.get(0))
     }
 
     /// Like [`Producer::produce_batch`], through your connection or transaction.
@@ -145,8 +145,8 @@ where
         if payloads.is_empty() {
             return Ok(vec![]);
         }
-        let rows = client
-            .query(
+        let row = client
+            .query_one(
                 sql::PRODUCE_BATCH,
                 &[
                     &self.stream.name,
@@ -159,7 +159,7 @@ where
                 ],
             )
             .await?;
-        Ok(rows.iter().map(|r| r.get(0)).collect())
+        Ok(row.get(0))
     }
 }
 

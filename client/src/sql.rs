@@ -25,10 +25,12 @@ pub const GROUP_SETTINGS: &str = "SELECT concurrency_override, max_retries,
 pub const PRODUCE: &str = "SELECT sqlstreams.produce($1, $2::text::jsonb, $3, $4, $5, $6,
         headers => $7, deliver_after => $8::float8 * interval '1 second')";
 
-/// `$6`, the batch's headers, go with every message of it.
-pub const PRODUCE_BATCH: &str = "SELECT sqlstreams.produce_batch($1, $2::text[]::jsonb[], $3, $4, $5,
-        headers => CASE WHEN $6::jsonb IS NOT NULL THEN array_fill($6::jsonb, ARRAY[cardinality($2)]) END,
-        deliver_after => $7::float8 * interval '1 second')";
+/// `$6`, the batch's headers, go with every message of it. The ids come back as one array: one
+/// row to send and read, not one per message.
+pub const PRODUCE_BATCH: &str = "SELECT coalesce(array_agg(p.id ORDER BY p.n), '{}')
+        FROM sqlstreams.produce_batch($1, $2::text[]::jsonb[], $3, $4, $5,
+            headers => CASE WHEN $6::jsonb IS NOT NULL THEN array_fill($6::jsonb, ARRAY[cardinality($2)]) END,
+            deliver_after => $7::float8 * interval '1 second') WITH ORDINALITY AS p(id, n)";
 
 /// Claims, first acking `$6` under lease token `$5` when given (one round trip, one commit).
 pub const CLAIM: &str = "SELECT message_id, message_key, concurrency, attempt, payload::text, lease_token, run_after,

@@ -1,5 +1,7 @@
-//! The consumer loop: claim, split the result into same-key chains, run each chain on its own
-//! task (one message at a time, in id order), record outcomes.
+//! The consumer loop: claim, split the result into same-key chains, run each chain (one
+//! message at a time, in id order) on the loop's own task until a handler waits, then on a
+//! task of its own; record outcomes. A full claim of parallel work sends the next claim before
+//! its rows run.
 
 use std::any::Any;
 use std::panic::AssertUnwindSafe;
@@ -29,17 +31,39 @@ use crate::backoff::Backoff;
 use crate::error::Result;
 use crate::{sql, Concurrency, Headers};
 
+/// How long a claim's chains may run on the claim loop's task before the rest go to tasks of
+/// their own (see `run`).
+const INLINE_BUDGET: Duration = Duration::from_millis(1);
+
+/// A claim sent before the rows of the claim before it ran (see `run`), with what it holds.
+struct Ahead<'a> {
+    claim: std::pin::Pin<Box<futures_util::future::MaybeDone<ClaimFuture<'a>>>>,
+    permits: OwnedSemaphorePermit,
+    acks: Option<(Uuid, Vec<i64>)>,
+    claimed_at: Instant,
+}
+
+type ClaimFuture<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<Claimed>>> + Send + 'a>>;
+
 /// One row of a claim result.
 struct Claimed {
     id: i64,
-    key: Option<String>,
     concurrency: Concurrency,
     attempt: u32,
-    payload: String,
+    /// The claim's row, which holds the payload: decoded from there, not copied first.
+    row: tokio_postgres::Row,
     token: Uuid,
     run_after: Option<i64>,
     produced_at: std::time::SystemTime,
     headers: Option<serde_json::Value>,
+}
+
+impl Claimed {
+    /// The message key, read from the row when needed (most deliveries copy it only once,
+    /// into the handler's `Delivery`).
+    fn key(&self) -> Option<&str> {
+        self.row.get(1)
+    }
 }
 
 /// What happened to one delivery, kept when a test asks for it (`Consumer::work_until_idle`).
@@ -144,42 +168,53 @@ where
     let mut fatal = None;
     // Whether the last claim split into many chains: then the next claim may overlap it.
     let mut pipelined = true;
+    let mut ahead: Option<Ahead<'_>> = None;
     while !stop.is_cancelled() {
         while chains.try_join_next().is_some() {}
-        // Claim again as soon as there is room for half a batch: the next claim's round trip
-        // then overlaps this one's handlers, and the server never waits for the consumer. A
-        // claim that came back as chains (same-key rows) is let finish first: claiming behind
-        // it would only park its successors.
-        let outstanding = ctx.outstanding.load(Ordering::Acquire);
-        if outstanding > 0 && (!pipelined || outstanding > ctx.claim_again_at) {
-            tokio::select! {
-                _ = ctx.progress.notified() => {}
-                _ = stop.cancelled() => break,
+        let (permits, acks, claimed_at, claimed) = match ahead.take() {
+            Some(mut sent) => {
+                sent.claim.as_mut().await;
+                let claimed = sent.claim.as_mut().take_output().expect("an awaited claim has its output");
+                (sent.permits, sent.acks, sent.claimed_at, claimed)
             }
-            continue;
-        }
-        let first = tokio::select! {
-            permit = semaphore.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
-            _ = stop.cancelled() => break,
+            None => {
+                // Claim again as soon as there is room for half a batch: the next claim's round
+                // trip then overlaps the handlers still running, and the server never waits for
+                // the consumer. A claim that came back as chains (same-key rows) is let finish
+                // first: claiming behind it would only park its successors.
+                let outstanding = ctx.outstanding.load(Ordering::Acquire);
+                if outstanding > 0 && (!pipelined || outstanding > ctx.claim_again_at) {
+                    tokio::select! {
+                        _ = ctx.progress.notified() => {}
+                        _ = stop.cancelled() => break,
+                    }
+                    continue;
+                }
+                let mut permits = tokio::select! {
+                    permit = semaphore.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+                    _ = stop.cancelled() => break,
+                };
+                let more = semaphore.available_permits().min(ctx.config.batch_size as usize - 1);
+                if let Ok(more) = semaphore.clone().try_acquire_many_owned(more as u32) {
+                    permits.merge(more);
+                }
+                // The last claim's acks go along with this claim (see the writer), so the server
+                // sees its same-key rows resolved before it decides what to hand out next.
+                let claimed_at = Instant::now();
+                let acks = ctx.writer.take_acks();
+                if !pipelined && ctx.writer.writing_acks() {
+                    // Acks the writer took before us must be written before this claim decides
+                    // (or their keys' next rows are not handed out).
+                    ctx.writer.flush().await;
+                }
+                ctx.writer.claiming(true);
+                let claimed = claim(&ctx, permits.num_permits() as i32, acks.clone()).await;
+                (permits, acks, claimed_at, claimed)
+            }
         };
-        let mut permits = vec![first];
-        while permits.len() < ctx.config.batch_size as usize {
-            match semaphore.clone().try_acquire_owned() {
-                Ok(permit) => permits.push(permit),
-                Err(_) => break,
-            }
-        }
-        // The last claim's acks go along with this claim (see the writer), so the server sees
-        // its same-key rows resolved before it decides what to hand out next.
-        let claimed_at = Instant::now();
-        let acks = ctx.writer.take_acks();
-        if !pipelined {
-            // Acks the writer took before us must be written before this claim decides.
-            ctx.writer.flush().await;
-        }
-        ctx.writer.claiming(true);
-        let claimed = claim(&ctx, permits.len() as i32, acks.as_ref()).await;
         ctx.writer.claiming(false);
+        let asked = permits.num_permits();
+        let mut permits = permits;
         let rows = match claimed {
             Ok(rows) => rows,
             Err(e) => {
@@ -230,35 +265,88 @@ where
         }
         ctx.counters.add(Event::Claimed, rows.len() as u64);
         ctx.outstanding.fetch_add(rows.len(), Ordering::AcqRel);
-        ctx.leases.track(rows[0].token, rows.len(), claimed_at);
+        let token = rows[0].token;
+        ctx.leases.track(token, rows.len(), claimed_at);
         let row_count = rows.len();
         let split = chains_of(rows);
         // Claiming again while same-key rows of an ordered or exclusive key still run would
         // only park their successors; parallel work may overlap with the next claim.
         pipelined = split.iter().all(|chain| chain.len() == 1 && chain[0].concurrency == Concurrency::Parallel);
-        let _ = row_count;
-        // Chains run concurrently, spread over at most one task per runtime worker: handlers
-        // still use every core, and a claim of a hundred rows costs a few spawns (and cross-
-        // thread wake-ups), not a hundred.
-        let mut buckets: Vec<Vec<(Vec<Claimed>, OwnedSemaphorePermit)>> = (0..workers).map(|_| Vec::new()).collect();
-        for (i, chain) in split.into_iter().enumerate() {
-            let permit = permits.pop().expect("a claim returns at most one row per permit");
-            buckets[i % workers].push((chain, permit));
+        if pipelined && row_count == asked && !stop.is_cancelled() {
+            // A full claim of parallel work: more is likely waiting. The next claim goes out
+            // now, with the acks made so far, and its round trip overlaps these rows' handlers.
+            let wanted = semaphore.available_permits().min(ctx.config.batch_size as usize);
+            if wanted >= room {
+                if let Ok(next) = semaphore.clone().try_acquire_many_owned(wanted as u32) {
+                    let (acks, claimed_at) = (ctx.writer.take_acks(), Instant::now());
+                    ctx.writer.claiming(true);
+                    let sent: ClaimFuture<'_> = Box::pin(claim(&ctx, wanted as i32, acks.clone()));
+                    let mut claim = Box::pin(futures_util::future::maybe_done(sent));
+                    // Its first poll sends it.
+                    let _sent = futures_util::poll!(claim.as_mut());
+                    ahead = Some(Ahead { claim, permits: next, acks, claimed_at });
+                }
+            }
         }
-        for bucket in buckets.into_iter().filter(|b| !b.is_empty()) {
-            let ctx = ctx.clone();
-            // The consumer's cancellation reaches each delivery's token through one token per
-            // bucket, whose lock only this task takes.
-            let scope = ctx.cancel.child_token();
+        // Chains first run here, on the claim loop's task, until their handler waits: a
+        // handler that finishes when first polled (most do) then costs no task and no wake-up
+        // of another thread. What waits, and everything once this claim's chains have had
+        // INLINE_BUDGET of this task, is spread over at most one task per runtime worker, so
+        // slow and CPU-heavy handlers still use every core and the next claim goes out.
+        let now = Instant::now();
+        let mut inline = Inline {
+            // Shutting down past its grace: the rows are released, a round trip (`held_back`).
+            until: if ctx.cancel.is_cancelled() { now } else { now + INLINE_BUDGET },
+            // The lease as tracked above covers a handler's whole time until then.
+            start_by: (claimed_at + ctx.config.lease).checked_sub(ctx.config.handler_timeout).unwrap_or(now),
+            acked: Vec::with_capacity(row_count),
+        };
+        let mut split = split.into_iter();
+        let waiting: Vec<ChainTask> = std::future::poll_fn(|cx| {
+            let started = split.by_ref().filter_map(|chain| ctx.start_inline(chain, &mut permits, &mut inline, cx));
+            std::task::Poll::Ready(started.collect())
+        })
+        .await;
+        // Recorded once for all the rows that succeeded inline, before any task that follows
+        // one of them in its chain can record an outcome.
+        let acked = inline.acked.len();
+        if acked > 0 {
+            ctx.writer.ack_all(token, inline.acked);
+            ctx.counters.add(Event::Succeeded, acked as u64);
+            ctx.finished(token, acked);
+        }
+        // The permits of the chains finished here and of the rows the claim did not return.
+        drop(permits);
+        let tasks = workers.min(waiting.len());
+        let mut buckets: Vec<Vec<_>> = (0..tasks).map(|_| Vec::new()).collect();
+        for (i, chain) in waiting.into_iter().enumerate() {
+            buckets[i % tasks].push(chain);
+        }
+        for bucket in buckets {
             chains.spawn(async move {
-                let mut running: FuturesUnordered<_> = bucket
-                    .into_iter()
-                    .map(|(chain, permit)| run_chain(ctx.clone(), chain, permit, scope.clone()))
-                    .collect();
+                let mut running: FuturesUnordered<_> = bucket.into_iter().collect();
                 while running.next().await.is_some() {}
             });
         }
     }
+    if let Some(mut sent) = ahead.take() {
+        // Stopped with a claim sent ahead: its rows go back at once (not after their lease).
+        sent.claim.as_mut().await;
+        match sent.claim.as_mut().take_output().expect("an awaited claim has its output") {
+            Ok(rows) if !rows.is_empty() => {
+                let released = ctx.writer.release(rows[0].token, rows.iter().map(|r| r.id).collect()).await;
+                ctx.counters.add(Event::Released, released.len() as u64);
+                ctx.note_all(rows.iter(), Event::Released);
+            }
+            Ok(_) => {}
+            Err(_) => {
+                if let Some((token, ids)) = sent.acks {
+                    ctx.writer.return_acks(token, ids);
+                }
+            }
+        }
+    }
+    drop(ahead);
     while let Some(done) = chains.join_next().await {
         if let Err(e) = done {
             warn!(error = %e, "sqlstreams: a chain task failed");
@@ -310,7 +398,7 @@ async fn read_lag(
     }
 }
 
-async fn claim<T, H>(ctx: &Ctx<T, H>, batch: i32, acks: Option<&(Uuid, Vec<i64>)>) -> Result<Vec<Claimed>> {
+async fn claim<T, H>(ctx: &Ctx<T, H>, batch: i32, acks: Option<(Uuid, Vec<i64>)>) -> Result<Vec<Claimed>> {
     let span = info_span!("sqlstreams.claim", stream = %ctx.group.stream.name, group = %ctx.group.name, batch);
     async {
         let started = Instant::now();
@@ -324,25 +412,24 @@ async fn claim<T, H>(ctx: &Ctx<T, H>, batch: i32, acks: Option<&(Uuid, Vec<i64>)
                     &ctx.group.name,
                     &batch,
                     &ctx.config.lease.as_secs_f64(),
-                    &acks.map(|a| a.0),
-                    &acks.map(|a| &a.1),
+                    &acks.as_ref().map(|a| a.0),
+                    &acks.as_ref().map(|a| &a.1),
                 ],
             )
             .await?;
         ctx.counters.claimed_in(started.elapsed());
         debug!(claimed = rows.len());
         Ok(rows
-            .iter()
+            .into_iter()
             .map(|r| Claimed {
                 id: r.get(0),
-                key: r.get(1),
-                concurrency: r.get::<_, String>(2).parse().unwrap_or(Concurrency::Parallel),
+                concurrency: r.get::<_, &str>(2).parse().unwrap_or(Concurrency::Parallel),
                 attempt: r.get::<_, i32>(3).max(0) as u32,
-                payload: r.get(4),
                 token: r.get(5),
                 run_after: r.get(6),
                 produced_at: r.get(7),
                 headers: r.get(8),
+                row: r,
             })
             .collect())
     }
@@ -351,60 +438,105 @@ async fn claim<T, H>(ctx: &Ctx<T, H>, batch: i32, acks: Option<&(Uuid, Vec<i64>)
 }
 
 /// Splits a claim result into chains: a row with `run_after` follows the chain of that row.
-fn chains_of(rows: Vec<Claimed>) -> Vec<Vec<Claimed>> {
-    let mut chains: Vec<Vec<Claimed>> = Vec::new();
-    let mut chain_of: std::collections::HashMap<i64, usize> = std::collections::HashMap::new();
+fn chains_of(rows: Vec<Claimed>) -> Vec<Chain> {
+    split_chains(rows, |row| (row.id, row.run_after))
+}
+
+/// `chains_of` for any row type; `link` gives a row's id and its run_after.
+fn split_chains<R>(rows: Vec<R>, link: impl Fn(&R) -> (i64, Option<i64>)) -> Vec<smallvec::SmallVec<[R; 1]>> {
+    if rows.iter().all(|row| link(row).1.is_none()) {
+        return rows.into_iter().map(|row| smallvec::smallvec![row]).collect();
+    }
+    // A claim's rows come in id order, and a row's run_after is an earlier row of the same
+    // result: found by a binary search over the ids so far.
+    let mut seen: Vec<(i64, usize)> = Vec::with_capacity(rows.len());
+    let mut chains: Vec<smallvec::SmallVec<[R; 1]>> = Vec::with_capacity(rows.len());
     for row in rows {
-        let index = match row.run_after.and_then(|p| chain_of.get(&p).copied()) {
-            Some(index) => index,
+        let (id, run_after) = link(&row);
+        let index = match run_after.and_then(|p| seen.binary_search_by_key(&p, |(id, _)| *id).ok()) {
+            Some(at) => seen[at].1,
             None => {
-                chains.push(Vec::new());
+                chains.push(smallvec::SmallVec::new());
                 chains.len() - 1
             }
         };
-        chain_of.insert(row.id, index);
+        match seen.last() {
+            Some((last, _)) if *last >= id => {
+                // Not in id order after all: keep the ids sorted.
+                let at = seen.partition_point(|(seen_id, _)| *seen_id < id);
+                seen.insert(at, (id, index));
+            }
+            _ => seen.push((id, index)),
+        }
         chains[index].push(row);
     }
     chains
 }
 
+/// Rows of one claim that run one after the other (same key), in id order; mostly one row.
+type Chain = smallvec::SmallVec<[Claimed; 1]>;
+
+/// What the chains run inline during one claim's dispatch share: until when they may run
+/// inline, until when a row may start without a lease check, and the ids that succeeded (acked
+/// and counted together afterwards).
+struct Inline {
+    until: Instant,
+    start_by: Instant,
+    acked: Vec<i64>,
+}
+
+/// The rest of a chain, run as a task: boxed, so that it can move to another task after its
+/// first poll.
+type ChainTask = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// A delivery whose handler has been called.
+struct Begun {
+    row: Claimed,
+    span: tracing::Span,
+    started: Instant,
+    state: Started,
+}
+
+enum Started {
+    /// The handler's future, not finished when last polled.
+    Running { handler: HandlerCall, cancel: CancellationToken, deadline: Instant },
+    /// The handler finished (or never ran: undecodable payload, a panic in the call).
+    Ended(Outcome),
+}
+
+type HandlerCall = futures_util::future::CatchUnwind<AssertUnwindSafe<super::handler::HandlerFuture>>;
+
+/// Runs what is left of a chain, one row at a time in id order: `begun` (a row whose handler
+/// was already called), then `rows`.
 async fn run_chain<T, H>(
     ctx: Arc<Ctx<T, H>>,
-    chain: Vec<Claimed>,
+    mut rows: smallvec::IntoIter<[Claimed; 1]>,
+    mut begun: Option<Begun>,
     _permit: OwnedSemaphorePermit,
-    scope: CancellationToken,
 ) where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
     H: Handle<T>,
 {
-    let token = chain[0].token;
-    let mut rows = chain.into_iter();
-    let mut resolved = true;
-    while let Some(row) = rows.next() {
-        let rest = 1 + rows.len();
-        if !resolved {
-            // Its predecessor failed or was delayed: the server recorded the rest deferred.
-            ctx.counters.add(Event::Deferred, rest as u64);
-            ctx.note_all(std::iter::once(&row).chain(rows.as_slice()), Event::Deferred);
-            ctx.finished(token, rest);
-            break;
-        }
-        if ctx.cancel.is_cancelled() {
-            let ids: Vec<i64> = std::iter::once(row.id).chain(rows.as_slice().iter().map(|r| r.id)).collect();
-            let released = ctx.writer.release(token, ids).await;
-            ctx.counters.add(Event::Released, released.len() as u64);
-            ctx.note_all(std::iter::once(&row).chain(rows.as_slice()), Event::Released);
-            ctx.finished(token, rest);
-            break;
-        }
-        if !ctx.leases.covers(token, ctx.config.handler_timeout).await {
-            ctx.counters.add(Event::LeaseLost, rest as u64);
-            ctx.note_all(std::iter::once(&row).chain(rows.as_slice()), Event::LeaseLost);
-            ctx.finished(token, rest);
-            break;
-        }
-        resolved = ctx.deliver(row, &scope).await;
+    loop {
+        let (token, resolved) = match begun.take() {
+            Some(begun) => (begun.row.token, ctx.conclude(begun).await),
+            None => {
+                let Some(row) = rows.next() else { return };
+                if ctx.held_back(&row, rows.as_slice()).await {
+                    return;
+                }
+                (row.token, ctx.deliver(row).await)
+            }
+        };
         ctx.finished(token, 1);
+        if !resolved && !rows.as_slice().is_empty() {
+            // The row failed or was delayed: the server recorded the rest of its chain deferred.
+            let rest = rows.as_slice();
+            ctx.counters.add(Event::Deferred, rest.len() as u64);
+            ctx.note_all(rest.iter(), Event::Deferred);
+            ctx.finished(token, rest.len());
+            return;
+        }
     }
 }
 
@@ -413,12 +545,55 @@ where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
     H: Handle<T>,
 {
+    /// Runs `chain` on the calling task (`cx`) for as long as its handlers finish when first
+    /// polled and `inline.until` has not passed; returns the rest as a task to spawn, with one
+    /// of `permits`, if any.
+    fn start_inline(
+        self: &Arc<Self>,
+        chain: Chain,
+        permits: &mut OwnedSemaphorePermit,
+        inline: &mut Inline,
+        cx: &mut std::task::Context<'_>,
+    ) -> Option<ChainTask> {
+        let mut rows = chain.into_iter();
+        let mut task = |rows, begun| {
+            let permit = permits.split(1).expect("a claim returns at most one row per permit");
+            Some(Box::pin(run_chain(self.clone(), rows, begun, permit)) as ChainTask)
+        };
+        if H::TRANSACTIONAL {
+            // Its transaction takes a round trip before the handler runs.
+            return task(rows, None);
+        }
+        // One clock reading per row: the previous handler's end and this one's start.
+        let mut now = Instant::now();
+        while !rows.as_slice().is_empty() {
+            if now >= inline.until || now > inline.start_by {
+                return task(rows, None);
+            }
+            let row = rows.next().expect("just looked");
+            let mut begun = self.begin(row, now, now + self.config.handler_timeout);
+            if let Started::Running { handler, .. } = &mut begun.state {
+                if let std::task::Poll::Ready(result) = begun.span.in_scope(|| handler.poll_unpin(cx)) {
+                    begun.state = Started::Ended(ended(result));
+                }
+            }
+            if !matches!(begun.state, Started::Ended(Outcome::Success)) {
+                return task(rows, Some(begun));
+            }
+            now = Instant::now();
+            self.counters.handler_ran(now - begun.started);
+            self.note(&begun.row, Event::Succeeded, None);
+            inline.acked.push(begun.row.id);
+        }
+        None
+    }
+
     /// Keeps `row`'s outcome for a test.
     fn note(&self, row: &Claimed, event: Event, error: Option<&str>) {
         if let Some(journal) = &self.journal {
             let noted = Noted {
                 id: row.id,
-                key: row.key.clone(),
+                key: row.key().map(str::to_string),
                 attempt: row.attempt,
                 event,
                 error: error.map(str::to_string),
@@ -444,48 +619,71 @@ where
         }
     }
 
-    /// Runs one delivery and records its outcome. True when the message resolved (succeeded or
-    /// died), so the next row of its chain may start.
-    async fn deliver(&self, row: Claimed, scope: &CancellationToken) -> bool {
-        let span = info_span!("sqlstreams.handler", message_id = row.id, attempt = row.attempt, key = ?row.key);
-        crate::trace_context::continue_trace(&span, row.headers.as_ref());
-        let started = Instant::now();
-        let (outcome, tx) = self.execute(&row, started, scope).instrument(span.clone()).await;
-        self.counters.handler_ran(started.elapsed());
-        match tx {
-            Some(tx) => self.finish_transaction(row, outcome, tx).instrument(span).await,
-            None => self.record(row, outcome).instrument(span).await,
-        }
+    /// True when `row` must not start, and with it `rest`, the rows after it in its chain:
+    /// the consumer is shutting down (they are released) or their lease is lost. They are
+    /// then counted and finished.
+    async fn held_back(&self, row: &Claimed, rest: &[Claimed]) -> bool {
+        let rows = || std::iter::once(row).chain(rest);
+        let event = if self.cancel.is_cancelled() {
+            let released = self.writer.release(row.token, rows().map(|r| r.id).collect()).await;
+            self.counters.add(Event::Released, released.len() as u64);
+            Event::Released
+        } else if !self.leases.covers(row.token, self.config.handler_timeout).await {
+            self.counters.add(Event::LeaseLost, 1 + rest.len() as u64);
+            Event::LeaseLost
+        } else {
+            return false;
+        };
+        self.note_all(rows(), event);
+        self.finished(row.token, 1 + rest.len());
+        true
     }
 
-    /// Runs the handler; returns how it ended and, for a transactional handler, its open
-    /// transaction.
-    async fn execute(&self, row: &Claimed, started: Instant, scope: &CancellationToken) -> (Outcome, Option<Tx>) {
-        let message: T = match serde_json::from_str(&row.payload) {
+    /// Runs one delivery and records its outcome. True when the message resolved (succeeded or
+    /// died), so the next row of its chain may start.
+    async fn deliver(&self, row: Claimed) -> bool {
+        let started = Instant::now();
+        if !H::TRANSACTIONAL {
+            return self.conclude(self.begin(row, started, started + self.config.handler_timeout)).await;
+        }
+        let span = handler_span(&row);
+        let tx = match self.begin_transaction().await {
+            Ok(tx) => tx,
+            Err(e) => {
+                let failed = Outcome::Failed(HandlerError::retry(format!("no transaction for the handler: {e}")));
+                return self.record(row, failed).instrument(span).await;
+            }
+        };
+        // The handler's time starts when it can run: after its transaction is open.
+        let mut begun = self.call(row, span, started, Instant::now() + self.config.handler_timeout, Some(tx.clone()));
+        let outcome = self.outcome(&mut begun).await;
+        self.finish_transaction(begun.row, outcome, tx).instrument(begun.span).await
+    }
+
+    /// Calls the handler of a plain (not transactional) delivery.
+    fn begin(&self, row: Claimed, started: Instant, deadline: Instant) -> Begun {
+        let span = handler_span(&row);
+        self.call(row, span, started, deadline, None)
+    }
+
+    /// Decodes the message and calls the handler; it has not been polled yet.
+    fn call(&self, row: Claimed, span: tracing::Span, started: Instant, deadline: Instant, tx: Option<Tx>) -> Begun {
+        let message: T = match serde_json::from_str(row.row.get::<_, &str>(4)) {
             Ok(message) => message,
             Err(e) => {
                 let error =
                     format!("the payload of message {} does not decode as {}: {e}", row.id, std::any::type_name::<T>());
-                return (Outcome::Undecodable(error), None);
+                return Begun { row, span, started, state: Started::Ended(Outcome::Undecodable(error)) };
             }
         };
-        let tx = if H::TRANSACTIONAL {
-            match self.begin().await {
-                Ok(tx) => Some(tx),
-                Err(e) => {
-                    return (Outcome::Failed(HandlerError::retry(format!("no transaction for the handler: {e}"))), None)
-                }
-            }
-        } else {
-            None
-        };
-        let cancel = scope.child_token();
-        // The handler's time starts when it can run: after its transaction is open.
-        let deadline = if H::TRANSACTIONAL { Instant::now() } else { started } + self.config.handler_timeout;
+        // Its own token, not a child of the consumer's: the consumer's cancellation reaches a
+        // running handler through `outcome`, and a child token takes the consumer token's lock
+        // twice per delivery.
+        let cancel = CancellationToken::new();
         let delivery = Delivery {
             message,
             id: row.id,
-            key: row.key.clone(),
+            key: row.key().map(str::to_string),
             attempt: row.attempt,
             concurrency: row.concurrency,
             produced_at: row.produced_at,
@@ -497,25 +695,42 @@ where
             deadline,
         };
         // A panic in the handler's synchronous part (before its future) is caught as well.
-        let call = std::panic::catch_unwind(AssertUnwindSafe(|| self.handler.call(delivery, tx.clone())));
-        let handler = match call {
-            Ok(future) => AssertUnwindSafe(future).catch_unwind(),
-            Err(panic) => return (Outcome::Panicked(panic_message(panic)), tx),
+        let call = span.in_scope(|| std::panic::catch_unwind(AssertUnwindSafe(|| self.handler.call(delivery, tx))));
+        let state = match call {
+            Ok(future) => Started::Running { handler: AssertUnwindSafe(future).catch_unwind(), cancel, deadline },
+            Err(panic) => Started::Ended(Outcome::Panicked(panic_message(panic))),
         };
-        let mut handler = std::pin::pin!(handler);
-        let ended = |result: std::thread::Result<std::result::Result<(), HandlerError>>| match result {
-            Ok(Ok(())) => Outcome::Success,
-            Ok(Err(e)) => Outcome::Failed(e),
-            Err(panic) => Outcome::Panicked(panic_message(panic)),
+        Begun { row, span, started, state }
+    }
+
+    /// Records a begun delivery's outcome once its handler has finished.
+    async fn conclude(&self, mut begun: Begun) -> bool {
+        let outcome = self.outcome(&mut begun).await;
+        self.record(begun.row, outcome).instrument(begun.span).await
+    }
+
+    /// How the handler of `begun` ended: it runs until it finishes, its deadline passes or the
+    /// consumer cancels it.
+    async fn outcome(&self, begun: &mut Begun) -> Outcome {
+        let outcome = match std::mem::replace(&mut begun.state, Started::Ended(Outcome::Cancelled)) {
+            Started::Ended(outcome) => outcome,
+            Started::Running { handler, cancel, deadline } => {
+                self.wait_for(handler, cancel, deadline).instrument(begun.span.clone()).await
+            }
         };
+        self.counters.handler_ran(begun.started.elapsed());
+        outcome
+    }
+
+    async fn wait_for(&self, mut handler: HandlerCall, cancel: CancellationToken, deadline: Instant) -> Outcome {
         // A handler that finishes at its first poll needs no deadline timer.
-        if let std::task::Poll::Ready(result) = futures_util::poll!(handler.as_mut()) {
-            return (ended(result), tx);
+        if let std::task::Poll::Ready(result) = futures_util::poll!(&mut handler) {
+            return ended(result);
         }
-        let outcome = tokio::select! {
+        tokio::select! {
             // A handler that finishes as it is cancelled has its result recorded.
             biased;
-            result = handler.as_mut() => ended(result),
+            result = &mut handler => ended(result),
             _ = tokio::time::sleep_until(deadline) => {
                 cancel.cancel();
                 Outcome::TimedOut
@@ -523,16 +738,15 @@ where
             _ = self.cancel.cancelled() => {
                 // Told to stop, a handler that then finishes at once has its result recorded.
                 cancel.cancel();
-                match futures_util::poll!(handler.as_mut()) {
+                match futures_util::poll!(&mut handler) {
                     std::task::Poll::Ready(result) => ended(result),
                     std::task::Poll::Pending => Outcome::Cancelled,
                 }
             }
-        };
-        (outcome, tx)
+        }
     }
 
-    async fn begin(&self) -> Result<Tx> {
+    async fn begin_transaction(&self) -> Result<Tx> {
         let conn = self.group.stream.pool.conn().await?;
         conn.batch_execute("BEGIN").await?;
         Ok(Tx { conn: Arc::new(conn) })
@@ -573,13 +787,18 @@ where
         self.record(row, outcome).await
     }
 
+    /// A plain handler succeeded: its ack goes to the writer.
+    fn succeeded(&self, row: &Claimed) {
+        self.writer.ack(row.token, row.id);
+        self.counters.add(Event::Succeeded, 1);
+        self.note(row, Event::Succeeded, None);
+    }
+
     async fn record(&self, row: Claimed, outcome: Outcome) -> bool {
         let c = &self.counters;
         let (error, permanent, retry_after) = match outcome {
             Outcome::Success => {
-                self.writer.ack(row.token, row.id);
-                c.add(Event::Succeeded, 1);
-                self.note(&row, Event::Succeeded, None);
+                self.succeeded(&row);
                 return true;
             }
             Outcome::Failed(HandlerError::Delay(after)) => {
@@ -618,6 +837,20 @@ where
     }
 }
 
+fn handler_span(row: &Claimed) -> tracing::Span {
+    let span = info_span!("sqlstreams.handler", message_id = row.id, attempt = row.attempt, key = ?row.key());
+    crate::trace_context::continue_trace(&span, row.headers.as_ref());
+    span
+}
+
+fn ended(result: std::thread::Result<std::result::Result<(), HandlerError>>) -> Outcome {
+    match result {
+        Ok(Ok(())) => Outcome::Success,
+        Ok(Err(e)) => Outcome::Failed(e),
+        Err(panic) => Outcome::Panicked(panic_message(panic)),
+    }
+}
+
 fn panic_message(panic: Box<dyn Any + Send>) -> String {
     if let Some(s) = panic.downcast_ref::<&str>() {
         s.to_string()
@@ -625,5 +858,33 @@ fn panic_message(panic: Box<dyn Any + Send>) -> String {
         s.clone()
     } else {
         "(a non-string panic payload)".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_chains;
+
+    fn ids(chains: Vec<smallvec::SmallVec<[(i64, Option<i64>); 1]>>) -> Vec<Vec<i64>> {
+        chains.into_iter().map(|c| c.into_iter().map(|(id, _)| id).collect()).collect()
+    }
+
+    #[test]
+    fn rows_without_run_after_are_chains_of_one() {
+        let rows = vec![(1, None), (2, None), (5, None)];
+        assert_eq!(ids(split_chains(rows, |r| *r)), [vec![1], vec![2], vec![5]]);
+    }
+
+    #[test]
+    fn a_row_follows_the_chain_of_its_run_after() {
+        // Keys a (1, 3, 6) and b (2, 4); 5 follows a row not in this claim: a chain of its own.
+        let rows = vec![(1, None), (2, None), (3, Some(1)), (4, Some(2)), (5, Some(0)), (6, Some(3))];
+        assert_eq!(ids(split_chains(rows, |r| *r)), [vec![1, 3, 6], vec![2, 4], vec![5]]);
+    }
+
+    #[test]
+    fn rows_out_of_id_order_still_find_their_chain() {
+        let rows = vec![(7, None), (3, None), (9, Some(3)), (8, Some(7)), (10, Some(9))];
+        assert_eq!(ids(split_chains(rows, |r| *r)), [vec![7, 8], vec![3, 9, 10]]);
     }
 }

@@ -61,8 +61,15 @@ const ACK_GRACE: Duration = Duration::from_millis(20);
 /// How long buffered acks wait behind a slow claim (one waiting on a lock, say) at most.
 const ACK_WAIT_LIMIT: Duration = Duration::from_millis(250);
 
-/// Acks not written yet, in the order they were made.
-type AckBuffer = Arc<Mutex<Vec<(Uuid, i64)>>>;
+/// Acks not written yet, in the order they were made, and whether this task is writing some it
+/// took from here.
+#[derive(Default)]
+struct Acks {
+    buffered: Vec<(Uuid, i64)>,
+    writing: bool,
+}
+
+type AckBuffer = Arc<Mutex<Acks>>;
 
 /// Sends outcomes to the writer task.
 #[derive(Clone)]
@@ -104,13 +111,19 @@ impl Writer {
     }
 
     pub fn ack(&self, token: Uuid, id: i64) {
-        self.acks.lock().unwrap().push((token, id));
+        self.acks.lock().unwrap().buffered.push((token, id));
+        self.acks_waiting.notify_one();
+    }
+
+    /// Acks `ids`, all of lease `token`.
+    pub fn ack_all(&self, token: Uuid, ids: Vec<i64>) {
+        self.acks.lock().unwrap().buffered.extend(ids.into_iter().map(|id| (token, id)));
         self.acks_waiting.notify_one();
     }
 
     /// Takes the buffered acks of one lease token, to send along with a claim.
     pub fn take_acks(&self) -> Option<(Uuid, Vec<i64>)> {
-        let mut acks = self.acks.lock().unwrap();
+        let acks = &mut self.acks.lock().unwrap().buffered;
         let token = acks.first()?.0;
         let mut ids = Vec::new();
         acks.retain(|(t, id)| {
@@ -125,7 +138,7 @@ impl Writer {
 
     /// Puts acks back (a claim that carried them failed); they are idempotent.
     pub fn return_acks(&self, token: Uuid, ids: Vec<i64>) {
-        self.acks.lock().unwrap().extend(ids.into_iter().map(|id| (token, id)));
+        self.acks.lock().unwrap().buffered.extend(ids.into_iter().map(|id| (token, id)));
         self.acks_waiting.notify_one();
     }
 
@@ -159,6 +172,11 @@ impl Writer {
             return vec![];
         }
         answer.await.unwrap_or_default()
+    }
+
+    /// Whether this task is writing acks it took from the buffer (`flush` waits for them).
+    pub fn writing_acks(&self) -> bool {
+        self.acks.lock().unwrap().writing
     }
 
     /// Resolves once everything sent before it is written.
@@ -250,7 +268,11 @@ impl WriterTask {
 
     /// Writes the buffered acks, one `ack_batch` per token, in the order the tokens appear.
     async fn write_acks(&mut self) {
-        let acks = std::mem::take(&mut *self.acks.lock().unwrap());
+        let acks = {
+            let mut buffer = self.acks.lock().unwrap();
+            buffer.writing = true;
+            std::mem::take(&mut buffer.buffered)
+        };
         let mut by_token: Vec<(Uuid, Vec<i64>)> = Vec::new();
         for (token, id) in acks {
             match by_token.iter_mut().find(|(t, _)| *t == token) {
@@ -268,6 +290,7 @@ impl WriterTask {
                 warn!(lost, "sqlstreams: acks refused: their lease was lost (the messages will run again)");
             }
         }
+        self.acks.lock().unwrap().writing = false;
     }
 
     /// Runs one statement, retrying with backoff across lost connections. A refusal by the

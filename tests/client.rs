@@ -364,6 +364,41 @@ async fn a_handler_panicking_before_its_future_is_a_retryable_failure() {
     );
 }
 
+/// A message type whose hand-written `Deserialize` panics on a negative delta.
+#[derive(Debug, Serialize)]
+struct Fragile(i64);
+
+impl<'de> Deserialize<'de> for Fragile {
+    fn deserialize<D: serde::Deserializer<'de>>(decoder: D) -> Result<Self, D::Error> {
+        let adjustment = Adjustment::deserialize(decoder)?;
+        assert!(adjustment.delta >= 0, "cannot decode a negative delta");
+        Ok(Fragile(adjustment.delta))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_whose_decoding_panics_is_a_retryable_failure() {
+    use sqlstreams_client::testing::Outcome;
+    let client = client();
+    let name = unique("panic-decode");
+    let stream = client.stream::<Adjustment>(name.clone());
+    stream.register().await.unwrap();
+    let producer = stream.producer();
+    let mut ids = Vec::new();
+    for delta in [1, -1, 2] {
+        ids.push(producer.produce(&adjustment("a", delta), ProduceOptions::default()).await.unwrap().id().unwrap());
+    }
+    let consumer = client.stream::<Fragile>(name).consumer("g").register(config(None)).await.unwrap();
+    let worked = consumer.work_until_idle(|_d: Delivery<Fragile>| async { Ok(()) }).await.unwrap();
+    let mut outcomes: Vec<(i64, Outcome)> = worked.into_iter().map(|w| (w.id, w.outcome)).collect();
+    outcomes.sort_by_key(|(id, _)| *id);
+    let error = format!("decoding the payload of message {} panicked: cannot decode a negative delta", ids[1]);
+    assert_eq!(
+        outcomes,
+        vec![(ids[0], Outcome::Succeeded), (ids[1], Outcome::Retrying { error }), (ids[2], Outcome::Succeeded)]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn graceful_shutdown_finishes_in_flight_handlers() {
     let client = client();

@@ -1,5 +1,7 @@
 //! The leases a consumer holds: one per claim, kept alive by a heartbeat while any of its rows
-//! is unfinished, and checked before each handler starts.
+//! is unfinished, and checked before a handler starts on a task. (Rows run inline right after
+//! their claim start only before `claimed_at + lease - handler_timeout`, which the lease
+//! covers without a check.)
 
 use std::collections::HashMap;
 use std::sync::Mutex;

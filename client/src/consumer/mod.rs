@@ -240,8 +240,9 @@ where
     /// Starts running `handler` on a background task; stop it with [`RunningConsumer::shutdown`].
     ///
     /// Handlers are called on the consumer's task and stay there while they finish when first
-    /// polled (most do: they need no I/O, or their I/O is buffered); one that waits moves to a
-    /// task of its own, so waiting handlers run concurrently and the consumer claims on. Like
+    /// polled (most do: they need no I/O, or their I/O is buffered); one that waits moves to
+    /// another task (at most one per runtime worker for a claim's waiting handlers), so waiting
+    /// handlers run concurrently and the consumer claims on. Like
     /// any async code, a handler should not block its thread: put long synchronous work in
     /// `tokio::task::spawn_blocking`.
     pub fn start<H, F>(self, handler: H) -> RunningConsumer

@@ -166,7 +166,8 @@ where
     let workers = tokio::runtime::Handle::current().metrics().num_workers().max(1);
     let mut backoff = Backoff::new();
     let mut fatal = None;
-    // Whether the last claim split into many chains: then the next claim may overlap it.
+    // Whether the last claim was parallel work only (no chains): then the next claim may
+    // overlap its handlers.
     let mut pipelined = true;
     let mut ahead: Option<Ahead<'_>> = None;
     while !stop.is_cancelled() {
@@ -202,9 +203,10 @@ where
                 // sees its same-key rows resolved before it decides what to hand out next.
                 let claimed_at = Instant::now();
                 let acks = ctx.writer.take_acks();
-                if !pipelined && ctx.writer.writing_acks() {
-                    // Acks the writer took before us must be written before this claim decides
-                    // (or their keys' next rows are not handed out).
+                if !pipelined && ctx.writer.acks_pending() {
+                    // Acks this claim does not carry (of another lease, or taken by the writer
+                    // already) are written before it decides, or their keys' next rows are not
+                    // handed out.
                     ctx.writer.flush().await;
                 }
                 ctx.writer.claiming(true);
@@ -332,11 +334,13 @@ where
     if let Some(mut sent) = ahead.take() {
         // Stopped with a claim sent ahead: its rows go back at once (not after their lease).
         sent.claim.as_mut().await;
+        ctx.writer.claiming(false);
         match sent.claim.as_mut().take_output().expect("an awaited claim has its output") {
             Ok(rows) if !rows.is_empty() => {
+                ctx.counters.add(Event::Claimed, rows.len() as u64);
                 let released = ctx.writer.release(rows[0].token, rows.iter().map(|r| r.id).collect()).await;
                 ctx.counters.add(Event::Released, released.len() as u64);
-                ctx.note_all(rows.iter(), Event::Released);
+                ctx.note_all(rows.iter().filter(|r| released.contains(&r.id)), Event::Released);
             }
             Ok(_) => {}
             Err(_) => {
@@ -668,12 +672,23 @@ where
 
     /// Decodes the message and calls the handler; it has not been polled yet.
     fn call(&self, row: Claimed, span: tracing::Span, started: Instant, deadline: Instant, tx: Option<Tx>) -> Begun {
-        let message: T = match serde_json::from_str(row.row.get::<_, &str>(4)) {
-            Ok(message) => message,
-            Err(e) => {
+        // A `Deserialize` that panics is a failed delivery too, not the end of the claim loop.
+        let decoded = std::panic::catch_unwind(AssertUnwindSafe(|| serde_json::from_str::<T>(row.row.get(4))));
+        let message = match decoded {
+            Ok(Ok(message)) => message,
+            Ok(Err(e)) => {
                 let error =
                     format!("the payload of message {} does not decode as {}: {e}", row.id, std::any::type_name::<T>());
                 return Begun { row, span, started, state: Started::Ended(Outcome::Undecodable(error)) };
+            }
+            Err(panic) => {
+                let error = format!("decoding the payload of message {} panicked: {}", row.id, panic_message(panic));
+                return Begun {
+                    row,
+                    span,
+                    started,
+                    state: Started::Ended(Outcome::Failed(HandlerError::retry(error))),
+                };
             }
         };
         // Its own token, not a child of the consumer's: the consumer's cancellation reaches a

@@ -5,8 +5,9 @@
 //! consumer's next claim takes the buffered acks along (`claim(..., ack_lease_token,
 //! ack_message_ids)`: one round trip, one commit); when no claim comes soon, this task writes
 //! them as one `ack_batch` per lease token. "Soon" does not count the time a claim is in
-//! flight: the consumer claims again as soon as that one's rows are under way, so acks made
-//! meanwhile ride along with that next claim instead of costing a round trip of their own. Fails, delays and releases are answered (the chain
+//! flight: a consumer running parallel work sends its next claim before (or while) the rows
+//! of the last one run, so acks made meanwhile ride along with a later claim instead of
+//! costing a round trip of their own. Fails, delays and releases are answered (the chain
 //! needs to know whether a failure dead-lettered), and each is written after the acks buffered
 //! before it, so the server sees a chain's outcomes in order. A lost connection is retried with
 //! backoff; outcomes are idempotent per lease token.
@@ -174,9 +175,10 @@ impl Writer {
         answer.await.unwrap_or_default()
     }
 
-    /// Whether this task is writing acks it took from the buffer (`flush` waits for them).
-    pub fn writing_acks(&self) -> bool {
-        self.acks.lock().unwrap().writing
+    /// Whether acks are buffered or being written (`flush` writes and waits for them).
+    pub fn acks_pending(&self) -> bool {
+        let acks = self.acks.lock().unwrap();
+        acks.writing || !acks.buffered.is_empty()
     }
 
     /// Resolves once everything sent before it is written.

@@ -880,7 +880,9 @@ fn panic_message(panic: Box<dyn Any + Send>) -> String {
 mod tests {
     use super::split_chains;
 
-    fn ids(chains: Vec<smallvec::SmallVec<[(i64, Option<i64>); 1]>>) -> Vec<Vec<i64>> {
+    type Row = (i64, Option<i64>);
+
+    fn ids(chains: Vec<smallvec::SmallVec<[Row; 1]>>) -> Vec<Vec<i64>> {
         chains.into_iter().map(|c| c.into_iter().map(|(id, _)| id).collect()).collect()
     }
 

@@ -399,6 +399,23 @@ async fn a_payload_whose_decoding_panics_is_a_retryable_failure() {
     );
 }
 
+/// The pool hands out the connection given back last: a consumer's claims keep landing on one
+/// warm backend instead of rotating through every pooled one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pool_hands_out_the_connection_given_back_last() {
+    let client = client();
+    let backend = "SELECT pg_backend_pid()";
+    let (first, second) = (client.pool().get().await.unwrap(), client.pool().get().await.unwrap());
+    let first_pid: i32 = first.query_one(backend, &[]).await.unwrap().get(0);
+    let second_pid: i32 = second.query_one(backend, &[]).await.unwrap().get(0);
+    assert_ne!(first_pid, second_pid);
+    drop(first);
+    drop(second);
+    let again = client.pool().get().await.unwrap();
+    let again_pid: i32 = again.query_one(backend, &[]).await.unwrap().get(0);
+    assert_eq!(again_pid, second_pid, "the connection given back last comes out first");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn graceful_shutdown_finishes_in_flight_handlers() {
     let client = client();

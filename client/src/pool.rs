@@ -38,6 +38,10 @@ impl Pool {
             // A caller waiting longer than this for a connection gets an error (and a consumer
             // logs it and tries again) instead of waiting silently for ever.
             .wait_timeout(Some(wait))
+            // The connection used last goes out first: a consumer's claims keep landing on the
+            // same backend, whose caches (plans, catalog, CPU caches) are warm for them. First
+            // in, first out would rotate every claim through every pooled backend.
+            .queue_mode(deadpool_postgres::QueueMode::Lifo)
             .runtime(deadpool_postgres::Runtime::Tokio1)
             .build()
             .map_err(|e| Error::Config(e.to_string()))?;

@@ -67,6 +67,16 @@ impl Results {
                 ));
             }
         }
+        // The client against the SQL it wraps (issue 13: within 5%), W1 and each W2 case.
+        if let (Some(sql), Some(client)) = (sql, client) {
+            lines.push(format!("W1 consumed/s, client / SQL: {}", ratio(client.consume_rate, sql.consume_rate)));
+        }
+        for t in self.w2.iter().filter(|t| t.system == Some(System::Client)) {
+            let sql = self.w2.iter().find(|s| s.system == Some(System::Sql) && s.label == t.label);
+            if let Some(sql) = sql {
+                lines.push(format!("W2 {}, client / SQL: {}", t.label, ratio(t.consume_rate, sql.consume_rate)));
+            }
+        }
         if let Some(base) = sql {
             for t in self.w2.iter().filter(|t| t.system == Some(System::Sql)) {
                 lines.push(format!("W2 {} / W1 (SQL): {}", t.label, ratio(t.consume_rate, base.consume_rate)));

@@ -198,45 +198,50 @@ BEGIN
             ON sqlstreams.exception_queue_@id@ (consumer_group_id, lane, message_id)
             WHERE isolated AND status IN ('ready', 'inflight', 'deferred');
 
-        -- 0.2.0: how many exception rows each group has in each status, as deltas that
-        -- group_status sums, so its cost does not grow with the queue. Statement triggers on
-        -- the queue append one row per group and status a statement changed; no writer updates
-        -- a shared row, so none waits for another. The triggers now and then, and retention
-        -- (src/retention.rs), fold the deltas.
+        -- 0.2.0: how many exception rows each group has in each status, so group_status reads
+        -- a few rows, not the queue. Statement triggers on the queue pass what a statement
+        -- changed to the library, which adds it up per transaction and, just before the
+        -- transaction commits, adds the sums to the backend's own row (`writer`, its pid) for
+        -- each group and status: one HOT update per group and status a transaction changed,
+        -- however many statements changed them, and no writer waits for another (a row it
+        -- cannot lock at once gets a new row beside it). Retention (src/retention.rs) folds
+        -- each group's rows into one per status. See src/exception_queue/counts.rs.
         CREATE TABLE sqlstreams.exception_count_@id@ (
-            consumer_group_id bigint NOT NULL,
-            status            text   NOT NULL,
-            delta             bigint NOT NULL
+            consumer_group_id bigint  NOT NULL,
+            status            text    NOT NULL,
+            delta             bigint  NOT NULL,
+            writer            integer
         );
-        CREATE INDEX exception_count_@id@_group_idx ON sqlstreams.exception_count_@id@ (consumer_group_id);
+        CREATE INDEX exception_count_@id@_group_idx
+            ON sqlstreams.exception_count_@id@ (consumer_group_id, status, writer);
         CREATE FUNCTION sqlstreams.exception_count_@id@() RETURNS trigger
         LANGUAGE plpgsql
         SET search_path = pg_catalog, pg_temp
         AS $count$
+        DECLARE
+            groups   bigint[];
+            statuses text[];
+            deltas   bigint[];
         BEGIN
+            -- What the statement changed, per group and status.
             IF TG_OP = 'INSERT' THEN
-                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
-                SELECT consumer_group_id, status, count(*) FROM added GROUP BY 1, 2;
+                SELECT array_agg(consumer_group_id), array_agg(status), array_agg(n) INTO groups, statuses, deltas
+                FROM (SELECT consumer_group_id, status, count(*) AS n FROM added GROUP BY 1, 2) c;
             ELSIF TG_OP = 'DELETE' THEN
-                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
-                SELECT consumer_group_id, status, -count(*) FROM removed GROUP BY 1, 2;
+                SELECT array_agg(consumer_group_id), array_agg(status), array_agg(n) INTO groups, statuses, deltas
+                FROM (SELECT consumer_group_id, status, -count(*) AS n FROM removed GROUP BY 1, 2) c;
             ELSE
-                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
-                SELECT consumer_group_id, status, sum(d)
-                FROM (SELECT consumer_group_id, status, 1 AS d FROM added
-                      UNION ALL
-                      SELECT consumer_group_id, status, -1 FROM removed) c
-                GROUP BY 1, 2 HAVING sum(d) <> 0;
+                SELECT array_agg(consumer_group_id), array_agg(status), array_agg(n) INTO groups, statuses, deltas
+                FROM (SELECT consumer_group_id, status, sum(d) AS n
+                      FROM (SELECT consumer_group_id, status, 1 AS d FROM added
+                            UNION ALL
+                            SELECT consumer_group_id, status, -1 FROM removed) u
+                      GROUP BY 1, 2 HAVING sum(d) <> 0) c;
             END IF;
-            -- Now and then, fold the deltas (as a retention step does), so group_status sums a
-            -- few rows however busy the queue is; rows another fold holds are skipped.
-            IF random() < 0.02 THEN
-                WITH gone AS (
-                    DELETE FROM sqlstreams.exception_count_@id@ WHERE ctid = ANY (ARRAY(
-                        SELECT ctid FROM sqlstreams.exception_count_@id@ FOR UPDATE SKIP LOCKED))
-                    RETURNING consumer_group_id, status, delta)
-                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
-                SELECT consumer_group_id, status, sum(delta) FROM gone GROUP BY 1, 2 HAVING sum(delta) <> 0;
+            -- Added up in this backend and written once, just before the transaction commits
+            -- (src/exception_queue/counts.rs).
+            IF groups IS NOT NULL THEN
+                PERFORM sqlstreams.exception_counts_changed(@id@, groups, statuses, deltas);
             END IF;
             RETURN NULL;
         END
@@ -478,6 +483,15 @@ CREATE TABLE sqlstreams.stream_grant (
 );
 SELECT pg_catalog.pg_extension_config_dump('sqlstreams.stream_grant', '');
 
+-- The exception counts' statement triggers pass each statement's changes here; the library adds
+-- them up and writes them once, just before the transaction commits
+-- (src/exception_queue/counts.rs). Internal: only the triggers call it.
+CREATE FUNCTION sqlstreams.exception_counts_changed(stream_id bigint, groups bigint[], statuses text[], deltas bigint[])
+RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'exception_counts_changed_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
 -- Every existing stream's tables, from 0.1.0 to 0.2.0.
 DO $migrate$
 DECLARE
@@ -554,45 +568,50 @@ BEGIN
 
             -- The exception counts, as the install script writes them (the same text, so the
             -- trigger function is the same), seeded with the rows there are.
-        -- 0.2.0: how many exception rows each group has in each status, as deltas that
-        -- group_status sums, so its cost does not grow with the queue. Statement triggers on
-        -- the queue append one row per group and status a statement changed; no writer updates
-        -- a shared row, so none waits for another. The triggers now and then, and retention
-        -- (src/retention.rs), fold the deltas.
+        -- 0.2.0: how many exception rows each group has in each status, so group_status reads
+        -- a few rows, not the queue. Statement triggers on the queue pass what a statement
+        -- changed to the library, which adds it up per transaction and, just before the
+        -- transaction commits, adds the sums to the backend's own row (`writer`, its pid) for
+        -- each group and status: one HOT update per group and status a transaction changed,
+        -- however many statements changed them, and no writer waits for another (a row it
+        -- cannot lock at once gets a new row beside it). Retention (src/retention.rs) folds
+        -- each group's rows into one per status. See src/exception_queue/counts.rs.
         CREATE TABLE sqlstreams.exception_count_@id@ (
-            consumer_group_id bigint NOT NULL,
-            status            text   NOT NULL,
-            delta             bigint NOT NULL
+            consumer_group_id bigint  NOT NULL,
+            status            text    NOT NULL,
+            delta             bigint  NOT NULL,
+            writer            integer
         );
-        CREATE INDEX exception_count_@id@_group_idx ON sqlstreams.exception_count_@id@ (consumer_group_id);
+        CREATE INDEX exception_count_@id@_group_idx
+            ON sqlstreams.exception_count_@id@ (consumer_group_id, status, writer);
         CREATE FUNCTION sqlstreams.exception_count_@id@() RETURNS trigger
         LANGUAGE plpgsql
         SET search_path = pg_catalog, pg_temp
         AS $count$
+        DECLARE
+            groups   bigint[];
+            statuses text[];
+            deltas   bigint[];
         BEGIN
+            -- What the statement changed, per group and status.
             IF TG_OP = 'INSERT' THEN
-                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
-                SELECT consumer_group_id, status, count(*) FROM added GROUP BY 1, 2;
+                SELECT array_agg(consumer_group_id), array_agg(status), array_agg(n) INTO groups, statuses, deltas
+                FROM (SELECT consumer_group_id, status, count(*) AS n FROM added GROUP BY 1, 2) c;
             ELSIF TG_OP = 'DELETE' THEN
-                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
-                SELECT consumer_group_id, status, -count(*) FROM removed GROUP BY 1, 2;
+                SELECT array_agg(consumer_group_id), array_agg(status), array_agg(n) INTO groups, statuses, deltas
+                FROM (SELECT consumer_group_id, status, -count(*) AS n FROM removed GROUP BY 1, 2) c;
             ELSE
-                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
-                SELECT consumer_group_id, status, sum(d)
-                FROM (SELECT consumer_group_id, status, 1 AS d FROM added
-                      UNION ALL
-                      SELECT consumer_group_id, status, -1 FROM removed) c
-                GROUP BY 1, 2 HAVING sum(d) <> 0;
+                SELECT array_agg(consumer_group_id), array_agg(status), array_agg(n) INTO groups, statuses, deltas
+                FROM (SELECT consumer_group_id, status, sum(d) AS n
+                      FROM (SELECT consumer_group_id, status, 1 AS d FROM added
+                            UNION ALL
+                            SELECT consumer_group_id, status, -1 FROM removed) u
+                      GROUP BY 1, 2 HAVING sum(d) <> 0) c;
             END IF;
-            -- Now and then, fold the deltas (as a retention step does), so group_status sums a
-            -- few rows however busy the queue is; rows another fold holds are skipped.
-            IF random() < 0.02 THEN
-                WITH gone AS (
-                    DELETE FROM sqlstreams.exception_count_@id@ WHERE ctid = ANY (ARRAY(
-                        SELECT ctid FROM sqlstreams.exception_count_@id@ FOR UPDATE SKIP LOCKED))
-                    RETURNING consumer_group_id, status, delta)
-                INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
-                SELECT consumer_group_id, status, sum(delta) FROM gone GROUP BY 1, 2 HAVING sum(delta) <> 0;
+            -- Added up in this backend and written once, just before the transaction commits
+            -- (src/exception_queue/counts.rs).
+            IF groups IS NOT NULL THEN
+                PERFORM sqlstreams.exception_counts_changed(@id@, groups, statuses, deltas);
             END IF;
             RETURN NULL;
         END
@@ -941,7 +960,8 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA sqlstreams FROM PUBLIC;
 GRANT USAGE ON SCHEMA sqlstreams TO sqlstreams_admin, sqlstreams_producer, sqlstreams_consumer, pg_monitor;
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA sqlstreams TO sqlstreams_admin;
 REVOKE EXECUTE ON FUNCTION sqlstreams.create_stream_tables(bigint), sqlstreams.drop_stream_tables(bigint),
-    sqlstreams.add_partitions(bigint, bigint, boolean), sqlstreams.drop_partitions(bigint, bigint)
+    sqlstreams.add_partitions(bigint, bigint, boolean), sqlstreams.drop_partitions(bigint, bigint),
+    sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[])
     FROM sqlstreams_admin;
 -- Each stream's trigger function (exception_count_<id>) is nobody's to call; the grant above
 -- took them in.
@@ -1021,6 +1041,8 @@ COMMENT ON FUNCTION sqlstreams.stream_channel(bigint) IS 'The channel a stream''
 COMMENT ON FUNCTION sqlstreams.maintain() IS
     'Housekeeping for every stream: partitions ahead of the head, expired idempotency keys, groups'' '
     'claimed and committed cursors, expired lane holds. Idempotent; run it from cron at any frequency.';
+COMMENT ON FUNCTION sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[]) IS
+    'Internal: the exception counts'' triggers pass each statement''s changes; written at commit.';
 COMMENT ON FUNCTION sqlstreams.maintain_stream(text) IS
     'maintain() for one stream, in the caller''s transaction.';
 COMMENT ON TABLE sqlstreams.stream_grant IS

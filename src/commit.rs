@@ -24,6 +24,7 @@ use pgrx::spi::SpiClient;
 
 use crate::access::{self, Right};
 use crate::error::{Result, StreamError};
+use crate::exception_queue::counts;
 use crate::group::{self, GroupRef};
 use crate::statement::Access;
 use pgrx::pg_sys::panic::ErrorReport;
@@ -46,10 +47,13 @@ fn wal_position() -> pg_sys::XLogRecPtr {
     unsafe { pg_sys::XactLastRecEnd }
 }
 
-/// Registers the commit hook once per backend (from `_PG_init`).
+/// Registers the commit hooks once per backend (from `_PG_init`).
 pub fn init() {
-    // SAFETY: registers a callback with a null argument; it lives as long as the library.
-    unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) }
+    // SAFETY: registers callbacks with a null argument; they live as long as the library.
+    unsafe {
+        pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
+        pg_sys::RegisterSubXactCallback(Some(on_subxact_event), std::ptr::null_mut());
+    }
 }
 
 /// Runs a consumer call on group `group_name` of `stream`: looks the group up, checks the
@@ -80,20 +84,20 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
     use pg_sys::XactEvent::*;
     match event {
         XACT_EVENT_PRE_COMMIT => {
+            // The exception counts this transaction changed are part of its consumer records:
+            // the WAL they write does not count against relaxing.
+            let before_counts = wal_position();
+            flush_counts();
             let bracket = BRACKET.get();
-            if bracket.after_last_call.is_some_and(|end| !bracket.mixed && end == wal_position()) {
+            if bracket.after_last_call.is_some_and(|end| !bracket.mixed && end == before_counts) {
                 relax();
             }
         }
-        XACT_EVENT_PRE_PREPARE if crate::notify::pending() => {
-            // Postgres refuses it too, with a message that does not say what to do.
-            ErrorReport::from(StreamError::WrongTransactionState {
-                message: "a transaction that called sqlstreams cannot be prepared while it notifies consumers".into(),
-                hint: "Run SET LOCAL sqlstreams.notify = off before the first sqlstreams call of a transaction \
-                       you will PREPARE; consumers then find its messages when they poll."
-                    .into(),
-            })
-            .report(pgrx::PgLogLevel::ERROR);
+        XACT_EVENT_PRE_PREPARE => {
+            flush_counts();
+            if crate::notify::pending() {
+                refuse_prepare_while_notifying();
+            }
         }
         XACT_EVENT_COMMIT
         | XACT_EVENT_ABORT
@@ -102,9 +106,46 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
         | XACT_EVENT_PARALLEL_ABORT => {
             BRACKET.set(Bracket::default());
             crate::notify::forget();
+            counts::forget();
         }
         _ => {}
     }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn on_subxact_event(
+    event: pg_sys::SubXactEvent::Type,
+    sub: pg_sys::SubTransactionId,
+    parent: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    use pg_sys::SubXactEvent::*;
+    match event {
+        SUBXACT_EVENT_COMMIT_SUB => counts::end_subtransaction(true, sub, parent),
+        SUBXACT_EVENT_ABORT_SUB => counts::end_subtransaction(false, sub, parent),
+        _ => {}
+    }
+}
+
+/// Writes the exception counts this transaction changed; an error aborts the transaction.
+fn flush_counts() {
+    if !counts::pending() {
+        return;
+    }
+    if let Err(e) = counts::flush() {
+        ErrorReport::from(e).report(pgrx::PgLogLevel::ERROR);
+    }
+}
+
+fn refuse_prepare_while_notifying() {
+    // Postgres refuses it too, with a message that does not say what to do.
+    ErrorReport::from(StreamError::WrongTransactionState {
+        message: "a transaction that called sqlstreams cannot be prepared while it notifies consumers".into(),
+        hint: "Run SET LOCAL sqlstreams.notify = off before the first sqlstreams call of a transaction \
+               you will PREPARE; consumers then find its messages when they poll."
+            .into(),
+    })
+    .report(pgrx::PgLogLevel::ERROR);
 }
 
 /// `SET LOCAL synchronous_commit = off`, just before the commit record is written.

@@ -34,8 +34,8 @@ const PROGRESS: Statement = Statement {
               LATERAL (SELECT greatest(c.committed, ",
         committed_now!("c.fence_safe"),
         ") AS committed) p,
-              -- The counts are the sums of the group's deltas (exception_count_<id>, kept by
-              -- triggers on the queue): as many rows as recent changes, not as queued messages.
+              -- The counts are the sums of the group's rows in exception_count_<id> (kept by
+              -- triggers on the queue): a row per status and writing backend, not per message.
               LATERAL (SELECT coalesce(sum(delta) FILTER (WHERE status = 'ready'), 0)::int8 AS ready,
                               coalesce(sum(delta) FILTER (WHERE status = 'inflight'), 0)::int8 AS inflight,
                               coalesce(sum(delta) FILTER (WHERE status = 'deferred'), 0)::int8 AS deferred,

@@ -114,11 +114,11 @@ const DROP_PARTITIONS: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
-/// Folds the exception counts' deltas into one row per group and status (the triggers append a
-/// row per change; group_status sums them). Rows of dropped groups go. It takes only the rows
-/// no one else holds (a concurrent fold, from `maintain()` or another claim's step, folds the
-/// others), so it never waits, and the sums stay exact; a delta committed meanwhile stays for
-/// the next fold.
+/// Folds the exception counts into one row per group and status (the triggers keep a row per
+/// writing backend; group_status sums them), so the rows of ended backends do not pile up.
+/// Rows of dropped groups go. It takes only the rows no one else holds (a backend writing its
+/// row now, or a concurrent fold from `maintain()` or another claim's step), so it never
+/// waits, and the sums stay exact; a row it skipped stays for the next fold.
 const FOLD_COUNTS: Statement = Statement {
     name: "retention_fold_counts",
     sql: "WITH gone AS (DELETE FROM sqlstreams.exception_count_@id@ WHERE ctid = ANY (ARRAY(

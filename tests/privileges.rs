@@ -123,6 +123,25 @@ fn everything_outside_a_roles_grants_is_refused() {
     refused(app.query_one("SELECT sqlstreams.produce($1, '{}')", &[&stream]), "produce after the revoke");
 }
 
+/// The exception counts are written from what the queue's triggers pass to an internal
+/// function; no role may call it to bend `group_status`, admins included.
+#[test]
+fn no_role_may_forge_exception_counts() {
+    let mut c = connect();
+    let (stream, admin, app) = setup(&mut c);
+    let id: i64 = c.query_one("SELECT id FROM sqlstreams.stream WHERE name = $1", &[&stream]).unwrap().get(0);
+    for who in [&admin, &app] {
+        let mut r = connect_as(who);
+        refused(
+            r.query_one(
+                "SELECT sqlstreams.exception_counts_changed($1, ARRAY[1::int8], ARRAY['dead'], ARRAY[1000::int8])",
+                &[&id],
+            ),
+            "forging exception counts",
+        );
+    }
+}
+
 #[test]
 fn a_search_path_trojan_never_runs() {
     let mut c = connect();

@@ -5,6 +5,7 @@
 //! a row can go through, one named function each, so the whole life of a failed message reads
 //! top to bottom in one place.
 
+pub mod counts;
 mod lifecycle;
 
 pub use lifecycle::*;

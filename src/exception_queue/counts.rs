@@ -1,0 +1,174 @@
+//! The exception counts (`exception_count_<id>`): how many exception rows each group has in each
+//! status, so `group_status` sums a few rows instead of counting the queue.
+//!
+//! Statement triggers on the queue (`sqlstreams.exception_count_<id>()`, in the install script)
+//! pass what each statement changed to `exception_counts_changed`, which adds it up in this
+//! backend, per subtransaction: a subtransaction that rolls back takes its changes with it. Just
+//! before the transaction commits (or is prepared), `flush` writes the sums, one row update per
+//! group and status, however many statements changed the queue: into this backend's own row
+//! (`writer` = its pid), locked with `SKIP LOCKED`, or a new row when that one is held (a
+//! retention step is folding it). No two live backends share a row, so no commit waits for
+//! another; an update of `delta` alone stays on its page (HOT), so the table stays a few pages.
+//! Retention folds each group's rows into one per status (src/retention.rs).
+
+use std::cell::RefCell;
+
+use pgrx::pg_sys::{self, BuiltinOid::*};
+use pgrx::prelude::*;
+
+use crate::error::Result;
+use crate::statement::Statement;
+
+/// A change not written yet: `delta` rows of `group` entered (or left) `status`, in
+/// subtransaction `sub`.
+struct Pending {
+    stream: i64,
+    group: i64,
+    status: String,
+    sub: pg_sys::SubTransactionId,
+    delta: i64,
+}
+
+thread_local! {
+    static PENDING: RefCell<Vec<Pending>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Adds up one statement's changes to stream `stream_id`'s queue (called by its count trigger).
+#[pg_extern(volatile, parallel_unsafe)]
+fn exception_counts_changed(stream_id: i64, groups: Vec<i64>, statuses: Vec<String>, deltas: Vec<i64>) {
+    // SAFETY: reads the current subtransaction's id.
+    let sub = unsafe { pg_sys::GetCurrentSubTransactionId() };
+    PENDING.with(|pending| {
+        let mut pending = pending.borrow_mut();
+        for ((group, status), delta) in groups.into_iter().zip(statuses).zip(deltas) {
+            match pending
+                .iter_mut()
+                .find(|p| p.stream == stream_id && p.group == group && p.status == status && p.sub == sub)
+            {
+                Some(p) => p.delta += delta,
+                None => pending.push(Pending { stream: stream_id, group, status, sub, delta }),
+            }
+        }
+    });
+}
+
+/// A subtransaction ended: a commit hands its changes to its parent, a rollback drops them.
+pub fn end_subtransaction(committed: bool, sub: pg_sys::SubTransactionId, parent: pg_sys::SubTransactionId) {
+    PENDING.with(|pending| {
+        let mut pending = pending.borrow_mut();
+        if committed {
+            pending.iter_mut().filter(|p| p.sub == sub).for_each(|p| p.sub = parent);
+        } else {
+            pending.retain(|p| p.sub != sub);
+        }
+    });
+}
+
+/// The transaction ended (committed, prepared or rolled back): nothing is pending any more.
+pub fn forget() {
+    PENDING.with(|pending| pending.borrow_mut().clear());
+}
+
+/// Whether this transaction changed counts not written yet.
+pub fn pending() -> bool {
+    PENDING.with(|pending| !pending.borrow().is_empty())
+}
+
+/// Adds `$3` to this backend's row for group `$1` and status `$2` if it can lock it now.
+const ADD_TO_OWN_ROW: Statement = Statement {
+    name: "counts_add_to_own_row",
+    sql: "UPDATE sqlstreams.exception_count_@id@ SET delta = delta + $3
+          WHERE ctid = (SELECT ctid FROM sqlstreams.exception_count_@id@
+                        WHERE consumer_group_id = $1 AND status = $2 AND writer = pg_catalog.pg_backend_pid()
+                        LIMIT 1 FOR UPDATE SKIP LOCKED)
+          RETURNING 1",
+    params: &[INT8OID, TEXTOID, INT8OID],
+};
+
+const ADD_ROW: Statement = Statement {
+    name: "counts_add_row",
+    sql: "INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta, writer)
+          VALUES ($1, $2, $3, pg_catalog.pg_backend_pid())",
+    params: &[INT8OID, TEXTOID, INT8OID],
+};
+
+/// Writes this transaction's changes, summed per stream, group and status (at pre-commit).
+pub fn flush() -> Result<()> {
+    let mut sums: Vec<(i64, i64, String, i64)> = PENDING
+        .with(|pending| pending.borrow_mut().drain(..).map(|p| (p.stream, p.group, p.status, p.delta)).collect());
+    sums.sort_by(|a, b| (a.0, a.1, &a.2).cmp(&(b.0, b.1, &b.2)));
+    sums.dedup_by(|later, first| {
+        let same = (later.0, later.1, &later.2) == (first.0, first.1, &first.2);
+        if same {
+            first.3 += later.3;
+        }
+        same
+    });
+    sums.retain(|s| s.3 != 0 && table_exists(s.0));
+    if sums.is_empty() {
+        return Ok(());
+    }
+    // Under REPEATABLE READ a row a fold deleted after the snapshot was taken cannot be locked
+    // (a serialization failure): such a transaction adds rows.
+    // SAFETY: reads this backend's isolation level.
+    let snapshot_isolation = unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32;
+    // At pre-commit no function's `SET search_path` is in effect: pin it as they do, so the
+    // caller's path cannot put its own functions or operators in these statements (they run as
+    // the owner); the commit restores it.
+    // SAFETY: what fmgr does for a function with a SET clause: a new GUC nesting level, popped
+    // below (or by the abort of the transaction).
+    let nest = unsafe {
+        let nest = pg_sys::NewGUCNestLevel();
+        pg_sys::set_config_option(
+            c"search_path".as_ptr(),
+            c"pg_catalog, pg_temp".as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+            pg_sys::GucAction::GUC_ACTION_SAVE,
+            true,
+            0,
+            false,
+        );
+        nest
+    };
+    // SPI runs under the active snapshot, and at pre-commit there is none (deferred triggers,
+    // which run just before, push one the same way).
+    // SAFETY: pushed here and popped below; an abort pops it too.
+    let pushed = unsafe {
+        let none = !pg_sys::ActiveSnapshotSet();
+        if none {
+            pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+        }
+        none
+    };
+    let written = crate::access::as_owner(|_| {
+        Spi::connect_mut(|client| {
+            for (stream, group, status, delta) in &sums {
+                let args = [(*group).into(), status.as_str().into(), (*delta).into()];
+                if snapshot_isolation || ADD_TO_OWN_ROW.run(client, *stream, &args)?.is_empty() {
+                    ADD_ROW.run(client, *stream, &args)?;
+                }
+            }
+            Ok(())
+        })
+    });
+    // SAFETY: pops what was pushed above.
+    unsafe {
+        if pushed {
+            pg_sys::PopActiveSnapshot();
+        }
+        pg_sys::AtEOXact_GUC(true, nest);
+    }
+    written
+}
+
+/// Whether stream `stream_id`'s count table still exists (the stream may have been dropped
+/// later in the same transaction).
+fn table_exists(stream_id: i64) -> bool {
+    let name = std::ffi::CString::new(format!("exception_count_{stream_id}")).expect("no NUL in a number");
+    // SAFETY: two syscache lookups by name.
+    unsafe {
+        let schema = pg_sys::get_namespace_oid(c"sqlstreams".as_ptr(), true);
+        schema != pg_sys::InvalidOid && pg_sys::get_relname_relid(name.as_ptr(), schema) != pg_sys::InvalidOid
+    }
+}

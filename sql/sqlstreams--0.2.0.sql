@@ -299,7 +299,9 @@ BEGIN
         -- each group and status: one HOT update per group and status a transaction changed,
         -- however many statements changed them, and no writer waits for another (a row it
         -- cannot lock at once gets a new row beside it). Retention (src/retention.rs) folds
-        -- each group's rows into one per status. See src/exception_queue/counts.rs.
+        -- each group's rows into one per status. See src/exception_queue/counts.rs. The
+        -- table has no triggers and must get none: the commit writes it after deferred
+        -- triggers have run.
         CREATE TABLE sqlstreams.exception_count_@id@ (
             consumer_group_id bigint  NOT NULL,
             status            text    NOT NULL,

@@ -94,10 +94,10 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
             }
         }
         XACT_EVENT_PRE_PREPARE => {
-            flush_counts();
             if crate::notify::pending() {
                 refuse_prepare_while_notifying();
             }
+            flush_counts();
         }
         XACT_EVENT_COMMIT
         | XACT_EVENT_ABORT

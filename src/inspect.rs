@@ -10,7 +10,7 @@ use pgrx::spi::{SpiClient, SpiHeapTupleData};
 use crate::access::{self, Caller, Right};
 use crate::cursor::{self, claimed_now, committed_now, head_sql};
 use crate::error::{Result, StreamError};
-use crate::exception_queue::unresolved;
+use crate::exception_queue::{counts, unresolved};
 use crate::group::{self, GroupRef};
 use crate::names::validate_name;
 use crate::payload::RawJsonb;
@@ -143,21 +143,29 @@ struct Progress {
 }
 
 fn progress(stream: Option<&str>, group_name: Option<&str>) -> Result<Progress> {
-    let rows = list(stream, group_name, &PROGRESS, |row| {
-        Ok(Progress {
-            claimed: row.required("claimed")?,
-            committed: row.required("committed")?,
-            head: row.required("head")?,
-            open_ranges: row.required("open_ranges")?,
-            ready: row.required("ready")?,
-            inflight: row.required("inflight")?,
-            deferred: row.required("deferred")?,
-            dead: row.required("dead")?,
-            superseded: row.required("superseded")?,
-            oldest_unresolved_at: row.value("oldest_unresolved_at")?,
+    access::as_owner(|caller| {
+        Spi::connect(|client| {
+            let group = resolve(client, caller, stream, group_name)?;
+            let row = PROGRESS.read(client, group.stream.id, &[group.id.into()])?.first();
+            if row.is_empty() {
+                return Err(StreamError::Internal("the group has no cursor row".into()));
+            }
+            // The stored counts, and what this transaction changed that is written at commit.
+            let [ready, inflight, deferred, dead, superseded] = counts::unwritten(group.stream.id, group.id);
+            Ok(Progress {
+                claimed: row.required("claimed")?,
+                committed: row.required("committed")?,
+                head: row.required("head")?,
+                open_ranges: row.required("open_ranges")?,
+                ready: row.required::<i64>("ready")? + ready,
+                inflight: row.required::<i64>("inflight")? + inflight,
+                deferred: row.required::<i64>("deferred")? + deferred,
+                dead: row.required::<i64>("dead")? + dead,
+                superseded: row.required::<i64>("superseded")? + superseded,
+                oldest_unresolved_at: row.value("oldest_unresolved_at")?,
+            })
         })
-    })?;
-    rows.into_iter().next().ok_or_else(|| StreamError::Internal("the group has no cursor row".into()))
+    })
 }
 
 /// One group's cursor, head, lag, exception-queue counts by status, and when its oldest

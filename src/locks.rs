@@ -21,9 +21,10 @@
 //!    rows, to free the lanes whose work is resolved (waiting: a claim may hold one for a
 //!    moment without taking it, src/lanes.rs).
 //!
-//! **Every change to an exception row** (in a claim, an outcome, a seek, retention) then locks
-//! its backend's own exception-count row (`exception_count_<id>`, by its trigger) with `SKIP
-//! LOCKED`, and appends a row instead when that one is held: it never waits.
+//! **A transaction that changed exception rows** (in a claim, an outcome, a seek, retention)
+//! locks, as it commits, its backend's own exception-count rows (`exception_count_<id>`,
+//! src/exception_queue/counts.rs) with `SKIP LOCKED`, and adds a row instead when one is held:
+//! it never waits for a row.
 //!
 //! **Seek** (`src/seek.rs`) takes the group's rows in the outcomes' order: exception rows,
 //! ranges, lane rows, then the cursor row.

@@ -488,6 +488,18 @@ fn exception_counts_keep_a_row_per_writer_not_per_change() {
         .unwrap()
         .get(0);
     assert_eq!(written, 0, "the counts are written at commit");
+    let seen = tx
+        .query_one(
+            &format!(
+                "SELECT (SELECT ready FROM sqlstreams.group_status($1, 'g')),
+                        (SELECT count(*) FROM {} WHERE status = 'ready')",
+                s.table("exception_queue")
+            ),
+            &[&s.name],
+        )
+        .unwrap();
+    let (reported, counted): (i64, i64) = (seen.get(0), seen.get(1));
+    assert_eq!((reported, counted), (100, 100), "group_status counts what its own transaction changed");
     tx.commit().unwrap();
     let pid_a: i32 = a.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
     assert_eq!(rows(&mut a), vec![("ready".to_string(), Some(pid_a), 100)]);

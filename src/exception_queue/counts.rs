@@ -33,35 +33,62 @@ thread_local! {
     static PENDING: RefCell<Vec<Pending>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Adds up one statement's changes to stream `stream_id`'s queue (called by its count trigger).
+/// Adds up one statement's changes to stream `stream_id`'s queue (called by its count trigger;
+/// the three arrays are parallel).
 #[pg_extern(volatile, parallel_unsafe)]
 fn exception_counts_changed(stream_id: i64, groups: Vec<i64>, statuses: Vec<String>, deltas: Vec<i64>) {
+    assert!(groups.len() == statuses.len() && groups.len() == deltas.len(), "exception count arrays differ in length");
     // SAFETY: reads the current subtransaction's id.
     let sub = unsafe { pg_sys::GetCurrentSubTransactionId() };
+    for ((group, status), delta) in groups.into_iter().zip(statuses).zip(deltas) {
+        record(Pending { stream: stream_id, group, status, sub, delta });
+    }
+}
+
+/// Adds one change to this transaction's pending ones.
+fn record(change: Pending) {
     PENDING.with(|pending| {
         let mut pending = pending.borrow_mut();
-        for ((group, status), delta) in groups.into_iter().zip(statuses).zip(deltas) {
-            match pending
-                .iter_mut()
-                .find(|p| p.stream == stream_id && p.group == group && p.status == status && p.sub == sub)
-            {
-                Some(p) => p.delta += delta,
-                None => pending.push(Pending { stream: stream_id, group, status, sub, delta }),
-            }
+        match pending.iter_mut().find(|p| {
+            p.sub == change.sub && p.stream == change.stream && p.group == change.group && p.status == change.status
+        }) {
+            Some(p) => p.delta += change.delta,
+            None => pending.push(change),
         }
     });
 }
 
-/// A subtransaction ended: a commit hands its changes to its parent, a rollback drops them.
+/// A subtransaction ended: a commit merges its changes into its parent's, a rollback drops
+/// them. (Merged, not relabelled: a loop of statements each in a subtransaction of its own keeps
+/// one entry per group and status, not one per statement.)
 pub fn end_subtransaction(committed: bool, sub: pg_sys::SubTransactionId, parent: pg_sys::SubTransactionId) {
     PENDING.with(|pending| {
         let mut pending = pending.borrow_mut();
-        if committed {
-            pending.iter_mut().filter(|p| p.sub == sub).for_each(|p| p.sub = parent);
-        } else {
-            pending.retain(|p| p.sub != sub);
+        let ended: Vec<Pending> = pending.extract_if(.., |p| p.sub == sub).collect();
+        if !committed {
+            return;
+        }
+        drop(pending);
+        for child in ended {
+            record(Pending { sub: parent, ..child });
         }
     });
+}
+
+/// This transaction's changes to group `group`'s counts not written yet, as (ready, inflight,
+/// deferred, dead, superseded): `group_status` adds them, so it shows what the caller's own
+/// transaction sees, as its other columns do.
+pub fn unwritten(stream: i64, group: i64) -> [i64; 5] {
+    const ORDER: [&str; 5] = ["ready", "inflight", "deferred", "dead", "superseded"];
+    let mut sums = [0; 5];
+    PENDING.with(|pending| {
+        for p in pending.borrow().iter().filter(|p| p.stream == stream && p.group == group) {
+            if let Some(i) = ORDER.iter().position(|s| *s == p.status) {
+                sums[i] += p.delta;
+            }
+        }
+    });
+    sums
 }
 
 /// The transaction ended (committed, prepared or rolled back): nothing is pending any more.
@@ -170,5 +197,43 @@ fn table_exists(stream_id: i64) -> bool {
     unsafe {
         let schema = pg_sys::get_namespace_oid(c"sqlstreams".as_ptr(), true);
         schema != pg_sys::InvalidOid && pg_sys::get_relname_relid(name.as_ptr(), schema) != pg_sys::InvalidOid
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn change(sub: pg_sys::SubTransactionId, status: &str, delta: i64) -> Pending {
+        Pending { stream: 7, group: 3, status: status.into(), sub, delta }
+    }
+
+    #[test]
+    fn a_committed_subtransaction_merges_into_its_parent() {
+        forget();
+        // A loop of statements, each in a subtransaction of its own that is released.
+        for sub in 2..1002 {
+            record(change(sub, "ready", 1));
+            end_subtransaction(true, sub, 1);
+        }
+        assert_eq!(PENDING.with(|p| p.borrow().len()), 1, "one entry per group and status, not per statement");
+        assert_eq!(unwritten(7, 3), [1000, 0, 0, 0, 0]);
+        forget();
+    }
+
+    #[test]
+    fn a_rolled_back_subtransaction_takes_its_changes_and_its_childrens() {
+        forget();
+        record(change(1, "ready", 1));
+        record(change(2, "ready", 5));
+        record(change(3, "dead", 2));
+        end_subtransaction(true, 3, 2);
+        end_subtransaction(false, 2, 1);
+        record(change(4, "inflight", -1));
+        end_subtransaction(true, 4, 1);
+        assert_eq!(unwritten(7, 3), [1, -1, 0, 0, 0]);
+        assert_eq!(unwritten(7, 4), [0; 5], "another group");
+        forget();
+        assert!(!pending());
     }
 }

@@ -421,6 +421,8 @@ impl Growth {
                 );
             }
         }
+        md.push('\n');
+        md.push_str(include_str!("growth_misses.md"));
         std::fs::write(dir.join("growth.md"), md)?;
         self.plot(&dir.join("growth.svg"))
     }

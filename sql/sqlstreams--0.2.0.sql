@@ -736,7 +736,8 @@ RETURNS TABLE (
     superseded bigint,
     oldest_unresolved_at timestamptz
 )
-STABLE PARALLEL SAFE
+-- Restricted: it adds the calling backend's count changes not written yet (src/inspect.rs).
+STABLE PARALLEL RESTRICTED
 LANGUAGE c AS 'MODULE_PATHNAME', 'group_status_wrapper'
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;

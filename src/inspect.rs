@@ -169,8 +169,9 @@ fn progress(stream: Option<&str>, group_name: Option<&str>) -> Result<Progress> 
 }
 
 /// One group's cursor, head, lag, exception-queue counts by status, and when its oldest
-/// unresolved message was produced (NULL when it has resolved everything).
-#[pg_extern(stable, parallel_safe)]
+/// unresolved message was produced (NULL when it has resolved everything). Parallel restricted:
+/// it adds this backend's unwritten count changes, which a parallel worker does not have.
+#[pg_extern(stable, parallel_restricted)]
 fn group_status(
     stream: Option<&str>,
     group_name: Option<&str>,

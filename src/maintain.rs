@@ -9,7 +9,7 @@ use pgrx::prelude::*;
 
 use crate::access;
 use crate::cursor;
-use crate::error::Result;
+use crate::error::{Result, StreamError};
 use crate::partition::{self, Need};
 use crate::retention;
 use crate::statement::{Access, Columns, Statement};
@@ -56,8 +56,26 @@ const PURGE_IDEMPOTENCY: Statement = Statement {
 /// expired lane holds cleared, partitions dropped, resolved exception rows purged).
 type Report = (String, i64, i64, i64, i64, i64, i64);
 
+/// Refuses a REPEATABLE READ or SERIALIZABLE transaction: the rows maintenance takes (cursor
+/// rows, lane rows, exception counts) are updated by claims and commits all the time, and taking
+/// one updated after the snapshot began is a serialization failure, so it would fail at random.
+fn require_read_committed() -> Result<()> {
+    // SAFETY: reads this backend's isolation level.
+    if unsafe { pgrx::pg_sys::XactIsoLevel } >= pgrx::pg_sys::XACT_REPEATABLE_READ as i32 {
+        return Err(StreamError::WrongTransactionState {
+            message: "maintain needs a READ COMMITTED transaction".into(),
+            hint: "Under REPEATABLE READ or SERIALIZABLE, the rows that claims and commits update while it runs \
+                   make it fail to serialize; run it in a READ COMMITTED transaction \
+                   (BEGIN ISOLATION LEVEL READ COMMITTED)."
+                .into(),
+        });
+    }
+    Ok(())
+}
+
 /// Every stream's housekeeping, in one transaction.
 fn maintain_all() -> Result<Vec<Report>> {
+    require_read_committed()?;
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "run maintain()")?;
@@ -72,6 +90,7 @@ fn maintain_all() -> Result<Vec<Report>> {
 
 /// One stream's housekeeping; nothing when the stream is being dropped right now.
 fn maintain_stream_named(name: &str) -> Result<Vec<Report>> {
+    require_read_committed()?;
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "run maintain()")?;

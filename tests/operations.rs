@@ -500,6 +500,10 @@ fn exception_counts_keep_a_row_per_writer_not_per_change() {
         .unwrap();
     let (reported, counted): (i64, i64) = (seen.get(0), seen.get(1));
     assert_eq!((reported, counted), (100, 100), "group_status counts what its own transaction changed");
+    // Not from a parallel worker, which would not have the leader's unwritten changes.
+    tx.batch_execute("SET LOCAL force_parallel_mode = on").unwrap();
+    let reported: i64 = tx.query_one("SELECT ready FROM sqlstreams.group_status($1, 'g')", &[&s.name]).unwrap().get(0);
+    assert_eq!(reported, 100, "group_status under force_parallel_mode");
     tx.commit().unwrap();
     let pid_a: i32 = a.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
     assert_eq!(rows(&mut a), vec![("ready".to_string(), Some(pid_a), 100)]);
@@ -559,6 +563,27 @@ fn exception_counts_keep_a_row_per_writer_not_per_change() {
         vec![("ready".to_string(), None, 302), ("ready".to_string(), Some(pids[0]), 1)],
         "the fold wrote one row; the change made meanwhile has a row of its own"
     );
+}
+
+/// maintain() refuses REPEATABLE READ and SERIALIZABLE, with what to do instead: the rows it
+/// takes change all the time, and one changed after its snapshot would fail to serialize.
+#[test]
+fn maintain_needs_read_committed() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "maintain-rr");
+    for level in [postgres::IsolationLevel::RepeatableRead, postgres::IsolationLevel::Serializable] {
+        let mut tx = c.build_transaction().isolation_level(level).start().unwrap();
+        let err = tx.query("SELECT * FROM sqlstreams.maintain()", &[]).unwrap_err();
+        assert_eq!(sqlstate(&err), "25000", "{}", describe(&err));
+        let hint = err.as_db_error().and_then(|e| e.hint()).unwrap_or_default().to_string();
+        assert!(hint.contains("READ COMMITTED"), "{hint}");
+        tx.rollback().unwrap();
+        let mut tx = c.build_transaction().isolation_level(level).start().unwrap();
+        let err = tx.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&s.name]).unwrap_err();
+        assert_eq!(sqlstate(&err), "25000", "{}", describe(&err));
+        tx.rollback().unwrap();
+    }
+    assert_eq!(c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&s.name]).unwrap().len(), 1);
 }
 
 #[test]

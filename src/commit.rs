@@ -150,17 +150,5 @@ fn refuse_prepare_while_notifying() {
 
 /// `SET LOCAL synchronous_commit = off`, just before the commit record is written.
 fn relax() {
-    // SAFETY: sets a user-settable GUC for the rest of this transaction; valid names and value.
-    unsafe {
-        pg_sys::set_config_option(
-            c"synchronous_commit".as_ptr(),
-            c"off".as_ptr(),
-            pg_sys::GucContext::PGC_USERSET,
-            pg_sys::GucSource::PGC_S_SESSION,
-            pg_sys::GucAction::GUC_ACTION_LOCAL,
-            true,
-            pg_sys::PGERROR as i32,
-            false,
-        );
-    }
+    crate::settings::set(c"synchronous_commit", c"off", pg_sys::GucAction::GUC_ACTION_LOCAL);
 }

@@ -57,3 +57,22 @@ pub fn check_lease(what: &str, micros: i64) -> Result<i64> {
 pub fn notify() -> bool {
     NOTIFY.get()
 }
+
+/// Sets a user-settable server setting for this session, as `SET` would, with `action`:
+/// `GUC_ACTION_LOCAL` for the rest of the transaction, `GUC_ACTION_SAVE` until the current GUC
+/// nesting level is popped (as a function's `SET` clause does).
+pub fn set(name: &std::ffi::CStr, value: &std::ffi::CStr, action: pgrx::pg_sys::GucAction::Type) {
+    // SAFETY: valid NUL-terminated name and value of a user-settable setting; errors raise.
+    unsafe {
+        pgrx::pg_sys::set_config_option(
+            name.as_ptr(),
+            value.as_ptr(),
+            pgrx::pg_sys::GucContext::PGC_USERSET,
+            pgrx::pg_sys::GucSource::PGC_S_SESSION,
+            action,
+            true,
+            pgrx::pg_sys::PGERROR as i32,
+            false,
+        );
+    }
+}

@@ -16,7 +16,8 @@ use std::cell::RefCell;
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
 
-use crate::error::Result;
+use crate::error::{Result, SqlResult};
+use crate::exception_queue::Status;
 use crate::statement::Statement;
 
 /// A change not written yet: `delta` rows of `group` entered (or left) `status`, in
@@ -24,7 +25,7 @@ use crate::statement::Statement;
 struct Pending {
     stream: i64,
     group: i64,
-    status: String,
+    status: Status,
     sub: pg_sys::SubTransactionId,
     delta: i64,
 }
@@ -36,13 +37,19 @@ thread_local! {
 /// Adds up one statement's changes to stream `stream_id`'s queue (called by its count trigger;
 /// the three arrays are parallel).
 #[pg_extern(volatile, parallel_unsafe)]
-fn exception_counts_changed(stream_id: i64, groups: Vec<i64>, statuses: Vec<String>, deltas: Vec<i64>) {
+fn exception_counts_changed(
+    stream_id: i64,
+    groups: Vec<i64>,
+    statuses: Vec<String>,
+    deltas: Vec<i64>,
+) -> SqlResult<()> {
     assert!(groups.len() == statuses.len() && groups.len() == deltas.len(), "exception count arrays differ in length");
     // SAFETY: reads the current subtransaction's id.
     let sub = unsafe { pg_sys::GetCurrentSubTransactionId() };
     for ((group, status), delta) in groups.into_iter().zip(statuses).zip(deltas) {
-        record(Pending { stream: stream_id, group, status, sub, delta });
+        record(Pending { stream: stream_id, group, status: Status::from_stored(&status)?, sub, delta });
     }
+    Ok(())
 }
 
 /// Adds one change to this transaction's pending ones.
@@ -79,13 +86,10 @@ pub fn end_subtransaction(committed: bool, sub: pg_sys::SubTransactionId, parent
 /// deferred, dead, superseded): `group_status` adds them, so it shows what the caller's own
 /// transaction sees, as its other columns do.
 pub fn unwritten(stream: i64, group: i64) -> [i64; 5] {
-    const ORDER: [&str; 5] = ["ready", "inflight", "deferred", "dead", "superseded"];
     let mut sums = [0; 5];
     PENDING.with(|pending| {
         for p in pending.borrow().iter().filter(|p| p.stream == stream && p.group == group) {
-            if let Some(i) = ORDER.iter().position(|s| *s == p.status) {
-                sums[i] += p.delta;
-            }
+            sums[p.status as usize] += p.delta;
         }
     });
     sums
@@ -121,11 +125,11 @@ const ADD_ROW: Statement = Statement {
 
 /// Writes this transaction's changes, summed per stream, group and status (at pre-commit).
 pub fn flush() -> Result<()> {
-    let mut sums: Vec<(i64, i64, String, i64)> = PENDING
+    let mut sums: Vec<(i64, i64, Status, i64)> = PENDING
         .with(|pending| pending.borrow_mut().drain(..).map(|p| (p.stream, p.group, p.status, p.delta)).collect());
-    sums.sort_by(|a, b| (a.0, a.1, &a.2).cmp(&(b.0, b.1, &b.2)));
+    sums.sort_by_key(|s| (s.0, s.1, s.2 as u8));
     sums.dedup_by(|later, first| {
-        let same = (later.0, later.1, &later.2) == (first.0, first.1, &first.2);
+        let same = (later.0, later.1, later.2) == (first.0, first.1, first.2);
         if same {
             first.3 += later.3;
         }
@@ -144,20 +148,8 @@ pub fn flush() -> Result<()> {
     // the owner); the commit restores it.
     // SAFETY: what fmgr does for a function with a SET clause: a new GUC nesting level, popped
     // below (or by the abort of the transaction).
-    let nest = unsafe {
-        let nest = pg_sys::NewGUCNestLevel();
-        pg_sys::set_config_option(
-            c"search_path".as_ptr(),
-            c"pg_catalog, pg_temp".as_ptr(),
-            pg_sys::GucContext::PGC_USERSET,
-            pg_sys::GucSource::PGC_S_SESSION,
-            pg_sys::GucAction::GUC_ACTION_SAVE,
-            true,
-            0,
-            false,
-        );
-        nest
-    };
+    let nest = unsafe { pg_sys::NewGUCNestLevel() };
+    crate::settings::set(c"search_path", c"pg_catalog, pg_temp", pg_sys::GucAction::GUC_ACTION_SAVE);
     // SPI runs under the active snapshot, and at pre-commit there is none (deferred triggers,
     // which run just before, push one the same way).
     // SAFETY: pushed here and popped below; an abort pops it too.
@@ -204,8 +196,8 @@ fn table_exists(stream_id: i64) -> bool {
 mod tests {
     use super::*;
 
-    fn change(sub: pg_sys::SubTransactionId, status: &str, delta: i64) -> Pending {
-        Pending { stream: 7, group: 3, status: status.into(), sub, delta }
+    fn change(sub: pg_sys::SubTransactionId, status: Status, delta: i64) -> Pending {
+        Pending { stream: 7, group: 3, status, sub, delta }
     }
 
     #[test]
@@ -213,7 +205,7 @@ mod tests {
         forget();
         // A loop of statements, each in a subtransaction of its own that is released.
         for sub in 2..1002 {
-            record(change(sub, "ready", 1));
+            record(change(sub, Status::Ready, 1));
             end_subtransaction(true, sub, 1);
         }
         assert_eq!(PENDING.with(|p| p.borrow().len()), 1, "one entry per group and status, not per statement");
@@ -224,12 +216,12 @@ mod tests {
     #[test]
     fn a_rolled_back_subtransaction_takes_its_changes_and_its_childrens() {
         forget();
-        record(change(1, "ready", 1));
-        record(change(2, "ready", 5));
-        record(change(3, "dead", 2));
+        record(change(1, Status::Ready, 1));
+        record(change(2, Status::Ready, 5));
+        record(change(3, Status::Dead, 2));
         end_subtransaction(true, 3, 2);
         end_subtransaction(false, 2, 1);
-        record(change(4, "inflight", -1));
+        record(change(4, Status::Inflight, -1));
         end_subtransaction(true, 4, 1);
         assert_eq!(unwritten(7, 3), [1, -1, 0, 0, 0]);
         assert_eq!(unwritten(7, 4), [0; 5], "another group");

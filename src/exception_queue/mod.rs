@@ -25,6 +25,7 @@ macro_rules! unresolved {
 }
 pub(crate) use unresolved;
 
+/// In the order `group_status` reports them (`Status as usize` indexes its counts).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Status {
     /// Waiting until `can_run_after` (retry backoff or a requested delay).

@@ -18,6 +18,8 @@
 //! only when free. So the fence and the clock it reads are never older than what it claims
 //! against, and no outcome that waits for a claim can be waited for in turn.
 
+use std::collections::HashMap;
+
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiTupleTable};
@@ -63,22 +65,13 @@ pub struct Delivery {
 }
 
 /// Due exception rows of lane `$3`: retries, delays, woken or expired parked rows, expired
-/// deliveries.
+/// deliveries. Their messages are read by id afterwards (`message::by_id`), from the partitions
+/// that hold them.
 macro_rules! due_rows {
     ($isolated:literal, $limit:literal) => {
         concat!(
-            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane,
-                    m.payload, m.produced_at, m.headers
+            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane
              FROM sqlstreams.exception_queue_@id@ e
-             -- A lookup per row (LIMIT keeps the planner from turning it into a join that
-             -- scans the log), else in the archive when retention dropped the message's
-             -- partition; a row whose message is gone is passed over, as by a join.
-             CROSS JOIN LATERAL (SELECT m.payload, m.produced_at, m.headers FROM sqlstreams.message_log_@id@ m
-                                 WHERE m.id = e.message_id
-                                 UNION ALL
-                                 SELECT a.payload, a.produced_at, a.headers FROM sqlstreams.message_archive_@id@ a
-                                 WHERE a.id = e.message_id
-                                 LIMIT 1) m
              WHERE e.consumer_group_id = $1 AND e.lane = $3 AND e.isolated = ",
             $isolated,
             "
@@ -170,7 +163,7 @@ pub fn claim(
             return Ok(vec![]);
         }
         // The stored fence first, then the world (src/fence.rs): the order is the proof.
-        let stored = cursor::read_fence(client, stream_id, group.id)?;
+        let stored = cursor::read_fence(client, stream_id, group.id, Access::Write)?;
         let (fence, head) = advance_fence(client, stream_id, stored)?;
         let now = clock::now();
         let (candidates, share) = lanes::candidates(client, group, fence.safe, now, released.first().copied())?;
@@ -327,7 +320,7 @@ impl Claim<'_> {
             self.group.stream.id,
             &[self.group.id.into(), statement::timestamptz(self.now), lane.into()],
         )?;
-        self.push_rows(rows)?;
+        self.push_rows(client, rows)?;
         Ok(!self.work.is_empty())
     }
 
@@ -338,15 +331,34 @@ impl Claim<'_> {
             self.group.stream.id,
             &[self.group.id.into(), statement::timestamptz(self.now), lane.into(), room.into()],
         )?;
-        self.push_rows(rows)
+        self.push_rows(client, rows)
     }
 
-    fn push_rows(&mut self, rows: SpiTupleTable<'_>) -> Result<()> {
-        for row in rows {
-            let id: i64 = row.required("message_id")?;
-            let key: Option<String> = row.value("message_key")?;
-            let status = Status::from_stored(&row.required::<String>("status")?)?;
-            let mut attempts: i32 = row.required("attempts")?;
+    /// Takes due rows as work, with their messages' payloads; a row whose message is gone
+    /// (neither in the log nor in the archive) is passed over.
+    fn push_rows(&mut self, client: &SpiClient<'_>, rows: SpiTupleTable<'_>) -> Result<()> {
+        let rows = rows
+            .map(|row| {
+                let candidate = Candidate {
+                    message_id: row.required("message_id")?,
+                    concurrency: Concurrency::from_stored(&row.required::<String>("concurrency")?)?,
+                    key: row.value("message_key")?,
+                    compaction: row.required("compaction")?,
+                    lane: row.required("lane")?,
+                };
+                let status = Status::from_stored(&row.required::<String>("status")?)?;
+                Ok((candidate, status, row.required::<i32>("attempts")?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<i64> = rows.iter().map(|(candidate, _, _)| candidate.message_id).collect();
+        let messages: HashMap<i64, Message> =
+            message::by_id(client, self.group, &ids)?.into_iter().map(|m| (m.candidate.message_id, m)).collect();
+        for (candidate, status, mut attempts) in rows {
+            let id = candidate.message_id;
+            let Some(message) = messages.get(&id) else { continue };
             let expired = status == Status::Inflight;
             if expired {
                 match exception_queue::expire(id, attempts, self.group.max_retries) {
@@ -354,23 +366,17 @@ impl Claim<'_> {
                     Expired::Dead(update) => {
                         self.changes.push(Change::Update(update));
                         self.dead_on_expiry.push(id);
-                        self.resolved_keys.push(key);
+                        self.resolved_keys.push(candidate.key);
                         continue;
                     }
                 }
             }
             self.work.push(Work {
-                candidate: Candidate {
-                    message_id: id,
-                    concurrency: Concurrency::from_stored(&row.required::<String>("concurrency")?)?,
-                    key,
-                    compaction: row.required("compaction")?,
-                    lane: row.required("lane")?,
-                },
+                candidate,
                 held: Held::Row { status, expired },
                 attempt: attempts,
-                payload: row.required("payload")?,
-                meta: Meta::from_row(&row)?,
+                payload: message.payload,
+                meta: message.meta,
                 range: None,
             });
         }

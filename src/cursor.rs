@@ -16,38 +16,18 @@ use pgrx::spi::SpiClient;
 
 use crate::error::Result;
 use crate::fence::{Fence, Observation};
+use crate::lanes;
 use crate::statement::{Access, Columns, Statement};
+use crate::stream::StreamRef;
 
-/// The highest id at or below which everything is handed out, for group `$1` whose fence has
-/// proven every id up to the SQL expression `$safe`: below the first message a lane has not
-/// handed out yet (a lane with nothing new does not hold it back).
-macro_rules! claimed_now {
-    ($safe:literal) => {
-        concat!(
-            "least(",
-            $safe,
-            ",
-               (SELECT min(n.id) - 1 FROM sqlstreams.lane_@id@ l
-                CROSS JOIN LATERAL (SELECT m.id FROM sqlstreams.message_log_@id@ m
-                                    WHERE (m.lane, m.id) > (l.lane, l.claimed) AND m.id > l.claimed
-                                      AND (m.lane, m.id) <= (l.lane, ",
-            $safe,
-            ")
-                                    ORDER BY m.lane, m.id LIMIT 1) n
-                WHERE l.consumer_group_id = $1))"
-        )
-    };
-}
-pub(crate) use claimed_now;
-
-/// The highest id at or below which everything is resolved, for group `$1` (see
-/// `claimed_now`): below what is not handed out yet, the first message of an open range and the
-/// lowest unresolved exception row.
+/// The highest id at or below which everything is resolved, for group `$1` that has handed
+/// out everything up to the SQL expression `$claimed` (`lanes::claimed_through`): below the
+/// first message of an open range and the lowest unresolved exception row.
 macro_rules! committed_now {
-    ($safe:literal) => {
+    ($claimed:literal) => {
         concat!(
             "least(",
-            claimed_now!($safe),
+            $claimed,
             ",
                (SELECT min(first_id) - 1 FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1),
                (SELECT min(message_id) - 1 FROM sqlstreams.exception_queue_@id@
@@ -73,24 +53,28 @@ const STORE_FENCE: Statement = Statement {
     params: &[INT8OID, INT8OID, INT8OID, INT8OID],
 };
 
-/// Stores `claimed` and `committed` as they are now; `maintain()` runs it for every group.
+/// Locks group `$1`'s cursor row unless another transaction has it, and reads its fence.
+const LOCK: Statement = Statement {
+    name: "cursor_lock",
+    sql: "SELECT fence_safe FROM sqlstreams.cursor_@id@ WHERE consumer_group_id = $1 FOR UPDATE SKIP LOCKED",
+    params: &[INT8OID],
+};
+
+/// Stores `claimed` (`$2`, as it is now) and `committed`; `maintain()` runs it for every group.
 const ADVANCE: Statement = Statement {
     name: "cursor_advance",
     sql: concat!(
         "UPDATE sqlstreams.cursor_@id@ c
          SET committed = n.committed, claimed = greatest(n.committed, n.claimed)
          FROM (SELECT greatest(c0.committed, ",
-        committed_now!("c0.fence_safe"),
-        ") AS committed, greatest(c0.claimed, ",
-        claimed_now!("c0.fence_safe"),
-        ") AS claimed
+        committed_now!("$2"),
+        ") AS committed, greatest(c0.claimed, $2) AS claimed
                FROM sqlstreams.cursor_@id@ c0 WHERE c0.consumer_group_id = $1) n
-         WHERE c.consumer_group_id = (SELECT consumer_group_id FROM sqlstreams.cursor_@id@
-                                      WHERE consumer_group_id = $1 FOR UPDATE SKIP LOCKED)
+         WHERE c.consumer_group_id = $1
            AND (n.committed > c.committed OR greatest(n.committed, n.claimed) <> c.claimed)
          RETURNING c.committed"
     ),
-    params: &[INT8OID],
+    params: &[INT8OID, INT8OID],
 };
 
 /// The highest message id handed out so far (0 when none), as a SQL expression.
@@ -105,8 +89,8 @@ const SEQUENCE_HEAD: Statement =
     Statement { name: "cursor_sequence_head", sql: concat!("SELECT ", head_sql!(), " AS head"), params: &[] };
 
 /// The group's stored fence (read without a lock).
-pub fn read_fence(client: &SpiClient<'_>, stream_id: i64, group_id: i64) -> Result<Fence> {
-    let row = READ_FENCE.run(client, stream_id, &[group_id.into()])?.first();
+pub fn read_fence(client: &SpiClient<'_>, stream_id: i64, group_id: i64, access: Access) -> Result<Fence> {
+    let row = READ_FENCE.exec(client, stream_id, &[group_id.into()], access)?.first();
     let head: Option<i64> = row.value("fence_head")?;
     let xid: Option<i64> = row.value("fence_xid")?;
     Ok(Fence {
@@ -132,9 +116,22 @@ pub fn store_fence(client: &SpiClient<'_>, stream_id: i64, group_id: i64, fence:
 }
 
 /// Stores the group's `claimed` and `committed` as they are now; returns the new `committed`
-/// when anything moved.
-pub fn advance(client: &SpiClient<'_>, stream_id: i64, group_id: i64) -> Result<Option<i64>> {
-    let rows = ADVANCE.run(client, stream_id, &[group_id.into()])?;
+/// when anything moved. Skipped when another transaction holds the cursor row (a claim storing
+/// its fence, another step): it never waits.
+///
+/// The cursor row is locked before the lanes are read: a `seek` moves the lanes back and then
+/// takes the cursor row, so it either committed before (the lanes read are its) or waits for
+/// this transaction (and then overwrites what it stores). Reading the lanes first could store a
+/// position from before a seek that committed meanwhile, and retention would drop what the
+/// replay needs.
+pub fn advance(client: &SpiClient<'_>, stream: &StreamRef, group_id: i64) -> Result<Option<i64>> {
+    let row = LOCK.run(client, stream.id, &[group_id.into()])?;
+    if row.is_empty() {
+        return Ok(None);
+    }
+    let safe: i64 = row.first().required("fence_safe")?;
+    let claimed = lanes::claimed_through(client, stream, group_id, safe, Access::Write)?;
+    let rows = ADVANCE.run(client, stream.id, &[group_id.into(), claimed.into()])?;
     if rows.is_empty() {
         return Ok(None);
     }

@@ -8,31 +8,30 @@ use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiHeapTupleData};
 
 use crate::access::{self, Caller, Right};
-use crate::cursor::{self, claimed_now, committed_now, head_sql};
+use crate::cursor::{self, committed_now, head_sql};
 use crate::error::{Result, StreamError};
 use crate::exception_queue::{counts, unresolved};
 use crate::group::{self, GroupRef};
+use crate::lanes;
+use crate::message;
 use crate::names::validate_name;
 use crate::payload::RawJsonb;
 use crate::statement::{Access, Columns, Statement};
 
-/// A group's progress in one statement, so every figure describes the same moment (two
-/// statements would let a claim move the cursor between them).
+/// A group's progress, given `$2`, how far it has handed out everything
+/// (`lanes::claimed_through`). `group_status` is `stable`: its statements all read the
+/// caller's snapshot, so every figure describes the same moment.
 const PROGRESS: Statement = Statement {
     name: "inspect_progress",
     sql: concat!(
-        "SELECT greatest(p.committed, c.claimed, ",
-        claimed_now!("c.fence_safe"),
-        ") AS claimed, p.committed, ",
+        "SELECT greatest(p.committed, c.claimed, $2) AS claimed, p.committed, ",
         head_sql!(),
         " AS head,
                 (SELECT count(*) FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1) AS open_ranges,
-                e.ready, e.inflight, e.deferred, e.dead, e.superseded,
-                (SELECT m.produced_at FROM sqlstreams.message_log_@id@ m WHERE m.id > p.committed
-                 ORDER BY m.id LIMIT 1) AS oldest_unresolved_at
+                e.ready, e.inflight, e.deferred, e.dead, e.superseded
          FROM sqlstreams.cursor_@id@ c,
               LATERAL (SELECT greatest(c.committed, ",
-        committed_now!("c.fence_safe"),
+        committed_now!("$2"),
         ") AS committed) p,
               -- The counts are the sums of the group's rows in exception_count_<id> (kept by
               -- triggers on the queue): a row per status and writing backend, not per message.
@@ -44,7 +43,7 @@ const PROGRESS: Statement = Statement {
                        FROM sqlstreams.exception_count_@id@ WHERE consumer_group_id = $1) e
          WHERE c.consumer_group_id = $1"
     ),
-    params: &[INT8OID],
+    params: &[INT8OID, INT8OID],
 };
 
 const BLOCKED_KEYS: Statement = Statement {
@@ -146,23 +145,27 @@ fn progress(stream: Option<&str>, group_name: Option<&str>) -> Result<Progress> 
     access::as_owner(|caller| {
         Spi::connect(|client| {
             let group = resolve(client, caller, stream, group_name)?;
-            let row = PROGRESS.read(client, group.stream.id, &[group.id.into()])?.first();
+            let safe = cursor::read_fence(client, group.stream.id, group.id, Access::Read)?.safe;
+            let handed_out = lanes::claimed_through(client, &group.stream, group.id, safe, Access::Read)?;
+            let row = PROGRESS.read(client, group.stream.id, &[group.id.into(), handed_out.into()])?.first();
             if row.is_empty() {
                 return Err(StreamError::Internal("the group has no cursor row".into()));
             }
+            let committed: i64 = row.required("committed")?;
+            let head: i64 = row.required("head")?;
             // The stored counts, and what this transaction changed that is written at commit.
             let [ready, inflight, deferred, dead, superseded] = counts::unwritten(group.stream.id, group.id);
             Ok(Progress {
                 claimed: row.required("claimed")?,
-                committed: row.required("committed")?,
-                head: row.required("head")?,
+                committed,
+                head,
                 open_ranges: row.required("open_ranges")?,
                 ready: row.required::<i64>("ready")? + ready,
                 inflight: row.required::<i64>("inflight")? + inflight,
                 deferred: row.required::<i64>("deferred")? + deferred,
                 dead: row.required::<i64>("dead")? + dead,
                 superseded: row.required::<i64>("superseded")? + superseded,
-                oldest_unresolved_at: row.value("oldest_unresolved_at")?,
+                oldest_unresolved_at: message::produced_after(client, &group.stream, committed, head, Access::Read)?,
             })
         })
     })

@@ -18,12 +18,16 @@
 //! that dies loses its lanes when its lease runs out. A group with
 //! `concurrency_override = 'parallel'` does not hold lanes.
 
+use std::ops::ControlFlow;
+
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::SpiClient;
 
 use crate::error::Result;
 use crate::group::GroupRef;
-use crate::statement::{self, Columns, Statement};
+use crate::partition::{self, Log};
+use crate::statement::{self, Access, Columns, Part, Statement};
+use crate::stream::StreamRef;
 
 /// A lane a claim holds (its row is locked until the claim commits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,9 +44,9 @@ pub struct Lane {
 /// Lanes with work that a claim may take, best first: one with a due isolated row (it is
 /// handed out alone, so it goes first or never), then the lane furthest behind, the lane the
 /// caller just released first among equals (it stays with the keys it knows). Work is due
-/// exception rows, an expired range (or one claimed before lanes existed), or messages after
-/// the lane's position up to the safe head `$4`. Also how many claims hold lanes now. Reads
-/// only; `take` locks.
+/// exception rows, an expired range (or one claimed before lanes existed), or perhaps messages:
+/// the lane's position is below the safe head `$4` (`PROBE` looks). Also how many claims hold
+/// lanes now. Reads only; `take` locks.
 const CANDIDATES: Statement = Statement {
     name: "lanes_candidates",
     sql: "WITH g AS (
@@ -52,12 +56,7 @@ const CANDIDATES: Statement = Statement {
               -- index, never EXISTS: an EXISTS may be planned as a bitmap scan (which reads
               -- every match before the first) or as one hashed scan of the whole table. A
               -- plan cached while the tables were young stays for as long as the backend
-              -- lives. The log is probed with row comparisons on (lane, id), which only the
-              -- lane index can answer: with `lane = x`, statistics of one hot lane make the
-              -- planner walk the primary key and filter out every row of that lane, which is
-              -- the whole backlog for a lane with nothing new (src/message.rs). Only a one-sided
-              -- plain id bound goes beside them: a two-sided one looks narrow enough for the
-              -- planner to take the primary key and sort.
+              -- lives.
               SELECT coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
                                WHERE e.consumer_group_id = $1 AND e.status IN ('ready', 'deferred')
                                  AND e.can_run_after <= $2
@@ -72,7 +71,7 @@ const CANDIDATES: Statement = Statement {
                      (SELECT count(DISTINCT held_by) FROM sqlstreams.lane_@id@
                       WHERE $3 AND consumer_group_id = $1 AND held_until > $2) AS holders
           )
-          SELECT c.lane, c.due_rows, c.expired_range, c.isolated, c.holders
+          SELECT c.lane, c.claimed, c.due_rows, c.expired_range, c.isolated, c.holders
           FROM (
           SELECT l.lane, l.claimed, g.holders,
                  g.any_due AND (coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
@@ -92,18 +91,61 @@ const CANDIDATES: Statement = Statement {
                                            AND e.status IN ('ready', 'inflight', 'deferred')
                                            AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
                                                 OR (e.status = 'inflight' AND e.lease_expires_at <= $2))
-                                         ORDER BY e.lane, e.message_id LIMIT 1), false) AS isolated,
-                 coalesce((SELECT true FROM sqlstreams.message_log_@id@ m
-                           WHERE (m.lane, m.id) > (l.lane, l.claimed) AND (m.lane, m.id) <= (l.lane, $4)
-                             AND m.id > l.claimed -- prunes consumed partitions
-                           ORDER BY m.lane, m.id LIMIT 1), false) AS messages
+                                         ORDER BY e.lane, e.message_id LIMIT 1), false) AS isolated
           FROM sqlstreams.lane_@id@ l CROSS JOIN g
           WHERE l.consumer_group_id = $1 AND (NOT $3 OR l.held_until IS NULL OR l.held_until <= $2)
           OFFSET 0 -- evaluated once per lane, not again in the filter below
           ) c
-          WHERE c.messages OR c.due_rows OR c.expired_range
+          WHERE c.claimed < $4 OR c.due_rows OR c.expired_range
           ORDER BY c.isolated DESC, c.claimed, c.lane = $5 DESC, c.lane",
     params: &[INT8OID, TIMESTAMPTZOID, BOOLOID, INT8OID, INT4OID],
+};
+
+/// Which of the lanes `$1` have a message after their positions `$2` up to the safe head `$3`,
+/// in one partition of the log. The bounds are row comparisons on (lane, id), which only the lane
+/// index can answer: with `lane = x`, statistics of one hot lane make the planner walk the
+/// primary key and filter out every row of that lane, which is the whole backlog for a lane
+/// with nothing new (src/message.rs). A scalar subquery with LIMIT 1, never EXISTS (see
+/// `CANDIDATES`).
+const PROBE: Statement = Statement {
+    name: "lanes_probe",
+    sql: "SELECT l.lane FROM unnest($1::int4[], $2::int8[]) AS l(lane, claimed)
+          WHERE coalesce((SELECT true FROM sqlstreams.message_log_@id@_p@part@ m
+                          WHERE (m.lane, m.id) > (l.lane, l.claimed) AND (m.lane, m.id) <= (l.lane, $3)
+                          ORDER BY m.lane, m.id LIMIT 1), false)",
+    params: &[INT4ARRAYOID, INT8ARRAYOID, INT8OID],
+};
+
+/// The positions of group `$1`'s lanes below the safe head `$2`.
+const POSITIONS: Statement = Statement {
+    name: "lanes_positions",
+    sql: "SELECT lane, claimed FROM sqlstreams.lane_@id@ WHERE consumer_group_id = $1 AND claimed < $2",
+    params: &[INT8OID, INT8OID],
+};
+
+/// The first message after the positions `$2` of lanes `$1` up to the safe head `$3`, in one
+/// partition of the log (see `PROBE`).
+const FIRST: Statement = Statement {
+    name: "lanes_first",
+    sql: "SELECT min(n.id) AS first FROM unnest($1::int4[], $2::int8[]) AS l(lane, claimed)
+          CROSS JOIN LATERAL (SELECT m.id FROM sqlstreams.message_log_@id@_p@part@ m
+                              WHERE (m.lane, m.id) > (l.lane, l.claimed) AND (m.lane, m.id) <= (l.lane, $3)
+                              ORDER BY m.lane, m.id LIMIT 1) n",
+    params: &[INT4ARRAYOID, INT8ARRAYOID, INT8OID],
+};
+
+/// Moves lanes `$2` with nothing after their positions `$3` up to the safe head `$4` to it,
+/// unless another claim has them (`SKIP LOCKED`) or moved them back (`seek`) meanwhile. A lane
+/// left at an old position would have every later partition probed by every claim.
+const CATCH_UP: Statement = Statement {
+    name: "lanes_catch_up",
+    sql: "UPDATE sqlstreams.lane_@id@ l SET claimed = $4
+          FROM unnest($2::int4[], $3::int8[]) AS c(lane, probed_from)
+          WHERE l.consumer_group_id = $1 AND l.lane = c.lane AND l.claimed >= c.probed_from AND l.claimed < $4
+            AND (l.consumer_group_id, l.lane) IN (SELECT consumer_group_id, lane FROM sqlstreams.lane_@id@
+                                                  WHERE consumer_group_id = $1 AND lane = ANY($2)
+                                                  FOR UPDATE SKIP LOCKED)",
+    params: &[INT8OID, INT4ARRAYOID, INT8ARRAYOID, INT8OID],
 };
 
 /// Locks lane `$4` if it is still free. `SKIP LOCKED`: a claim never waits for a lane.
@@ -191,16 +233,24 @@ pub fn candidates(
         ],
     )?;
     let mut lanes = Vec::new();
+    let mut positions = Vec::new();
     let mut holders = 0i64;
     for row in rows {
-        lanes.push(Candidate {
+        let candidate = Candidate {
             lane: row.required("lane")?,
             due_rows: row.required("due_rows")?,
             expired_range: row.required("expired_range")?,
             isolated: row.required("isolated")?,
-        });
+        };
+        let claimed: i64 = row.required("claimed")?;
+        if claimed < safe {
+            positions.push((candidate.lane, claimed));
+        }
+        lanes.push(candidate);
         holders = row.value("holders")?.unwrap_or(0);
     }
+    let with_messages = probe(client, group, positions, safe)?;
+    lanes.retain(|c| c.due_rows || c.expired_range || with_messages.contains(&c.lane));
     let share = if holds(group) {
         let lanes_total = group.stream.lanes as usize;
         lanes_total.div_ceil(holders as usize + 1)
@@ -208,6 +258,84 @@ pub fn candidates(
         lanes.len()
     };
     Ok((lanes, share))
+}
+
+/// Visits the partitions holding the next messages of lanes at `positions` (lane, claimed) up
+/// to `safe`, oldest first, each with the lanes that may have messages in it (positions before
+/// its end). `visit` returns the lanes it is done with, or `Break` to stop. Returns the lanes
+/// left.
+fn by_partition(
+    stream: &StreamRef,
+    mut left: Vec<(i32, i64)>,
+    safe: i64,
+    mut visit: impl FnMut(Part, Vec<i32>, Vec<i64>) -> Result<ControlFlow<(), Vec<i32>>>,
+) -> Result<Vec<(i32, i64)>> {
+    let Some(from) = left.iter().map(|&(_, claimed)| claimed).min() else { return Ok(left) };
+    let log = Log::open(stream)?;
+    for part in log.holding(from, safe) {
+        let last = log.last_id(part);
+        let (lanes, claimed): (Vec<i32>, Vec<i64>) =
+            left.iter().filter(|&&(_, claimed)| claimed < last).copied().unzip();
+        if lanes.is_empty() {
+            continue;
+        }
+        let ControlFlow::Continue(done) = visit(part, lanes, claimed)? else { break };
+        left.retain(|(lane, _)| !done.contains(lane));
+        if left.is_empty() {
+            break;
+        }
+    }
+    Ok(left)
+}
+
+/// Which of the lanes at `positions` (lane, claimed) have messages after their positions up to
+/// `safe`: probed one partition at a time, each lane until it is found, so a claim reads the
+/// partitions the lanes are in and no others. A lane found empty while a partition behind
+/// `safe` is moved up to `safe` (`CATCH_UP`), so it is probed from there next time; a lane
+/// behind in the partition of `safe` is left as it is, so an idle claim writes nothing (it
+/// writes once when the head enters a new partition).
+fn probe(client: &SpiClient<'_>, group: &GroupRef, positions: Vec<(i32, i64)>, safe: i64) -> Result<Vec<i32>> {
+    let stream = &group.stream;
+    let mut found = Vec::new();
+    let empty = by_partition(stream, positions, safe, |part, lanes, claimed| {
+        let rows = PROBE.run_in(client, stream.id, part, &[lanes.into(), claimed.into(), safe.into()])?;
+        let here = rows.map(|row| row.required("lane")).collect::<Result<Vec<i32>>>()?;
+        found.extend(&here);
+        Ok(ControlFlow::Continue(here))
+    })?;
+    let safe_part = partition::of(stream, safe);
+    let (behind, from): (Vec<i32>, Vec<i64>) =
+        empty.into_iter().filter(|&(_, claimed)| partition::of(stream, claimed + 1) < safe_part).unzip();
+    if !behind.is_empty() {
+        CATCH_UP.run(client, stream.id, &[group.id.into(), behind.into(), from.into(), safe.into()])?;
+    }
+    Ok(found)
+}
+
+/// The highest id at or below which group `group_id` has handed out everything, given that
+/// its fence proved every id up to `safe`: below the first message a lane has not handed out
+/// yet (a lane with nothing new does not hold it back). The first partition in which any lane
+/// has a message holds the lowest such message.
+pub fn claimed_through(
+    client: &SpiClient<'_>,
+    stream: &StreamRef,
+    group_id: i64,
+    safe: i64,
+    access: Access,
+) -> Result<i64> {
+    let positions = POSITIONS
+        .exec(client, stream.id, &[group_id.into(), safe.into()], access)?
+        .map(|row| Ok((row.required("lane")?, row.required("claimed")?)))
+        .collect::<Result<Vec<(i32, i64)>>>()?;
+    let mut first = None;
+    by_partition(stream, positions, safe, |part, lanes, claimed| {
+        let row = FIRST.exec_in(client, stream.id, part, &[lanes.into(), claimed.into(), safe.into()], access)?;
+        first = row.first().value::<i64>("first")?;
+        // Found here, it is the lowest: a lane not looked for here has its next message in a
+        // later partition. Not found: no lane has one here.
+        Ok(if first.is_some() { ControlFlow::Break(()) } else { ControlFlow::Continue(vec![]) })
+    })?;
+    Ok(first.map_or(safe, |first| safe.min(first - 1)))
 }
 
 /// Locks `lane` if it is still free; `None` when another claim has it (nothing waits).

@@ -117,7 +117,7 @@ fn maintain_one(client: &mut pgrx::spi::SpiClient<'_>, name: String) -> Result<R
     }
     let mut advanced = 0;
     for group in groups {
-        if cursor::advance(client, stream.id, group)?.is_some() {
+        if cursor::advance(client, &stream, group)?.is_some() {
             advanced += 1;
         }
     }

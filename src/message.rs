@@ -1,6 +1,8 @@
 //! Reading the stream's log (`message_log_<id>`), with each message's concurrency resolved for
 //! the group that reads it.
 
+use std::collections::{BTreeMap, HashSet};
+
 use pgrx::datum::TimestampWithTimeZone;
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::{SpiClient, SpiHeapTupleData, SpiTupleTable};
@@ -9,33 +11,45 @@ use crate::concurrency::{self, Concurrency};
 use crate::error::Result;
 use crate::group::GroupRef;
 use crate::key_gate::Candidate;
+use crate::partition::{self, Log};
 use crate::payload::RawJsonb;
-use crate::statement::{Columns, Statement};
+use crate::statement::{Access, Columns, Part, Statement};
+use crate::stream::StreamRef;
 
-/// Messages by id, from the log or, once retention dropped their partition, from the archive
-/// (src/retention.rs; an id archived just before a drop that then did not happen is in both,
-/// and the log's copy is used).
-const BY_ID: Statement = Statement {
-    name: "message_by_id",
-    sql: "SELECT DISTINCT ON (id) id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at
-          FROM (SELECT m.*, 0 AS source FROM sqlstreams.message_log_@id@ m WHERE m.id = ANY($1)
-                UNION ALL
-                SELECT a.*, 1 AS source FROM sqlstreams.message_archive_@id@ a WHERE a.id = ANY($1)) found
-          ORDER BY id, source",
+/// Messages by id in one partition of the log (src/partition.rs).
+const IN_PART: Statement = Statement {
+    name: "message_in_part",
+    sql: "SELECT id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at
+          FROM sqlstreams.message_log_@id@_p@part@ WHERE id = ANY($1)",
     params: &[INT8ARRAYOID],
 };
 
-/// The next messages of a lane. The bounds are row comparisons on (lane, id), which only the
-/// lane index can answer: written as `lane = $4`, a plan made while one hot lane filled the
-/// statistics walks the primary key instead, through every row of other lanes. The plain lower
-/// bound prunes consumed partitions; a plain upper one too would make the id range look narrow
-/// enough to take the primary key and sort.
+/// Messages by id from the archive: retention copies there the messages of a partition it
+/// drops that exception rows still refer to (src/retention.rs).
+const ARCHIVED: Statement = Statement {
+    name: "message_archived",
+    sql: "SELECT id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at
+          FROM sqlstreams.message_archive_@id@ WHERE id = ANY($1)",
+    params: &[INT8ARRAYOID],
+};
+
+/// The next messages of a lane in one partition. The bounds are row comparisons on (lane, id),
+/// which only the lane index can answer: written as `lane = $4`, a plan made while one hot lane
+/// filled the statistics walks the primary key instead, through every row of other lanes.
 const AFTER: Statement = Statement {
     name: "message_after",
-    sql: "SELECT id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at FROM sqlstreams.message_log_@id@
-          WHERE (lane, id) > ($4, $1) AND (lane, id) <= ($4, $2) AND id > $1
+    sql: "SELECT id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at
+          FROM sqlstreams.message_log_@id@_p@part@
+          WHERE (lane, id) > ($4, $1) AND (lane, id) <= ($4, $2)
           ORDER BY lane, id LIMIT $3",
     params: &[INT8OID, INT8OID, INT4OID, INT4OID],
+};
+
+/// When the first message after `$1` in one partition was produced.
+const PRODUCED_AFTER: Statement = Statement {
+    name: "message_produced_after",
+    sql: "SELECT produced_at FROM sqlstreams.message_log_@id@_p@part@ WHERE id > $1 ORDER BY id LIMIT 1",
+    params: &[INT8OID],
 };
 
 /// A message as a group's claim sees it.
@@ -89,14 +103,40 @@ fn messages(rows: SpiTupleTable<'_>, group: &GroupRef) -> Result<Vec<Message>> {
     .collect()
 }
 
-/// The messages `ids` (those that exist), in id order, with their payloads.
+/// The messages `ids` (those that exist), in id order, with their payloads: from the
+/// partitions that hold them, else from the archive (an id archived just before a drop that then
+/// did not happen is in both, and the log's copy is used).
 pub fn by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64]) -> Result<Vec<Message>> {
-    messages(BY_ID.run(client, group.stream.id, &[ids.to_vec().into()])?, group)
+    let stream = &group.stream;
+    let log = Log::open(stream)?;
+    let mut by_part: BTreeMap<Part, Vec<i64>> = BTreeMap::new();
+    for &id in ids {
+        by_part.entry(partition::of(stream, id)).or_default().push(id);
+    }
+    let mut found = Vec::with_capacity(ids.len());
+    let mut missing = Vec::new();
+    for (part, ids) in by_part {
+        if !log.exists(part) {
+            missing.extend(ids);
+            continue;
+        }
+        let read = messages(IN_PART.run_in(client, stream.id, part, &[ids.clone().into()])?, group)?;
+        if read.len() < ids.len() {
+            let read: HashSet<i64> = read.iter().map(|m| m.candidate.message_id).collect();
+            missing.extend(ids.into_iter().filter(|id| !read.contains(id)));
+        }
+        found.extend(read);
+    }
+    if !missing.is_empty() {
+        found.extend(messages(ARCHIVED.run(client, stream.id, &[missing.into()])?, group)?);
+    }
+    found.sort_by_key(|m| m.candidate.message_id);
+    Ok(found)
 }
 
 /// The messages `ids` (those that exist), in id order, as the gate sees them.
 pub fn candidates(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64]) -> Result<Vec<Candidate>> {
-    BY_ID.run(client, group.stream.id, &[ids.to_vec().into()])?.map(|row| candidate(&row, group)).collect()
+    Ok(by_id(client, group, ids)?.into_iter().map(|m| m.candidate).collect())
 }
 
 /// Up to `limit` messages of `lane` with ids in `(after, upto]`, in id order, with payloads.
@@ -108,5 +148,33 @@ pub fn after(
     upto: i64,
     limit: i32,
 ) -> Result<Vec<Message>> {
-    messages(AFTER.run(client, group.stream.id, &[after.into(), upto.into(), limit.into(), lane.into()])?, group)
+    let log = Log::open(&group.stream)?;
+    let mut found = Vec::new();
+    for part in log.holding(after, upto) {
+        let room = limit - found.len() as i32;
+        let args = [after.into(), upto.into(), room.into(), lane.into()];
+        found.extend(messages(AFTER.run_in(client, group.stream.id, part, &args)?, group)?);
+        if found.len() as i32 == limit {
+            break;
+        }
+    }
+    Ok(found)
+}
+
+/// When the first message with an id in `(after, upto]` was produced (NULL when none is left).
+pub fn produced_after(
+    client: &SpiClient<'_>,
+    stream: &StreamRef,
+    after: i64,
+    upto: i64,
+    access: Access,
+) -> Result<Option<TimestampWithTimeZone>> {
+    let log = Log::open(stream)?;
+    for part in log.holding(after, upto) {
+        let row = PRODUCED_AFTER.exec_in(client, stream.id, part, &[after.into()], access)?;
+        if !row.is_empty() {
+            return row.first().value("produced_at");
+        }
+    }
+    Ok(None)
 }

@@ -1,11 +1,20 @@
 //! Partitions of `message_log_<id>`: blocks of `partition_size` ids, created ahead of the head
-//! by `sqlstreams.add_partitions` (the DDL lives in the versioned install script).
+//! by `sqlstreams.add_partitions` (the DDL lives in the versioned install script), partition
+//! `n` (`message_log_<id>_p<n>`) holding ids `n * partition_size + 1 ..= (n + 1) * partition_size`.
+//!
+//! The claim path reads the partitions it needs by name (`Statement::run_in`), never through
+//! the partitioned log: PostgreSQL 15 locks every partition of the log at each execution of a
+//! cached plan over it, before run-time pruning skips them, and a lateral lookup into the log
+//! cannot be pruned at planning at all. A stream that keeps its history (retention not caught
+//! up, a group far behind) would otherwise pay for every partition on every claim.
 
-use pgrx::pg_sys::BuiltinOid::*;
+use std::ffi::CString;
+
+use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::spi::SpiClient;
 
-use crate::error::Result;
-use crate::statement::Statement;
+use crate::error::{Result, StreamError};
+use crate::statement::{Part, Statement};
 use crate::stream::StreamRef;
 
 const ADD: Statement = Statement {
@@ -25,6 +34,66 @@ pub enum Need {
     /// Claims and `maintain()`: keep half a partition of headroom ahead of the head, skipping
     /// the work when another transaction is creating partitions right now.
     Ahead,
+}
+
+/// The partition that holds (or will hold) message `id`.
+pub fn of(stream: &StreamRef, id: i64) -> Part {
+    (id - 1).div_euclid(stream.partition_size)
+}
+
+/// The stream's log, locked for reading: which of its partitions exist.
+///
+/// Opening it takes the log's ACCESS SHARE lock, as any statement over the log does: retention
+/// and `drop_stream` drop partitions under the log's ACCESS EXCLUSIVE lock, so a drop committed
+/// before is seen here and none happens until this transaction ends. Partitions are created
+/// ahead of the head, so every id up to a fence's safe head has its partition, unless retention
+/// dropped it: then no group needs its messages, and the archive keeps the dead letters' ones.
+pub struct Log<'a> {
+    stream: &'a StreamRef,
+    namespace: pg_sys::Oid,
+}
+
+impl<'a> Log<'a> {
+    pub fn open(stream: &'a StreamRef) -> Result<Log<'a>> {
+        let name = CString::new(format!("message_log_{}", stream.id)).expect("no NUL in a number");
+        // SAFETY: a catalog lookup with a lock, in a transaction; RangeVarGetRelidExtended
+        // looks again when the relation is dropped or renamed while it waits for the lock.
+        let oid = unsafe {
+            let relation = pg_sys::makeRangeVar(c"sqlstreams".as_ptr().cast_mut(), name.as_ptr().cast_mut(), -1);
+            pg_sys::RangeVarGetRelidExtended(
+                relation,
+                pg_sys::AccessShareLock as pg_sys::LOCKMODE,
+                pg_sys::RVROption::RVR_MISSING_OK,
+                None,
+                std::ptr::null_mut(),
+            )
+        };
+        if oid == pg_sys::InvalidOid {
+            return Err(StreamError::UnknownStreamId(stream.id));
+        }
+        // SAFETY: a syscache lookup of a relation this transaction has locked.
+        Ok(Log { stream, namespace: unsafe { pg_sys::get_rel_namespace(oid) } })
+    }
+
+    /// Whether partition `part` exists.
+    pub fn exists(&self, part: Part) -> bool {
+        let name = CString::new(format!("message_log_{}_p{part}", self.stream.id)).expect("no NUL in numbers");
+        // SAFETY: a syscache lookup; the log's lock keeps the answer true to the end of the
+        // transaction.
+        unsafe { pg_sys::get_relname_relid(name.as_ptr(), self.namespace) != pg_sys::InvalidOid }
+    }
+
+    /// The partitions holding ids in `(after, upto]` that exist, oldest first; looked up as the
+    /// caller goes on, so a reader that stops early looks at no more.
+    pub fn holding(&self, after: i64, upto: i64) -> impl Iterator<Item = Part> + '_ {
+        let (first, last) = if upto > after { (of(self.stream, after + 1), of(self.stream, upto)) } else { (0, -1) };
+        (first..=last).filter(|&part| self.exists(part))
+    }
+
+    /// The last id partition `part` holds.
+    pub fn last_id(&self, part: Part) -> i64 {
+        (part + 1).saturating_mul(self.stream.partition_size)
+    }
 }
 
 /// Whether message id `id` is close enough to the end of the partitions to add more.

@@ -143,7 +143,7 @@ pub fn step(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Retained> {
     let groups: Vec<i64> =
         GROUPS.run(client, 0, &[stream.id.into()])?.map(|row| row.required("id")).collect::<Result<_>>()?;
     for group in groups {
-        cursor::advance(client, stream.id, group)?;
+        cursor::advance(client, stream, group)?;
     }
     let mut purged: HashMap<i64, Vec<Option<String>>> = HashMap::new();
     for row in PURGE_RESOLVED.run(client, stream.id, &[stream.id.into(), PURGE_BATCH.into()])? {

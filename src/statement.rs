@@ -39,14 +39,33 @@ pub struct Statement {
 /// The stream a statement runs against; 0 for catalog statements.
 pub type StreamId = i64;
 
+/// A partition of the stream's log (src/partition.rs): `@part@` in a statement's SQL.
+pub type Part = i64;
+
+/// Plans are kept per (stream, statement, read-only, partition); `NO_PART` for statements that
+/// name no partition.
+type PlanKey = (StreamId, &'static str, bool, Part);
+const NO_PART: Part = -1;
+
+/// Plans kept per statement and stream for single partitions: the partitions a claim reads move
+/// on with the head, so the oldest plans go (a plan is a few kilobytes of backend memory).
+const PART_PLANS_KEPT: usize = 16;
+
 thread_local! {
-    static PLANS: RefCell<HashMap<(StreamId, &'static str, bool), Rc<OwnedPreparedStatement>>> =
-        RefCell::new(HashMap::new());
+    static PLANS: RefCell<HashMap<PlanKey, Rc<OwnedPreparedStatement>>> = RefCell::new(HashMap::new());
 }
 
 /// Renders a per-stream SQL template. Only ever called with a numeric id.
 pub fn render(sql: &str, stream_id: StreamId) -> String {
     sql.replace("@id@", &stream_id.to_string())
+}
+
+fn render_part(sql: &str, stream_id: StreamId, part: Part) -> String {
+    if part == NO_PART {
+        render(sql, stream_id)
+    } else {
+        render(sql, stream_id).replace("@part@", &part.to_string())
+    }
 }
 
 impl Statement {
@@ -61,7 +80,34 @@ impl Statement {
         stream_id: StreamId,
         args: &[DatumWithOid<'_>],
     ) -> SpiResult<SpiTupleTable<'conn>> {
-        let plan = self.plan(client, stream_id, false)?;
+        let plan = self.plan(client, stream_id, NO_PART, false)?;
+        client.select(&*plan, None, args)
+    }
+
+    /// Runs the statement against partition `part` of the stream's log (`@part@`), which the
+    /// caller knows exists (src/partition.rs). A plan over one partition locks that partition
+    /// alone: a cached plan over the partitioned log locks every partition at each execution.
+    pub fn run_in<'conn>(
+        &self,
+        client: &SpiClient<'conn>,
+        stream_id: StreamId,
+        part: Part,
+        args: &[DatumWithOid<'_>],
+    ) -> SpiResult<SpiTupleTable<'conn>> {
+        let plan = self.plan(client, stream_id, part, false)?;
+        client.select(&*plan, None, args)
+    }
+
+    /// `run_in` or, for `Access::Read`, its read-only form (see `read`).
+    pub fn exec_in<'conn>(
+        &self,
+        client: &SpiClient<'conn>,
+        stream_id: StreamId,
+        part: Part,
+        args: &[DatumWithOid<'_>],
+        access: Access,
+    ) -> SpiResult<SpiTupleTable<'conn>> {
+        let plan = self.plan(client, stream_id, part, access == Access::Read)?;
         client.select(&*plan, None, args)
     }
 
@@ -73,7 +119,7 @@ impl Statement {
         stream_id: StreamId,
         args: &[DatumWithOid<'_>],
     ) -> SpiResult<SpiTupleTable<'conn>> {
-        let plan = self.plan(client, stream_id, true)?;
+        let plan = self.plan(client, stream_id, NO_PART, true)?;
         client.select(&*plan, None, args)
     }
 
@@ -95,25 +141,46 @@ impl Statement {
         &self,
         client: &SpiClient<'_>,
         stream_id: StreamId,
+        part: Part,
         read_only: bool,
     ) -> SpiResult<Rc<OwnedPreparedStatement>> {
-        let key = (stream_id, self.name, read_only);
+        let key = (stream_id, self.name, read_only, part);
         if let Some(plan) = PLANS.with(|plans| plans.borrow().get(&key).cloned()) {
             return Ok(plan);
         }
         let types: Vec<PgOid> = self.params.iter().map(|oid| PgOid::BuiltIn(*oid)).collect();
-        let sql = render(self.sql, stream_id);
+        let sql = render_part(self.sql, stream_id, part);
         let prepared =
             if read_only { client.prepare(sql.as_str(), &types)? } else { client.prepare_mut(sql.as_str(), &types)? };
         let plan = Rc::new(prepared.keep());
-        PLANS.with(|plans| plans.borrow_mut().insert(key, plan.clone()));
+        PLANS.with(|plans| {
+            let mut plans = plans.borrow_mut();
+            if part != NO_PART {
+                forget_oldest_parts(&mut plans, key);
+            }
+            plans.insert(key, plan.clone())
+        });
         Ok(plan)
+    }
+}
+
+/// Makes room for the plan `key` of a partition: drops the plans of the lowest partitions
+/// beyond `PART_PLANS_KEPT - 1` of the same statement and stream.
+fn forget_oldest_parts<P>(plans: &mut HashMap<PlanKey, P>, key: PlanKey) {
+    let same = |k: &PlanKey| k.0 == key.0 && k.1 == key.1 && k.2 == key.2 && k.3 != NO_PART;
+    let mut parts: Vec<Part> = plans.keys().filter(|k| same(k)).map(|k| k.3).collect();
+    if parts.len() < PART_PLANS_KEPT {
+        return;
+    }
+    parts.sort_unstable();
+    for part in &parts[..=parts.len() - PART_PLANS_KEPT] {
+        plans.remove(&(key.0, key.1, key.2, *part));
     }
 }
 
 /// Forgets the cached plans of a dropped stream.
 pub fn forget_stream(stream_id: StreamId) {
-    PLANS.with(|plans| plans.borrow_mut().retain(|(id, _, _), _| *id != stream_id));
+    PLANS.with(|plans| plans.borrow_mut().retain(|(id, _, _, _), _| *id != stream_id));
 }
 
 /// A `timestamptz` parameter from Postgres microseconds.
@@ -160,5 +227,30 @@ impl Columns for SpiHeapTupleData<'_> {
 impl Columns for SpiTupleTable<'_> {
     fn value<T: FromDatum + IntoDatum>(&self, column: &str) -> Result<Option<T>> {
         Ok(self.get_by_name(column)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_statement_keeps_the_plans_of_its_newest_partitions() {
+        let mut plans: HashMap<PlanKey, ()> = HashMap::new();
+        plans.insert((1, "other", false, 0), ());
+        plans.insert((2, "after", false, 0), ());
+        plans.insert((1, "after", false, NO_PART), ());
+        for part in 0..40 {
+            let key = (1, "after", false, part);
+            forget_oldest_parts(&mut plans, key);
+            plans.insert(key, ());
+        }
+        let mut kept: Vec<Part> =
+            plans.keys().filter(|k| k.0 == 1 && k.1 == "after" && k.3 != NO_PART).map(|k| k.3).collect();
+        kept.sort_unstable();
+        assert_eq!(kept, (40 - PART_PLANS_KEPT as Part..40).collect::<Vec<_>>());
+        assert!(plans.contains_key(&(1, "other", false, 0)), "other statements keep theirs");
+        assert!(plans.contains_key(&(2, "after", false, 0)), "other streams keep theirs");
+        assert!(plans.contains_key(&(1, "after", false, NO_PART)));
     }
 }

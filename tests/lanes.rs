@@ -117,3 +117,105 @@ fn a_claim_leaves_the_other_consumers_their_share_of_the_lanes() {
     g.ack_batch(&mut c, &a);
     assert_eq!(g.claim(&mut c, 100).len(), 1, "the last lane with work");
 }
+
+/// Log partitions (tables, not their indexes) this session holds a lock on.
+fn partitions_locked(tx: &mut postgres::Transaction<'_>, s: &Stream) -> i64 {
+    tx.query_one(
+        "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+         WHERE l.pid = pg_backend_pid() AND c.relkind = 'r' AND c.relname LIKE $1",
+        &[&format!("message_log\\_{}\\_p%", s.id)],
+    )
+    .unwrap()
+    .get(0)
+}
+
+/// Consumed partitions that are kept (a group that has not read them yet, or retention not
+/// caught up) cost a claim nothing: it opens the partitions it reads, not every partition of
+/// the log, whose locks every claim would otherwise take.
+#[test]
+fn a_claim_opens_only_the_partitions_it_reads() {
+    let mut c = connect();
+    let s = Stream::create_sized(&mut c, "kept-partitions", 1000);
+    let g = s.group(&mut c, "g", None);
+    let _behind = s.group(&mut c, "behind", None); // keeps every partition from retention
+    for _ in 0..30 {
+        s.produce_many(&mut c, 1000, None);
+        loop {
+            let batch = g.claim(&mut c, 1000);
+            if batch.is_empty() {
+                break;
+            }
+            g.ack_batch(&mut c, &batch);
+        }
+    }
+    let fresh = s.produce_many(&mut c, 100, None);
+    let mut tx = c.transaction().unwrap();
+    let partitions: i64 = tx
+        .query_one(
+            "SELECT count(*) FROM pg_inherits WHERE inhparent = $1::text::regclass",
+            &[&format!("sqlstreams.message_log_{}", s.id)],
+        )
+        .unwrap()
+        .get(0);
+    assert!(partitions >= 31, "the stream keeps its consumed partitions ({partitions})");
+    let claimed: Vec<i64> = tx
+        .query("SELECT message_id FROM sqlstreams.claim($1, 'g', 100) ORDER BY message_id", &[&s.name])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(claimed, fresh);
+    let locked = partitions_locked(&mut tx, &s);
+    assert!(locked <= 2, "a claim of 100 new messages locked {locked} of {partitions} partitions");
+    tx.rollback().unwrap();
+}
+
+/// A lane with nothing new is moved up to the safe head by the claims that probe it once the
+/// head is in a later partition, so no claim probes the partitions it skipped again; messages
+/// that come later in that lane, and every message after a seek back, are still delivered.
+#[test]
+fn empty_lanes_move_up_with_the_head_and_lose_nothing() {
+    let mut c = connect();
+    let s = Stream::create_sized(&mut c, "empty-lanes", 1000);
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let keys = one_key_per_lane(&mut c, &s);
+    let drain = |c: &mut Client| {
+        let mut delivered = Vec::new();
+        loop {
+            let batch = g.claim(c, 1000);
+            if batch.is_empty() {
+                return delivered;
+            }
+            g.ack_batch(c, &batch);
+            delivered.extend(batch.iter().map(|d| d.message_id));
+        }
+    };
+    let mut delivered = Vec::new();
+    // Five partitions of one key: fifteen lanes have nothing.
+    let mut produced = Vec::new();
+    for _ in 0..5 {
+        produced.extend(s.produce_many(&mut c, 1000, Some(&keys[0])));
+        delivered.extend(drain(&mut c));
+    }
+    let behind: i64 =
+        c.query_one(&format!("SELECT count(*) FROM {} WHERE claimed < 4000", s.table("lane")), &[]).unwrap().get(0);
+    assert_eq!(behind, 0, "every lane is in the head's partition");
+    // Now idle: a claim writes nothing.
+    let mut tx = c.transaction().unwrap();
+    assert!(tx.query("SELECT * FROM sqlstreams.claim($1, 'g', 10)", &[&s.name]).unwrap().is_empty());
+    let xid: Option<String> = tx.query_one("SELECT pg_current_xact_id_if_assigned()::text", &[]).unwrap().get(0);
+    assert_eq!(xid, None, "an idle claim takes no transaction id");
+    tx.commit().unwrap();
+    // Every other lane gets a message, in the next partition.
+    for key in &keys[1..] {
+        produced.push(s.produce(&mut c, json!({}), Some(key)));
+    }
+    delivered.extend(drain(&mut c));
+    delivered.sort();
+    assert_eq!(delivered, produced);
+    // Back to the start: everything again, the lanes moved up included.
+    c.execute("SELECT sqlstreams.seek($1, 'g', 0)", &[&s.name]).unwrap();
+    let mut again = drain(&mut c);
+    again.sort();
+    assert_eq!(again, produced);
+}

@@ -214,6 +214,27 @@ fn a_group_with_no_consumer_yet_keeps_everything() {
     assert_eq!(g.drain(&mut c).len(), 2500);
 }
 
+/// `claimed` (and with it `committed`, which retention drops below) stops at the first message
+/// any lane has not handed out, when the lanes are in different partitions: a lane that moved
+/// into a later partition does not carry the others past what they still have to hand out.
+#[test]
+fn committed_stops_at_the_first_message_a_lane_has_not_handed_out() {
+    let mut c = connect();
+    let s = Stream::create_sized(&mut c, "lanes-apart", 1000);
+    s.produce_many(&mut c, 2500, None); // keyless: lanes take blocks of 64 ids in turn
+    let g = s.group(&mut c, "g", None);
+    let batch = g.claim(&mut c, 100); // lane 0 only: ids 1..=63, then 1024..=1060
+    assert_eq!(batch.last().map(|d| d.message_id), Some(1060));
+    g.ack_batch(&mut c, &batch);
+    let status = "SELECT claimed, committed FROM sqlstreams.group_status($1, 'g')";
+    let row = c.query_one(status, &[&s.name]).unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (63, 63), "lane 1 has not handed out 64");
+    assert_eq!(maintain(&mut c, &s), (0, 0), "retention keeps what lane 1 and the others still need");
+    let row = c.query_one(status, &[&s.name]).unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (63, 63), "stored as it is");
+    assert_eq!(g.drain(&mut c).len(), 2400);
+}
+
 #[test]
 fn hold_on_dead_stops_only_that_key_until_redrive_restores_its_order() {
     let mut c = connect();

@@ -915,10 +915,14 @@ RETURNS TABLE (
     oldest_unresolved_at timestamptz
 )
 -- Restricted: it adds the calling backend's count changes not written yet (src/inspect.rs).
+-- No bitmap scans: they read the page of every dead row their index still points to (each
+-- outcome rewrites its range's row), until vacuum; an index scan marks them dead in the index
+-- the first time and then skips them.
 STABLE PARALLEL RESTRICTED
 LANGUAGE c AS 'MODULE_PATHNAME', 'group_status_wrapper'
 SET search_path = pg_catalog, pg_temp
-SET plan_cache_mode = force_generic_plan;
+SET plan_cache_mode = force_generic_plan
+SET enable_bitmapscan = off;
 
 -- Each view shows only what the querying role may see (sqlstreams.visible); as security
 -- barriers, their filter runs before any condition of the query reaches a row.

@@ -14,9 +14,10 @@
 //!    lane's position and hold, return the runs. Now and then, a retention step for the
 //!    stream (src/retention.rs).
 //!
-//! A claim never waits for a lock (src/locks.rs): lanes, rows and key locks are all taken
-//! only when free. So the fence and the clock it reads are never older than what it claims
-//! against, and no outcome that waits for a claim can be waited for in turn.
+//! A claim never waits for a row or key lock (src/locks.rs): lanes, rows and key locks are all
+//! taken only when free. Its one wait, for the log's lock while retention drops partitions,
+//! comes before it reads the clock. So the fence and the clock it reads are never older than
+//! what it claims against, and no outcome that waits for a claim can be waited for in turn.
 
 use std::collections::HashMap;
 
@@ -38,7 +39,7 @@ use crate::message::{self, Message, Meta};
 use crate::names::{self, positive_micros, validate_name};
 use crate::notify;
 use crate::outcome::{self, Signal};
-use crate::partition;
+use crate::partition::{self, Log};
 use crate::payload::RawJsonb;
 use crate::range::{self, RangeLease};
 use crate::retention;
@@ -165,6 +166,9 @@ pub fn claim(
         // The stored fence first, then the world (src/fence.rs): the order is the proof.
         let stored = cursor::read_fence(client, stream_id, group.id, Access::Write)?;
         let (fence, head) = advance_fence(client, stream_id, stored)?;
+        // The log's lock before the clock: it is the claim's one wait (for a retention step
+        // dropping partitions), and the clock is read after it.
+        Log::open(&group.stream)?;
         let now = clock::now();
         let (candidates, share) = lanes::candidates(client, group, fence.safe, now, released.first().copied())?;
         if fence != stored {
@@ -335,7 +339,8 @@ impl Claim<'_> {
     }
 
     /// Takes due rows as work, with their messages' payloads; a row whose message is gone
-    /// (neither in the log nor in the archive) is passed over.
+    /// (neither in the log nor in the archive) is passed over, unless its delivery expired for
+    /// the last time (going dead needs no payload).
     fn push_rows(&mut self, client: &SpiClient<'_>, rows: SpiTupleTable<'_>) -> Result<()> {
         let rows = rows
             .map(|row| {
@@ -358,7 +363,6 @@ impl Claim<'_> {
             message::by_id(client, self.group, &ids)?.into_iter().map(|m| (m.candidate.message_id, m)).collect();
         for (candidate, status, mut attempts) in rows {
             let id = candidate.message_id;
-            let Some(message) = messages.get(&id) else { continue };
             let expired = status == Status::Inflight;
             if expired {
                 match exception_queue::expire(id, attempts, self.group.max_retries) {
@@ -371,6 +375,7 @@ impl Claim<'_> {
                     }
                 }
             }
+            let Some(message) = messages.get(&id) else { continue };
             self.work.push(Work {
                 candidate,
                 held: Held::Row { status, expired },

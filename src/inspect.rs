@@ -20,7 +20,9 @@ use crate::statement::{Access, Columns, Statement};
 
 /// A group's progress, given `$2`, how far it has handed out everything
 /// (`lanes::claimed_through`). `group_status` is `stable`: its statements all read the
-/// caller's snapshot, so every figure describes the same moment.
+/// caller's snapshot, so its figures describe one moment (which partitions of the log exist is
+/// read as it is now, as any query over the log does: one dropped since holds nothing a group
+/// still needs).
 const PROGRESS: Statement = Statement {
     name: "inspect_progress",
     sql: concat!(

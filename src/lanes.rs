@@ -45,7 +45,7 @@ pub struct Lane {
 /// handed out alone, so it goes first or never), then the lane furthest behind, the lane the
 /// caller just released first among equals (it stays with the keys it knows). Work is due
 /// exception rows, an expired range (or one claimed before lanes existed), or perhaps messages:
-/// the lane's position is below the safe head `$4` (`PROBE` looks). Also how many claims hold
+/// the lane's position is below the safe head `$4` (`NEXT` looks). Also how many claims hold
 /// lanes now. Reads only; `take` locks.
 const CANDIDATES: Statement = Statement {
     name: "lanes_candidates",
@@ -101,18 +101,17 @@ const CANDIDATES: Statement = Statement {
     params: &[INT8OID, TIMESTAMPTZOID, BOOLOID, INT8OID, INT4OID],
 };
 
-/// Which of the lanes `$1` have a message after their positions `$2` up to the safe head `$3`,
-/// in one partition of the log. The bounds are row comparisons on (lane, id), which only the lane
-/// index can answer: with `lane = x`, statistics of one hot lane make the planner walk the
-/// primary key and filter out every row of that lane, which is the whole backlog for a lane
-/// with nothing new (src/message.rs). A scalar subquery with LIMIT 1, never EXISTS (see
-/// `CANDIDATES`).
-const PROBE: Statement = Statement {
-    name: "lanes_probe",
-    sql: "SELECT l.lane FROM unnest($1::int4[], $2::int8[]) AS l(lane, claimed)
-          WHERE coalesce((SELECT true FROM sqlstreams.message_log_@id@_p@part@ m
-                          WHERE (m.lane, m.id) > (l.lane, l.claimed) AND (m.lane, m.id) <= (l.lane, $3)
-                          ORDER BY m.lane, m.id LIMIT 1), false)",
+/// The next message of each of the lanes `$1` after its position `$2`, up to the safe head `$3`,
+/// in one partition of the log (lanes with none there are left out). The bounds are row
+/// comparisons on (lane, id), which only the lane index can answer: with `lane = x`, statistics
+/// of one hot lane make the planner walk the primary key and filter out every row of that lane,
+/// which is the whole backlog for a lane with nothing new (src/message.rs).
+const NEXT: Statement = Statement {
+    name: "lanes_next",
+    sql: "SELECT l.lane, n.id FROM unnest($1::int4[], $2::int8[]) AS l(lane, claimed)
+          CROSS JOIN LATERAL (SELECT m.id FROM sqlstreams.message_log_@id@_p@part@ m
+                              WHERE (m.lane, m.id) > (l.lane, l.claimed) AND (m.lane, m.id) <= (l.lane, $3)
+                              ORDER BY m.lane, m.id LIMIT 1) n",
     params: &[INT4ARRAYOID, INT8ARRAYOID, INT8OID],
 };
 
@@ -123,28 +122,20 @@ const POSITIONS: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
-/// The first message after the positions `$2` of lanes `$1` up to the safe head `$3`, in one
-/// partition of the log (see `PROBE`).
-const FIRST: Statement = Statement {
-    name: "lanes_first",
-    sql: "SELECT min(n.id) AS first FROM unnest($1::int4[], $2::int8[]) AS l(lane, claimed)
-          CROSS JOIN LATERAL (SELECT m.id FROM sqlstreams.message_log_@id@_p@part@ m
-                              WHERE (m.lane, m.id) > (l.lane, l.claimed) AND (m.lane, m.id) <= (l.lane, $3)
-                              ORDER BY m.lane, m.id LIMIT 1) n",
-    params: &[INT4ARRAYOID, INT8ARRAYOID, INT8OID],
-};
-
 /// Moves lanes `$2` with nothing after their positions `$3` up to the safe head `$4` to it,
 /// unless another claim has them (`SKIP LOCKED`) or moved them back (`seek`) meanwhile. A lane
 /// left at an old position would have every later partition probed by every claim.
+/// Only the lanes it moves stay locked.
 const CATCH_UP: Statement = Statement {
     name: "lanes_catch_up",
     sql: "UPDATE sqlstreams.lane_@id@ l SET claimed = $4
           FROM unnest($2::int4[], $3::int8[]) AS c(lane, probed_from)
           WHERE l.consumer_group_id = $1 AND l.lane = c.lane AND l.claimed >= c.probed_from AND l.claimed < $4
-            AND (l.consumer_group_id, l.lane) IN (SELECT consumer_group_id, lane FROM sqlstreams.lane_@id@
-                                                  WHERE consumer_group_id = $1 AND lane = ANY($2)
-                                                  FOR UPDATE SKIP LOCKED)",
+            AND (l.consumer_group_id, l.lane) IN (
+                SELECT x.consumer_group_id, x.lane FROM sqlstreams.lane_@id@ x
+                JOIN unnest($2::int4[], $3::int8[]) AS p(lane, probed_from) ON p.lane = x.lane
+                WHERE x.consumer_group_id = $1 AND x.claimed >= p.probed_from AND x.claimed < $4
+                FOR UPDATE OF x SKIP LOCKED)",
     params: &[INT8OID, INT4ARRAYOID, INT8ARRAYOID, INT8OID],
 };
 
@@ -298,7 +289,8 @@ fn probe(client: &SpiClient<'_>, group: &GroupRef, positions: Vec<(i32, i64)>, s
     let stream = &group.stream;
     let mut found = Vec::new();
     let empty = by_partition(stream, positions, safe, |part, lanes, claimed| {
-        let rows = PROBE.run_in(client, stream.id, part, &[lanes.into(), claimed.into(), safe.into()])?;
+        let args = [lanes.into(), claimed.into(), safe.into()];
+        let rows = NEXT.exec_in(client, stream.id, part, &args, Access::Write)?;
         let here = rows.map(|row| row.required("lane")).collect::<Result<Vec<i32>>>()?;
         found.extend(&here);
         Ok(ControlFlow::Continue(here))
@@ -329,8 +321,8 @@ pub fn claimed_through(
         .collect::<Result<Vec<(i32, i64)>>>()?;
     let mut first = None;
     by_partition(stream, positions, safe, |part, lanes, claimed| {
-        let row = FIRST.exec_in(client, stream.id, part, &[lanes.into(), claimed.into(), safe.into()], access)?;
-        first = row.first().value::<i64>("first")?;
+        let rows = NEXT.exec_in(client, stream.id, part, &[lanes.into(), claimed.into(), safe.into()], access)?;
+        first = rows.map(|row| row.required::<i64>("id")).collect::<Result<Vec<i64>>>()?.into_iter().min();
         // Found here, it is the lowest: a lane not looked for here has its next message in a
         // later partition. Not found: no lane has one here.
         Ok(if first.is_some() { ControlFlow::Break(()) } else { ControlFlow::Continue(vec![]) })

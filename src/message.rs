@@ -16,11 +16,17 @@ use crate::payload::RawJsonb;
 use crate::statement::{Access, Columns, Part, Statement};
 use crate::stream::StreamRef;
 
+/// The columns a message is read with (`messages`).
+macro_rules! columns {
+    () => {
+        "id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at"
+    };
+}
+
 /// Messages by id in one partition of the log (src/partition.rs).
 const IN_PART: Statement = Statement {
     name: "message_in_part",
-    sql: "SELECT id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at
-          FROM sqlstreams.message_log_@id@_p@part@ WHERE id = ANY($1)",
+    sql: concat!("SELECT ", columns!(), " FROM sqlstreams.message_log_@id@_p@part@ WHERE id = ANY($1)"),
     params: &[INT8ARRAYOID],
 };
 
@@ -28,8 +34,7 @@ const IN_PART: Statement = Statement {
 /// drops that exception rows still refer to (src/retention.rs).
 const ARCHIVED: Statement = Statement {
     name: "message_archived",
-    sql: "SELECT id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at
-          FROM sqlstreams.message_archive_@id@ WHERE id = ANY($1)",
+    sql: concat!("SELECT ", columns!(), " FROM sqlstreams.message_archive_@id@ WHERE id = ANY($1)"),
     params: &[INT8ARRAYOID],
 };
 
@@ -38,10 +43,13 @@ const ARCHIVED: Statement = Statement {
 /// filled the statistics walks the primary key instead, through every row of other lanes.
 const AFTER: Statement = Statement {
     name: "message_after",
-    sql: "SELECT id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at
-          FROM sqlstreams.message_log_@id@_p@part@
+    sql: concat!(
+        "SELECT ",
+        columns!(),
+        " FROM sqlstreams.message_log_@id@_p@part@
           WHERE (lane, id) > ($4, $1) AND (lane, id) <= ($4, $2)
-          ORDER BY lane, id LIMIT $3",
+          ORDER BY lane, id LIMIT $3"
+    ),
     params: &[INT8OID, INT8OID, INT4OID, INT4OID],
 };
 
@@ -120,7 +128,7 @@ pub fn by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64]) -> Result<Ve
             missing.extend(ids);
             continue;
         }
-        let read = messages(IN_PART.run_in(client, stream.id, part, &[ids.clone().into()])?, group)?;
+        let read = messages(IN_PART.exec_in(client, stream.id, part, &[ids.clone().into()], Access::Write)?, group)?;
         if read.len() < ids.len() {
             let read: HashSet<i64> = read.iter().map(|m| m.candidate.message_id).collect();
             missing.extend(ids.into_iter().filter(|id| !read.contains(id)));
@@ -153,7 +161,7 @@ pub fn after(
     for part in log.holding(after, upto) {
         let room = limit - found.len() as i32;
         let args = [after.into(), upto.into(), room.into(), lane.into()];
-        found.extend(messages(AFTER.run_in(client, group.stream.id, part, &args)?, group)?);
+        found.extend(messages(AFTER.exec_in(client, group.stream.id, part, &args, Access::Write)?, group)?);
         if found.len() as i32 == limit {
             break;
         }

@@ -47,7 +47,14 @@ pub fn of(stream: &StreamRef, id: i64) -> Part {
 /// and `drop_stream` drop partitions under the log's ACCESS EXCLUSIVE lock, so a drop committed
 /// before is seen here and none happens until this transaction ends. Partitions are created
 /// ahead of the head, so every id up to a fence's safe head has its partition, unless retention
-/// dropped it: then no group needs its messages, and the archive keeps the dead letters' ones.
+/// dropped it, or its producer rolled back: then no group needs its messages (the archive keeps
+/// the dead letters' ones), or it has none.
+///
+/// Existence comes from the syscache, brought up to date when the log is opened: the lock is
+/// taken again without reading the catalog's invalidations when this transaction already holds
+/// it, and a partition looked up before another transaction attached it (one whose producer
+/// rolled back, below the safe head) would stay missing from the cache, its messages passed over
+/// for good. No partition is dropped while the lock is held.
 pub struct Log<'a> {
     stream: &'a StreamRef,
     namespace: pg_sys::Oid,
@@ -71,6 +78,8 @@ impl<'a> Log<'a> {
         if oid == pg_sys::InvalidOid {
             return Err(StreamError::UnknownStreamId(stream.id));
         }
+        // SAFETY: processes pending catalog invalidations, as a first lock acquisition does.
+        unsafe { pg_sys::AcceptInvalidationMessages() };
         // SAFETY: a syscache lookup of a relation this transaction has locked.
         Ok(Log { stream, namespace: unsafe { pg_sys::get_rel_namespace(oid) } })
     }
@@ -78,8 +87,7 @@ impl<'a> Log<'a> {
     /// Whether partition `part` exists.
     pub fn exists(&self, part: Part) -> bool {
         let name = CString::new(format!("message_log_{}_p{part}", self.stream.id)).expect("no NUL in numbers");
-        // SAFETY: a syscache lookup; the log's lock keeps the answer true to the end of the
-        // transaction.
+        // SAFETY: a syscache lookup (see `Log` for why its answer is current).
         unsafe { pg_sys::get_relname_relid(name.as_ptr(), self.namespace) != pg_sys::InvalidOid }
     }
 

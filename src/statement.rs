@@ -42,14 +42,14 @@ pub type StreamId = i64;
 /// A partition of the stream's log (src/partition.rs): `@part@` in a statement's SQL.
 pub type Part = i64;
 
-/// Plans are kept per (stream, statement, read-only, partition); `NO_PART` for statements that
-/// name no partition.
-type PlanKey = (StreamId, &'static str, bool, Part);
-const NO_PART: Part = -1;
+/// Plans are kept per (stream, statement, read-only, partition named by `@part@`).
+type PlanKey = (StreamId, &'static str, bool, Option<Part>);
 
 /// Plans kept per statement and stream for single partitions: the partitions a claim reads move
-/// on with the head, so the oldest plans go (a plan is a few kilobytes of backend memory).
-const PART_PLANS_KEPT: usize = 16;
+/// on with the head, so the oldest plans go (a plan is a few kilobytes of backend memory). A
+/// claim reads one or two partitions; lanes found empty move up with the head (src/lanes.rs),
+/// so a walk over more is rare and the plans past these are made again.
+const PART_PLANS_KEPT: usize = 32;
 
 thread_local! {
     static PLANS: RefCell<HashMap<PlanKey, Rc<OwnedPreparedStatement>>> = RefCell::new(HashMap::new());
@@ -60,11 +60,10 @@ pub fn render(sql: &str, stream_id: StreamId) -> String {
     sql.replace("@id@", &stream_id.to_string())
 }
 
-fn render_part(sql: &str, stream_id: StreamId, part: Part) -> String {
-    if part == NO_PART {
-        render(sql, stream_id)
-    } else {
-        render(sql, stream_id).replace("@part@", &part.to_string())
+fn render_part(sql: &str, stream_id: StreamId, part: Option<Part>) -> String {
+    match part {
+        Some(part) => render(sql, stream_id).replace("@part@", &part.to_string()),
+        None => render(sql, stream_id),
     }
 }
 
@@ -80,25 +79,14 @@ impl Statement {
         stream_id: StreamId,
         args: &[DatumWithOid<'_>],
     ) -> SpiResult<SpiTupleTable<'conn>> {
-        let plan = self.plan(client, stream_id, NO_PART, false)?;
+        let plan = self.plan(client, stream_id, None, false)?;
         client.select(&*plan, None, args)
     }
 
-    /// Runs the statement against partition `part` of the stream's log (`@part@`), which the
-    /// caller knows exists (src/partition.rs). A plan over one partition locks that partition
-    /// alone: a cached plan over the partitioned log locks every partition at each execution.
-    pub fn run_in<'conn>(
-        &self,
-        client: &SpiClient<'conn>,
-        stream_id: StreamId,
-        part: Part,
-        args: &[DatumWithOid<'_>],
-    ) -> SpiResult<SpiTupleTable<'conn>> {
-        let plan = self.plan(client, stream_id, part, false)?;
-        client.select(&*plan, None, args)
-    }
-
-    /// `run_in` or, for `Access::Read`, its read-only form (see `read`).
+    /// Runs the statement with `access` (see `exec`) against partition `part` of the stream's
+    /// log (`@part@`), which the caller knows exists (src/partition.rs). A plan over one
+    /// partition locks that partition alone: a cached plan over the partitioned log locks every
+    /// partition at each execution.
     pub fn exec_in<'conn>(
         &self,
         client: &SpiClient<'conn>,
@@ -107,7 +95,7 @@ impl Statement {
         args: &[DatumWithOid<'_>],
         access: Access,
     ) -> SpiResult<SpiTupleTable<'conn>> {
-        let plan = self.plan(client, stream_id, part, access == Access::Read)?;
+        let plan = self.plan(client, stream_id, Some(part), access == Access::Read)?;
         client.select(&*plan, None, args)
     }
 
@@ -119,7 +107,7 @@ impl Statement {
         stream_id: StreamId,
         args: &[DatumWithOid<'_>],
     ) -> SpiResult<SpiTupleTable<'conn>> {
-        let plan = self.plan(client, stream_id, NO_PART, true)?;
+        let plan = self.plan(client, stream_id, None, true)?;
         client.select(&*plan, None, args)
     }
 
@@ -141,7 +129,7 @@ impl Statement {
         &self,
         client: &SpiClient<'_>,
         stream_id: StreamId,
-        part: Part,
+        part: Option<Part>,
         read_only: bool,
     ) -> SpiResult<Rc<OwnedPreparedStatement>> {
         let key = (stream_id, self.name, read_only, part);
@@ -155,7 +143,7 @@ impl Statement {
         let plan = Rc::new(prepared.keep());
         PLANS.with(|plans| {
             let mut plans = plans.borrow_mut();
-            if part != NO_PART {
+            if part.is_some() {
                 forget_oldest_parts(&mut plans, key);
             }
             plans.insert(key, plan.clone())
@@ -167,14 +155,14 @@ impl Statement {
 /// Makes room for the plan `key` of a partition: drops the plans of the lowest partitions
 /// beyond `PART_PLANS_KEPT - 1` of the same statement and stream.
 fn forget_oldest_parts<P>(plans: &mut HashMap<PlanKey, P>, key: PlanKey) {
-    let same = |k: &PlanKey| k.0 == key.0 && k.1 == key.1 && k.2 == key.2 && k.3 != NO_PART;
-    let mut parts: Vec<Part> = plans.keys().filter(|k| same(k)).map(|k| k.3).collect();
+    let same = |k: &&PlanKey| k.0 == key.0 && k.1 == key.1 && k.2 == key.2;
+    let mut parts: Vec<Part> = plans.keys().filter(same).filter_map(|k| k.3).collect();
     if parts.len() < PART_PLANS_KEPT {
         return;
     }
     parts.sort_unstable();
     for part in &parts[..=parts.len() - PART_PLANS_KEPT] {
-        plans.remove(&(key.0, key.1, key.2, *part));
+        plans.remove(&(key.0, key.1, key.2, Some(*part)));
     }
 }
 
@@ -237,20 +225,19 @@ mod tests {
     #[test]
     fn a_statement_keeps_the_plans_of_its_newest_partitions() {
         let mut plans: HashMap<PlanKey, ()> = HashMap::new();
-        plans.insert((1, "other", false, 0), ());
-        plans.insert((2, "after", false, 0), ());
-        plans.insert((1, "after", false, NO_PART), ());
-        for part in 0..40 {
-            let key = (1, "after", false, part);
+        plans.insert((1, "other", false, Some(0)), ());
+        plans.insert((2, "after", false, Some(0)), ());
+        plans.insert((1, "after", false, None), ());
+        for part in 0..100 {
+            let key = (1, "after", false, Some(part));
             forget_oldest_parts(&mut plans, key);
             plans.insert(key, ());
         }
-        let mut kept: Vec<Part> =
-            plans.keys().filter(|k| k.0 == 1 && k.1 == "after" && k.3 != NO_PART).map(|k| k.3).collect();
+        let mut kept: Vec<Part> = plans.keys().filter(|k| k.0 == 1 && k.1 == "after").filter_map(|k| k.3).collect();
         kept.sort_unstable();
-        assert_eq!(kept, (40 - PART_PLANS_KEPT as Part..40).collect::<Vec<_>>());
-        assert!(plans.contains_key(&(1, "other", false, 0)), "other statements keep theirs");
-        assert!(plans.contains_key(&(2, "after", false, 0)), "other streams keep theirs");
-        assert!(plans.contains_key(&(1, "after", false, NO_PART)));
+        assert_eq!(kept, (100 - PART_PLANS_KEPT as Part..100).collect::<Vec<_>>());
+        assert!(plans.contains_key(&(1, "other", false, Some(0))), "other statements keep theirs");
+        assert!(plans.contains_key(&(2, "after", false, Some(0))), "other streams keep theirs");
+        assert!(plans.contains_key(&(1, "after", false, None)), "the plan without a partition stays");
     }
 }

@@ -219,3 +219,50 @@ fn empty_lanes_move_up_with_the_head_and_lose_nothing() {
     again.sort();
     assert_eq!(again, produced);
 }
+
+/// A second claim in a transaction reads a partition another transaction attached after the
+/// first claim looked for it and found none (the safe head was past a rolled-back producer's
+/// ids): what a claim knows of the partitions is not kept, and a partition passed over would
+/// have its messages skipped for good (a lane found empty up to a safe head in a later partition
+/// is moved past them).
+#[test]
+fn a_second_claim_in_a_transaction_reads_a_partition_attached_since() {
+    let mut c = connect();
+    let mut producer = connect();
+    let s = Stream::create_sized(&mut c, "attached-since", 1000);
+    let g = s.group(&mut c, "g", None);
+    let mut produced = s.produce_many(&mut c, 400, None);
+    let mut rolled_back = producer.transaction().unwrap();
+    s.produce_many(&mut rolled_back, 800, None); // ids 401..=1200; partition 1 goes with them
+    rolled_back.rollback().unwrap();
+    // The claim would create partitions ahead of the head; it leaves that to whoever holds the
+    // stream's row.
+    let mut creating = connect();
+    let mut creating = creating.transaction().unwrap();
+    creating.execute("SELECT 1 FROM sqlstreams.stream WHERE id = $1 FOR NO KEY UPDATE", &[&s.id]).unwrap();
+    let mut tx = c.transaction().unwrap();
+    let claim = "SELECT message_id, lease_token FROM sqlstreams.claim($1, 'g', 10000)";
+    let mut delivered: Vec<(i64, uuid::Uuid)> =
+        tx.query(claim, &[&s.name]).unwrap().iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(delivered.len(), 400);
+    creating.rollback().unwrap();
+    let missing: bool = tx
+        .query_one("SELECT to_regclass($1) IS NULL", &[&format!("sqlstreams.message_log_{}_p1", s.id)])
+        .unwrap()
+        .get(0);
+    assert!(missing, "partition 1 does not exist when the first claim looks");
+    // One lane's messages in partition 1 only, another's reaching into partition 2: the first
+    // lane, found empty up to a safe head in a later partition, would be moved past them.
+    let keys = one_key_per_lane(&mut producer, &s);
+    produced.extend(s.produce_many(&mut producer, 700, Some(&keys[0]))); // ids 1201..=1900
+    produced.extend(s.produce_many(&mut producer, 200, Some(&keys[1]))); // ids 1901..=2100
+    delivered.extend(tx.query(claim, &[&s.name]).unwrap().iter().map(|r| (r.get::<_, i64>(0), r.get(1))));
+    for (id, token) in &delivered {
+        tx.execute("SELECT sqlstreams.ack($1, 'g', $2, $3)", &[&s.name, token, id]).unwrap();
+    }
+    tx.commit().unwrap();
+    let mut ids: Vec<i64> = delivered.iter().map(|(id, _)| *id).collect();
+    ids.extend(g.drain(&mut c));
+    ids.sort();
+    assert_eq!(ids, produced, "every message once, none passed over");
+}

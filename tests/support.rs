@@ -124,7 +124,7 @@ impl Stream {
     }
 
     /// Produces `n` keyless messages `{"n": i}` in one batch; returns their ids.
-    pub fn produce_many(&self, c: &mut Client, n: usize, key: Option<&str>) -> Vec<i64> {
+    pub fn produce_many(&self, c: &mut impl postgres::GenericClient, n: usize, key: Option<&str>) -> Vec<i64> {
         let payloads: Vec<Value> = (0..n).map(|i| serde_json::json!({ "n": i })).collect();
         let keys: Vec<Option<&str>> = vec![key; n];
         c.query("SELECT sqlstreams.produce_batch($1, $2, $3)", &[&self.name, &payloads, &keys])

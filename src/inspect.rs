@@ -1,6 +1,8 @@
 //! What a user can always see: each group's progress, blocked keys, open leases and dead rows.
 //! Read-only functions over a stream's table family (the views in the install script build on them).
 
+use std::collections::HashMap;
+
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
@@ -15,6 +17,7 @@ use crate::group::{self, GroupRef};
 use crate::lanes;
 use crate::message;
 use crate::names::validate_name;
+use crate::partition::Log;
 use crate::payload::RawJsonb;
 use crate::statement::{Access, Columns, Statement};
 
@@ -67,19 +70,13 @@ const BLOCKED_KEYS: Statement = Statement {
     params: &[INT8OID],
 };
 
+/// A group's dead rows; `dead_messages` adds their payloads (`message::read_by_id`).
 const DEAD: Statement = Statement {
     name: "inspect_dead",
-    sql: "SELECT e.message_id, e.message_key, e.attempts, e.delays, e.last_error, e.updated_at, m.payload
-          FROM sqlstreams.exception_queue_@id@ e
-          -- The payload, from the log or the archive. A partition dropped after the caller's
-          -- snapshot began is gone from both for that snapshot (its archived rows are newer):
-          -- the row still shows, with a NULL payload.
-          LEFT JOIN LATERAL (SELECT m.payload FROM sqlstreams.message_log_@id@ m WHERE m.id = e.message_id
-                             UNION ALL
-                             SELECT a.payload FROM sqlstreams.message_archive_@id@ a WHERE a.id = e.message_id
-                             LIMIT 1) m ON true
-          WHERE e.consumer_group_id = $1 AND e.status = 'dead'
-          ORDER BY e.message_id",
+    sql: "SELECT message_id, message_key, attempts, delays, last_error, updated_at
+          FROM sqlstreams.exception_queue_@id@
+          WHERE consumer_group_id = $1 AND status = 'dead'
+          ORDER BY message_id",
     params: &[INT8OID],
 };
 
@@ -272,16 +269,37 @@ fn dead_messages(
     >,
     ErrorReport,
 > {
-    let rows = list(stream, group_name, &DEAD, |row| {
-        Ok((
-            row.required("message_id")?,
-            row.value("message_key")?,
-            row.required("attempts")?,
-            row.required("delays")?,
-            row.value("last_error")?,
-            row.required("updated_at")?,
-            row.value("payload")?,
-        ))
+    let rows = access::as_owner(|caller| {
+        Spi::connect(|client| {
+            let group = resolve(client, caller, stream, group_name)?;
+            let rows = DEAD
+                .read(client, group.stream.id, &[group.id.into()])?
+                .map(|row| {
+                    Ok((
+                        row.required::<i64>("message_id")?,
+                        row.value::<String>("message_key")?,
+                        row.required::<i32>("attempts")?,
+                        row.required::<i32>("delays")?,
+                        row.value::<String>("last_error")?,
+                        row.required::<TimestampWithTimeZone>("updated_at")?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            // From the log or the archive. A partition dropped after the caller's snapshot began
+            // is gone from both for that snapshot (its archived rows are newer): the row still
+            // shows, with a NULL payload.
+            let ids: Vec<i64> = rows.iter().map(|row| row.0).collect();
+            let payloads: HashMap<i64, RawJsonb> = message::read_by_id(client, &group, &ids, Access::Read)?
+                .into_iter()
+                .map(|m| (m.candidate.message_id, m.payload))
+                .collect();
+            Ok(rows
+                .into_iter()
+                .map(|(id, key, attempts, delays, error, died)| {
+                    (id, key, attempts, delays, error, died, payloads.get(&id).copied())
+                })
+                .collect::<Vec<_>>())
+        })
     })?;
     Ok(TableIterator::new(rows))
 }
@@ -343,9 +361,10 @@ fn stream_head(stream_id: i64) -> std::result::Result<i64, ErrorReport> {
     })?)
 }
 
+/// Messages after `$1` in one partition of the log (src/partition.rs).
 const PEEK: Statement = Statement {
     name: "inspect_peek",
-    sql: "SELECT id, message_key, produced_at, payload FROM sqlstreams.message_log_@id@
+    sql: "SELECT id, message_key, produced_at, payload FROM sqlstreams.message_log_@id@_p@part@
           WHERE id > $1 ORDER BY id LIMIT $2",
     params: &[INT8OID, INT4OID],
 };
@@ -386,16 +405,24 @@ fn peek(
         Spi::connect(|client| {
             let s = crate::stream::lookup_read(client, stream)?;
             caller.require(client, s.id, stream, Right::ReadMessages)?;
-            PEEK.read(client, s.id, &[after.into(), limit.into()])?
-                .map(|row| {
-                    Ok((
+            let head = cursor::sequence_head(client, s.id, Access::Read)?;
+            let log = Log::open(&s)?;
+            let mut rows = Vec::new();
+            for part in log.holding(after, head) {
+                let room = limit - rows.len() as i32;
+                for row in PEEK.exec_in(client, s.id, part, &[after.into(), room.into()], Access::Read)? {
+                    rows.push((
                         row.required("id")?,
                         row.value("message_key")?,
                         row.required("produced_at")?,
                         row.required("payload")?,
-                    ))
-                })
-                .collect::<Result<Vec<_>>>()
+                    ));
+                }
+                if rows.len() as i32 == limit {
+                    break;
+                }
+            }
+            Ok(rows)
         })
     })?;
     Ok(TableIterator::new(rows))

@@ -115,6 +115,11 @@ fn messages(rows: SpiTupleTable<'_>, group: &GroupRef) -> Result<Vec<Message>> {
 /// partitions that hold them, else from the archive (an id archived just before a drop that then
 /// did not happen is in both, and the log's copy is used).
 pub fn by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64]) -> Result<Vec<Message>> {
+    read_by_id(client, group, ids, Access::Write)
+}
+
+/// `by_id` with `access` (`Access::Read` for inspection functions: the caller's snapshot).
+pub fn read_by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64], access: Access) -> Result<Vec<Message>> {
     let stream = &group.stream;
     let log = Log::open(stream)?;
     let mut by_part: BTreeMap<Part, Vec<i64>> = BTreeMap::new();
@@ -128,7 +133,7 @@ pub fn by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64]) -> Result<Ve
             missing.extend(ids);
             continue;
         }
-        let read = messages(IN_PART.exec_in(client, stream.id, part, &[ids.clone().into()], Access::Write)?, group)?;
+        let read = messages(IN_PART.exec_in(client, stream.id, part, &[ids.clone().into()], access)?, group)?;
         if read.len() < ids.len() {
             let read: HashSet<i64> = read.iter().map(|m| m.candidate.message_id).collect();
             missing.extend(ids.into_iter().filter(|id| !read.contains(id)));
@@ -136,7 +141,7 @@ pub fn by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64]) -> Result<Ve
         found.extend(read);
     }
     if !missing.is_empty() {
-        found.extend(messages(ARCHIVED.run(client, stream.id, &[missing.into()])?, group)?);
+        found.extend(messages(ARCHIVED.exec(client, stream.id, &[missing.into()], access)?, group)?);
     }
     found.sort_by_key(|m| m.candidate.message_id);
     Ok(found)

@@ -699,3 +699,22 @@ fn group_status_counts_stay_exact_through_every_transition() {
     let reborn = s.group(&mut c, "g", Some("ordered"));
     assert_eq!(reborn.assert_counts_exact(&mut c), [0; 5]);
 }
+
+/// `peek` reads on from one partition into the next, and stops at its limit.
+#[test]
+fn peek_reads_across_partitions() {
+    let mut c = connect();
+    let s = Stream::create_sized(&mut c, "peek", 1000);
+    let produced = s.produce_many(&mut c, 2500, None);
+    let peek = |c: &mut Client, after: i64, limit: i32| -> Vec<i64> {
+        c.query("SELECT message_id FROM sqlstreams.peek($1, $2, $3)", &[&s.name, &after, &limit])
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    };
+    assert_eq!(peek(&mut c, 900, 300), produced[900..1200]);
+    assert_eq!(peek(&mut c, 0, 2500), produced);
+    assert_eq!(peek(&mut c, 2400, 1000), produced[2400..]);
+    assert!(peek(&mut c, 2500, 10).is_empty());
+}

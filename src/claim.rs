@@ -170,7 +170,7 @@ pub fn claim(
         // dropping partitions), and the clock is read after it.
         Log::open(&group.stream)?;
         let now = clock::now();
-        let (candidates, share) = lanes::candidates(client, group, fence.safe, now, released.first().copied())?;
+        let candidates = lanes::candidates(client, group, fence.safe, now, released.first().copied())?;
         if fence != stored {
             cursor::store_fence(client, stream_id, group.id, fence)?;
         }
@@ -192,7 +192,7 @@ pub fn claim(
             dead_on_expiry: vec![],
             resolved_keys: vec![],
         };
-        let (deliveries, taken) = claim.run(client, fence.safe, &candidates, head, share)?;
+        let (deliveries, taken) = claim.run(client, fence.safe, candidates, head)?;
         signal_left(client, stream_id, &released, &taken)?;
         Ok(deliveries)
     })
@@ -225,16 +225,16 @@ impl Claim<'_> {
         mut self,
         client: &SpiClient<'_>,
         safe: i64,
-        candidates: &[lanes::Candidate],
+        mut candidates: lanes::Candidates,
         head: i64,
-        share: usize,
     ) -> Result<(Vec<Delivery>, Vec<i32>)> {
         let stream_id = self.group.stream.id;
-        for &candidate in candidates {
+        loop {
             let room = self.batch - self.work.len() as i32;
-            if room <= 0 || self.lanes.len() >= share {
+            if room <= 0 || self.lanes.len() >= candidates.share {
                 break;
             }
+            let Some(candidate) = candidates.next(client, self.group)? else { break };
             let Some(mut lane) = lanes::take(client, self.group, candidate.lane, self.now)? else { continue };
             if candidate.isolated && self.work.is_empty() && self.collect_isolated(client, lane.lane)? {
                 self.lanes.push(lane);

@@ -196,22 +196,87 @@ pub struct Candidate {
     pub expired_range: bool,
     /// A due isolated row (it goes out alone).
     pub isolated: bool,
+    /// The lane's position.
+    claimed: i64,
+    /// Whether it has messages after its position up to the safe head; `None` until probed.
+    messages: Option<bool>,
 }
 
-/// Lanes with work that no other claim holds, best first, and how many of them one claim may
-/// take. What a candidate says it has was true when read; a claim that finds less (another
-/// claim took the lane meanwhile) finds nothing, and what it does not look for stays due for the
-/// next claim. A claim of a group that holds lanes takes at most its share (the lanes divided among
-/// the claims holding some now and itself), so a consumer that finds every lane with work
-/// leaves some for the next one; other groups take what fills the batch. `preferred` is a lane
-/// the caller's carried acks just released. Reads only.
+/// The lanes a claim may take, best first (see `candidates`), probed for messages as the claim
+/// reaches them, a few at a time: a claim whose batch the first lanes fill probes no others.
+pub struct Candidates {
+    lanes: Vec<Candidate>,
+    next: usize,
+    probe_size: usize,
+    safe: i64,
+    /// How many lanes one claim may take.
+    pub share: usize,
+}
+
+/// Lanes probed together, as long as probes find messages; after one that finds none, the rest
+/// are probed together (they are likely empty too, as on a stream with few keys).
+const PROBE_LANES: usize = 4;
+
+impl Candidates {
+    /// No free lane has any work.
+    pub fn is_empty(&self) -> bool {
+        self.lanes.is_empty()
+    }
+
+    /// The next lane with work, in order. What a candidate says it has was true when read; a
+    /// claim that finds less (another claim took the lane meanwhile) finds nothing, and what it
+    /// does not look for stays due for the next claim.
+    pub fn next(&mut self, client: &SpiClient<'_>, group: &GroupRef) -> Result<Option<Candidate>> {
+        while let Some(&candidate) = self.lanes.get(self.next) {
+            if candidate.due_rows || candidate.expired_range {
+                self.next += 1;
+                return Ok(Some(candidate));
+            }
+            if candidate.messages.is_none() {
+                self.probe_from(client, group)?;
+            }
+            self.next += 1;
+            if self.lanes[self.next - 1].messages == Some(true) {
+                return Ok(Some(self.lanes[self.next - 1]));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Probes the next `probe_size` lanes that need it, from the current one on (see
+    /// `PROBE_LANES`).
+    fn probe_from(&mut self, client: &SpiClient<'_>, group: &GroupRef) -> Result<()> {
+        let unprobed: Vec<usize> = (self.next..self.lanes.len())
+            .filter(|&i| {
+                let c = &self.lanes[i];
+                c.messages.is_none() && !c.due_rows && !c.expired_range
+            })
+            .take(self.probe_size)
+            .collect();
+        let positions = unprobed.iter().map(|&i| (self.lanes[i].lane, self.lanes[i].claimed)).collect();
+        let found = probe(client, group, positions, self.safe)?;
+        if found.is_empty() {
+            self.probe_size = usize::MAX;
+        }
+        for i in unprobed {
+            self.lanes[i].messages = Some(found.contains(&self.lanes[i].lane));
+        }
+        Ok(())
+    }
+}
+
+/// Lanes that no other claim holds and that may have work, best first, and how many of them
+/// one claim may take. A claim of a group that holds lanes takes at most its share (the lanes
+/// divided among the claims holding some now and itself), so a consumer that finds every lane
+/// with work leaves some for the next one; other groups take what fills the batch. `preferred`
+/// is a lane the caller's carried acks just released. Reads only.
 pub fn candidates(
     client: &SpiClient<'_>,
     group: &GroupRef,
     safe: i64,
     now: i64,
     preferred: Option<i32>,
-) -> Result<(Vec<Candidate>, usize)> {
+) -> Result<Candidates> {
     let rows = CANDIDATES.run(
         client,
         group.stream.id,
@@ -224,31 +289,22 @@ pub fn candidates(
         ],
     )?;
     let mut lanes = Vec::new();
-    let mut positions = Vec::new();
     let mut holders = 0i64;
     for row in rows {
-        let candidate = Candidate {
+        let claimed: i64 = row.required("claimed")?;
+        lanes.push(Candidate {
             lane: row.required("lane")?,
             due_rows: row.required("due_rows")?,
             expired_range: row.required("expired_range")?,
             isolated: row.required("isolated")?,
-        };
-        let claimed: i64 = row.required("claimed")?;
-        if claimed < safe {
-            positions.push((candidate.lane, claimed));
-        }
-        lanes.push(candidate);
+            claimed,
+            messages: (claimed >= safe).then_some(false),
+        });
         holders = row.value("holders")?.unwrap_or(0);
     }
-    let with_messages = probe(client, group, positions, safe)?;
-    lanes.retain(|c| c.due_rows || c.expired_range || with_messages.contains(&c.lane));
-    let share = if holds(group) {
-        let lanes_total = group.stream.lanes as usize;
-        lanes_total.div_ceil(holders as usize + 1)
-    } else {
-        lanes.len()
-    };
-    Ok((lanes, share))
+    let lanes_total = group.stream.lanes as usize;
+    let share = if holds(group) { lanes_total.div_ceil(holders as usize + 1) } else { lanes_total };
+    Ok(Candidates { lanes, next: 0, probe_size: PROBE_LANES, safe, share })
 }
 
 /// Visits the partitions holding the next messages of lanes at `positions` (lane, claimed) up

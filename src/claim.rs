@@ -15,8 +15,8 @@
 //!    stream (src/retention.rs).
 //!
 //! A claim never waits for a row or key lock (src/locks.rs): lanes, rows and key locks are all
-//! taken only when free. Its one wait, for the log's lock while retention drops partitions,
-//! comes before it reads the clock. So the fence and the clock it reads are never older than
+//! taken only when free. Its one wait of its own, for the log's lock while retention drops
+//! partitions, comes first, before it holds anything or reads the clock. So the fence and the clock it reads are never older than
 //! what it claims against, and no outcome that waits for a claim can be waited for in turn.
 
 use std::collections::HashMap;
@@ -154,6 +154,11 @@ pub fn claim(
         });
     }
     crate::commit::consumer_call(stream_name, group_name, |client, group| {
+        // The log's lock first, while the claim holds nothing: it is the claim's one wait (a
+        // retention step dropping partitions holds the log until its transaction ends, and that
+        // transaction may go on to record outcomes that wait for rows a claim holds). The clock
+        // is read after it.
+        Log::open(&group.stream)?;
         let released = match carried {
             Some(acks) => outcome::ack_in(client, group, acks.token, &acks.ids, Signal::Later)?.released_lanes,
             None => vec![],
@@ -166,9 +171,6 @@ pub fn claim(
         // The stored fence first, then the world (src/fence.rs): the order is the proof.
         let stored = cursor::read_fence(client, stream_id, group.id, Access::Write)?;
         let (fence, head) = advance_fence(client, stream_id, stored)?;
-        // The log's lock before the clock: it is the claim's one wait (for a retention step
-        // dropping partitions), and the clock is read after it.
-        Log::open(&group.stream)?;
         let now = clock::now();
         let candidates = lanes::candidates(client, group, fence.safe, now, released.first().copied())?;
         if fence != stored {
@@ -229,13 +231,17 @@ impl Claim<'_> {
         head: i64,
     ) -> Result<(Vec<Delivery>, Vec<i32>)> {
         let stream_id = self.group.stream.id;
+        // Lanes that gave work count toward the share: one taken for nothing (another claim
+        // handed out what it had since the candidates were read) leaves the share to the next.
+        let mut with_work = 0;
         loop {
             let room = self.batch - self.work.len() as i32;
-            if room <= 0 || self.lanes.len() >= candidates.share {
+            if room <= 0 || with_work >= candidates.share {
                 break;
             }
             let Some(candidate) = candidates.next(client, self.group)? else { break };
             let Some(mut lane) = lanes::take(client, self.group, candidate.lane, self.now)? else { continue };
+            let before = self.work.len();
             if candidate.isolated && self.work.is_empty() && self.collect_isolated(client, lane.lane)? {
                 self.lanes.push(lane);
                 break;
@@ -246,6 +252,9 @@ impl Claim<'_> {
             let room = self.batch - self.work.len() as i32;
             if room > 0 {
                 self.collect_range(client, &mut lane, safe, room, candidate.expired_range)?;
+            }
+            if self.work.len() > before {
+                with_work += 1;
             }
             self.lanes.push(lane);
         }

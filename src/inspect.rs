@@ -408,7 +408,7 @@ fn peek(
             let head = cursor::sequence_head(client, s.id, Access::Read)?;
             let log = Log::open(&s)?;
             let mut rows = Vec::new();
-            for part in log.holding(after, head) {
+            for part in log.holding(client, after, head, Access::Read)? {
                 let room = limit - rows.len() as i32;
                 for row in PEEK.exec_in(client, s.id, part, &[after.into(), room.into()], Access::Read)? {
                     rows.push((

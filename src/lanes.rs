@@ -200,6 +200,15 @@ pub struct Candidate {
     claimed: i64,
     /// Whether it has messages after its position up to the safe head; `None` until probed.
     messages: Option<bool>,
+    /// Its position is in an earlier partition than the safe head's: probed even when it has
+    /// other work, so that it moves up if it has no messages (`probe`).
+    behind: bool,
+}
+
+impl Candidate {
+    fn needs_probe(&self) -> bool {
+        self.messages.is_none() && (self.behind || !(self.due_rows || self.expired_range))
+    }
 }
 
 /// The lanes a claim may take, best first (see `candidates`), probed for messages as the claim
@@ -218,7 +227,7 @@ pub struct Candidates {
 const PROBE_LANES: usize = 4;
 
 impl Candidates {
-    /// No free lane has any work.
+    /// No free lane may have work (lanes not probed yet may turn out to have none).
     pub fn is_empty(&self) -> bool {
         self.lanes.is_empty()
     }
@@ -227,17 +236,14 @@ impl Candidates {
     /// claim that finds less (another claim took the lane meanwhile) finds nothing, and what it
     /// does not look for stays due for the next claim.
     pub fn next(&mut self, client: &SpiClient<'_>, group: &GroupRef) -> Result<Option<Candidate>> {
-        while let Some(&candidate) = self.lanes.get(self.next) {
-            if candidate.due_rows || candidate.expired_range {
-                self.next += 1;
-                return Ok(Some(candidate));
-            }
-            if candidate.messages.is_none() {
+        while let Some(candidate) = self.lanes.get(self.next) {
+            if candidate.needs_probe() {
                 self.probe_from(client, group)?;
             }
+            let candidate = self.lanes[self.next];
             self.next += 1;
-            if self.lanes[self.next - 1].messages == Some(true) {
-                return Ok(Some(self.lanes[self.next - 1]));
+            if candidate.due_rows || candidate.expired_range || candidate.messages == Some(true) {
+                return Ok(Some(candidate));
             }
         }
         Ok(None)
@@ -246,13 +252,8 @@ impl Candidates {
     /// Probes the next `probe_size` lanes that need it, from the current one on (see
     /// `PROBE_LANES`).
     fn probe_from(&mut self, client: &SpiClient<'_>, group: &GroupRef) -> Result<()> {
-        let unprobed: Vec<usize> = (self.next..self.lanes.len())
-            .filter(|&i| {
-                let c = &self.lanes[i];
-                c.messages.is_none() && !c.due_rows && !c.expired_range
-            })
-            .take(self.probe_size)
-            .collect();
+        let unprobed: Vec<usize> =
+            (self.next..self.lanes.len()).filter(|&i| self.lanes[i].needs_probe()).take(self.probe_size).collect();
         let positions = unprobed.iter().map(|&i| (self.lanes[i].lane, self.lanes[i].claimed)).collect();
         let found = probe(client, group, positions, self.safe)?;
         if found.is_empty() {
@@ -290,6 +291,7 @@ pub fn candidates(
     )?;
     let mut lanes = Vec::new();
     let mut holders = 0i64;
+    let safe_part = partition::of(&group.stream, safe);
     for row in rows {
         let claimed: i64 = row.required("claimed")?;
         lanes.push(Candidate {
@@ -299,6 +301,7 @@ pub fn candidates(
             isolated: row.required("isolated")?,
             claimed,
             messages: (claimed >= safe).then_some(false),
+            behind: partition::of(&group.stream, claimed + 1) < safe_part,
         });
         holders = row.value("holders")?.unwrap_or(0);
     }
@@ -312,14 +315,16 @@ pub fn candidates(
 /// its end). `visit` returns the lanes it is done with, or `Break` to stop. Returns the lanes
 /// left.
 fn by_partition(
+    client: &SpiClient<'_>,
     stream: &StreamRef,
     mut left: Vec<(i32, i64)>,
     safe: i64,
+    access: Access,
     mut visit: impl FnMut(Part, Vec<i32>, Vec<i64>) -> Result<ControlFlow<(), Vec<i32>>>,
 ) -> Result<Vec<(i32, i64)>> {
     let Some(from) = left.iter().map(|&(_, claimed)| claimed).min() else { return Ok(left) };
     let log = Log::open(stream)?;
-    for part in log.holding(from, safe) {
+    for part in log.holding(client, from, safe, access)? {
         let last = log.last_id(part);
         let (lanes, claimed): (Vec<i32>, Vec<i64>) =
             left.iter().filter(|&&(_, claimed)| claimed < last).copied().unzip();
@@ -344,7 +349,7 @@ fn by_partition(
 fn probe(client: &SpiClient<'_>, group: &GroupRef, positions: Vec<(i32, i64)>, safe: i64) -> Result<Vec<i32>> {
     let stream = &group.stream;
     let mut found = Vec::new();
-    let empty = by_partition(stream, positions, safe, |part, lanes, claimed| {
+    let empty = by_partition(client, stream, positions, safe, Access::Write, |part, lanes, claimed| {
         let args = [lanes.into(), claimed.into(), safe.into()];
         let rows = NEXT.exec_in(client, stream.id, part, &args, Access::Write)?;
         let here = rows.map(|row| row.required("lane")).collect::<Result<Vec<i32>>>()?;
@@ -376,7 +381,7 @@ pub fn claimed_through(
         .map(|row| Ok((row.required("lane")?, row.required("claimed")?)))
         .collect::<Result<Vec<(i32, i64)>>>()?;
     let mut first = None;
-    by_partition(stream, positions, safe, |part, lanes, claimed| {
+    by_partition(client, stream, positions, safe, access, |part, lanes, claimed| {
         let rows = NEXT.exec_in(client, stream.id, part, &[lanes.into(), claimed.into(), safe.into()], access)?;
         first = rows.map(|row| row.required::<i64>("id")).collect::<Result<Vec<i64>>>()?.into_iter().min();
         // Found here, it is the lowest: a lane not looked for here has its next message in a

@@ -3,16 +3,18 @@
 //! ## The order
 //!
 //! **Claim** (`src/claim.rs`):
-//! 1. the outcomes it carries (`ack_lease_token`), complete, exactly as an outcome below;
-//! 2. no lock at all for the fence: the stored fence is read, then the world (src/fence.rs);
+//! 1. the log's ACCESS SHARE lock, as any statement over it takes (the claim reads the
+//!    partitions it needs by name, src/partition.rs), before it holds anything: it waits only
+//!    while a retention step drops partitions;
+//! 2. the outcomes it carries (`ack_lease_token`), complete, exactly as an outcome below;
+//! 3. no lock at all for the fence: the stored fence is read, then the world (src/fence.rs);
 //!    the new fence is stored only if the cursor row is free (`SKIP LOCKED`);
-//! 3. the clock;
-//! 4. the log's ACCESS SHARE lock, as any statement over it takes (the claim reads the
-//!    partitions it needs by name, src/partition.rs); lane rows, exception rows and range rows
-//!    with `SKIP LOCKED` (lane rows also to move lanes found empty up to the safe head,
-//!    src/lanes.rs); key locks with try-locks (exclusive to park rows, shared to wake them);
-//!    partitions ahead of the head only if nobody else is creating them and the log's lock is
-//!    free at once. A claim never waits for a row or key lock.
+//! 4. the clock;
+//! 5. lane rows, exception rows and range rows with `SKIP LOCKED` (lane rows also to move lanes
+//!    found empty up to the safe head, src/lanes.rs); key locks with try-locks (exclusive to
+//!    park rows, shared to wake them); partitions ahead of the head only if nobody else is
+//!    creating them and the log's lock is free at once. A claim never waits for a row or key
+//!    lock.
 //!
 //! **Outcome** (`ack`, `fail`, `delay`, `release`, `extend_lease`; `src/outcome.rs`,
 //! `src/lease.rs`):

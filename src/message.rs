@@ -163,7 +163,7 @@ pub fn after(
 ) -> Result<Vec<Message>> {
     let log = Log::open(&group.stream)?;
     let mut found = Vec::new();
-    for part in log.holding(after, upto) {
+    for part in log.holding(client, after, upto, Access::Write)? {
         let room = limit - found.len() as i32;
         let args = [after.into(), upto.into(), room.into(), lane.into()];
         found.extend(messages(AFTER.exec_in(client, group.stream.id, part, &args, Access::Write)?, group)?);
@@ -183,7 +183,7 @@ pub fn produced_after(
     access: Access,
 ) -> Result<Option<TimestampWithTimeZone>> {
     let log = Log::open(stream)?;
-    for part in log.holding(after, upto) {
+    for part in log.holding(client, after, upto, access)? {
         let row = PRODUCED_AFTER.exec_in(client, stream.id, part, &[after.into()], access)?;
         if !row.is_empty() {
             return row.first().value("produced_at");

@@ -14,7 +14,7 @@ use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::spi::SpiClient;
 
 use crate::error::{Result, StreamError};
-use crate::statement::{Part, Statement};
+use crate::statement::{Access, Columns, Part, Statement};
 use crate::stream::StreamRef;
 
 const ADD: Statement = Statement {
@@ -57,8 +57,18 @@ pub fn of(stream: &StreamRef, id: i64) -> Part {
 /// for good. No partition is dropped while the lock is held.
 pub struct Log<'a> {
     stream: &'a StreamRef,
+    oid: pg_sys::Oid,
     namespace: pg_sys::Oid,
 }
+
+/// The oldest partition of the log `$1` (by oid).
+const OLDEST: Statement = Statement {
+    name: "partition_oldest",
+    sql: "SELECT min(substring(c.relname FROM '_p([0-9]+)$')::int8) AS part
+          FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
+          WHERE i.inhparent = $1",
+    params: &[OIDOID],
+};
 
 impl<'a> Log<'a> {
     pub fn open(stream: &'a StreamRef) -> Result<Log<'a>> {
@@ -81,7 +91,7 @@ impl<'a> Log<'a> {
         // SAFETY: processes pending catalog invalidations, as a first lock acquisition does.
         unsafe { pg_sys::AcceptInvalidationMessages() };
         // SAFETY: a syscache lookup of a relation this transaction has locked.
-        Ok(Log { stream, namespace: unsafe { pg_sys::get_rel_namespace(oid) } })
+        Ok(Log { stream, oid, namespace: unsafe { pg_sys::get_rel_namespace(oid) } })
     }
 
     /// Whether partition `part` exists.
@@ -92,10 +102,30 @@ impl<'a> Log<'a> {
     }
 
     /// The partitions holding ids in `(after, upto]` that exist, oldest first; looked up as the
-    /// caller goes on, so a reader that stops early looks at no more.
-    pub fn holding(&self, after: i64, upto: i64) -> impl Iterator<Item = Part> + '_ {
-        let (first, last) = if upto > after { (of(self.stream, after + 1), of(self.stream, upto)) } else { (0, -1) };
-        (first..=last).filter(|&part| self.exists(part))
+    /// caller goes on, so a reader that stops early looks at no more. Partitions are created and
+    /// dropped in id order, so those kept are one run: when the first one wanted is gone, the
+    /// walk starts at the oldest kept instead of looking up every partition retention dropped.
+    pub fn holding(
+        &self,
+        client: &SpiClient<'_>,
+        after: i64,
+        upto: i64,
+        access: Access,
+    ) -> Result<impl Iterator<Item = Part> + '_> {
+        let (mut first, last) =
+            if upto > after { (of(self.stream, after + 1), of(self.stream, upto)) } else { (0, -1) };
+        if first <= last && !self.exists(first) {
+            first = match self.oldest(client, access)? {
+                Some(oldest) => first.max(oldest),
+                None => last + 1,
+            };
+        }
+        Ok((first..=last).filter(|&part| self.exists(part)))
+    }
+
+    /// The oldest partition the log keeps.
+    pub fn oldest(&self, client: &SpiClient<'_>, access: Access) -> Result<Option<Part>> {
+        OLDEST.exec(client, 0, &[self.oid.into()], access)?.first().value("part")
     }
 
     /// The last id partition `part` holds.

@@ -33,7 +33,8 @@ use crate::cursor;
 use crate::error::Result;
 use crate::exception_queue::{self, Waker};
 use crate::locks;
-use crate::statement::{Columns, Statement};
+use crate::partition::Log;
+use crate::statement::{Access, Columns, Statement};
 use crate::stream::StreamRef;
 
 /// How often one session runs a step for one stream from its claims.
@@ -99,15 +100,6 @@ const DROP_HEADS: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
-/// The first id the log keeps: where its oldest partition starts.
-const KEPT_FROM: Statement = Statement {
-    name: "retention_kept_from",
-    sql: "SELECT min(substring(c.relname FROM '_p([0-9]+)$')::int8) * $2 + 1 AS kept_from
-          FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
-          WHERE i.inhparent = $1::regclass",
-    params: &[TEXTOID, INT8OID],
-};
-
 const DROP_PARTITIONS: Statement = Statement {
     name: "retention_drop_partitions",
     sql: "SELECT sqlstreams.drop_partitions($1, $2) AS dropped",
@@ -169,10 +161,9 @@ pub fn step(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Retained> {
     let Some(below) = below else { return Ok(Retained { partitions_dropped: 0, rows_purged }) };
     let partitions_dropped: i32 =
         DROP_PARTITIONS.run(client, 0, &[stream.id.into(), below.into()])?.first().required("dropped")?;
-    let log = format!("sqlstreams.message_log_{}", stream.id);
-    let kept = KEPT_FROM.run(client, 0, &[log.as_str().into(), stream.partition_size.into()])?;
-    if let Some(kept_from) = kept.first().value::<i64>("kept_from")? {
-        DROP_HEADS.run(client, stream.id, &[(kept_from - 1).into(), stream.id.into()])?;
+    if let Some(oldest) = Log::open(stream)?.oldest(client, Access::Write)? {
+        // Below the first id the log keeps.
+        DROP_HEADS.run(client, stream.id, &[(oldest * stream.partition_size).into(), stream.id.into()])?;
     }
     Ok(Retained { partitions_dropped: partitions_dropped.into(), rows_purged })
 }

@@ -47,8 +47,9 @@ type PlanKey = (StreamId, &'static str, bool, Option<Part>);
 
 /// Plans kept per statement and stream for single partitions: the partitions a claim reads move
 /// on with the head, so the oldest plans go (a plan is a few kilobytes of backend memory). A
-/// claim reads one or two partitions; lanes found empty move up with the head (src/lanes.rs),
-/// so a walk over more is rare and the plans past these are made again.
+/// claim reads one or two partitions, and lanes found empty move up with the head
+/// (src/lanes.rs); a walk over more (a lane whose retries fill every batch, a group far behind)
+/// makes the plans past these again.
 const PART_PLANS_KEPT: usize = 32;
 
 thread_local! {

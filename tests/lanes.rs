@@ -269,3 +269,49 @@ fn a_second_claim_in_a_transaction_reads_a_partition_attached_since() {
     ids.sort();
     assert_eq!(ids, produced, "every message once, none passed over");
 }
+
+/// Claims probe lanes for messages as they reach them, a few at a time; a lane reached with other
+/// work (a due retry) whose position is in an earlier partition than the safe head is probed too,
+/// and every lane found empty there moves up. Nothing is passed over.
+#[test]
+fn lanes_probed_as_claims_reach_them_move_up_and_lose_nothing() {
+    let mut c = connect();
+    let s = Stream::create_sized(&mut c, "lazy-probe", 1000);
+    let g = s.group(&mut c, "g", Some("parallel"));
+    let keys = one_key_per_lane(&mut c, &s);
+    // One message in each lane, all in partition 0; lane 5's waits for its retry.
+    let mut produced: Vec<i64> = keys.iter().map(|k| s.produce(&mut c, json!({}), Some(k))).collect();
+    let first = g.claim(&mut c, 100);
+    assert_eq!(ids(&first), produced);
+    for (lane, d) in first.iter().enumerate() {
+        if lane == 5 {
+            assert_eq!(g.fail(&mut c, d, "again", false, Some("0 seconds")).as_deref(), Some("ready"));
+        } else {
+            assert!(g.ack(&mut c, d));
+        }
+    }
+    // Lane 6 fills partitions 0 to 2; lane 4 gets one message in partition 2.
+    produced.extend(s.produce_many(&mut c, 2000, Some(&keys[6])));
+    produced.push(s.produce(&mut c, json!({}), Some(&keys[4])));
+    let one = g.claim(&mut c, 1);
+    assert_eq!(ids(&one), vec![produced[produced.len() - 1]], "lanes 0 to 3 have nothing new; lane 4 does");
+    let busy = s.lane(&mut c, &keys[6]);
+    let positions: Vec<(i32, i64)> = c
+        .query(&format!("SELECT lane, claimed FROM {} WHERE lane <> $1 ORDER BY lane", s.table("lane")), &[&busy])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert!(
+        positions.iter().all(|&(_, claimed)| claimed >= 2000),
+        "every lane but lane 6 is in the safe head's partition, lane 5 (a due retry) included: {positions:?}"
+    );
+    g.ack_batch(&mut c, &one);
+    let mut delivered = ids(&one);
+    delivered.extend(g.drain(&mut c));
+    delivered.sort();
+    let mut expected = produced[16..].to_vec();
+    expected.push(produced[5]); // the retry
+    expected.sort();
+    assert_eq!(delivered, expected);
+}

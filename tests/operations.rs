@@ -666,15 +666,16 @@ fn group_status_counts_stay_exact_through_every_transition() {
     };
     assert!(deltas(&mut c) > 0);
     c.query("SELECT * FROM sqlstreams.maintain()", &[]).unwrap();
-    let folded = c
-        .query_one(
+    let folded = after_folds(&mut c, &s, |tx| {
+        tx.query_one(
             &format!(
                 "SELECT count(*), count(*) FILTER (WHERE writer IS NULL AND delta <> 0) FROM {}",
                 s.table("exception_count")
             ),
             &[],
         )
-        .unwrap();
+        .unwrap()
+    });
     let (rows, folded): (i64, i64) = (folded.get(0), folded.get(1));
     assert_eq!(rows, folded, "maintain() folds every group's counts into one row per status");
     g.assert_counts_exact(&mut c);
@@ -688,16 +689,29 @@ fn group_status_counts_stay_exact_through_every_transition() {
     });
     c.query_one("SELECT sqlstreams.drop_group($1, 'g')", &[&s.name]).unwrap();
     c.query("SELECT * FROM sqlstreams.maintain()", &[]).unwrap();
-    let left: i64 = c
-        .query_one(
+    let left: i64 = after_folds(&mut c, &s, |tx| {
+        tx.query_one(
             &format!("SELECT count(*) FROM {} WHERE consumer_group_id = $1", s.table("exception_count")),
             &[&g.id],
         )
         .unwrap()
-        .get(0);
+        .get(0)
+    });
     assert_eq!(left, 0);
     let reborn = s.group(&mut c, "g", Some("ordered"));
     assert_eq!(reborn.assert_counts_exact(&mut c), [0; 5]);
+}
+
+/// Reads `s`'s exception counts once every fold of them has committed. Other tests' `maintain()`
+/// folds every stream's counts too: a fold skips the rows another fold holds, so right after this
+/// test's `maintain()` returns, another's may still be in flight with them. `SHARE` waits for
+/// every transaction writing the table.
+fn after_folds<T>(c: &mut Client, s: &Stream, read: impl FnOnce(&mut postgres::Transaction<'_>) -> T) -> T {
+    let mut tx = c.transaction().unwrap();
+    tx.execute(&format!("LOCK TABLE {} IN SHARE MODE", s.table("exception_count")), &[]).unwrap();
+    let read = read(&mut tx);
+    tx.commit().unwrap();
+    read
 }
 
 /// `peek` reads on from one partition into the next, and stops at its limit.

@@ -104,6 +104,7 @@ pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str, access: Access)
         partitions_through: row.required("partitions_through")?,
         lanes: row.required("lanes")?,
     };
+    crate::stream::hold(stream, stream_ref.id, true)?;
     let Some(id) = row.value::<i64>("group_id")? else {
         return Err(StreamError::UnknownGroup { stream: stream.to_string(), group: group.to_string() });
     };

@@ -2,6 +2,15 @@
 //!
 //! ## The order
 //!
+//! **Every call that works on a stream** (claims, outcomes, producers, inspection, seeks,
+//! `maintain()`) first takes the stream's lock, shared, right after it looks the stream up and
+//! before any of its tables (`src/stream.rs`, `hold`). Only `drop_stream` takes it
+//! exclusively, before the stream's row and its tables: so a call waits for a drop that has
+//! begun and then reports the stream unknown, and a drop waits for the calls in progress,
+//! instead of either meeting the other's table locks half way. `maintain()` holds the rows of
+//! the streams it visits, which a drop locks next, so it only tries the lock and skips a stream
+//! being dropped.
+//!
 //! **Claim** (`src/claim.rs`):
 //! 1. the log's ACCESS SHARE lock, as any statement over it takes (the claim reads the
 //!    partitions it needs by name, src/partition.rs), before it holds anything: it waits only
@@ -65,6 +74,8 @@ pub const PRODUCER_CLASS: u16 = 0x5350; // 'SP'
 pub const KEY_CLASS: u16 = 0x534B; // 'SK'
 /// The per-lease-token lock that serializes outcomes of one token.
 pub const TOKEN_CLASS: u16 = 0x5354; // 'ST'
+/// The per-stream lock that orders `drop_stream` against everything else on the stream.
+pub const STREAM_CLASS: u16 = 0x5353; // 'SS'
 /// The per-stream lock of a retention step run from a claim (one session at a time).
 pub const RETENTION_CLASS: u16 = 0x5352; // 'SR'
 
@@ -95,10 +106,13 @@ fn tag(class: u16, high: u32, low: u32) -> pg_sys::LOCKTAG {
 /// Takes a transaction-scoped lock; with `wait = false` only if it is free. Returns whether
 /// this transaction holds it now.
 fn acquire(tag: &pg_sys::LOCKTAG, mode: u32, wait: bool) -> bool {
+    lock(tag, mode, wait) != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
+}
+
+fn lock(tag: &pg_sys::LOCKTAG, mode: u32, wait: bool) -> pg_sys::LockAcquireResult::Type {
     // SAFETY: a transaction-scoped lock-manager lock on a tag built above; released at commit
     // or abort like any advisory transaction lock.
-    let result = unsafe { pg_sys::LockAcquire(tag, mode as pg_sys::LOCKMODE, false, !wait) };
-    result != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
+    unsafe { pg_sys::LockAcquire(tag, mode as pg_sys::LOCKMODE, false, !wait) }
 }
 
 fn split(id: i64) -> (u32, u32) {
@@ -135,6 +149,35 @@ pub fn token(token: pgrx::Uuid) {
     let high = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
     let low = u32::from_be_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]);
     acquire(&tag(TOKEN_CLASS, high, low), pg_sys::ExclusiveLock, true);
+}
+
+/// How a call came to hold a stream's lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Held {
+    /// Taken now: a `drop_stream` may have committed while this call waited for it.
+    Now,
+    /// This transaction held it already: the stream is still there.
+    Already,
+    /// Not taken: a `drop_stream` holds it (only when asked not to wait).
+    Busy,
+}
+
+/// The stream's lock, shared (see "The order" above). Waits for a `drop_stream` in progress
+/// unless `wait` is false.
+pub fn stream_shared(stream_id: i64, wait: bool) -> Held {
+    let (high, low) = split(stream_id);
+    match lock(&tag(STREAM_CLASS, high, low), pg_sys::ShareLock, wait) {
+        pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL => Held::Busy,
+        pg_sys::LockAcquireResult::LOCKACQUIRE_OK => Held::Now,
+        _ => Held::Already,
+    }
+}
+
+/// The stream's lock, exclusive: `drop_stream`, before the stream's row and tables. Waits for
+/// every call in progress on the stream.
+pub fn stream_exclusive(stream_id: i64) {
+    let (high, low) = split(stream_id);
+    acquire(&tag(STREAM_CLASS, high, low), pg_sys::ExclusiveLock, true);
 }
 
 /// A claim's retention step for `stream_id` (src/retention.rs): exclusive, never waiting.
@@ -179,7 +222,7 @@ mod tests {
     #[test]
     fn classes_are_out_of_reach_of_sql_advisory_locks() {
         // pg_advisory_lock(bigint) uses class 1, pg_advisory_lock(int, int) class 2.
-        for class in [PRODUCER_CLASS, KEY_CLASS, TOKEN_CLASS, RETENTION_CLASS] {
+        for class in [PRODUCER_CLASS, KEY_CLASS, TOKEN_CLASS, RETENTION_CLASS, STREAM_CLASS] {
             assert!(class > 2);
         }
         assert_eq!(split(-1), (u32::MAX, u32::MAX));

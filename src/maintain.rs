@@ -18,7 +18,7 @@ use crate::stream;
 const STREAMS: Statement = Statement {
     name: "maintain_streams",
     // A stream being dropped right now is skipped (drop_stream locks its row first).
-    sql: "SELECT name FROM sqlstreams.stream ORDER BY id FOR KEY SHARE SKIP LOCKED",
+    sql: "SELECT id, name FROM sqlstreams.stream ORDER BY id FOR KEY SHARE SKIP LOCKED",
     params: &[],
 };
 
@@ -79,11 +79,19 @@ fn maintain_all() -> Result<Vec<Report>> {
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "run maintain()")?;
-            let mut names = Vec::new();
+            let mut streams = Vec::new();
             for row in STREAMS.run(client, 0, &[])? {
-                names.push(row.required::<String>("name")?);
+                streams.push((row.required::<i64>("id")?, row.required::<String>("name")?));
             }
-            names.into_iter().map(|name| maintain_one(client, name)).collect()
+            let mut reports = Vec::new();
+            for (id, name) in streams {
+                // This transaction holds the stream's row, which a drop that holds the stream's
+                // lock waits for next: never wait for that lock here (src/locks.rs).
+                if stream::hold(&name, id, false)? {
+                    reports.push(maintain_one(client, name)?);
+                }
+            }
+            Ok(reports)
         })
     })
 }

@@ -6,12 +6,15 @@
 //! version its tables have (`schema_version`); the library refuses a stream whose tables are
 //! not the ones it was built for, instead of failing half-way through a call.
 
-use pgrx::pg_sys::BuiltinOid::*;
+use std::ffi::CString;
+
+use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
 use crate::access;
 use crate::error::{Result, SqlResult, StreamError};
+use crate::locks;
 use crate::names::{named, positive_micros, validate_name};
 use crate::statement::{self, Access, Columns, Statement};
 
@@ -68,6 +71,13 @@ pub fn lookup_read(client: &SpiClient<'_>, name: &str) -> Result<StreamRef> {
 }
 
 fn lookup_with(client: &SpiClient<'_>, name: &str, access: Access) -> Result<StreamRef> {
+    let stream = find(client, name, access)?;
+    hold(name, stream.id, true)?;
+    Ok(stream)
+}
+
+/// The stream called `name` as the caller's snapshot sees it, without its lock.
+fn find(client: &SpiClient<'_>, name: &str, access: Access) -> Result<StreamRef> {
     crate::version::check(client, access)?;
     let row = LOOKUP.exec(client, 0, &[name.into()], access)?.first();
     if row.is_empty() {
@@ -80,6 +90,31 @@ fn lookup_with(client: &SpiClient<'_>, name: &str, access: Access) -> Result<Str
         partitions_through: row.required("partitions_through")?,
         lanes: row.required("lanes")?,
     })
+}
+
+/// Takes the lock of stream `id`, just looked up as `name`, shared (src/locks.rs), before any
+/// of its tables. A `drop_stream` that committed while this call waited for the lock leaves the
+/// stream unknown, whatever snapshot the lookup read; so does one that holds the lock right now
+/// when `wait` is false, unless this returns false instead (`maintain()` skips such a stream).
+pub fn hold(name: &str, id: i64, wait: bool) -> Result<bool> {
+    match locks::stream_shared(id, wait) {
+        locks::Held::Already => Ok(true),
+        locks::Held::Busy => Ok(false),
+        locks::Held::Now if tables_exist(id) => Ok(true),
+        locks::Held::Now => Err(StreamError::UnknownStream(name.to_string())),
+    }
+}
+
+/// Whether stream `id`'s tables exist, as the catalog says now.
+fn tables_exist(id: i64) -> bool {
+    let name = CString::new(format!("cursor_{id}")).expect("no NUL in a number");
+    // SAFETY: catalog lookups in a transaction, after reading the invalidations of every
+    // transaction that committed before this one took the stream's lock.
+    unsafe {
+        pg_sys::AcceptInvalidationMessages();
+        let namespace = pg_sys::get_namespace_oid(c"sqlstreams".as_ptr(), true);
+        namespace != pg_sys::InvalidOid && pg_sys::get_relname_relid(name.as_ptr(), namespace) != pg_sys::InvalidOid
+    }
 }
 
 /// Creates the stream and its table family, or returns the id of the existing stream of that
@@ -152,18 +187,29 @@ pub fn drop(name: &str) -> Result<bool> {
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "drop streams")?;
-            // The stream's row first: maintain() skips a stream whose row is locked, so it
-            // never reaches tables this call is dropping.
-            LOCK_FOR_DROP.run(client, 0, &[name.into()])?;
-            let stream = match lookup(client, name) {
-                Ok(stream) => stream,
-                Err(StreamError::UnknownStream(_)) => return Ok(false),
-                Err(other) => return Err(other),
-            };
-            DROP_TABLES.run(client, 0, &[stream.id.into()])?;
-            DELETE.run(client, 0, &[stream.id.into()])?;
-            statement::forget_stream(stream.id);
-            Ok(true)
+            loop {
+                let stream = match find(client, name, Access::Write) {
+                    Ok(stream) => stream,
+                    Err(StreamError::UnknownStream(_)) => return Ok(false),
+                    Err(other) => return Err(other),
+                };
+                // The stream's lock first, exclusive: it waits for every call on the stream in
+                // progress, and a call arriving now waits for this drop, then finds the stream
+                // gone. Then its row, so that maintain() skips the stream.
+                locks::stream_exclusive(stream.id);
+                LOCK_FOR_DROP.run(client, 0, &[name.into()])?;
+                match find(client, name, Access::Write) {
+                    // A concurrent drop (and perhaps a create) got there first.
+                    Err(StreamError::UnknownStream(_)) => return Ok(false),
+                    Err(other) => return Err(other),
+                    Ok(now) if now.id != stream.id => continue,
+                    Ok(_) => {}
+                }
+                DROP_TABLES.run(client, 0, &[stream.id.into()])?;
+                DELETE.run(client, 0, &[stream.id.into()])?;
+                statement::forget_stream(stream.id);
+                return Ok(true);
+            }
         })
     })
 }

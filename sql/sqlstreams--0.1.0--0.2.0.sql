@@ -130,6 +130,16 @@ BEGIN
         -- 0.2.0: expired ranges, found without visiting every range closed since the last vacuum.
         CREATE INDEX range_lease_@id@_expiry_idx ON sqlstreams.range_lease_@id@ (consumer_group_id, lease_expires_at);
 
+        -- 0.2.0: the messages of open ranges that have an outcome, under the lease token they
+        -- were delivered with (src/range.rs). An outcome adds rows here rather than rewrite its
+        -- range's row, and the range goes with its rows once every message of it has one.
+        CREATE TABLE sqlstreams.range_done_@id@ (
+            consumer_group_id bigint NOT NULL,
+            lease_token       uuid   NOT NULL,
+            message_id        bigint NOT NULL,
+            PRIMARY KEY (consumer_group_id, lease_token, message_id)
+        );
+
         -- Every (group, message) that left the happy path (docs/semantics.md; the states and
         -- what moves a row between them: src/exception_queue/lifecycle.rs). A waiting row is
         -- "parked": can_run_after is the latest time its blocker could clear on its own, and
@@ -294,7 +304,7 @@ AS $function$
 BEGIN
     EXECUTE replace($family$
         DROP TABLE sqlstreams.message_log_@id@, sqlstreams.cursor_@id@, sqlstreams.lane_@id@,
-                   sqlstreams.range_lease_@id@, sqlstreams.exception_queue_@id@,
+                   sqlstreams.range_lease_@id@, sqlstreams.range_done_@id@, sqlstreams.exception_queue_@id@,
                    sqlstreams.compaction_head_@id@, sqlstreams.idempotency_key_@id@,
                    sqlstreams.exception_count_@id@, sqlstreams.message_archive_@id@;
         DROP FUNCTION sqlstreams.exception_count_@id@();
@@ -534,6 +544,14 @@ BEGIN
             ALTER TABLE sqlstreams.range_lease_@id@ ADD COLUMN lane integer;
             CREATE INDEX range_lease_@id@_token_idx ON sqlstreams.range_lease_@id@ (consumer_group_id, lease_token);
             CREATE INDEX range_lease_@id@_expiry_idx ON sqlstreams.range_lease_@id@ (consumer_group_id, lease_expires_at);
+            -- Outcomes of open ranges' messages: none yet, each range lists only its pending ones.
+            CREATE TABLE sqlstreams.range_done_@id@ (
+                consumer_group_id bigint NOT NULL,
+                lease_token       uuid   NOT NULL,
+                message_id        bigint NOT NULL,
+                PRIMARY KEY (consumer_group_id, lease_token, message_id)
+            );
+            ALTER EXTENSION sqlstreams DROP TABLE sqlstreams.range_done_@id@;
 
             -- Exception rows: isolated (quarantine), and their message's lane.
             ALTER TABLE sqlstreams.exception_queue_@id@ ADD COLUMN isolated boolean NOT NULL DEFAULT false;

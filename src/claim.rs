@@ -468,14 +468,7 @@ impl Claim<'_> {
         }
         if let Some(first_id) = first {
             self.push_range(messages, 0, first_id);
-            self.ranges.push(RangeLease {
-                first_id,
-                last_id: lane.claimed,
-                reclaims: 0,
-                pending: vec![],
-                pending_keys: vec![],
-                lane: Some(lane.lane),
-            });
+            self.ranges.push(RangeLease::new(first_id, lane.claimed, lane.lane));
         }
         Ok(())
     }

@@ -84,6 +84,7 @@ const DELETE: Statement = Statement {
     name: "group_delete",
     sql: "WITH c AS (DELETE FROM sqlstreams.cursor_@id@ WHERE consumer_group_id = $1),
                r AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1),
+               d AS (DELETE FROM sqlstreams.range_done_@id@ WHERE consumer_group_id = $1),
                e AS (DELETE FROM sqlstreams.exception_queue_@id@ WHERE consumer_group_id = $1),
                l AS (DELETE FROM sqlstreams.lane_@id@ WHERE consumer_group_id = $1)
           DELETE FROM sqlstreams.consumer_group WHERE id = $1",

@@ -83,8 +83,12 @@ const DEAD: Statement = Statement {
 const LEASES: Statement = Statement {
     name: "inspect_leases",
     sql: "SELECT 'range' AS kind, first_id, last_id, NULL::text AS message_key, lease_token, lease_expires_at,
-                 cardinality(pending) AS pending, lane
-          FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1
+                 (SELECT count(*) FROM unnest(r.pending) AS p(id)
+                  WHERE NOT EXISTS (SELECT 1 FROM sqlstreams.range_done_@id@ d
+                                    WHERE d.consumer_group_id = $1 AND d.lease_token = r.lease_token
+                                      AND d.message_id = p.id))::int4 AS pending,
+                 lane
+          FROM sqlstreams.range_lease_@id@ r WHERE consumer_group_id = $1
           UNION ALL
           SELECT 'exception', message_id, message_id, message_key, lease_token, lease_expires_at, 1, lane
           FROM sqlstreams.exception_queue_@id@ WHERE consumer_group_id = $1 AND status = 'inflight'

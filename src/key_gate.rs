@@ -205,6 +205,8 @@ const CHECK: Statement = Statement {
           CROSS JOIN LATERAL unnest(r.pending, r.pending_keys) AS u(id, message_key)
           WHERE r.consumer_group_id = $1 AND r.first_id <> ALL($5) AND (r.lane = ANY($7) OR r.lane IS NULL)
             AND u.message_key = ANY($6)
+            AND NOT EXISTS (SELECT 1 FROM sqlstreams.range_done_@id@ d
+                            WHERE d.consumer_group_id = $1 AND d.lease_token = r.lease_token AND d.message_id = u.id)
           GROUP BY u.message_key
           UNION ALL
           SELECT 3, e.message_key, min(e.message_id), min(e.lease_expires_at)

@@ -11,6 +11,7 @@ use crate::access;
 use crate::cursor;
 use crate::error::{Result, StreamError};
 use crate::partition::{self, Need};
+use crate::range;
 use crate::retention;
 use crate::statement::{Access, Columns, Statement};
 use crate::stream;
@@ -119,6 +120,7 @@ fn maintain_one(client: &mut pgrx::spi::SpiClient<'_>, name: String) -> Result<R
     let through = stream::lookup(client, &name)?.partitions_through;
     let purged = PURGE_IDEMPOTENCY.run(client, stream.id, &[])?.len() as i64;
     let cleared = CLEAR_HOLDS.run(client, stream.id, &[])?.len() as i64;
+    range::purge_done(client, stream.id)?;
     let mut groups = Vec::new();
     for row in GROUPS.run(client, 0, &[stream.id.into()])? {
         groups.push(row.required::<i64>("id")?);

@@ -1,28 +1,49 @@
 //! Range leases: the ids one claim handed out together, under one token and expiry.
 //!
-//! `pending` lists the range's messages that have no outcome yet, with their keys alongside (for
-//! the ordered check of other claims). An outcome removes its message; the row is deleted when
-//! nothing is pending, which lets cursor advancement pass the range.
+//! A range's row lists the messages it handed out (`pending`, with their keys alongside for the
+//! ordered check of other claims), and is written only when a claim leases it. An outcome
+//! leaves the row as it is and adds a row per message it resolved to `range_done_<id>`, under
+//! the range's lease token; the range is deleted, with those rows, once every message has one,
+//! which lets cursor advancement pass it. A range handed out again gets a new token, so an
+//! outcome row only ever counts for the lease it answered, even one left behind. So an outcome writes what it resolved, not the whole range again, and
+//! the range table gets one row version per lease however many outcomes there are: what reads
+//! it (`group_status`, a claim's look for expired ranges) does not step over a dead version
+//! per outcome until vacuum comes.
+//!
+//! Which messages are resolved is read after the range's row is locked, with the newest
+//! snapshot: every outcome that held that lock has committed by then, and its rows are seen
+//! whatever the caller's isolation level (an outcome may run under REPEATABLE READ).
+
+use std::collections::HashSet;
 
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::SpiClient;
+use pgrx::IntoDatum;
 
 use crate::error::Result;
 use crate::statement::{self, Columns, Statement};
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct RangeLease {
     /// The range's first message (its key among the group's ranges).
     pub first_id: i64,
     pub last_id: i64,
     pub reclaims: i32,
+    /// The range's messages that have no outcome yet.
     pub pending: Vec<i64>,
     pub pending_keys: Vec<Option<String>>,
     /// `None` for a range claimed before lanes existed (it may hold messages of every lane).
     pub lane: Option<i32>,
+    /// Messages removed from `pending` since the range was read, not stored yet.
+    resolved: Vec<i64>,
 }
 
 impl RangeLease {
+    /// A fresh range of `lane`: its messages are set as the claim hands them out.
+    pub fn new(first_id: i64, last_id: i64, lane: i32) -> RangeLease {
+        RangeLease { first_id, last_id, lane: Some(lane), ..Default::default() }
+    }
+
     /// Removes `ids` from `pending`; returns the removed (id, key) pairs in id order.
     pub fn remove(&mut self, ids: &[i64]) -> Vec<(i64, Option<String>)> {
         let mut removed = Vec::new();
@@ -38,7 +59,24 @@ impl RangeLease {
         }
         self.pending = kept_ids;
         self.pending_keys = kept_keys;
+        self.resolved.extend(removed.iter().map(|(id, _)| *id));
         removed
+    }
+
+    /// Leaves out of `pending` the messages `done` lists (stored outcomes).
+    fn forget(&mut self, done: &HashSet<i64>) {
+        if done.is_empty() {
+            return;
+        }
+        let (pending, pending_keys) = self
+            .pending
+            .iter()
+            .zip(&self.pending_keys)
+            .filter(|(id, _)| !done.contains(id))
+            .map(|(id, k)| (*id, k.clone()))
+            .unzip();
+        self.pending = pending;
+        self.pending_keys = pending_keys;
     }
 
     /// Splits off the pending messages after the first `keep`, as a range of their own that
@@ -53,6 +91,7 @@ impl RangeLease {
             pending,
             pending_keys,
             lane: self.lane,
+            resolved: vec![],
         };
         self.last_id = rest.first_id - 1;
         rest
@@ -71,7 +110,7 @@ impl RangeLease {
 
 const FOR_TOKEN: Statement = Statement {
     name: "range_for_token",
-    sql: "SELECT first_id, last_id, reclaims, pending, pending_keys, lane FROM sqlstreams.range_lease_@id@
+    sql: "SELECT first_id, last_id, lease_token, reclaims, pending, pending_keys, lane FROM sqlstreams.range_lease_@id@
           WHERE consumer_group_id = $1 AND lease_token = $2 ORDER BY first_id FOR UPDATE",
     params: &[INT8OID, UUIDOID],
 };
@@ -79,16 +118,29 @@ const FOR_TOKEN: Statement = Statement {
 /// The lane's oldest expired range (a range from before lanes belongs to every lane).
 const OLDEST_EXPIRED: Statement = Statement {
     name: "range_oldest_expired",
-    sql: "SELECT first_id, last_id, reclaims, pending, pending_keys, lane FROM sqlstreams.range_lease_@id@
+    sql: "SELECT first_id, last_id, lease_token, reclaims, pending, pending_keys, lane FROM sqlstreams.range_lease_@id@
           WHERE consumer_group_id = $1 AND lease_expires_at <= $2 AND (lane = $3 OR lane IS NULL)
           ORDER BY first_id LIMIT 1 FOR UPDATE SKIP LOCKED",
     params: &[INT8OID, TIMESTAMPTZOID, INT4OID],
 };
 
-/// A new range, or an expired one handed out again (its row is locked by `oldest_expired`).
+/// The messages resolved under token `$2`.
+const DONE: Statement = Statement {
+    name: "range_done",
+    sql: "SELECT message_id FROM sqlstreams.range_done_@id@ WHERE consumer_group_id = $1 AND lease_token = $2",
+    params: &[INT8OID, UUIDOID],
+};
+
+/// A new range, or an expired one handed out again (its row is locked by `oldest_expired`)
+/// with what is still pending, under a new token: the outcomes stored under the old one go.
 const LEASE: Statement = Statement {
     name: "range_lease",
-    sql: "INSERT INTO sqlstreams.range_lease_@id@
+    sql: "WITH old AS (SELECT lease_token, pending FROM sqlstreams.range_lease_@id@
+                       WHERE consumer_group_id = $1 AND first_id = $2),
+               done AS (DELETE FROM sqlstreams.range_done_@id@ d USING old
+                        WHERE d.consumer_group_id = $1 AND d.lease_token = old.lease_token
+                          AND d.message_id = ANY(old.pending))
+          INSERT INTO sqlstreams.range_lease_@id@
               (consumer_group_id, first_id, last_id, lease_token, lease_expires_at, reclaims, pending, pending_keys, lane)
           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
           ON CONFLICT (consumer_group_id, first_id) DO UPDATE
@@ -108,36 +160,73 @@ const SPLIT: Statement = Statement {
     params: &[INT8OID, INT8OID, INT8OID, INT8ARRAYOID, TEXTARRAYOID],
 };
 
-const SET_PENDING: Statement = Statement {
-    name: "range_set_pending",
-    sql: "UPDATE sqlstreams.range_lease_@id@ SET pending = $3, pending_keys = $4
-          WHERE consumer_group_id = $1 AND first_id = $2",
-    params: &[INT8OID, INT8OID, INT8ARRAYOID, TEXTARRAYOID],
+/// Outcomes of messages `$3`, delivered under token `$2`.
+const ADD_DONE: Statement = Statement {
+    name: "range_add_done",
+    sql: "INSERT INTO sqlstreams.range_done_@id@ (consumer_group_id, lease_token, message_id)
+          SELECT $1, $2, unnest($3::int8[])",
+    params: &[INT8OID, UUIDOID, INT8ARRAYOID],
 };
 
 const DELETE: Statement = Statement {
     name: "range_delete",
-    sql: "DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1 AND first_id = $2",
+    sql: "WITH r AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1 AND first_id = $2
+                     RETURNING lease_token, pending)
+          DELETE FROM sqlstreams.range_done_@id@ d USING r
+          WHERE d.consumer_group_id = $1 AND d.lease_token = r.lease_token AND d.message_id = ANY(r.pending)",
     params: &[INT8OID, INT8OID],
 };
 
-fn from_row<R: Columns>(row: &R) -> Result<RangeLease> {
-    Ok(RangeLease {
+/// Outcomes no open range refers to any more: left by a transaction whose snapshot did not see
+/// them when it deleted their range (REPEATABLE READ). They are never read (their token leases
+/// nothing any more); `maintain()` deletes them.
+const PURGE_DONE: Statement = Statement {
+    name: "range_purge_done",
+    sql: "DELETE FROM sqlstreams.range_done_@id@ d
+          WHERE NOT EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@ r
+                            WHERE r.consumer_group_id = d.consumer_group_id AND r.lease_token = d.lease_token
+                              AND d.message_id = ANY(r.pending))",
+    params: &[],
+};
+
+fn from_row<R: Columns>(row: &R) -> Result<(pgrx::Uuid, RangeLease)> {
+    let range = RangeLease {
         first_id: row.required("first_id")?,
         last_id: row.required("last_id")?,
         reclaims: row.required("reclaims")?,
         pending: row.required("pending")?,
         pending_keys: row.required("pending_keys")?,
         lane: row.value("lane")?,
-    })
+        resolved: vec![],
+    };
+    Ok((row.required("lease_token")?, range))
+}
+
+/// `ranges` leased under `token`, just locked, without the messages that have an outcome,
+/// read now (see the module documentation).
+fn without_done(
+    client: &SpiClient<'_>,
+    stream_id: i64,
+    group_id: i64,
+    token: pgrx::Uuid,
+    mut ranges: Vec<RangeLease>,
+) -> Result<Vec<RangeLease>> {
+    if ranges.is_empty() {
+        return Ok(ranges);
+    }
+    let args = [group_id.into_datum(), token.into_datum()].map(|arg| arg.expect("not NULL"));
+    let done: HashSet<i64> = DONE.read_newest(client, stream_id, &args)?.into_iter().filter_map(|row| row[0]).collect();
+    for range in &mut ranges {
+        range.forget(&done);
+    }
+    Ok(ranges)
 }
 
 /// The open ranges one token holds (a claim leases one range per lane it takes), as an outcome
 /// sees them: what it removes is stored by `store`.
-#[derive(Default)]
 pub struct Ranges {
+    token: pgrx::Uuid,
     ranges: Vec<RangeLease>,
-    changed: Vec<bool>,
 }
 
 impl Ranges {
@@ -147,12 +236,7 @@ impl Ranges {
 
     /// Removes `ids` from whichever range holds them; returns the removed (id, key) pairs.
     pub fn remove(&mut self, ids: &[i64]) -> Vec<(i64, Option<String>)> {
-        let mut removed = Vec::new();
-        for (range, changed) in self.ranges.iter_mut().zip(&mut self.changed) {
-            let some = range.remove(ids);
-            *changed |= !some.is_empty();
-            removed.extend(some);
-        }
+        let mut removed: Vec<_> = self.ranges.iter_mut().flat_map(|range| range.remove(ids)).collect();
         removed.sort_unstable_by_key(|(id, _)| *id);
         removed
     }
@@ -165,10 +249,16 @@ impl Ranges {
         ids
     }
 
-    /// Stores the ranges an outcome changed (deleting those with nothing pending).
-    pub fn store(&self, client: &SpiClient<'_>, stream_id: i64, group_id: i64) -> Result<()> {
-        for (range, _) in self.ranges.iter().zip(&self.changed).filter(|(_, changed)| **changed) {
-            store_pending(client, stream_id, group_id, range)?;
+    /// Stores what an outcome resolved: a row per message, or, for a range with nothing
+    /// pending any more, the range's deletion.
+    pub fn store(&mut self, client: &SpiClient<'_>, stream_id: i64, group_id: i64) -> Result<()> {
+        for range in self.ranges.iter_mut().filter(|r| !r.resolved.is_empty()) {
+            let resolved = std::mem::take(&mut range.resolved);
+            if range.pending.is_empty() {
+                delete(client, stream_id, group_id, range.first_id)?;
+            } else {
+                ADD_DONE.run(client, stream_id, &[group_id.into(), self.token.into(), resolved.into()])?;
+            }
         }
         Ok(())
     }
@@ -178,9 +268,9 @@ impl Ranges {
 pub fn for_token(client: &SpiClient<'_>, stream_id: i64, group_id: i64, token: pgrx::Uuid) -> Result<Ranges> {
     let ranges: Vec<RangeLease> = FOR_TOKEN
         .run(client, stream_id, &[group_id.into(), token.into()])?
-        .map(|row| from_row(&row))
+        .map(|row| Ok(from_row(&row)?.1))
         .collect::<Result<_>>()?;
-    Ok(Ranges { changed: vec![false; ranges.len()], ranges })
+    Ok(Ranges { token, ranges: without_done(client, stream_id, group_id, token, ranges)? })
 }
 
 /// The lane's oldest range whose lease has expired, locked (skipping one an outcome is
@@ -197,7 +287,8 @@ pub fn oldest_expired(
     if row.is_empty() {
         return Ok(None);
     }
-    from_row(&row).map(Some)
+    let (token, range) = from_row(&row)?;
+    Ok(without_done(client, stream_id, group_id, token, vec![range])?.pop())
 }
 
 /// Leases `range` under `token` until `expires`: a new range, or an expired one handed out
@@ -248,22 +339,15 @@ pub fn split(client: &SpiClient<'_>, stream_id: i64, group_id: i64, first_id: i6
     Ok(())
 }
 
-/// Stores what is still pending, deleting the range when nothing is.
-fn store_pending(client: &SpiClient<'_>, stream_id: i64, group_id: i64, range: &RangeLease) -> Result<()> {
-    if range.pending.is_empty() {
-        return delete(client, stream_id, group_id, range.first_id);
-    }
-    SET_PENDING.run(
-        client,
-        stream_id,
-        &[group_id.into(), range.first_id.into(), range.pending.clone().into(), range.pending_keys.clone().into()],
-    )?;
-    Ok(())
-}
-
+/// Deletes range `first_id` with the outcomes stored against it.
 pub fn delete(client: &SpiClient<'_>, stream_id: i64, group_id: i64, first_id: i64) -> Result<()> {
     DELETE.run(client, stream_id, &[group_id.into(), first_id.into()])?;
     Ok(())
+}
+
+/// Deletes the outcomes no open range refers to (see `PURGE_DONE`); returns how many.
+pub fn purge_done(client: &SpiClient<'_>, stream_id: i64) -> Result<usize> {
+    Ok(PURGE_DONE.run(client, stream_id, &[])?.len())
 }
 
 #[cfg(test)]
@@ -278,6 +362,7 @@ mod tests {
             pending: vec![101, 102, 103, 105],
             pending_keys: vec![Some("a".into()), None, Some("a".into()), Some("b".into())],
             lane: Some(0),
+            resolved: vec![],
         }
     }
 
@@ -289,6 +374,16 @@ mod tests {
         assert_eq!(r.pending, vec![101, 105]);
         assert_eq!(r.pending_keys, vec![Some("a".into()), Some("b".into())]);
         assert!(r.remove(&[102]).is_empty(), "a second outcome for the same message removes nothing");
+        assert_eq!(r.resolved, vec![102, 103], "what is stored as the range's outcomes");
+    }
+
+    #[test]
+    fn stored_outcomes_leave_pending() {
+        let mut r = range();
+        r.forget(&HashSet::from([101, 105, 999]));
+        assert_eq!(r.pending, vec![102, 103]);
+        assert_eq!(r.pending_keys, vec![None, Some("a".into())]);
+        assert!(r.resolved.is_empty(), "nothing to store: they were stored before");
     }
 
     #[test]

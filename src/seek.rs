@@ -48,6 +48,7 @@ const MOVE: Statement = Statement {
     name: "seek_move",
     sql: "WITH e AS (DELETE FROM sqlstreams.exception_queue_@id@ WHERE consumer_group_id = $1),
                r AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1),
+               d AS (DELETE FROM sqlstreams.range_done_@id@ WHERE consumer_group_id = $1),
                l AS (UPDATE sqlstreams.lane_@id@ SET claimed = $2, held_by = NULL, held_until = NULL
                      WHERE consumer_group_id = $1)
           UPDATE sqlstreams.cursor_@id@ SET claimed = $2, committed = $2 WHERE consumer_group_id = $1",

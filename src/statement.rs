@@ -54,6 +54,18 @@ const PART_PLANS_KEPT: usize = 32;
 
 thread_local! {
     static PLANS: RefCell<HashMap<PlanKey, Rc<OwnedPreparedStatement>>> = RefCell::new(HashMap::new());
+    /// The plans `read_newest` runs, per (stream, statement).
+    static NEWEST_PLANS: RefCell<HashMap<(StreamId, &'static str), KeptPlan>> = RefCell::new(HashMap::new());
+}
+
+/// A plan kept with `SPI_keepplan`, freed when dropped.
+struct KeptPlan(pg_sys::SPIPlanPtr);
+
+impl Drop for KeptPlan {
+    fn drop(&mut self) {
+        // SAFETY: a plan this module kept, freed once.
+        unsafe { pg_sys::SPI_freeplan(self.0) };
+    }
 }
 
 /// Renders a per-stream SQL template. Only ever called with a numeric id.
@@ -170,6 +182,7 @@ fn forget_oldest_parts<P>(plans: &mut HashMap<PlanKey, P>, key: PlanKey) {
 /// Forgets the cached plans of a dropped stream.
 pub fn forget_stream(stream_id: StreamId) {
     PLANS.with(|plans| plans.borrow_mut().retain(|(id, _, _, _), _| *id != stream_id));
+    NEWEST_PLANS.with(|plans| plans.borrow_mut().retain(|(id, _), _| *id != stream_id));
 }
 
 /// A `timestamptz` parameter from Postgres microseconds.
@@ -193,6 +206,74 @@ pub fn timestamptz_array<'a>(micros: Vec<Option<pg_sys::TimestampTz>>) -> DatumW
         .map(|m| m.map(|m| pgrx::datum::TimestampWithTimeZone::try_from(m).expect("finite timestamp")))
         .collect();
     DatumWithOid::from(values)
+}
+
+impl Statement {
+    /// Runs a read-only statement whose columns are all `int8` with the newest snapshot rather
+    /// than the caller's, as Postgres' foreign-key checks do: for rows that transactions
+    /// committed after the caller's snapshot was taken, such as the outcomes recorded while it
+    /// waited for a row's lock (src/range.rs), under any isolation level. `args` are not NULL.
+    /// Returns each row's columns in order. (`_client`: this runs inside its SPI connection.)
+    pub fn read_newest(
+        &self,
+        _client: &SpiClient<'_>,
+        stream_id: StreamId,
+        args: &[pg_sys::Datum],
+    ) -> Result<Vec<Vec<Option<i64>>>> {
+        debug_assert_eq!(args.len(), self.params.len());
+        let plan = NEWEST_PLANS.with(|plans| -> Result<pg_sys::SPIPlanPtr> {
+            let mut plans = plans.borrow_mut();
+            if let Some(plan) = plans.get(&(stream_id, self.name)) {
+                return Ok(plan.0);
+            }
+            let sql = std::ffi::CString::new(render(self.sql, stream_id)).expect("no NUL in statements");
+            let mut types: Vec<pg_sys::Oid> = self.params.iter().map(|oid| PgOid::BuiltIn(*oid).value()).collect();
+            // SAFETY: prepares and keeps a plan inside the caller's SPI connection.
+            let plan = unsafe { pg_sys::SPI_prepare(sql.as_ptr(), types.len() as i32, types.as_mut_ptr()) };
+            // SAFETY: as above; `SPI_keepplan` fails only for a plan that is null or kept.
+            if plan.is_null() || unsafe { pg_sys::SPI_keepplan(plan) } != 0 {
+                return Err(StreamError::Internal(format!("could not prepare statement {}", self.name)));
+            }
+            plans.insert((stream_id, self.name), KeptPlan(plan));
+            Ok(plan)
+        })?;
+        let mut values = args.to_vec();
+        let nulls = vec![b' ' as std::ffi::c_char; args.len()];
+        // SAFETY: runs a kept plan with its arguments in the caller's SPI connection, read-only,
+        // with the newest snapshot (SPI pushes it for the statement); then reads and frees the
+        // result table, whose columns are int8.
+        unsafe {
+            let status = pg_sys::SPI_execute_snapshot(
+                plan,
+                values.as_mut_ptr(),
+                nulls.as_ptr(),
+                pg_sys::GetLatestSnapshot(),
+                std::ptr::null_mut(),
+                true,
+                false,
+                0,
+            );
+            if status != pg_sys::SPI_OK_SELECT as i32 {
+                return Err(StreamError::Internal(format!("statement {} failed: {status}", self.name)));
+            }
+            let table = pg_sys::SPI_tuptable;
+            let columns = (*(*table).tupdesc).natts;
+            let mut rows = Vec::with_capacity(pg_sys::SPI_processed as usize);
+            for i in 0..pg_sys::SPI_processed as usize {
+                let tuple = *(*table).vals.add(i);
+                let row = (1..=columns)
+                    .map(|column| {
+                        let mut null = false;
+                        let datum = pg_sys::SPI_getbinval(tuple, (*table).tupdesc, column, &mut null);
+                        i64::from_datum(datum, null)
+                    })
+                    .collect();
+                rows.push(row);
+            }
+            pg_sys::SPI_freetuptable(table);
+            Ok(rows)
+        }
+    }
 }
 
 /// Typed access to a result row by column name.

@@ -16,17 +16,19 @@ fn footprint(c: &mut Client, s: &Stream) -> Vec<String> {
                 (SELECT last_value::text FROM {log}_seq),
                 (SELECT string_agg(e::text, ';' ORDER BY e.message_id) FROM {eq} e),
                 (SELECT string_agg(r::text, ';' ORDER BY r.first_id) FROM {ranges} r),
+                (SELECT string_agg(d::text, ';' ORDER BY d.lease_token, d.message_id) FROM {done} d),
                 (SELECT string_agg(k::text, ';' ORDER BY k.consumer_group_id, k.lane) FROM {lanes} k),
                 (SELECT string_agg(u::text, ';' ORDER BY u.consumer_group_id) FROM {cursor} u)",
         log = s.table("message_log"),
         eq = s.table("exception_queue"),
         ranges = s.table("range_lease"),
+        done = s.table("range_done"),
         lanes = s.table("lane"),
         cursor = s.table("cursor"),
     );
     let refused_names = vec!["".to_string(), "   ".to_string()];
     let row = c.query_one(&sql, &[&s.id, &refused_names]).unwrap();
-    (0..9).map(|i| row.get::<_, Option<String>>(i).unwrap_or_default()).collect()
+    (0..10).map(|i| row.get::<_, Option<String>>(i).unwrap_or_default()).collect()
 }
 
 /// Runs `sql` ({s}: the stream, {g}: the group, {t}: a live lease token), expecting `state`;

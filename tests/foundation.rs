@@ -1,5 +1,6 @@
 //! The foundation: produce, range claims, outcomes, the exception queue, leases and cursors.
 
+use postgres::{Client, IsolationLevel};
 use sqlstreams_tests::*;
 
 #[test]
@@ -121,6 +122,97 @@ fn reclaim_after_lease_expiry_and_stale_token_outcomes() {
     assert!(g.ack(&mut c, &again[0]));
     assert!(g.ack(&mut c, &again[1]));
     assert!(g.claim(&mut c, 10).is_empty());
+}
+
+/// The range's row as it is stored (its physical place and its writer): outcomes must not
+/// write it again.
+fn range_rows(c: &mut Client, g: &Group) -> Vec<String> {
+    let sql = format!(
+        "SELECT format('%s %s %s', ctid, xmin, pending) FROM {} WHERE consumer_group_id = $1 ORDER BY first_id",
+        g.stream.table("range_lease")
+    );
+    c.query(&sql, &[&g.id]).unwrap().iter().map(|r| r.get(0)).collect()
+}
+
+fn range_done_rows(c: &mut Client, g: &Group) -> i64 {
+    let sql = format!("SELECT count(*) FROM {} WHERE consumer_group_id = $1", g.stream.table("range_done"));
+    c.query_one(&sql, &[&g.id]).unwrap().get(0)
+}
+
+/// Outcomes leave their range's row as the claim wrote it (one row version per lease however
+/// many outcomes, so readers of the range table have no dead version per outcome to step over
+/// until vacuum), and what they resolved still counts: a second outcome for a message changes
+/// nothing, `open_leases` counts what is pending, a reclaim hands out only the rest, and the
+/// range goes with its outcomes once every message has one.
+#[test]
+fn outcomes_leave_their_range_row_alone_and_still_count() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "range-outcomes");
+    let g = s.group(&mut c, "g", None);
+    let produced = s.produce_many(&mut c, 10, None);
+    let ds = g.claim(&mut c, 10);
+    assert_eq!(ids(&ds), produced);
+    let before = range_rows(&mut c, &g);
+    assert_eq!(before.len(), 1, "keyless messages close together are one lane's range: {before:?}");
+
+    for d in &ds[..4] {
+        assert!(g.ack(&mut c, d));
+    }
+    assert_eq!(g.fail(&mut c, &ds[4], "boom", false, Some("1 hour")).as_deref(), Some("ready"));
+    assert!(!g.ack(&mut c, &ds[0]), "a second outcome for an acked message changes nothing");
+    assert!(!g.ack(&mut c, &ds[4]), "nor one for a message that failed");
+    assert_eq!(range_rows(&mut c, &g), before, "outcomes wrote the range's row again");
+    assert_eq!(range_done_rows(&mut c, &g), 5);
+    let pending: i32 = c
+        .query_one("SELECT pending FROM sqlstreams.open_leases($1, $2) WHERE kind = 'range'", &[&s.name, &g.name])
+        .unwrap()
+        .get(0);
+    assert_eq!(pending, 5);
+
+    g.expire_leases(&mut c);
+    let again = g.claim(&mut c, 10);
+    assert_eq!(ids(&again), produced[5..], "a reclaim hands out only what has no outcome");
+    assert_eq!(range_done_rows(&mut c, &g), 0, "the range was leased again with only those");
+    assert!(!g.ack(&mut c, &ds[5]), "the expired token's outcomes change nothing");
+    assert_eq!(g.ack_batch(&mut c, &again[..2]), ids(&again[..2]));
+    assert!(g.ack(&mut c, &again[2]));
+    assert_eq!(range_done_rows(&mut c, &g), 3);
+    assert_eq!(g.ack_batch(&mut c, &again[3..]), ids(&again[3..]));
+    assert!(range_rows(&mut c, &g).is_empty(), "the range goes once every message has an outcome");
+    assert_eq!(range_done_rows(&mut c, &g), 0, "and its outcomes with it");
+    assert_eq!(g.cursor(&mut c).1, produced[3], "committed stops below the failed message");
+}
+
+/// An outcome reads its range's outcomes as they are once it holds the range, whatever its
+/// transaction's snapshot: under REPEATABLE READ, a second outcome for a message that another
+/// session resolved after the snapshot was taken changes nothing (no duplicate, no error), and
+/// the last outcome still deletes the range.
+#[test]
+fn an_outcome_under_repeatable_read_sees_outcomes_committed_after_its_snapshot() {
+    let mut c = connect();
+    let mut other = connect();
+    let s = Stream::create(&mut c, "range-outcomes-rr");
+    let g = s.group(&mut c, "g", None);
+    s.produce_many(&mut c, 3, None);
+    let ds = g.claim(&mut c, 10);
+    assert_eq!(ds.len(), 3);
+
+    let mut rr = c.build_transaction().isolation_level(IsolationLevel::RepeatableRead).start().unwrap();
+    rr.query_one("SELECT 1", &[]).unwrap(); // the snapshot
+    assert!(g.ack(&mut other, &ds[0]));
+    assert!(g.ack(&mut other, &ds[1]));
+    let ack = "SELECT sqlstreams.ack($1, $2, $3, $4)";
+    let acked: bool = rr.query_one(ack, &[&s.name, &g.name, &ds[0].lease_token, &ds[0].message_id]).unwrap().get(0);
+    assert!(!acked, "acked by the other session since the snapshot");
+    let acked: bool = rr.query_one(ack, &[&s.name, &g.name, &ds[2].lease_token, &ds[2].message_id]).unwrap().get(0);
+    assert!(acked);
+    rr.commit().unwrap();
+    assert!(range_rows(&mut c, &g).is_empty(), "the last outcome deleted the range");
+    assert!(g.claim(&mut c, 10).is_empty());
+    // Its snapshot did not see the other session's outcome rows when it deleted the range's:
+    // they count for nothing (their token leases nothing), and maintenance deletes them.
+    c.execute("SELECT count(*) FROM sqlstreams.maintain_stream($1)", &[&s.name]).unwrap();
+    assert_eq!(range_done_rows(&mut c, &g), 0);
 }
 
 #[test]

@@ -223,10 +223,9 @@ async fn drain(db: &Pg, stream: &str) -> i64 {
 }
 
 /// Claims everything due, 100 at a time as every consumer in this benchmark does, and fails
-/// it one call per message, to retry in an hour. (Each outcome rewrites its range's list of
-/// pending ids, so with claims of 10,000 the setup itself wrote ~80 KB per failure and left
-/// `range_lease_<id>` hundreds of MB of dead rows, which every curve at that size then read:
-/// a cost of the claim's size, not of the retries waiting.)
+/// it one call per message, to retry in an hour. (Until outcomes stopped rewriting their range's
+/// list of pending ids, claims of 10,000 made the setup write ~80 KB per failure and leave
+/// `range_lease_<id>` hundreds of MB of dead rows, which every curve at that size then read.)
 async fn fail_all(db: &Pg, stream: &str) {
     loop {
         let rows = db

@@ -37,7 +37,8 @@ const PROGRESS: Statement = Statement {
          FROM sqlstreams.cursor_@id@ c,
               LATERAL (SELECT greatest(c.committed, ",
         committed_now!("$2"),
-        ") AS committed) p,
+        ") AS committed
+                       OFFSET 0) p, -- computed once, not once per use above
               -- The counts are the sums of the group's rows in exception_count_<id> (kept by
               -- triggers on the queue): a row per status and writing backend, not per message.
               LATERAL (SELECT coalesce(sum(delta) FILTER (WHERE status = 'ready'), 0)::int8 AS ready,

@@ -9,6 +9,7 @@ use crate::backoff::Backoff;
 use crate::concurrency::Concurrency;
 use crate::error::{Result, SqlResult, StreamError};
 use crate::lanes;
+use crate::locks;
 use crate::names::{positive_micros, validate_name, StartAt};
 use crate::statement::{Access, Columns, Statement};
 use crate::stream::{self, StreamRef};
@@ -93,6 +94,10 @@ const DELETE: Statement = Statement {
 
 /// The group `group` of stream `stream`, or `UnknownStream` / `UnknownGroup`.
 pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str, access: Access) -> Result<GroupRef> {
+    // The stream's lock, then the group's (src/locks.rs): the lookup below sees what a drop or
+    // a seek that held them left.
+    let held = locks::stream_shared(stream, true);
+    locks::group_shared(stream, group);
     version::check(client, access)?;
     let row = LOOKUP.exec(client, 0, &[stream.into(), group.into()], access)?.first();
     if row.is_empty() {
@@ -105,7 +110,7 @@ pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str, access: Access)
         partitions_through: row.required("partitions_through")?,
         lanes: row.required("lanes")?,
     };
-    crate::stream::hold(stream, stream_ref.id, true)?;
+    crate::stream::confirm(stream, stream_ref.id, held)?;
     let Some(id) = row.value::<i64>("group_id")? else {
         return Err(StreamError::UnknownGroup { stream: stream.to_string(), group: group.to_string() });
     };
@@ -211,6 +216,10 @@ pub fn drop(stream: &str, name: &str) -> Result<bool> {
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "drop consumer groups")?;
+            // The group's lock, exclusive, before its rows: it waits for every call on the
+            // group in progress, and calls arriving now wait, then find the group gone.
+            locks::stream_shared(stream, true);
+            locks::group_exclusive(stream, name);
             match lookup(client, stream, name, Access::Write) {
                 Ok(group) => {
                     DELETE.run(client, group.stream.id, &[group.id.into()])?;
@@ -360,9 +369,34 @@ pub fn admin_call<T>(
     what: &str,
     f: impl FnOnce(&SpiClient<'_>, &GroupRef) -> Result<T>,
 ) -> Result<T> {
+    admin_call_with(stream, group, what, false, f)
+}
+
+/// `admin_call` holding the group's lock exclusively (`seek`): every call on the group in
+/// progress ends first, and the next ones wait.
+pub fn exclusive_admin_call<T>(
+    stream: &str,
+    group: &str,
+    what: &str,
+    f: impl FnOnce(&SpiClient<'_>, &GroupRef) -> Result<T>,
+) -> Result<T> {
+    admin_call_with(stream, group, what, true, f)
+}
+
+fn admin_call_with<T>(
+    stream: &str,
+    group: &str,
+    what: &str,
+    exclusive: bool,
+    f: impl FnOnce(&SpiClient<'_>, &GroupRef) -> Result<T>,
+) -> Result<T> {
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, what)?;
+            if exclusive {
+                locks::stream_shared(stream, true);
+                locks::group_exclusive(stream, group);
+            }
             let group = lookup(client, stream, group, Access::Write)?;
             f(client, &group)
         })

@@ -86,7 +86,7 @@ pub fn release(stream: &str, group_name: &str, token: pgrx::Uuid, ids: &[i64]) -
     consumer_call(stream, group_name, |client, group| {
         let stream_id = group.stream.id;
         locks::token(token);
-        let mut ranges = range::for_token(client, stream_id, group.id, token)?;
+        let mut ranges = range::for_token(client, stream_id, group.id, token, ids)?;
         // Given-back rows are due at once: a clock read before a wait only makes them due sooner.
         let now = clock::now();
         let given = exception_queue::give_back(client, group, token, ids, &mut ranges, now)?;

@@ -3,13 +3,16 @@
 //! ## The order
 //!
 //! **Every call that works on a stream** (claims, outcomes, producers, inspection, seeks,
-//! `maintain()`) first takes the stream's lock, shared, right after it looks the stream up and
-//! before any of its tables (`src/stream.rs`, `hold`). Only `drop_stream` takes it
-//! exclusively, before the stream's row and its tables: so a call waits for a drop that has
-//! begun and then reports the stream unknown, and a drop waits for the calls in progress,
-//! instead of either meeting the other's table locks half way. `maintain()` holds the rows of
-//! the streams it visits, which a drop locks next, so it only tries the lock and skips a stream
-//! being dropped.
+//! `maintain()`) first takes the stream's lock, shared, before it looks the stream up
+//! (`src/stream.rs`); a call on a group then takes the group's lock, shared, before it looks the
+//! group up (`src/group.rs`). Only `drop_stream` takes the stream's lock exclusively, and only
+//! `drop_group` and `seek` the group's, before anything else of the stream or group. So a call
+//! that arrives while one of them runs waits for it and then looks up what is left (a dropped
+//! stream or group is unknown, `42704`), and they wait for the calls in progress: no call meets
+//! tables or rows half dropped or half moved, and none waits for their row locks while they wait
+//! for its. The locks are named by the stream's and the group's names, so they are taken before
+//! the lookup reads anything. `maintain()` only tries a stream's lock, and skips a stream being
+//! dropped.
 //!
 //! **Claim** (`src/claim.rs`):
 //! 1. the log's ACCESS SHARE lock, as any statement over it takes (the claim reads the
@@ -42,7 +45,8 @@
 //! **Seek** (`src/seek.rs`) takes the group's rows in the outcomes' order: exception rows,
 //! ranges, lane rows, then the cursor row.
 //!
-//! **Why there is no deadlock.** Claims never wait, so every wait is an outcome's, for a row or
+//! **Why there is no deadlock.** Claims never wait (beyond the stream's and group's locks while a
+//! drop or seek runs, before they hold anything), so every wait is an outcome's, for a row or
 //! key lock that a claim holds (the claim commits without waiting) or for its own token's lock
 //! and rows, which every outcome of that token takes in the same order; key locks are only
 //! ever shared between outcomes. So no cycle of waits can form. (A caller who records outcomes
@@ -76,6 +80,8 @@ pub const KEY_CLASS: u16 = 0x534B; // 'SK'
 pub const TOKEN_CLASS: u16 = 0x5354; // 'ST'
 /// The per-stream lock that orders `drop_stream` against everything else on the stream.
 pub const STREAM_CLASS: u16 = 0x5353; // 'SS'
+/// The per-group lock that orders `drop_group` and `seek` against everything else on the group.
+pub const GROUP_CLASS: u16 = 0x5347; // 'SG'
 /// The per-stream lock of a retention step run from a claim (one session at a time).
 pub const RETENTION_CLASS: u16 = 0x5352; // 'SR'
 
@@ -151,33 +157,55 @@ pub fn token(token: pgrx::Uuid) {
     acquire(&tag(TOKEN_CLASS, high, low), pg_sys::ExclusiveLock, true);
 }
 
-/// How a call came to hold a stream's lock.
+/// How a call came to hold a stream's or a group's lock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Held {
-    /// Taken now: a `drop_stream` may have committed while this call waited for it.
+    /// Taken now: a drop may have committed while this call waited for it.
     Now,
-    /// This transaction held it already: the stream is still there.
+    /// This transaction held it already.
     Already,
-    /// Not taken: a `drop_stream` holds it (only when asked not to wait).
+    /// Not taken: a drop holds it (only when asked not to wait).
     Busy,
 }
 
-/// The stream's lock, shared (see "The order" above). Waits for a `drop_stream` in progress
-/// unless `wait` is false.
-pub fn stream_shared(stream_id: i64, wait: bool) -> Held {
-    let (high, low) = split(stream_id);
-    match lock(&tag(STREAM_CLASS, high, low), pg_sys::ShareLock, wait) {
+fn held(result: pg_sys::LockAcquireResult::Type) -> Held {
+    match result {
         pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL => Held::Busy,
         pg_sys::LockAcquireResult::LOCKACQUIRE_OK => Held::Now,
         _ => Held::Already,
     }
 }
 
-/// The stream's lock, exclusive: `drop_stream`, before the stream's row and tables. Waits for
-/// every call in progress on the stream.
-pub fn stream_exclusive(stream_id: i64) {
-    let (high, low) = split(stream_id);
-    acquire(&tag(STREAM_CLASS, high, low), pg_sys::ExclusiveLock, true);
+fn stream_tag(stream: &str) -> pg_sys::LOCKTAG {
+    tag(STREAM_CLASS, hash(stream.as_bytes()), stream.len() as u32)
+}
+
+fn group_tag(stream: &str, group: &str) -> pg_sys::LOCKTAG {
+    tag(GROUP_CLASS, hash(stream.as_bytes()), hash(group.as_bytes()))
+}
+
+/// The lock of the stream called `stream`, shared (see "The order" above). Waits for a
+/// `drop_stream` in progress unless `wait` is false.
+pub fn stream_shared(stream: &str, wait: bool) -> Held {
+    held(lock(&stream_tag(stream), pg_sys::ShareLock, wait))
+}
+
+/// The stream's lock, exclusive: `drop_stream`, before anything else of the stream. Waits for
+/// every call in progress on it.
+pub fn stream_exclusive(stream: &str) {
+    lock(&stream_tag(stream), pg_sys::ExclusiveLock, true);
+}
+
+/// The lock of group `group` of `stream`, shared: every call on the group, after the stream's
+/// lock. Waits for a `drop_group` or `seek` in progress.
+pub fn group_shared(stream: &str, group: &str) -> Held {
+    held(lock(&group_tag(stream, group), pg_sys::ShareLock, true))
+}
+
+/// The group's lock, exclusive: `drop_group` and `seek`, before anything else of the group.
+/// Waits for every call in progress on it.
+pub fn group_exclusive(stream: &str, group: &str) {
+    lock(&group_tag(stream, group), pg_sys::ExclusiveLock, true);
 }
 
 /// A claim's retention step for `stream_id` (src/retention.rs): exclusive, never waiting.
@@ -222,7 +250,7 @@ mod tests {
     #[test]
     fn classes_are_out_of_reach_of_sql_advisory_locks() {
         // pg_advisory_lock(bigint) uses class 1, pg_advisory_lock(int, int) class 2.
-        for class in [PRODUCER_CLASS, KEY_CLASS, TOKEN_CLASS, RETENTION_CLASS, STREAM_CLASS] {
+        for class in [PRODUCER_CLASS, KEY_CLASS, TOKEN_CLASS, RETENTION_CLASS, STREAM_CLASS, GROUP_CLASS] {
             assert!(class > 2);
         }
         assert_eq!(split(-1), (u32::MAX, u32::MAX));

@@ -16,19 +16,8 @@ use crate::retention;
 use crate::statement::{Access, Columns, Statement};
 use crate::stream;
 
-const STREAMS: Statement = Statement {
-    name: "maintain_streams",
-    // A stream being dropped right now is skipped (drop_stream locks its row first).
-    sql: "SELECT id, name FROM sqlstreams.stream ORDER BY id FOR KEY SHARE SKIP LOCKED",
-    params: &[],
-};
-
-/// The one stream `maintain_stream` works on, unless it is being dropped right now.
-const ONE_STREAM: Statement = Statement {
-    name: "maintain_one_stream",
-    sql: "SELECT name FROM sqlstreams.stream WHERE name = $1 FOR KEY SHARE SKIP LOCKED",
-    params: &[TEXTOID],
-};
+const STREAMS: Statement =
+    Statement { name: "maintain_streams", sql: "SELECT name FROM sqlstreams.stream ORDER BY id", params: &[] };
 
 const GROUPS: Statement = Statement {
     name: "maintain_groups",
@@ -80,16 +69,21 @@ fn maintain_all() -> Result<Vec<Report>> {
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "run maintain()")?;
-            let mut streams = Vec::new();
+            let mut names = Vec::new();
             for row in STREAMS.run(client, 0, &[])? {
-                streams.push((row.required::<i64>("id")?, row.required::<String>("name")?));
+                names.push(row.required::<String>("name")?);
             }
             let mut reports = Vec::new();
-            for (id, name) in streams {
-                // This transaction holds the stream's row, which a drop that holds the stream's
-                // lock waits for next: never wait for that lock here (src/locks.rs).
-                if stream::hold(&name, id, false)? {
-                    reports.push(maintain_one(client, name)?);
+            for name in names {
+                // A stream being dropped is skipped, not waited for: this transaction may
+                // hold streams a caller's drop waits for (src/locks.rs). One dropped since the
+                // list was read is unknown now.
+                if !stream::try_hold(&name) {
+                    continue;
+                }
+                match maintain_one(client, name) {
+                    Err(StreamError::UnknownStream(_)) => {}
+                    report => reports.push(report?),
                 }
             }
             Ok(reports)
@@ -103,11 +97,10 @@ fn maintain_stream_named(name: &str) -> Result<Vec<Report>> {
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "run maintain()")?;
-            stream::lookup(client, name)?; // an unknown stream is an error, with its hint
-            let locked = ONE_STREAM.run(client, 0, &[name.into()])?;
-            if locked.is_empty() {
+            if !stream::try_hold(name) {
                 return Ok(vec![]);
             }
+            stream::lookup(client, name)?; // an unknown stream is an error, with its hint
             Ok(vec![maintain_one(client, name.to_string())?])
         })
     })

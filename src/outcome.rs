@@ -76,8 +76,9 @@ pub fn ack_in(
     let stream_id = group.stream.id;
     let mut done = exception_queue::succeed(client, group, token, ids)?;
     if done.len() < ids.len() {
-        let mut ranges = range::for_token(client, stream_id, group.id, token)?;
-        done.extend(ranges.remove(ids));
+        let rest: Vec<i64> = ids.iter().copied().filter(|id| !done.iter().any(|(d, _)| d == id)).collect();
+        let mut ranges = range::for_token(client, stream_id, group.id, token, &rest)?;
+        done.extend(ranges.remove(&rest));
         ranges.store(client, stream_id, group.id)?;
     }
     let keys = exception_queue::distinct_keys(done.iter().map(|(_, k)| k));
@@ -110,7 +111,8 @@ fn record_setback(
         let stream_id = group.stream.id;
         locks::token(token);
         let row = exception_queue::inflight(client, stream_id, group.id, id, token)?;
-        let mut ranges = range::for_token(client, stream_id, group.id, token)?;
+        let wanted: &[i64] = if row.is_some() { &[] } else { &[id] };
+        let mut ranges = range::for_token(client, stream_id, group.id, token, wanted)?;
         // After the rows' locks: a backoff or a delay counts from when the outcome is recorded.
         let now = clock::now();
         let (key, concurrency, setback) = if let Some(row) = row {

@@ -264,8 +264,27 @@ impl Ranges {
     }
 }
 
-/// The open ranges leased under `token`, locked.
-pub fn for_token(client: &SpiClient<'_>, stream_id: i64, group_id: i64, token: pgrx::Uuid) -> Result<Ranges> {
+/// The open ranges leased under `token`, locked, for an outcome of `wanted`.
+///
+/// When one of `wanted` is not pending in them, they are read once more: while this waited for
+/// a range's lock, a claim may have handed the start of that expired range out again and split
+/// the rest off as a range of its own, still under `token` (`split`), which the first
+/// statement's snapshot did not see. A lease that expired but was not taken over still counts.
+pub fn for_token(
+    client: &SpiClient<'_>,
+    stream_id: i64,
+    group_id: i64,
+    token: pgrx::Uuid,
+    wanted: &[i64],
+) -> Result<Ranges> {
+    let ranges = locked(client, stream_id, group_id, token)?;
+    if wanted.iter().all(|id| ranges.contains(*id)) {
+        return Ok(ranges);
+    }
+    locked(client, stream_id, group_id, token)
+}
+
+fn locked(client: &SpiClient<'_>, stream_id: i64, group_id: i64, token: pgrx::Uuid) -> Result<Ranges> {
     let ranges: Vec<RangeLease> = FOR_TOKEN
         .run(client, stream_id, &[group_id.into(), token.into()])?
         .map(|row| Ok(from_row(&row)?.1))

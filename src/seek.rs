@@ -78,7 +78,7 @@ fn seek(
     if to_id.is_some_and(|id| id < 0) {
         return Err(StreamError::invalid("to_id must not be negative", "Pass 0 to replay from the beginning.").into());
     }
-    Ok(group::admin_call(stream, group_name, "seek consumer groups", |client, g| {
+    Ok(group::exclusive_admin_call(stream, group_name, "seek consumer groups", |client, g| {
         LOCK.run(client, g.stream.id, &[g.id.into()])?;
         let head: i64 = HEAD.run(client, g.stream.id, &[])?.first().required("head")?;
         let position = match (to_id, to_time) {

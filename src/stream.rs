@@ -71,8 +71,9 @@ pub fn lookup_read(client: &SpiClient<'_>, name: &str) -> Result<StreamRef> {
 }
 
 fn lookup_with(client: &SpiClient<'_>, name: &str, access: Access) -> Result<StreamRef> {
+    let held = locks::stream_shared(name, true);
     let stream = find(client, name, access)?;
-    hold(name, stream.id, true)?;
+    confirm(name, stream.id, held)?;
     Ok(stream)
 }
 
@@ -92,17 +93,20 @@ fn find(client: &SpiClient<'_>, name: &str, access: Access) -> Result<StreamRef>
     })
 }
 
-/// Takes the lock of stream `id`, just looked up as `name`, shared (src/locks.rs), before any
-/// of its tables. A `drop_stream` that committed while this call waited for the lock leaves the
-/// stream unknown, whatever snapshot the lookup read; so does one that holds the lock right now
-/// when `wait` is false, unless this returns false instead (`maintain()` skips such a stream).
-pub fn hold(name: &str, id: i64, wait: bool) -> Result<bool> {
-    match locks::stream_shared(id, wait) {
-        locks::Held::Already => Ok(true),
-        locks::Held::Busy => Ok(false),
-        locks::Held::Now if tables_exist(id) => Ok(true),
-        locks::Held::Now => Err(StreamError::UnknownStream(name.to_string())),
+/// Confirms stream `id`, looked up as `name` after its lock was taken (`held`, src/locks.rs): a
+/// lookup that read a snapshot older than the lock (REPEATABLE READ) may have found a stream
+/// that a `drop_stream` dropped while this call waited; its tables tell.
+pub fn confirm(name: &str, id: i64, held: locks::Held) -> Result<()> {
+    if held == locks::Held::Now && !tables_exist(id) {
+        return Err(StreamError::UnknownStream(name.to_string()));
     }
+    Ok(())
+}
+
+/// Takes the stream's lock, shared, unless a `drop_stream` holds it: whether it is held now
+/// (`maintain()` skips a stream being dropped).
+pub fn try_hold(name: &str) -> bool {
+    locks::stream_shared(name, false) != locks::Held::Busy
 }
 
 /// Whether stream `id`'s tables exist, as the catalog says now.
@@ -123,6 +127,8 @@ pub fn create(name: &str, partition_size: i64, idempotency_ttl_micros: i64, lane
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "create streams")?;
+            // A drop of the name in progress ends first: then the name is free.
+            locks::stream_shared(name, true);
             // A size out of range only refuses a new stream: declaring an existing one (perhaps
             // from before the range) with its own size still returns its id.
             let inserted: Option<i64> = if PARTITION_SIZES.contains(&partition_size) {
@@ -187,29 +193,21 @@ pub fn drop(name: &str) -> Result<bool> {
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "drop streams")?;
-            loop {
-                let stream = match find(client, name, Access::Write) {
-                    Ok(stream) => stream,
-                    Err(StreamError::UnknownStream(_)) => return Ok(false),
-                    Err(other) => return Err(other),
-                };
-                // The stream's lock first, exclusive: it waits for every call on the stream in
-                // progress, and a call arriving now waits for this drop, then finds the stream
-                // gone. Then its row, so that maintain() skips the stream.
-                locks::stream_exclusive(stream.id);
-                LOCK_FOR_DROP.run(client, 0, &[name.into()])?;
-                match find(client, name, Access::Write) {
-                    // A concurrent drop (and perhaps a create) got there first.
-                    Err(StreamError::UnknownStream(_)) => return Ok(false),
-                    Err(other) => return Err(other),
-                    Ok(now) if now.id != stream.id => continue,
-                    Ok(_) => {}
-                }
-                DROP_TABLES.run(client, 0, &[stream.id.into()])?;
-                DELETE.run(client, 0, &[stream.id.into()])?;
-                statement::forget_stream(stream.id);
-                return Ok(true);
-            }
+            // The stream's lock first, exclusive: it waits for every call on the stream in
+            // progress, and a call arriving now waits for this drop, then finds the stream
+            // gone. Then its row, so that a concurrent drop under REPEATABLE READ fails to
+            // serialize rather than drop twice.
+            locks::stream_exclusive(name);
+            let stream = match find(client, name, Access::Write) {
+                Ok(stream) => stream,
+                Err(StreamError::UnknownStream(_)) => return Ok(false),
+                Err(other) => return Err(other),
+            };
+            LOCK_FOR_DROP.run(client, 0, &[name.into()])?;
+            DROP_TABLES.run(client, 0, &[stream.id.into()])?;
+            DELETE.run(client, 0, &[stream.id.into()])?;
+            statement::forget_stream(stream.id);
+            Ok(true)
         })
     })
 }

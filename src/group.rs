@@ -95,9 +95,24 @@ const DELETE: Statement = Statement {
 /// The group `group` of stream `stream`, or `UnknownStream` / `UnknownGroup`.
 pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str, access: Access) -> Result<GroupRef> {
     // The stream's lock, then the group's (src/locks.rs): the lookup below sees what a drop or
-    // a seek that held them left.
-    let held = locks::stream_shared(stream, true);
-    locks::group_shared(stream, group);
+    // a seek that held them left. Inspection (`Access::Read`) reads its snapshot and takes only
+    // the stream's lock: an idle transaction that inspected a group never holds a seek or a
+    // drop_group back, nor the claims that queue behind them.
+    let held = match access {
+        Access::Read => locks::stream_shared(stream, true),
+        Access::Write => locks::stream_and_group(stream, group, false),
+    };
+    find(client, stream, group, access, held)
+}
+
+/// `lookup` for `drop_group` and `seek`: the group's lock exclusive, before anything of the group.
+fn lookup_exclusive(client: &SpiClient<'_>, stream: &str, group: &str) -> Result<GroupRef> {
+    let held = locks::stream_and_group(stream, group, true);
+    find(client, stream, group, Access::Write, held)
+}
+
+/// The group, looked up once its locks are taken (`held`: how the stream's lock is held).
+fn find(client: &SpiClient<'_>, stream: &str, group: &str, access: Access, held: locks::Held) -> Result<GroupRef> {
     version::check(client, access)?;
     let row = LOOKUP.exec(client, 0, &[stream.into(), group.into()], access)?.first();
     if row.is_empty() {
@@ -218,9 +233,7 @@ pub fn drop(stream: &str, name: &str) -> Result<bool> {
             caller.require_admin(client, "drop consumer groups")?;
             // The group's lock, exclusive, before its rows: it waits for every call on the
             // group in progress, and calls arriving now wait, then find the group gone.
-            locks::stream_shared(stream, true);
-            locks::group_exclusive(stream, name);
-            match lookup(client, stream, name, Access::Write) {
+            match lookup_exclusive(client, stream, name) {
                 Ok(group) => {
                     DELETE.run(client, group.stream.id, &[group.id.into()])?;
                     Ok(true)
@@ -393,11 +406,11 @@ fn admin_call_with<T>(
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, what)?;
-            if exclusive {
-                locks::stream_shared(stream, true);
-                locks::group_exclusive(stream, group);
-            }
-            let group = lookup(client, stream, group, Access::Write)?;
+            let group = if exclusive {
+                lookup_exclusive(client, stream, group)?
+            } else {
+                lookup(client, stream, group, Access::Write)?
+            };
             f(client, &group)
         })
     })

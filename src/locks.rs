@@ -4,8 +4,9 @@
 //!
 //! **Every call that works on a stream** (claims, outcomes, producers, inspection, seeks,
 //! `maintain()`) first takes the stream's lock, shared, before it looks the stream up
-//! (`src/stream.rs`); a call on a group then takes the group's lock, shared, before it looks the
-//! group up (`src/group.rs`). Only `drop_stream` takes the stream's lock exclusively, and only
+//! (`src/stream.rs`); a call that changes a group then takes the group's lock, shared, before it
+//! looks the group up (`src/group.rs`; inspection reads its snapshot without it, so an idle
+//! inspecting transaction holds no seek back). Only `drop_stream` takes the stream's lock exclusively, and only
 //! `drop_group` and `seek` the group's, before anything else of the stream or group. So a call
 //! that arrives while one of them runs waits for it and then looks up what is left (a dropped
 //! stream or group is unknown, `42704`), and they wait for the calls in progress: no call meets
@@ -51,7 +52,9 @@
 //! and rows, which every outcome of that token takes in the same order; key locks are only
 //! ever shared between outcomes. So no cycle of waits can form. (A caller who records outcomes
 //! of two tokens in one transaction, in opposite orders in two sessions, can deadlock like any
-//! two transactions updating two rows in opposite orders.)
+//! two transactions updating two rows in opposite orders; so can a transaction that upgrades a
+//! stream's or group's lock it holds shared, by a `drop_stream` after other calls on the stream
+//! or a `seek` after a claim of the group.)
 //!
 //! **Produce** takes the producer lock (shared), its transaction id, message ids, then the
 //! compaction-head rows of its keys in key order (`src/produce.rs`); only a producer whose
@@ -196,16 +199,26 @@ pub fn stream_exclusive(stream: &str) {
     lock(&stream_tag(stream), pg_sys::ExclusiveLock, true);
 }
 
-/// The lock of group `group` of `stream`, shared: every call on the group, after the stream's
-/// lock. Waits for a `drop_group` or `seek` in progress.
-pub fn group_shared(stream: &str, group: &str) -> Held {
-    held(lock(&group_tag(stream, group), pg_sys::ShareLock, true))
-}
-
-/// The group's lock, exclusive: `drop_group` and `seek`, before anything else of the group.
-/// Waits for every call in progress on it.
-pub fn group_exclusive(stream: &str, group: &str) {
-    lock(&group_tag(stream, group), pg_sys::ExclusiveLock, true);
+/// The stream's lock, shared, then group `group`'s, shared (every call on the group) or
+/// exclusive (`drop_group`, `seek`): how the stream's lock is held (`Held::Now` or `Already`).
+/// Waits for a `drop_stream`, and for a `drop_group` or `seek` of the group in progress (shared)
+/// or every call on the group in progress (exclusive).
+///
+/// A call that has to wait for the group's lock and took the stream's lock only now lets the
+/// stream's lock go while it waits, then takes it again: a transaction that holds the group's
+/// lock and goes on to `drop_stream` must not wait for a call that waits for it.
+pub fn stream_and_group(stream: &str, group: &str, exclusive: bool) -> Held {
+    let mode = if exclusive { pg_sys::ExclusiveLock } else { pg_sys::ShareLock };
+    let group_tag = group_tag(stream, group);
+    let held = stream_shared(stream, true);
+    if held == Held::Now && !acquire(&group_tag, mode, false) {
+        // SAFETY: releases the lock this call took above, which nothing has used yet.
+        unsafe { pg_sys::LockRelease(&stream_tag(stream), pg_sys::ShareLock as pg_sys::LOCKMODE, false) };
+        acquire(&group_tag, mode, true);
+        return stream_shared(stream, true);
+    }
+    acquire(&group_tag, mode, true);
+    held
 }
 
 /// A claim's retention step for `stream_id` (src/retention.rs): exclusive, never waiting.

@@ -47,7 +47,8 @@ const LOOKUP: Statement = Statement {
                  g.backoff_exponent, g.max_delays, g.max_reclaims, g.paused, g.on_dead
           FROM sqlstreams.stream s
           LEFT JOIN sqlstreams.consumer_group g ON g.stream_id = s.id AND g.name = $2
-          WHERE s.name = $1",
+          WHERE s.name = $1
+          ORDER BY s.id DESC LIMIT 1 -- the newest of the name (see stream.rs LOOKUP)",
     params: &[TEXTOID, TEXTOID],
 };
 
@@ -98,21 +99,23 @@ pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str, access: Access)
     // a seek that held them left. Inspection (`Access::Read`) reads its snapshot and takes only
     // the stream's lock: an idle transaction that inspected a group never holds a seek or a
     // drop_group back, nor the claims that queue behind them.
-    let held = match access {
-        Access::Read => locks::stream_shared(stream, true),
+    match access {
+        Access::Read => {
+            locks::stream_shared(stream, true);
+        }
         Access::Write => locks::stream_and_group(stream, group, false),
-    };
-    find(client, stream, group, access, held)
+    }
+    find(client, stream, group, access)
 }
 
 /// `lookup` for `drop_group` and `seek`: the group's lock exclusive, before anything of the group.
 fn lookup_exclusive(client: &SpiClient<'_>, stream: &str, group: &str) -> Result<GroupRef> {
-    let held = locks::stream_and_group(stream, group, true);
-    find(client, stream, group, Access::Write, held)
+    locks::stream_and_group(stream, group, true);
+    find(client, stream, group, Access::Write)
 }
 
-/// The group, looked up once its locks are taken (`held`: how the stream's lock is held).
-fn find(client: &SpiClient<'_>, stream: &str, group: &str, access: Access, held: locks::Held) -> Result<GroupRef> {
+/// The group, looked up once its locks are taken.
+fn find(client: &SpiClient<'_>, stream: &str, group: &str, access: Access) -> Result<GroupRef> {
     version::check(client, access)?;
     let row = LOOKUP.exec(client, 0, &[stream.into(), group.into()], access)?.first();
     if row.is_empty() {
@@ -125,7 +128,7 @@ fn find(client: &SpiClient<'_>, stream: &str, group: &str, access: Access, held:
         partitions_through: row.required("partitions_through")?,
         lanes: row.required("lanes")?,
     };
-    crate::stream::confirm(stream, stream_ref.id, held)?;
+    crate::stream::confirm(stream, stream_ref.id)?;
     let Some(id) = row.value::<i64>("group_id")? else {
         return Err(StreamError::UnknownGroup { stream: stream.to_string(), group: group.to_string() });
     };

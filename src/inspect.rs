@@ -360,8 +360,8 @@ fn stream_head(stream_id: i64) -> std::result::Result<i64, ErrorReport> {
             let Some(name) = row.value::<String>("name")? else {
                 return Err(StreamError::UnknownStreamId(stream_id));
             };
-            let held = crate::locks::stream_shared(&name, true);
-            crate::stream::confirm(&name, stream_id, held)?;
+            crate::locks::stream_shared(&name, true);
+            crate::stream::confirm(&name, stream_id)?;
             caller.require(client, stream_id, &name, Right::Observe)?;
             cursor::sequence_head(client, stream_id, Access::Read)
         })

@@ -92,6 +92,8 @@ extern "C-unwind" {
     /// Postgres' own byte hash (`hash_any`, the hash behind `hashtext`): stable across
     /// versions and processes.
     fn hash_bytes(k: *const u8, keylen: std::ffi::c_int) -> u32;
+    /// Its 64-bit form (`hash_any_extended`, behind `hashtextextended`).
+    fn hash_bytes_extended(k: *const u8, keylen: std::ffi::c_int, seed: u64) -> u64;
 }
 
 /// Postgres' hash of `bytes`, as `hashtext()` computes it for a deterministic collation.
@@ -179,12 +181,28 @@ fn held(result: pg_sys::LockAcquireResult::Type) -> Held {
     }
 }
 
+/// A 64-bit hash of `parts`, each ended by a NUL (which no name holds), so that two names
+/// share a lock only if their hashes collide in 64 bits: a 32-bit one collides among a few
+/// hundred thousand names, and two unrelated streams sharing a lock could deadlock.
+fn name_hash(parts: &[&str]) -> (u32, u32) {
+    let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.len() + 1).sum());
+    for part in parts {
+        bytes.extend_from_slice(part.as_bytes());
+        bytes.push(0);
+    }
+    // SAFETY: reads `bytes` only.
+    let h = unsafe { hash_bytes_extended(bytes.as_ptr(), bytes.len() as std::ffi::c_int, 0) };
+    ((h >> 32) as u32, h as u32)
+}
+
 fn stream_tag(stream: &str) -> pg_sys::LOCKTAG {
-    tag(STREAM_CLASS, hash(stream.as_bytes()), stream.len() as u32)
+    let (high, low) = name_hash(&[stream]);
+    tag(STREAM_CLASS, high, low)
 }
 
 fn group_tag(stream: &str, group: &str) -> pg_sys::LOCKTAG {
-    tag(GROUP_CLASS, hash(stream.as_bytes()), hash(group.as_bytes()))
+    let (high, low) = name_hash(&[stream, group]);
+    tag(GROUP_CLASS, high, low)
 }
 
 /// The lock of the stream called `stream`, shared (see "The order" above). Waits for a
@@ -199,26 +217,38 @@ pub fn stream_exclusive(stream: &str) {
     lock(&stream_tag(stream), pg_sys::ExclusiveLock, true);
 }
 
-/// The stream's lock, shared, then group `group`'s, shared (every call on the group) or
-/// exclusive (`drop_group`, `seek`): how the stream's lock is held (`Held::Now` or `Already`).
-/// Waits for a `drop_stream`, and for a `drop_group` or `seek` of the group in progress (shared)
-/// or every call on the group in progress (exclusive).
+/// The stream's lock, shared, then group `group`'s, shared (every call that changes the group)
+/// or exclusive (`drop_group`, `seek`). Waits for a `drop_stream`, and for a `drop_group` or
+/// `seek` of the group in progress (shared) or every call on the group in progress (exclusive).
 ///
-/// A call that has to wait for the group's lock and took the stream's lock only now lets the
-/// stream's lock go while it waits, then takes it again: a transaction that holds the group's
-/// lock and goes on to `drop_stream` must not wait for a call that waits for it.
-pub fn stream_and_group(stream: &str, group: &str, exclusive: bool) -> Held {
+/// A call that has to wait for the group's lock, and took the stream's lock only now, waits
+/// holding neither: it lets the stream's lock go, waits for the group's, lets that go too, and
+/// starts again. Holding one while waiting for the other would deadlock with a transaction that
+/// holds the group's lock and goes on to `drop_stream`, or holds the stream's exclusively (a
+/// `drop_stream`) and goes on to `drop_group` or `seek`.
+pub fn stream_and_group(stream: &str, group: &str, exclusive: bool) {
     let mode = if exclusive { pg_sys::ExclusiveLock } else { pg_sys::ShareLock };
     let group_tag = group_tag(stream, group);
-    let held = stream_shared(stream, true);
-    if held == Held::Now && !acquire(&group_tag, mode, false) {
-        // SAFETY: releases the lock this call took above, which nothing has used yet.
-        unsafe { pg_sys::LockRelease(&stream_tag(stream), pg_sys::ShareLock as pg_sys::LOCKMODE, false) };
+    loop {
+        let held = stream_shared(stream, true);
+        if held != Held::Now {
+            // Held before this call: this transaction's own order (a mixed transaction).
+            acquire(&group_tag, mode, true);
+            return;
+        }
+        if acquire(&group_tag, mode, false) {
+            return;
+        }
+        release(&stream_tag(stream), pg_sys::ShareLock);
         acquire(&group_tag, mode, true);
-        return stream_shared(stream, true);
+        release(&group_tag, mode);
     }
-    acquire(&group_tag, mode, true);
-    held
+}
+
+/// Lets a lock that this call took go (`stream_and_group`), before the transaction ends.
+fn release(tag: &pg_sys::LOCKTAG, mode: u32) {
+    // SAFETY: a transaction-scoped lock this call took and has not used yet.
+    unsafe { pg_sys::LockRelease(tag, mode as pg_sys::LOCKMODE, false) };
 }
 
 /// A claim's retention step for `stream_id` (src/retention.rs): exclusive, never waiting.

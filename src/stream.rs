@@ -30,7 +30,10 @@ pub struct StreamRef {
 
 const LOOKUP: Statement = Statement {
     name: "stream_lookup",
-    sql: "SELECT id, partition_size, partitions_through, schema_version, lanes FROM sqlstreams.stream WHERE name = $1",
+    // The newest of the name: a REPEATABLE READ snapshot taken before a drop of the name
+    // committed still sees the dropped stream's row beside one this transaction created since.
+    sql: "SELECT id, partition_size, partitions_through, schema_version, lanes FROM sqlstreams.stream
+          WHERE name = $1 ORDER BY id DESC LIMIT 1",
     params: &[TEXTOID],
 };
 
@@ -71,9 +74,9 @@ pub fn lookup_read(client: &SpiClient<'_>, name: &str) -> Result<StreamRef> {
 }
 
 fn lookup_with(client: &SpiClient<'_>, name: &str, access: Access) -> Result<StreamRef> {
-    let held = locks::stream_shared(name, true);
+    locks::stream_shared(name, true);
     let stream = find(client, name, access)?;
-    confirm(name, stream.id, held)?;
+    confirm(name, stream.id)?;
     Ok(stream)
 }
 
@@ -93,11 +96,14 @@ fn find(client: &SpiClient<'_>, name: &str, access: Access) -> Result<StreamRef>
     })
 }
 
-/// Confirms stream `id`, looked up as `name` after its lock was taken (`held`, src/locks.rs): a
-/// lookup that read a snapshot older than the lock (REPEATABLE READ) may have found a stream
-/// that a `drop_stream` dropped while this call waited; its tables tell.
-pub fn confirm(name: &str, id: i64, held: locks::Held) -> Result<()> {
-    if held == locks::Held::Now && !tables_exist(id) {
+/// Confirms stream `id`, looked up as `name` after its lock was taken (src/locks.rs): a lookup
+/// that read a snapshot older than the lock (a stable function's, or REPEATABLE READ's) may
+/// have found a stream that a `drop_stream` dropped before this call took the lock; its
+/// tables tell. (Checked at every lookup, not only when this call took the lock: a transaction
+/// that held it already may hold it through another call, and the check is two catalog cache
+/// lookups.)
+pub fn confirm(name: &str, id: i64) -> Result<()> {
+    if !tables_exist(id) {
         return Err(StreamError::UnknownStream(name.to_string()));
     }
     Ok(())

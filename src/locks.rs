@@ -221,17 +221,18 @@ pub fn stream_exclusive(stream: &str) {
 /// or exclusive (`drop_group`, `seek`). Waits for a `drop_stream`, and for a `drop_group` or
 /// `seek` of the group in progress (shared) or every call on the group in progress (exclusive).
 ///
-/// A call that has to wait for the group's lock, and took the stream's lock only now, waits
-/// holding neither: it lets the stream's lock go, waits for the group's, lets that go too, and
-/// starts again. Holding one while waiting for the other would deadlock with a transaction that
-/// holds the group's lock and goes on to `drop_stream`, or holds the stream's exclusively (a
-/// `drop_stream`) and goes on to `drop_group` or `seek`.
+/// A call that took the stream's lock only now never holds one of the two while it waits for
+/// the other: that would deadlock with a transaction that holds the group's lock and goes on to
+/// `drop_stream`, or holds the stream's exclusively (a `drop_stream`) and goes on to
+/// `drop_group` or `seek`. When the group's lock is taken, it lets the stream's go and waits
+/// for the group's, keeping its place in that lock's queue (calls keep their order behind a
+/// seek or a drop); then it takes the stream's lock if it is free at once, and otherwise lets
+/// the group's go too, waits for the stream's (a `drop_stream` runs), and starts again.
 pub fn stream_and_group(stream: &str, group: &str, exclusive: bool) {
     let mode = if exclusive { pg_sys::ExclusiveLock } else { pg_sys::ShareLock };
     let group_tag = group_tag(stream, group);
     loop {
-        let held = stream_shared(stream, true);
-        if held != Held::Now {
+        if stream_shared(stream, true) != Held::Now {
             // Held before this call: this transaction's own order (a mixed transaction).
             acquire(&group_tag, mode, true);
             return;
@@ -241,6 +242,9 @@ pub fn stream_and_group(stream: &str, group: &str, exclusive: bool) {
         }
         release(&stream_tag(stream), pg_sys::ShareLock);
         acquire(&group_tag, mode, true);
+        if stream_shared(stream, false) != Held::Busy {
+            return;
+        }
         release(&group_tag, mode);
     }
 }

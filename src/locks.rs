@@ -61,7 +61,8 @@
 //! message id has no partition yet waits, for the stream row, behind another transaction
 //! creating that partition. **`maintain()`** takes cursor rows and expired lane holds with
 //! `SKIP LOCKED`. **A retention step** (`src/retention.rs`; from `maintain()`, or at the end of a
-//! claim, one claiming session per stream at a time) takes its rows with `SKIP LOCKED` (the
+//! claim, one claiming session per stream at a time) takes the locks of the groups it maintains
+//! shared, without waiting (it leaves a group a seek or drop holds), then its rows with `SKIP LOCKED` (the
 //! exception counts it folds too, so two steps that meet fold disjoint rows), then, for a
 //! group with `on_dead = 'hold'`, the key locks of the held dead rows it deleted, shared and
 //! waiting as an outcome's do: it waits only for a claim parking that key, which never waits.
@@ -247,6 +248,12 @@ pub fn stream_and_group(stream: &str, group: &str, exclusive: bool) {
         }
         release(&group_tag, mode);
     }
+}
+
+/// The group's lock, shared, only if it is free at once (retention and `maintain()`, which
+/// leave a group that a seek or drop holds or waits for).
+pub fn try_group_shared(stream: &str, group: &str) -> bool {
+    acquire(&group_tag(stream, group), pg_sys::ShareLock, false)
 }
 
 /// Lets a lock that this call took go (`stream_and_group`), before the transaction ends.

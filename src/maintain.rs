@@ -4,7 +4,6 @@
 //! stores each group's `claimed` and `committed`.
 
 use pgrx::pg_sys::panic::ErrorReport;
-use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
 
 use crate::access;
@@ -18,12 +17,6 @@ use crate::stream;
 
 const STREAMS: Statement =
     Statement { name: "maintain_streams", sql: "SELECT name FROM sqlstreams.stream ORDER BY id", params: &[] };
-
-const GROUPS: Statement = Statement {
-    name: "maintain_groups",
-    sql: "SELECT id FROM sqlstreams.consumer_group WHERE stream_id = $1 ORDER BY id",
-    params: &[INT8OID],
-};
 
 /// Lane holds whose lease ran out (their consumer never came back). An expired hold frees its
 /// lane either way; this keeps `open_leases` honest. Lanes a claim is taking are skipped.
@@ -114,17 +107,14 @@ fn maintain_one(client: &mut pgrx::spi::SpiClient<'_>, name: String) -> Result<R
     let purged = PURGE_IDEMPOTENCY.run(client, stream.id, &[])?.len() as i64;
     let cleared = CLEAR_HOLDS.run(client, stream.id, &[])?.len() as i64;
     range::purge_done(client, stream.id)?;
-    let mut groups = Vec::new();
-    for row in GROUPS.run(client, 0, &[stream.id.into()])? {
-        groups.push(row.required::<i64>("id")?);
-    }
+    let groups = retention::groups_to_maintain(client, &stream)?;
     let mut advanced = 0;
-    for group in groups {
+    for &group in &groups {
         if cursor::advance(client, &stream, group)?.is_some() {
             advanced += 1;
         }
     }
-    let retained = retention::step(client, &stream)?;
+    let retained = retention::step(client, &stream, &groups)?;
     Ok((name, through, purged, advanced, cleared, retained.partitions_dropped, retained.rows_purged))
 }
 

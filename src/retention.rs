@@ -53,11 +53,11 @@ const PURGE_RESOLVED: Statement = Statement {
     name: "retention_purge_resolved",
     sql: "DELETE FROM sqlstreams.exception_queue_@id@ WHERE ctid = ANY (ARRAY(
               SELECT ctid FROM sqlstreams.exception_queue_@id@
-              WHERE status IN ('dead', 'superseded')
+              WHERE status IN ('dead', 'superseded') AND consumer_group_id = ANY($3)
                 AND updated_at < now() - (SELECT dead_retention FROM sqlstreams.stream WHERE id = $1)
               LIMIT $2 FOR UPDATE SKIP LOCKED))
           RETURNING consumer_group_id, message_key",
-    params: &[INT8OID, INT8OID],
+    params: &[INT8OID, INT8OID, INT8ARRAYOID],
 };
 
 /// The highest id below which no group needs the log: every group committed past it. NULL for a
@@ -125,20 +125,37 @@ const FOLD_COUNTS: Statement = Statement {
 
 const GROUPS: Statement = Statement {
     name: "retention_groups",
-    sql: "SELECT id FROM sqlstreams.consumer_group WHERE stream_id = $1 ORDER BY id",
+    sql: "SELECT g.id, g.name, s.name AS stream_name
+          FROM sqlstreams.consumer_group g JOIN sqlstreams.stream s ON s.id = g.stream_id
+          WHERE g.stream_id = $1 ORDER BY g.id",
     params: &[INT8OID],
 };
 
-/// One step for `stream`: stores every group's committed cursor, removes expired resolved
-/// rows, folds the exception counts, then removes what nobody needs below the rows.
-pub fn step(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Retained> {
-    let groups: Vec<i64> =
-        GROUPS.run(client, 0, &[stream.id.into()])?.map(|row| row.required("id")).collect::<Result<_>>()?;
-    for group in groups {
+/// The groups of `stream` whose lock (src/locks.rs) this transaction now holds, shared, taken
+/// without waiting: retention and `maintain()` change the rows of these groups only. A group
+/// that a `seek` or `drop_group` holds, or waits for, is left for the next step: taking its
+/// cursor or exception rows would make the seek wait for this transaction, which may go on to
+/// claim from that group and wait for the seek.
+pub fn groups_to_maintain(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Vec<i64>> {
+    let mut groups = Vec::new();
+    for row in GROUPS.run(client, 0, &[stream.id.into()])? {
+        let (stream_name, group): (String, String) = (row.required("stream_name")?, row.required("name")?);
+        if locks::try_group_shared(&stream_name, &group) {
+            groups.push(row.required("id")?);
+        }
+    }
+    Ok(groups)
+}
+
+/// One step for `stream`, for `groups` (`groups_to_maintain`): stores each one's committed
+/// cursor, removes their expired resolved rows, folds the exception counts, then removes what
+/// nobody needs below the rows.
+pub fn step(client: &SpiClient<'_>, stream: &StreamRef, groups: &[i64]) -> Result<Retained> {
+    for &group in groups {
         cursor::advance(client, stream, group)?;
     }
     let mut purged: HashMap<i64, Vec<Option<String>>> = HashMap::new();
-    for row in PURGE_RESOLVED.run(client, stream.id, &[stream.id.into(), PURGE_BATCH.into()])? {
+    for row in PURGE_RESOLVED.run(client, stream.id, &[stream.id.into(), PURGE_BATCH.into(), groups.into()])? {
         purged.entry(row.required("consumer_group_id")?).or_default().push(row.value("message_key")?);
     }
     let rows_purged = purged.values().map(Vec::len).sum::<usize>() as i64;
@@ -182,7 +199,8 @@ pub fn from_claim(client: &SpiClient<'_>, stream: &StreamRef) -> Result<()> {
     }
     LAST.with(|last| last.borrow_mut().insert(stream.id, Instant::now()));
     if locks::try_retention(stream.id) {
-        step(client, stream)?;
+        let groups = groups_to_maintain(client, stream)?;
+        step(client, stream, &groups)?;
     }
     Ok(())
 }

@@ -6,14 +6,14 @@
 //! `maintain()`) first takes the stream's lock, shared, before it looks the stream up
 //! (`src/stream.rs`); a call that changes a group then takes the group's lock, shared, before it
 //! looks the group up (`src/group.rs`; inspection reads its snapshot without it, so an idle
-//! inspecting transaction holds no seek back). Only `drop_stream` takes the stream's lock exclusively, and only
-//! `drop_group` and `seek` the group's, before anything else of the stream or group. So a call
-//! that arrives while one of them runs waits for it and then looks up what is left (a dropped
-//! stream or group is unknown, `42704`), and they wait for the calls in progress: no call meets
-//! tables or rows half dropped or half moved, and none waits for their row locks while they wait
-//! for its. The locks are named by the stream's and the group's names, so they are taken before
-//! the lookup reads anything. `maintain()` only tries a stream's lock, and skips a stream being
-//! dropped.
+//! inspecting transaction holds no seek back). Only `drop_stream` takes the stream's lock
+//! exclusively, and only `drop_group` and `seek` the group's, before anything else of the stream or
+//! group. So a call that arrives while one of them runs waits for it and then looks up what is left
+//! (a dropped stream or group is unknown, `42704`), and they wait for the calls in progress: no
+//! call meets tables or rows half dropped or half moved, and none waits for their row locks while
+//! they wait for its. The locks are named by a 64-bit hash of the stream's and the group's names, so they are taken
+//! before the lookup reads anything. `maintain()` only tries a stream's lock, and skips a stream
+//! being dropped.
 //!
 //! **Claim** (`src/claim.rs`):
 //! 1. the log's ACCESS SHARE lock, as any statement over it takes (the claim reads the
@@ -57,15 +57,15 @@
 //! or a `seek` after a claim of the group.)
 //!
 //! **Produce** takes the producer lock (shared), its transaction id, message ids, then the
-//! compaction-head rows of its keys in key order (`src/produce.rs`); only a producer whose
-//! message id has no partition yet waits, for the stream row, behind another transaction
-//! creating that partition. **`maintain()`** takes cursor rows and expired lane holds with
-//! `SKIP LOCKED`. **A retention step** (`src/retention.rs`; from `maintain()`, or at the end of a
-//! claim, one claiming session per stream at a time) takes the locks of the groups it maintains
-//! shared, without waiting (it leaves a group a seek or drop holds), then its rows with `SKIP LOCKED` (the
-//! exception counts it folds too, so two steps that meet fold disjoint rows), then, for a
-//! group with `on_dead = 'hold'`, the key locks of the held dead rows it deleted, shared and
-//! waiting as an outcome's do: it waits only for a claim parking that key, which never waits.
+//! compaction-head rows of its keys in key order (`src/produce.rs`); only a producer whose message
+//! id has no partition yet waits, for the stream row, behind another transaction creating that
+//! partition. **`maintain()`** takes cursor rows and expired lane holds with `SKIP LOCKED`. **A
+//! retention step** (`src/retention.rs`; from `maintain()`, or at the end of a claim, one claiming
+//! session per stream at a time) takes the locks of the groups it maintains shared, without waiting
+//! (it leaves a group a seek or drop holds), then its rows with `SKIP LOCKED` (the exception counts
+//! it folds too, so two steps that meet fold disjoint rows), then, for a group with `on_dead =
+//! 'hold'`, the key locks of the held dead rows it deleted, shared and waiting as an outcome's do:
+//! it waits only for a claim parking that key, which never waits.
 //!
 //! ## Which locks
 //!

@@ -11,9 +11,9 @@
 //! group. So a call that arrives while one of them runs waits for it and then looks up what is left
 //! (a dropped stream or group is unknown, `42704`), and they wait for the calls in progress: no
 //! call meets tables or rows half dropped or half moved, and none waits for their row locks while
-//! they wait for its. The locks are named by a 64-bit hash of the stream's and the group's names, so they are taken
-//! before the lookup reads anything. `maintain()` only tries a stream's lock, and skips a stream
-//! being dropped.
+//! they wait for its. The locks are named by a 64-bit hash of the stream's and the group's names,
+//! so they are taken before the lookup reads anything. `maintain()` only tries a stream's lock, and
+//! skips a stream being dropped.
 //!
 //! **Claim** (`src/claim.rs`):
 //! 1. the log's ACCESS SHARE lock, as any statement over it takes (the claim reads the

@@ -158,7 +158,7 @@ pub fn claim(
         // retention step dropping partitions holds the log until its transaction ends, and that
         // transaction may go on to record outcomes that wait for rows a claim holds). The clock
         // is read after it.
-        Log::open(&group.stream)?;
+        let log = Log::open(&group.stream)?;
         let released = match carried {
             Some(acks) => outcome::ack_in(client, group, acks.token, &acks.ids, Signal::Later)?.released_lanes,
             None => vec![],
@@ -172,7 +172,7 @@ pub fn claim(
         let stored = cursor::read_fence(client, stream_id, group.id, Access::Write)?;
         let (fence, head) = advance_fence(client, stream_id, stored)?;
         let now = clock::now();
-        let candidates = lanes::candidates(client, group, fence.safe, now, released.first().copied())?;
+        let candidates = lanes::candidates(client, group, &log, fence.safe, now, released.first().copied())?;
         if fence != stored {
             cursor::store_fence(client, stream_id, group.id, fence)?;
         }
@@ -236,7 +236,7 @@ impl Claim<'_> {
         let mut with_work = 0;
         loop {
             let room = self.batch - self.work.len() as i32;
-            if room <= 0 || with_work >= candidates.share {
+            if room <= 0 || (with_work > 0 && with_work >= candidates.share(client, self.group, self.now)?) {
                 break;
             }
             let Some(candidate) = candidates.next(client, self.group)? else { break };

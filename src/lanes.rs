@@ -29,6 +29,9 @@ use crate::partition::{self, Log};
 use crate::statement::{self, Access, Columns, Part, Statement};
 use crate::stream::StreamRef;
 
+mod empty;
+pub use empty::forget;
+
 /// A lane a claim holds (its row is locked until the claim commits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Lane {
@@ -41,6 +44,30 @@ pub struct Lane {
     pub was_held: bool,
 }
 
+/// Whether group `$1` has any exception row due (`$2`: now), as a SQL expression: one probe of
+/// each of the two indexes that answer it, whatever the queue holds.
+macro_rules! any_due {
+    () => {
+        "(coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
+                    WHERE e.consumer_group_id = $1 AND e.status IN ('ready', 'deferred')
+                      AND e.can_run_after <= $2
+                    ORDER BY e.can_run_after LIMIT 1), false)
+          OR coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
+                       WHERE e.consumer_group_id = $1 AND e.status = 'inflight'
+                         AND e.lease_expires_at <= $2
+                       ORDER BY e.lease_expires_at LIMIT 1), false))"
+    };
+}
+
+/// Whether group `$1` has any range whose lease expired (`$2`: now), as a SQL expression.
+macro_rules! any_expired {
+    () => {
+        "coalesce((SELECT true FROM sqlstreams.range_lease_@id@ r
+                   WHERE r.consumer_group_id = $1 AND r.lease_expires_at <= $2
+                   ORDER BY r.lease_expires_at LIMIT 1), false)"
+    };
+}
+
 /// Lanes with work that a claim may take, best first: one with a due isolated row (it is
 /// handed out alone, so it goes first or never), then the lane furthest behind, the lane the
 /// caller just released first among equals (it stays with the keys it knows). Work is due
@@ -49,7 +76,8 @@ pub struct Lane {
 /// lanes now. Reads only; `take` locks.
 const CANDIDATES: Statement = Statement {
     name: "lanes_candidates",
-    sql: "WITH g AS (
+    sql: concat!(
+        "WITH g AS (
               -- Whether the group has any such work at all: one probe each, so the per-lane
               -- probes below run only when there is something to find. Every probe here and
               -- below is a scalar subquery with LIMIT 1 ordered by exactly the columns of one
@@ -57,17 +85,11 @@ const CANDIDATES: Statement = Statement {
               -- every match before the first) or as one hashed scan of the whole table. A
               -- plan cached while the tables were young stays for as long as the backend
               -- lives.
-              SELECT coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
-                               WHERE e.consumer_group_id = $1 AND e.status IN ('ready', 'deferred')
-                                 AND e.can_run_after <= $2
-                               ORDER BY e.can_run_after LIMIT 1), false)
-                     OR coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
-                                  WHERE e.consumer_group_id = $1 AND e.status = 'inflight'
-                                    AND e.lease_expires_at <= $2
-                                  ORDER BY e.lease_expires_at LIMIT 1), false) AS any_due,
-                     coalesce((SELECT true FROM sqlstreams.range_lease_@id@ r
-                               WHERE r.consumer_group_id = $1 AND r.lease_expires_at <= $2
-                               ORDER BY r.lease_expires_at LIMIT 1), false) AS any_expired,
+              SELECT ",
+        any_due!(),
+        " AS any_due, ",
+        any_expired!(),
+        " AS any_expired,
                      (SELECT count(DISTINCT held_by) FROM sqlstreams.lane_@id@
                       WHERE $3 AND consumer_group_id = $1 AND held_until > $2) AS holders
           )
@@ -97,8 +119,39 @@ const CANDIDATES: Statement = Statement {
           OFFSET 0 -- evaluated once per lane, not again in the filter below
           ) c
           WHERE c.claimed < $4 OR c.due_rows OR c.expired_range
-          ORDER BY c.isolated DESC, c.claimed, c.lane = $5 DESC, c.lane",
+          ORDER BY c.isolated DESC, c.claimed, c.lane = $5 DESC, c.lane"
+    ),
     params: &[INT8OID, TIMESTAMPTZOID, BOOLOID, INT8OID, INT4OID],
+};
+
+/// The idle claim's question, in a statement much smaller than `CANDIDATES` (whose many
+/// subplans cost more to set up than to run): whether group `$1` has anything due or expired
+/// at all, and if not, its free lanes whose positions are below the safe head `$4`, in
+/// `CANDIDATES`' order. A claim needs `CANDIDATES` only when something is due or expired.
+const BEHIND: Statement = Statement {
+    name: "lanes_behind",
+    sql: concat!(
+        "SELECT w.any_work, l.lane, l.claimed
+         FROM (SELECT ",
+        any_due!(),
+        " OR ",
+        any_expired!(),
+        " AS any_work
+               OFFSET 0) w -- once, not once per use
+         LEFT JOIN sqlstreams.lane_@id@ l
+           ON NOT w.any_work AND l.consumer_group_id = $1 AND l.claimed < $4
+              AND (NOT $3 OR l.held_until IS NULL OR l.held_until <= $2)
+         ORDER BY l.claimed, l.lane = $5 DESC, l.lane"
+    ),
+    params: &[INT8OID, TIMESTAMPTZOID, BOOLOID, INT8OID, INT4OID],
+};
+
+/// How many claims hold lanes of group `$1` now (`$2`), when it holds lanes (`$3`).
+const HOLDERS: Statement = Statement {
+    name: "lanes_holders",
+    sql: "SELECT count(DISTINCT held_by) AS holders FROM sqlstreams.lane_@id@
+          WHERE $3 AND consumer_group_id = $1 AND held_until > $2",
+    params: &[INT8OID, TIMESTAMPTZOID, BOOLOID],
 };
 
 /// The next message of each of the lanes `$1` after its position `$2`, up to the safe head `$3`,
@@ -218,8 +271,8 @@ pub struct Candidates {
     next: usize,
     probe_size: usize,
     safe: i64,
-    /// How many lanes one claim may take.
-    pub share: usize,
+    /// How many lanes one claim may take, once known (`share`).
+    share: Option<usize>,
 }
 
 /// Lanes probed together, as long as probes find messages; after one that finds none, the rest
@@ -230,6 +283,23 @@ impl Candidates {
     /// No free lane may have work (lanes not probed yet may turn out to have none).
     pub fn is_empty(&self) -> bool {
         self.lanes.is_empty()
+    }
+
+    /// How many lanes one claim may take (`share_of`): read when first asked, if the
+    /// candidates did not tell.
+    pub fn share(&mut self, client: &SpiClient<'_>, group: &GroupRef, now: i64) -> Result<usize> {
+        if let Some(share) = self.share {
+            return Ok(share);
+        }
+        let holders = if holds(group) {
+            let args = [group.id.into(), statement::timestamptz(now), true.into()];
+            HOLDERS.run(client, group.stream.id, &args)?.first().value("holders")?.unwrap_or(0)
+        } else {
+            0
+        };
+        let share = share_of(group, holders);
+        self.share = Some(share);
+        Ok(share)
     }
 
     /// The next lane with work, in order. What a candidate says it has was true when read; a
@@ -266,48 +336,73 @@ impl Candidates {
     }
 }
 
-/// Lanes that no other claim holds and that may have work, best first, and how many of them
-/// one claim may take. A claim of a group that holds lanes takes at most its share (the lanes
-/// divided among the claims holding some now and itself), so a consumer that finds every lane
-/// with work leaves some for the next one; other groups take what fills the batch. `preferred`
-/// is a lane the caller's carried acks just released. Reads only.
+/// Lanes that no other claim holds and that may have work, best first (see `share` for how
+/// many one claim may take). `preferred` is a lane the caller's carried acks just released.
+/// Lanes this backend knows have nothing after their positions up to `safe` are left out
+/// (src/lanes/empty.rs): an idle claim then finds none without probing any. Reads only.
 pub fn candidates(
     client: &SpiClient<'_>,
     group: &GroupRef,
+    log: &Log<'_>,
     safe: i64,
     now: i64,
     preferred: Option<i32>,
 ) -> Result<Candidates> {
-    let rows = CANDIDATES.run(
-        client,
-        group.stream.id,
-        &[
-            group.id.into(),
-            statement::timestamptz(now),
-            holds(group).into(),
-            safe.into(),
-            preferred.unwrap_or(-1).into(),
-        ],
-    )?;
+    let args = [
+        group.id.into(),
+        statement::timestamptz(now),
+        holds(group).into(),
+        safe.into(),
+        preferred.unwrap_or(-1).into(),
+    ];
+    let stream = &group.stream;
+    let safe_part = partition::of(stream, safe);
+    let candidate = |lane: i32, claimed: i64, due_rows: bool, expired_range: bool, isolated: bool| {
+        let behind = partition::of(stream, claimed + 1) < safe_part;
+        let known_empty = claimed >= safe || (!behind && empty::known(stream.id, log.oid(), lane, claimed, safe));
+        Candidate { lane, due_rows, expired_range, isolated, claimed, messages: known_empty.then_some(false), behind }
+    };
     let mut lanes = Vec::new();
-    let mut holders = 0i64;
-    let safe_part = partition::of(&group.stream, safe);
-    for row in rows {
-        let claimed: i64 = row.required("claimed")?;
-        lanes.push(Candidate {
-            lane: row.required("lane")?,
-            due_rows: row.required("due_rows")?,
-            expired_range: row.required("expired_range")?,
-            isolated: row.required("isolated")?,
-            claimed,
-            messages: (claimed >= safe).then_some(false),
-            behind: partition::of(&group.stream, claimed + 1) < safe_part,
-        });
-        holders = row.value("holders")?.unwrap_or(0);
+    let mut any_work = false;
+    for row in BEHIND.run(client, stream.id, &args)? {
+        if row.required("any_work")? {
+            any_work = true;
+            break;
+        }
+        if let Some(lane) = row.value("lane")? {
+            lanes.push(candidate(lane, row.required("claimed")?, false, false, false));
+        }
     }
-    let lanes_total = group.stream.lanes as usize;
-    let share = if holds(group) { lanes_total.div_ceil(holders as usize + 1) } else { lanes_total };
+    let mut share = None;
+    if any_work {
+        lanes.clear();
+        let mut holders = 0i64;
+        for row in CANDIDATES.run(client, stream.id, &args)? {
+            lanes.push(candidate(
+                row.required("lane")?,
+                row.required("claimed")?,
+                row.required("due_rows")?,
+                row.required("expired_range")?,
+                row.required("isolated")?,
+            ));
+            holders = row.value("holders")?.unwrap_or(0);
+        }
+        share = Some(share_of(group, holders));
+    }
+    lanes.retain(|c| c.due_rows || c.expired_range || c.messages.is_none());
     Ok(Candidates { lanes, next: 0, probe_size: PROBE_LANES, safe, share })
+}
+
+/// A claim of a group that holds lanes takes at most its share of them (the lanes divided
+/// among the claims holding some now and itself), so a consumer that finds every lane with
+/// work leaves some for the next one; other groups take what fills the batch.
+fn share_of(group: &GroupRef, holders: i64) -> usize {
+    let lanes = group.stream.lanes as usize;
+    if holds(group) {
+        lanes.div_ceil(holders as usize + 1)
+    } else {
+        lanes
+    }
 }
 
 /// Visits the partitions holding the next messages of lanes at `positions` (lane, claimed) up
@@ -316,14 +411,13 @@ pub fn candidates(
 /// left.
 fn by_partition(
     client: &SpiClient<'_>,
-    stream: &StreamRef,
+    log: &Log<'_>,
     mut left: Vec<(i32, i64)>,
     safe: i64,
     access: Access,
     mut visit: impl FnMut(Part, Vec<i32>, Vec<i64>) -> Result<ControlFlow<(), Vec<i32>>>,
 ) -> Result<Vec<(i32, i64)>> {
     let Some(from) = left.iter().map(|&(_, claimed)| claimed).min() else { return Ok(left) };
-    let log = Log::open(stream)?;
     for part in log.holding(client, from, safe, access)? {
         let last = log.last_id(part);
         let (lanes, claimed): (Vec<i32>, Vec<i64>) =
@@ -345,17 +439,22 @@ fn by_partition(
 /// partitions the lanes are in and no others. A lane found empty while a partition behind
 /// `safe` is moved up to `safe` (`CATCH_UP`), so it is probed from there next time; a lane
 /// behind in the partition of `safe` is left as it is, so an idle claim writes nothing (it
-/// writes once when the head enters a new partition).
+/// writes once when the head enters a new partition). Every lane found empty is remembered so
+/// (src/lanes/empty.rs).
 fn probe(client: &SpiClient<'_>, group: &GroupRef, positions: Vec<(i32, i64)>, safe: i64) -> Result<Vec<i32>> {
     let stream = &group.stream;
+    let log = Log::open(stream)?;
     let mut found = Vec::new();
-    let empty = by_partition(client, stream, positions, safe, Access::Write, |part, lanes, claimed| {
+    let empty = by_partition(client, &log, positions, safe, Access::Write, |part, lanes, claimed| {
         let args = [lanes.into(), claimed.into(), safe.into()];
         let rows = NEXT.exec_in(client, stream.id, part, &args, Access::Write)?;
         let here = rows.map(|row| row.required("lane")).collect::<Result<Vec<i32>>>()?;
         found.extend(&here);
         Ok(ControlFlow::Continue(here))
     })?;
+    for &(lane, claimed) in &empty {
+        empty::learn(stream.id, log.oid(), lane, claimed, safe);
+    }
     let safe_part = partition::of(stream, safe);
     let (behind, from): (Vec<i32>, Vec<i64>) =
         empty.into_iter().filter(|&(_, claimed)| partition::of(stream, claimed + 1) < safe_part).unzip();
@@ -381,7 +480,7 @@ pub fn claimed_through(
         .map(|row| Ok((row.required("lane")?, row.required("claimed")?)))
         .collect::<Result<Vec<(i32, i64)>>>()?;
     let mut first = None;
-    by_partition(client, stream, positions, safe, access, |part, lanes, claimed| {
+    by_partition(client, &Log::open(stream)?, positions, safe, access, |part, lanes, claimed| {
         let rows = NEXT.exec_in(client, stream.id, part, &[lanes.into(), claimed.into(), safe.into()], access)?;
         first = rows.map(|row| row.required::<i64>("id")).collect::<Result<Vec<i64>>>()?.into_iter().min();
         // Found here, it is the lowest: a lane not looked for here has its next message in a

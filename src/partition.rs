@@ -94,6 +94,11 @@ impl<'a> Log<'a> {
         Ok(Log { stream, oid, namespace: unsafe { pg_sys::get_rel_namespace(oid) } })
     }
 
+    /// The log's oid.
+    pub fn oid(&self) -> pg_sys::Oid {
+        self.oid
+    }
+
     /// Whether partition `part` exists.
     pub fn exists(&self, part: Part) -> bool {
         let name = CString::new(format!("message_log_{}_p{part}", self.stream.id)).expect("no NUL in numbers");

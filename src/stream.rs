@@ -213,6 +213,7 @@ pub fn drop(name: &str) -> Result<bool> {
             DROP_TABLES.run(client, 0, &[stream.id.into()])?;
             DELETE.run(client, 0, &[stream.id.into()])?;
             statement::forget_stream(stream.id);
+            crate::lanes::forget(stream.id);
             Ok(true)
         })
     })

@@ -495,6 +495,22 @@ CREATE TABLE sqlstreams.stream_grant (
 );
 SELECT pg_catalog.pg_extension_config_dump('sqlstreams.stream_grant', '');
 
+-- Backends remember what these three tables say (src/catalog.rs) until an invalidation tells
+-- them to forget it: every statement that changes one sends one, with its transaction. Fired
+-- always, whatever session_replication_role says.
+CREATE FUNCTION sqlstreams.catalog_changed() RETURNS trigger
+LANGUAGE c AS 'MODULE_PATHNAME', 'catalog_changed_wrapper'
+SET search_path = pg_catalog, pg_temp;
+CREATE TRIGGER catalog_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON sqlstreams.stream
+    FOR EACH STATEMENT EXECUTE FUNCTION sqlstreams.catalog_changed();
+CREATE TRIGGER catalog_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON sqlstreams.consumer_group
+    FOR EACH STATEMENT EXECUTE FUNCTION sqlstreams.catalog_changed();
+CREATE TRIGGER catalog_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON sqlstreams.stream_grant
+    FOR EACH STATEMENT EXECUTE FUNCTION sqlstreams.catalog_changed();
+ALTER TABLE sqlstreams.stream ENABLE ALWAYS TRIGGER catalog_changed;
+ALTER TABLE sqlstreams.consumer_group ENABLE ALWAYS TRIGGER catalog_changed;
+ALTER TABLE sqlstreams.stream_grant ENABLE ALWAYS TRIGGER catalog_changed;
+
 -- The exception counts' statement triggers pass each statement's changes here; the library adds
 -- them up and writes them once, just before the transaction commits
 -- (src/exception_queue/counts.rs). Internal: only the triggers call it.
@@ -988,7 +1004,7 @@ GRANT USAGE ON SCHEMA sqlstreams TO sqlstreams_admin, sqlstreams_producer, sqlst
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA sqlstreams TO sqlstreams_admin;
 REVOKE EXECUTE ON FUNCTION sqlstreams.create_stream_tables(bigint), sqlstreams.drop_stream_tables(bigint),
     sqlstreams.add_partitions(bigint, bigint, boolean), sqlstreams.drop_partitions(bigint, bigint),
-    sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[])
+    sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[]), sqlstreams.catalog_changed()
     FROM sqlstreams_admin;
 -- Each stream's trigger function (exception_count_<id>) is nobody's to call; the grant above
 -- took them in.
@@ -1070,6 +1086,8 @@ COMMENT ON FUNCTION sqlstreams.maintain() IS
     'claimed and committed cursors, expired lane holds. Idempotent; run it from cron at any frequency.';
 COMMENT ON FUNCTION sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[]) IS
     'Internal: the exception counts'' triggers pass each statement''s changes; written at commit.';
+COMMENT ON FUNCTION sqlstreams.catalog_changed() IS
+    'Internal: the catalog tables'' trigger; tells every backend to forget what it remembers of them.';
 COMMENT ON FUNCTION sqlstreams.maintain_stream(text) IS
     'maintain() for one stream, in the caller''s transaction.';
 COMMENT ON TABLE sqlstreams.stream_grant IS

@@ -120,6 +120,22 @@ CREATE TABLE sqlstreams.stream_grant (
 );
 SELECT pg_catalog.pg_extension_config_dump('sqlstreams.stream_grant', '');
 
+-- Backends remember what these three tables say (src/catalog.rs) until an invalidation tells
+-- them to forget it: every statement that changes one sends one, with its transaction. Fired
+-- always, whatever session_replication_role says.
+CREATE FUNCTION sqlstreams.catalog_changed() RETURNS trigger
+LANGUAGE c AS 'MODULE_PATHNAME', 'catalog_changed_wrapper'
+SET search_path = pg_catalog, pg_temp;
+CREATE TRIGGER catalog_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON sqlstreams.stream
+    FOR EACH STATEMENT EXECUTE FUNCTION sqlstreams.catalog_changed();
+CREATE TRIGGER catalog_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON sqlstreams.consumer_group
+    FOR EACH STATEMENT EXECUTE FUNCTION sqlstreams.catalog_changed();
+CREATE TRIGGER catalog_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON sqlstreams.stream_grant
+    FOR EACH STATEMENT EXECUTE FUNCTION sqlstreams.catalog_changed();
+ALTER TABLE sqlstreams.stream ENABLE ALWAYS TRIGGER catalog_changed;
+ALTER TABLE sqlstreams.consumer_group ENABLE ALWAYS TRIGGER catalog_changed;
+ALTER TABLE sqlstreams.stream_grant ENABLE ALWAYS TRIGGER catalog_changed;
+
 
 -- The lane of a message: every message of a key lands in one lane (Postgres' own text hash,
 -- as hashtext computes it); messages without a key go round in blocks of 64 ids, so a claim's
@@ -1005,7 +1021,7 @@ GRANT USAGE ON SCHEMA sqlstreams TO sqlstreams_admin, sqlstreams_producer, sqlst
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA sqlstreams TO sqlstreams_admin;
 REVOKE EXECUTE ON FUNCTION sqlstreams.create_stream_tables(bigint), sqlstreams.drop_stream_tables(bigint),
     sqlstreams.add_partitions(bigint, bigint, boolean), sqlstreams.drop_partitions(bigint, bigint),
-    sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[])
+    sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[]), sqlstreams.catalog_changed()
     FROM sqlstreams_admin;
 GRANT SELECT ON sqlstreams.streams, sqlstreams.consumer_groups
     TO sqlstreams_admin, sqlstreams_producer, sqlstreams_consumer, pg_monitor;
@@ -1118,6 +1134,8 @@ COMMENT ON FUNCTION sqlstreams.maintain() IS
     'claimed and committed cursors, expired lane holds. Idempotent; run it from cron at any frequency.';
 COMMENT ON FUNCTION sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[]) IS
     'Internal: the exception counts'' triggers pass each statement''s changes; written at commit.';
+COMMENT ON FUNCTION sqlstreams.catalog_changed() IS
+    'Internal: the catalog tables'' trigger; tells every backend to forget what it remembers of them.';
 COMMENT ON FUNCTION sqlstreams.maintain_stream(text) IS
     'maintain() for one stream, in the caller''s transaction.';
 COMMENT ON TABLE sqlstreams.stream_grant IS

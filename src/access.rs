@@ -18,6 +18,7 @@ use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
+use crate::catalog;
 use crate::error::{Result, StreamError};
 use crate::names::{named, quoted};
 use crate::statement::{Columns, Statement};
@@ -94,21 +95,20 @@ const ADMIN: Statement = Statement {
 };
 
 thread_local! {
-    /// The extension's owner, by the extension's oid (a re-created extension is looked up again).
-    static OWNER_OF: std::cell::Cell<Option<(pg_sys::Oid, pg_sys::Oid)>> = const { std::cell::Cell::new(None) };
+    /// The extension's owner, until the catalog changes (src/catalog.rs).
+    static OWNER_OF: catalog::Memo<(), pg_sys::Oid> = catalog::Memo::new();
+    /// Rights granted, by (role, stream id, what, group), until the catalog or a role changes.
+    static GRANTED: catalog::Memo<(pg_sys::Oid, i64, &'static str, Option<String>), ()> = catalog::Memo::new();
 }
 
 fn owner() -> Result<pg_sys::Oid> {
-    // SAFETY: a catalog lookup by name; with missing_ok it returns InvalidOid instead of raising.
-    let extension = unsafe { pg_sys::get_extension_oid(c"sqlstreams".as_ptr(), true) };
-    if let Some((cached, owner)) = OWNER_OF.get() {
-        if cached == extension {
-            return Ok(owner);
-        }
+    let generation = catalog::generation();
+    if let Some(owner) = OWNER_OF.with(|memo| memo.get(&(), generation)) {
+        return Ok(owner);
     }
     let owner =
         Spi::connect(|client| -> Result<pg_sys::Oid> { OWNER.run(client, 0, &[])?.first().required("extowner") })?;
-    OWNER_OF.set(Some((extension, owner)));
+    OWNER_OF.with(|memo| memo.put((), generation, owner));
     Ok(owner)
 }
 
@@ -143,6 +143,11 @@ impl Caller {
         if self.is_superuser() {
             return Ok(());
         }
+        let generation = catalog::generation();
+        let key = (self.role, stream_id, right.privilege(), right.group().map(str::to_string));
+        if GRANTED.with(|memo| memo.get(&key, generation)).is_some() {
+            return Ok(());
+        }
         let row = MAY
             .run(
                 client,
@@ -157,6 +162,7 @@ impl Caller {
             )?
             .first();
         if row.value::<bool>("may")?.unwrap_or(false) {
+            GRANTED.with(|memo| memo.put(key, generation, ()));
             return Ok(());
         }
         let role: String = row.value("rolname")?.unwrap_or_default();

@@ -6,6 +6,7 @@ use pgrx::spi::SpiClient;
 
 use crate::access::{self, Right};
 use crate::backoff::Backoff;
+use crate::catalog;
 use crate::concurrency::Concurrency;
 use crate::error::{Result, SqlResult, StreamError};
 use crate::lanes;
@@ -102,10 +103,28 @@ pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str, access: Access)
     match access {
         Access::Read => {
             locks::stream_shared(stream, true);
+            find(client, stream, group, access)
         }
-        Access::Write => locks::stream_and_group(stream, group, false),
+        Access::Write => {
+            locks::stream_and_group(stream, group, false);
+            // Read after the locks: a drop that held them has sent its invalidations.
+            let generation = catalog::generation_for_write();
+            let key = (stream.to_string(), group.to_string());
+            if let Some(found) = FOUND.with(|memo| memo.get(&key, generation)) {
+                crate::stream::confirm(stream, found.stream.id)?;
+                return Ok(found);
+            }
+            let found = find(client, stream, group, access)?;
+            FOUND.with(|memo| memo.put(key, generation, found.clone()));
+            Ok(found)
+        }
     }
-    find(client, stream, group, access)
+}
+
+thread_local! {
+    /// Groups looked up by calls that may write, by stream and group name, until the catalog
+    /// changes (src/catalog.rs).
+    static FOUND: catalog::Memo<(String, String), GroupRef> = catalog::Memo::new();
 }
 
 /// `lookup` for `drop_group` and `seek`: the group's lock exclusive, before anything of the group.

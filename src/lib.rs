@@ -18,6 +18,7 @@ use pgrx::prelude::*;
 
 mod access;
 mod backoff;
+mod catalog;
 mod claim;
 mod clock;
 mod commit;
@@ -56,6 +57,7 @@ pub extern "C-unwind" fn _PG_init() {
     // pgrx attaches a Rust backtrace to the DETAIL of errors raised through it when the server
     // runs with RUST_BACKTRACE set; internals never go to the client, so never capture one.
     std::env::set_var("RUST_LIB_BACKTRACE", "0");
+    catalog::init();
     commit::init();
     settings::init();
     worker::init();

@@ -1,0 +1,155 @@
+//! What this backend remembers of the extension's catalog (streams, groups, grants, who owns
+//! it), and when it must forget it.
+//!
+//! Claims and outcomes look their group up and check the caller's right on every call, and
+//! those two statements cost an idle claim as much as everything else it does. So a backend
+//! keeps what they found, as Postgres keeps its own catalog rows: until an invalidation says
+//! the rows changed. A statement trigger on `sqlstreams.stream`, `consumer_group` and
+//! `stream_grant` (`catalog_changed`, fired always, whatever `session_replication_role` says)
+//! sends a relcache invalidation of its table with the transaction; roles changing members or
+//! attributes send their own (pg_authid, pg_auth_members). Every one of those, and a reset of
+//! every cache, makes a new *generation*; a remembered entry is good only in its own. Changes
+//! of the calling transaction count from its next command, and a rollback invalidates what
+//! it had changed.
+//!
+//! The invalidations of a transaction reach other backends just after it commits, as with
+//! every catalog change. The ones that must be seen at once are behind locks that the caller
+//! waits for and reads the invalidations after (`drop_stream`, `drop_group`, src/locks.rs);
+//! a call that runs at the very moment another transaction commits a group's new settings, a
+//! pause or a revoked grant may still use the old ones, like a query that started just before.
+//! Inspection reads its own snapshot and never uses what is remembered here.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::hash::Hash;
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+thread_local! {
+    static GENERATION: Cell<u64> = const { Cell::new(1) };
+    /// The catalog tables' oids, as this backend last looked them up (`InvalidOid` before).
+    static TABLES: Cell<[pg_sys::Oid; 3]> = const { Cell::new([pg_sys::InvalidOid; 3]) };
+}
+
+/// Entries kept per memo; past this many, all are forgotten.
+const MAX_ENTRIES: usize = 4_096;
+
+/// Values remembered per key, each good in the generation it was found in.
+pub struct Memo<K, V> {
+    entries: RefCell<HashMap<K, (u64, V)>>,
+}
+
+impl<K: Eq + Hash, V: Clone> Memo<K, V> {
+    pub fn new() -> Self {
+        Memo { entries: RefCell::new(HashMap::new()) }
+    }
+
+    /// The value found for `key` in generation `generation`, if any.
+    pub fn get(&self, key: &K, generation: Option<u64>) -> Option<V> {
+        let generation = generation?;
+        self.entries.borrow().get(key).filter(|(g, _)| *g == generation).map(|(_, v)| v.clone())
+    }
+
+    /// Remembers what was found for `key` in `generation` (read before it was looked up).
+    pub fn put(&self, key: K, generation: Option<u64>, value: V) {
+        let Some(generation) = generation else { return };
+        let mut entries = self.entries.borrow_mut();
+        if entries.len() >= MAX_ENTRIES {
+            entries.retain(|_, (g, _)| *g == generation);
+            if entries.len() >= MAX_ENTRIES {
+                entries.clear();
+            }
+        }
+        entries.insert(key, (generation, value));
+    }
+}
+
+/// Registers the invalidation callbacks once per backend (from `_PG_init`).
+pub fn init() {
+    // SAFETY: registers callbacks with a null argument; they live as long as the backend.
+    unsafe {
+        pg_sys::CacheRegisterRelcacheCallback(Some(relation_changed), pg_sys::Datum::from(0));
+        for cache in [pg_sys::SysCacheIdentifier::AUTHOID, pg_sys::SysCacheIdentifier::AUTHMEMROLEMEM] {
+            pg_sys::CacheRegisterSyscacheCallback(cache as i32, Some(role_changed), pg_sys::Datum::from(0));
+        }
+    }
+}
+
+/// The generation of what may be remembered now, after reading every invalidation that other
+/// transactions sent so far; to be read before what is remembered is looked up, and before the
+/// statement that looks it up takes its snapshot. `None` under REPEATABLE READ and SERIALIZABLE:
+/// there a lookup reads the transaction's snapshot, which may be older than the invalidations
+/// read, so nothing is used or remembered.
+pub fn generation() -> Option<u64> {
+    // SAFETY: reads this backend's isolation level.
+    if unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32 {
+        return None;
+    }
+    // SAFETY: in a transaction: reads the invalidations other backends sent.
+    unsafe { pg_sys::AcceptInvalidationMessages() };
+    note_tables();
+    Some(GENERATION.get())
+}
+
+/// `generation`, also counting the calling transaction's own changes so far. Only for calls
+/// that may write (each of their statements takes a fresh snapshot): it ends the current
+/// command, as SPI does before each statement of such a call.
+pub fn generation_for_write() -> Option<u64> {
+    // SAFETY: in a transaction, in a volatile function: processes this transaction's own
+    // invalidations, as any command end does.
+    unsafe { pg_sys::CommandCounterIncrement() };
+    generation()
+}
+
+/// Looks the catalog tables up when they are not known yet or were invalidated, so their
+/// invalidations are recognized.
+fn note_tables() {
+    let tables = TABLES.get();
+    if tables[0] != pg_sys::InvalidOid {
+        return;
+    }
+    // SAFETY: syscache lookups by name, in a transaction.
+    let oids = unsafe {
+        let namespace = pg_sys::get_namespace_oid(c"sqlstreams".as_ptr(), true);
+        if namespace == pg_sys::InvalidOid {
+            return;
+        }
+        [c"stream", c"consumer_group", c"stream_grant"].map(|name| pg_sys::get_relname_relid(name.as_ptr(), namespace))
+    };
+    if oids.contains(&pg_sys::InvalidOid) {
+        return;
+    }
+    TABLES.set(oids);
+    forget_all();
+}
+
+fn forget_all() {
+    GENERATION.set(GENERATION.get() + 1);
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn relation_changed(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+    let tables = TABLES.get();
+    if relid == pg_sys::InvalidOid || tables.contains(&relid) {
+        TABLES.set([pg_sys::InvalidOid; 3]);
+        forget_all();
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn role_changed(_arg: pg_sys::Datum, _cache: std::ffi::c_int, _hash: u32) {
+    forget_all();
+}
+
+/// `catalog_changed()`: the statement trigger on the catalog tables that tells every backend
+/// to forget what it remembers of them.
+#[pg_trigger]
+fn catalog_changed<'a>(
+    trigger: &'a pgrx::PgTrigger<'a>,
+) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, pgrx::PgTriggerError> {
+    let relid = trigger.relid()?;
+    // SAFETY: registers an invalidation of a relation, sent when the transaction commits.
+    unsafe { pg_sys::CacheInvalidateRelcacheByRelid(relid) };
+    Ok(None)
+}

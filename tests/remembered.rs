@@ -1,0 +1,211 @@
+//! What a backend remembers between calls, and that it follows every change: the groups it
+//! looked up and the rights it checked (src/catalog.rs), and the lanes it found empty
+//! (src/lanes/empty.rs). Each test keeps one consumer connection open across another session's
+//! changes, so the consumer's second call runs on what its first one remembered.
+
+use postgres::Client;
+use sqlstreams_tests::*;
+
+fn pause(c: &mut Client, g: &Group, on: bool) {
+    let function = if on { "pause_group" } else { "resume_group" };
+    c.execute(&format!("SELECT sqlstreams.{function}($1, $2)"), &[&g.stream.name, &g.name]).unwrap();
+}
+
+#[test]
+fn a_consumer_sees_another_sessions_changes_of_its_group_at_its_next_call() {
+    let mut admin = connect();
+    let mut consumer = connect();
+    let s = Stream::create(&mut admin, "remember-settings");
+    let g = s.group(&mut admin, "g", None);
+    s.produce_many(&mut admin, 3, None);
+    assert_eq!(g.claim(&mut consumer, 1).len(), 1, "the consumer looked its group up");
+
+    pause(&mut admin, &g, true);
+    assert!(g.claim(&mut consumer, 10).is_empty(), "a pause another session committed holds the next claim");
+    pause(&mut admin, &g, false);
+    let d = g.claim(&mut consumer, 1);
+    assert_eq!(d.len(), 1, "and a resume frees it");
+
+    // max_retries 0: the first failure is the last.
+    admin.execute("SELECT sqlstreams.alter_group($1, 'g', max_retries => 0)", &[&s.name]).unwrap();
+    assert_eq!(g.fail(&mut consumer, &d[0], "boom", false, None).as_deref(), Some("dead"));
+
+    // The same, under session_replication_role = replica, by hand: the catalog's trigger fires
+    // always.
+    admin
+        .batch_execute(&format!(
+            "SET session_replication_role = replica;
+             UPDATE sqlstreams.consumer_group SET paused = true WHERE id = {};
+             RESET session_replication_role;",
+            g.id
+        ))
+        .unwrap();
+    assert!(g.claim(&mut consumer, 10).is_empty(), "a pause written by hand as a replica holds the next claim");
+}
+
+#[test]
+fn a_change_in_the_consumers_own_transaction_counts_and_is_forgotten_with_its_rollback() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "remember-own");
+    let g = s.group(&mut c, "g", None);
+    s.produce_many(&mut c, 2, None);
+    assert_eq!(g.claim(&mut c, 1).len(), 1);
+
+    c.batch_execute("BEGIN").unwrap();
+    pause(&mut c, &g, true);
+    assert!(g.claim(&mut c, 10).is_empty(), "its own pause holds its own claim");
+    c.batch_execute("ROLLBACK").unwrap();
+    assert_eq!(g.claim(&mut c, 10).len(), 1, "the pause went with the rollback");
+
+    s.produce_many(&mut c, 1, None);
+    c.batch_execute("BEGIN; SAVEPOINT a").unwrap();
+    pause(&mut c, &g, true);
+    c.batch_execute("ROLLBACK TO a").unwrap();
+    assert_eq!(g.claim(&mut c, 10).len(), 1, "a pause rolled back to a savepoint holds nothing");
+    c.batch_execute("COMMIT").unwrap();
+}
+
+#[test]
+fn a_group_or_stream_made_again_under_its_name_is_the_new_one() {
+    let mut admin = connect();
+    let mut consumer = connect();
+    let s = Stream::create(&mut admin, "remember-again");
+    let g = s.group(&mut admin, "g", None);
+    s.produce_many(&mut admin, 2, None);
+    let first = g.claim(&mut consumer, 1);
+    assert_eq!(ids(&first), vec![1]);
+
+    admin.execute("SELECT sqlstreams.drop_group($1, 'g')", &[&s.name]).unwrap();
+    let again = s.group(&mut admin, "g", None);
+    assert_ne!(again.id, g.id);
+    assert_eq!(ids(&again.claim(&mut consumer, 10)), vec![1, 2], "the new group starts at the beginning");
+
+    admin.execute("SELECT sqlstreams.drop_stream($1)", &[&s.name]).unwrap();
+    let renewed = Stream::named(&mut admin, &s.name);
+    assert_ne!(renewed.id, s.id);
+    let group = renewed.group(&mut admin, "g", None);
+    let produced = renewed.produce_many(&mut admin, 1, Some("k"));
+    let claimed = group.claim(&mut consumer, 10);
+    assert_eq!(ids(&claimed), produced, "the consumer claims from the new stream");
+}
+
+#[test]
+fn a_revoked_grant_or_membership_refuses_the_next_call() {
+    let mut admin = connect();
+    let s = Stream::create(&mut admin, "remember-grant");
+    let g = s.group(&mut admin, "g", None);
+    s.produce_many(&mut admin, 4, None);
+    let team = role(&mut admin, "remember_team", "");
+    let worker = role(&mut admin, "remember_worker", &format!("IN ROLE sqlstreams_consumer, {team}"));
+    admin.execute("SELECT sqlstreams.grant_stream($1, $2, 'consume', 'g')", &[&s.name, &team]).unwrap();
+    let mut consumer = connect_as(&worker);
+    assert_eq!(g.claim(&mut consumer, 1).len(), 1, "the team's grant lets its member claim");
+
+    admin.batch_execute(&format!("REVOKE {team} FROM {worker}")).unwrap();
+    let refused = g.try_claim(&mut consumer, 1, "30 seconds").unwrap_err();
+    assert_eq!(sqlstate(&refused), "42501", "{}", describe(&refused));
+
+    admin.batch_execute(&format!("GRANT {team} TO {worker}")).unwrap();
+    assert_eq!(g.claim(&mut consumer, 1).len(), 1, "membership again, the grant again");
+
+    admin.execute("SELECT sqlstreams.revoke_stream($1, $2, 'consume', 'g')", &[&s.name, &team]).unwrap();
+    let refused = g.try_claim(&mut consumer, 1, "30 seconds").unwrap_err();
+    assert_eq!(sqlstate(&refused), "42501", "{}", describe(&refused));
+}
+
+/// Keys of a 16-lane stream, one in each of `n` different lanes.
+fn keys_in_lanes(c: &mut Client, s: &Stream, n: usize) -> Vec<String> {
+    let mut lanes = std::collections::HashSet::new();
+    let mut keys = vec![];
+    for i in 0.. {
+        let key = format!("key-{i}");
+        if lanes.insert(s.lane(c, &key)) {
+            keys.push(key);
+        }
+        if keys.len() == n {
+            return keys;
+        }
+    }
+    unreachable!()
+}
+
+#[test]
+fn lanes_found_empty_still_hand_out_what_comes_later_and_again_after_a_seek() {
+    let mut admin = connect();
+    let mut consumer = connect();
+    let s = Stream::create(&mut admin, "remember-empty");
+    let g = s.group(&mut admin, "g", Some("ordered"));
+    let keys = keys_in_lanes(&mut admin, &s, 16);
+    let mut produced = s.produce_many(&mut admin, 5, Some(&keys[0]));
+    let first = g.claim(&mut consumer, 10);
+    g.ack_batch(&mut consumer, &first);
+    // Fifteen lanes sit at 0, below the head, with nothing after them: idle claims find so.
+    for _ in 0..3 {
+        assert!(g.claim(&mut consumer, 10).is_empty());
+    }
+    for key in &keys {
+        produced.push(s.produce(&mut admin, json!({}), Some(key)));
+    }
+    let mut claimed = vec![];
+    for _ in 0..20 {
+        let ds = g.claim(&mut consumer, 100);
+        if ds.is_empty() {
+            break;
+        }
+        claimed.extend(ids(&ds));
+        g.ack_batch(&mut consumer, &ds);
+    }
+    claimed.sort();
+    assert_eq!(claimed, produced[5..].to_vec(), "every lane found empty hands out its new message");
+
+    admin.execute("SELECT sqlstreams.seek($1, 'g', to_id => 0)", &[&s.name]).unwrap();
+    let mut again = vec![];
+    for _ in 0..20 {
+        let ds = g.claim(&mut consumer, 100);
+        if ds.is_empty() {
+            break;
+        }
+        again.extend(ids(&ds));
+        g.ack_batch(&mut consumer, &ds);
+    }
+    again.sort();
+    assert_eq!(again, produced, "after a seek every message comes again");
+}
+
+/// A database of its own: the extension is dropped and created again there, so a new stream
+/// gets the id of the old one.
+fn own_database() -> (Client, String) {
+    let mut admin = connect();
+    let name = unique("remember").replace('-', "_");
+    admin.batch_execute(&format!("CREATE DATABASE {name}")).unwrap();
+    let url = database_url();
+    let base = url.rsplit_once('/').map(|(base, _)| base).unwrap().to_string();
+    let url = format!("{base}/{name}");
+    let mut c = Client::connect(&url, postgres::NoTls).unwrap();
+    c.batch_execute("CREATE EXTENSION sqlstreams").unwrap();
+    (c, url)
+}
+
+#[test]
+fn a_stream_whose_id_comes_again_after_the_extension_is_made_again_is_read_afresh() {
+    let (mut admin, url) = own_database();
+    let mut consumer = Client::connect(&url, postgres::NoTls).unwrap();
+    let s = Stream::named(&mut admin, "ledger");
+    let g = s.group(&mut admin, "g", Some("ordered"));
+    let keys = keys_in_lanes(&mut admin, &s, 16);
+    s.produce_many(&mut admin, 50, Some(&keys[0]));
+    let first = g.claim(&mut consumer, 100);
+    assert_eq!(first.len(), 50);
+    g.ack_batch(&mut consumer, &first);
+    assert!(g.claim(&mut consumer, 100).is_empty(), "the consumer found fifteen lanes empty up to 50");
+
+    admin.batch_execute("DROP SCHEMA sqlstreams CASCADE; CREATE EXTENSION sqlstreams").unwrap();
+    let renewed = Stream::named(&mut admin, "ledger");
+    assert_eq!(renewed.id, s.id, "the id comes again");
+    let group = renewed.group(&mut admin, "g", Some("ordered"));
+    let produced: Vec<i64> = keys[1..].iter().map(|k| renewed.produce(&mut admin, json!({}), Some(k))).collect();
+    let claimed = group.claim(&mut consumer, 100);
+    let mut got = ids(&claimed);
+    got.sort();
+    assert_eq!(got, produced, "lanes the old stream had empty up to 50 hand out the new one's messages");
+}

@@ -121,20 +121,27 @@ CREATE TABLE sqlstreams.stream_grant (
 SELECT pg_catalog.pg_extension_config_dump('sqlstreams.stream_grant', '');
 
 -- Backends remember what these three tables say (src/catalog.rs) until an invalidation tells
--- them to forget it: every statement that changes one sends one, with its transaction. Fired
--- always, whatever session_replication_role says.
+-- them to forget it: every row changed sends one, with its transaction. Row triggers, because
+-- logical replication's apply workers fire no statement triggers; fired always, whatever
+-- session_replication_role says.
 CREATE FUNCTION sqlstreams.catalog_changed() RETURNS trigger
 LANGUAGE c AS 'MODULE_PATHNAME', 'catalog_changed_wrapper'
 SET search_path = pg_catalog, pg_temp;
-CREATE TRIGGER catalog_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON sqlstreams.stream
+CREATE TRIGGER catalog_changed BEFORE INSERT OR UPDATE OR DELETE ON sqlstreams.stream
+    FOR EACH ROW EXECUTE FUNCTION sqlstreams.catalog_changed();
+CREATE TRIGGER catalog_truncated BEFORE TRUNCATE ON sqlstreams.stream
     FOR EACH STATEMENT EXECUTE FUNCTION sqlstreams.catalog_changed();
-CREATE TRIGGER catalog_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON sqlstreams.consumer_group
+CREATE TRIGGER catalog_changed BEFORE INSERT OR UPDATE OR DELETE ON sqlstreams.consumer_group
+    FOR EACH ROW EXECUTE FUNCTION sqlstreams.catalog_changed();
+CREATE TRIGGER catalog_truncated BEFORE TRUNCATE ON sqlstreams.consumer_group
     FOR EACH STATEMENT EXECUTE FUNCTION sqlstreams.catalog_changed();
-CREATE TRIGGER catalog_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON sqlstreams.stream_grant
+CREATE TRIGGER catalog_changed BEFORE INSERT OR UPDATE OR DELETE ON sqlstreams.stream_grant
+    FOR EACH ROW EXECUTE FUNCTION sqlstreams.catalog_changed();
+CREATE TRIGGER catalog_truncated BEFORE TRUNCATE ON sqlstreams.stream_grant
     FOR EACH STATEMENT EXECUTE FUNCTION sqlstreams.catalog_changed();
-ALTER TABLE sqlstreams.stream ENABLE ALWAYS TRIGGER catalog_changed;
-ALTER TABLE sqlstreams.consumer_group ENABLE ALWAYS TRIGGER catalog_changed;
-ALTER TABLE sqlstreams.stream_grant ENABLE ALWAYS TRIGGER catalog_changed;
+ALTER TABLE sqlstreams.stream ENABLE ALWAYS TRIGGER catalog_changed, ENABLE ALWAYS TRIGGER catalog_truncated;
+ALTER TABLE sqlstreams.consumer_group ENABLE ALWAYS TRIGGER catalog_changed, ENABLE ALWAYS TRIGGER catalog_truncated;
+ALTER TABLE sqlstreams.stream_grant ENABLE ALWAYS TRIGGER catalog_changed, ENABLE ALWAYS TRIGGER catalog_truncated;
 
 
 -- The lane of a message: every message of a key lands in one lane (Postgres' own text hash,
@@ -1135,7 +1142,7 @@ COMMENT ON FUNCTION sqlstreams.maintain() IS
 COMMENT ON FUNCTION sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[]) IS
     'Internal: the exception counts'' triggers pass each statement''s changes; written at commit.';
 COMMENT ON FUNCTION sqlstreams.catalog_changed() IS
-    'Internal: the catalog tables'' trigger; tells every backend to forget what it remembers of them.';
+    'Internal: the catalog tables'' triggers; they tell every backend to forget what it remembers of them.';
 COMMENT ON FUNCTION sqlstreams.maintain_stream(text) IS
     'maintain() for one stream, in the caller''s transaction.';
 COMMENT ON TABLE sqlstreams.stream_grant IS

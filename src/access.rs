@@ -97,8 +97,19 @@ const ADMIN: Statement = Statement {
 thread_local! {
     /// The extension's owner, until the catalog changes (src/catalog.rs).
     static OWNER_OF: catalog::Memo<(), pg_sys::Oid> = catalog::Memo::new();
-    /// Rights granted, by (role, stream id, what, group), until the catalog or a role changes.
-    static GRANTED: catalog::Memo<(pg_sys::Oid, i64, &'static str, Option<String>), ()> = catalog::Memo::new();
+    /// Rights granted, until the catalog or a role changes.
+    static GRANTED: catalog::Memo<Granted, ()> = catalog::Memo::new();
+}
+
+/// What a remembered check answered: a role's right on a stream. Every input of `MAY` is in
+/// it (inspection may pass on `pg_monitor` where a claim may not).
+#[derive(PartialEq, Eq, Hash)]
+struct Granted {
+    role: pg_sys::Oid,
+    stream_id: i64,
+    privilege: &'static str,
+    monitor_may: bool,
+    group: Option<String>,
 }
 
 fn owner() -> Result<pg_sys::Oid> {
@@ -144,7 +155,13 @@ impl Caller {
             return Ok(());
         }
         let generation = catalog::generation();
-        let key = (self.role, stream_id, right.privilege(), right.group().map(str::to_string));
+        let key = Granted {
+            role: self.role,
+            stream_id,
+            privilege: right.privilege(),
+            monitor_may: right.monitor_may(),
+            group: right.group().map(str::to_string),
+        };
         if GRANTED.with(|memo| memo.get(&key, generation)).is_some() {
             return Ok(());
         }

@@ -4,20 +4,26 @@
 //! Claims and outcomes look their group up and check the caller's right on every call, and
 //! those two statements cost an idle claim as much as everything else it does. So a backend
 //! keeps what they found, as Postgres keeps its own catalog rows: until an invalidation says
-//! the rows changed. A statement trigger on `sqlstreams.stream`, `consumer_group` and
-//! `stream_grant` (`catalog_changed`, fired always, whatever `session_replication_role` says)
-//! sends a relcache invalidation of its table with the transaction; roles changing members or
-//! attributes send their own (pg_authid, pg_auth_members). Every one of those, and a reset of
-//! every cache, makes a new *generation*; a remembered entry is good only in its own. Changes
-//! of the calling transaction count from its next command, and a rollback invalidates what
-//! it had changed.
+//! the rows changed. Row triggers on `sqlstreams.stream`, `consumer_group` and `stream_grant`
+//! (`catalog_changed`, and `catalog_truncated` for TRUNCATE; fired always, whatever
+//! `session_replication_role` says, and by logical replication's apply workers) send a relcache
+//! invalidation of their table with the transaction; roles changing members or attributes send
+//! their own (pg_authid, pg_auth_members). Every one of those, and a reset of every cache, makes
+//! a new *generation*; a remembered entry is good only in its own. Changes of the calling
+//! transaction count from its next command, and a rollback invalidates what it had changed.
+//! (A relcache invalidation also makes every backend plan its statements over that table again:
+//! the catalog tables change seldom, when a stream gets new partitions at the most.)
 //!
-//! The invalidations of a transaction reach other backends just after it commits, as with
-//! every catalog change. The ones that must be seen at once are behind locks that the caller
-//! waits for and reads the invalidations after (`drop_stream`, `drop_group`, src/locks.rs);
-//! a call that runs at the very moment another transaction commits a group's new settings, a
-//! pause or a revoked grant may still use the old ones, like a query that started just before.
-//! Inspection reads its own snapshot and never uses what is remembered here.
+//! A transaction's invalidations reach other backends as it commits, before its COMMIT returns
+//! and before it lets its locks go. Those that must be seen at once are behind locks that the
+//! caller waits for and reads the invalidations after (`drop_stream`, `drop_group`,
+//! src/locks.rs). Otherwise a call that runs at the very moment another transaction commits a
+//! group's new settings, a pause or a revoked grant may still use the old ones, until that
+//! transaction's invalidations arrive, although it could already read other rows that
+//! transaction wrote.
+//!
+//! Only READ COMMITTED calls remember or use anything (`generation`). Inspection uses what is
+//! remembered of the owner and of rights, never of groups: it reads its groups in its snapshot.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -89,7 +95,8 @@ pub fn generation() -> Option<u64> {
     // SAFETY: in a transaction: reads the invalidations other backends sent.
     unsafe { pg_sys::AcceptInvalidationMessages() };
     note_tables();
-    Some(GENERATION.get())
+    // Without the tables' oids their invalidations would not be recognized.
+    (TABLES.get()[0] != pg_sys::InvalidOid).then(|| GENERATION.get())
 }
 
 /// `generation`, also counting the calling transaction's own changes so far. Only for calls
@@ -142,14 +149,15 @@ unsafe extern "C-unwind" fn role_changed(_arg: pg_sys::Datum, _cache: std::ffi::
     forget_all();
 }
 
-/// `catalog_changed()`: the statement trigger on the catalog tables that tells every backend
-/// to forget what it remembers of them.
+/// `catalog_changed()`: the catalog tables' triggers (before each row, and before TRUNCATE),
+/// which tell every backend to forget what it remembers of them. The row goes on unchanged.
 #[pg_trigger]
 fn catalog_changed<'a>(
     trigger: &'a pgrx::PgTrigger<'a>,
 ) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, pgrx::PgTriggerError> {
     let relid = trigger.relid()?;
-    // SAFETY: registers an invalidation of a relation, sent when the transaction commits.
+    // SAFETY: registers an invalidation of a relation, processed here at the next command and
+    // sent to every backend when the transaction commits.
     unsafe { pg_sys::CacheInvalidateRelcacheByRelid(relid) };
-    Ok(None)
+    Ok(trigger.new().or(trigger.old()))
 }

@@ -107,6 +107,11 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
             BRACKET.set(Bracket::default());
             crate::notify::forget();
             counts::forget();
+            if event == XACT_EVENT_COMMIT {
+                crate::lanes::committed();
+            } else {
+                crate::lanes::rolled_back();
+            }
         }
         _ => {}
     }
@@ -122,7 +127,10 @@ unsafe extern "C-unwind" fn on_subxact_event(
     use pg_sys::SubXactEvent::*;
     match event {
         SUBXACT_EVENT_COMMIT_SUB => counts::end_subtransaction(true, sub, parent),
-        SUBXACT_EVENT_ABORT_SUB => counts::end_subtransaction(false, sub, parent),
+        SUBXACT_EVENT_ABORT_SUB => {
+            counts::end_subtransaction(false, sub, parent);
+            crate::lanes::rolled_back();
+        }
         _ => {}
     }
 }

@@ -72,11 +72,13 @@ const UPSERT: Statement = Statement {
 };
 
 /// A new group's cursor, at the beginning or at the head; every id at or below it counts as
-/// handed out and proven (with `start_at => 'head'`, messages up to the head are not for it).
+/// handed out (with `start_at => 'head'`, messages up to the head are not for it). Its fence
+/// proves nothing yet: ids below the head may belong to producers still open, and a seek back
+/// must not claim past them (the group's first claims prove what is safe, src/fence.rs).
 const PLACE_CURSOR: Statement = Statement {
     name: "group_place_cursor",
     sql: "INSERT INTO sqlstreams.cursor_@id@ (consumer_group_id, claimed, committed, fence_safe)
-          SELECT $1, h.head, h.head, h.head
+          SELECT $1, h.head, h.head, 0
           FROM (SELECT CASE WHEN $2 AND is_called THEN last_value ELSE 0 END AS head
                 FROM sqlstreams.message_log_@id@_seq) h
           RETURNING claimed",
@@ -185,6 +187,26 @@ const BY_ID: Statement = Statement {
           FROM sqlstreams.consumer_group g WHERE g.id = $1",
     params: &[INT8OID],
 };
+
+/// `BY_ID`, locking the row (`alter_group` changes it next).
+const LOCK_BY_ID: Statement = Statement {
+    name: "group_lock_by_id",
+    sql: "SELECT g.concurrency_override, g.max_retries,
+                 (extract(epoch FROM g.backoff_base) * 1e6)::int8 AS backoff_base,
+                 (extract(epoch FROM g.backoff_cap) * 1e6)::int8 AS backoff_cap,
+                 g.backoff_exponent, g.max_delays, g.max_reclaims, g.paused, g.on_dead
+          FROM sqlstreams.consumer_group g WHERE g.id = $1 FOR NO KEY UPDATE",
+    params: &[INT8OID],
+};
+
+/// `group` as its row says once this transaction has locked it.
+fn locked(client: &SpiClient<'_>, group: &GroupRef) -> Result<GroupRef> {
+    let row = LOCK_BY_ID.run(client, 0, &[group.id.into()])?.first();
+    if row.is_empty() {
+        return Err(StreamError::Internal(format!("consumer group {} disappeared", group.id)));
+    }
+    group_from(&row, group.stream.clone(), group.id)
+}
 
 /// Group `id` of `stream`, for work that goes over every group of a stream (retention).
 pub fn by_id(client: &SpiClient<'_>, stream: &StreamRef, id: i64) -> Result<GroupRef> {
@@ -428,11 +450,9 @@ fn admin_call_with<T>(
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, what)?;
-            let group = if exclusive {
-                lookup_exclusive(client, stream, group)?
-            } else {
-                lookup(client, stream, group, Access::Write)?
-            };
+            // Read afresh, never remembered: an admin call changes what it reads.
+            locks::stream_and_group(stream, group, exclusive);
+            let group = find(client, stream, group, Access::Write)?;
             f(client, &group)
         })
     })
@@ -468,6 +488,9 @@ fn alter_group(
         }
     };
     Ok(admin_call(stream, group_name, "alter consumer groups", |client, g| {
+        // The settings as they are once the row is locked: another alter_group may have
+        // committed while this one waited, and only what this one was told to change changes.
+        let g = &locked(client, g)?;
         let micros = |i: Option<Interval>| i.map(|i| i.as_micros().clamp(i64::MIN as i128, i64::MAX as i128) as i64);
         let current_override = g.concurrency_override.map(Concurrency::as_str);
         let merged = settings(

@@ -416,6 +416,7 @@ fn peek(
             let log = Log::open(&s)?;
             let mut rows = Vec::new();
             for part in log.holding(client, after, head, Access::Read)? {
+                let part = part?;
                 let room = limit - rows.len() as i32;
                 for row in PEEK.exec_in(client, s.id, part, &[after.into(), room.into()], Access::Read)? {
                     rows.push((

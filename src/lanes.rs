@@ -30,7 +30,7 @@ use crate::statement::{self, Access, Columns, Part, Statement};
 use crate::stream::StreamRef;
 
 mod empty;
-pub use empty::forget;
+pub use empty::{committed, forget, rolled_back};
 
 /// A lane a claim holds (its row is locked until the claim commits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +68,15 @@ macro_rules! any_expired {
     };
 }
 
+/// How many claims hold lanes of group `$1` now (`$2`), when it holds lanes (`$3`), as a SQL
+/// expression.
+macro_rules! holders {
+    () => {
+        "(SELECT count(DISTINCT held_by) FROM sqlstreams.lane_@id@
+          WHERE $3 AND consumer_group_id = $1 AND held_until > $2)"
+    };
+}
+
 /// Lanes with work that a claim may take, best first: one with a due isolated row (it is
 /// handed out alone, so it goes first or never), then the lane furthest behind, the lane the
 /// caller just released first among equals (it stays with the keys it knows). Work is due
@@ -89,9 +98,9 @@ const CANDIDATES: Statement = Statement {
         any_due!(),
         " AS any_due, ",
         any_expired!(),
-        " AS any_expired,
-                     (SELECT count(DISTINCT held_by) FROM sqlstreams.lane_@id@
-                      WHERE $3 AND consumer_group_id = $1 AND held_until > $2) AS holders
+        " AS any_expired, ",
+        holders!(),
+        " AS holders
           )
           SELECT c.lane, c.claimed, c.due_rows, c.expired_range, c.isolated, c.holders
           FROM (
@@ -128,8 +137,8 @@ const CANDIDATES: Statement = Statement {
 /// subplans cost more to set up than to run): whether group `$1` has anything due or expired
 /// at all, and if not, its free lanes whose positions are below the safe head `$4`, in
 /// `CANDIDATES`' order. A claim needs `CANDIDATES` only when something is due or expired.
-const BEHIND: Statement = Statement {
-    name: "lanes_behind",
+const FREE_LANES: Statement = Statement {
+    name: "lanes_free",
     sql: concat!(
         "SELECT w.any_work, l.lane, l.claimed
          FROM (SELECT ",
@@ -146,11 +155,9 @@ const BEHIND: Statement = Statement {
     params: &[INT8OID, TIMESTAMPTZOID, BOOLOID, INT8OID, INT4OID],
 };
 
-/// How many claims hold lanes of group `$1` now (`$2`), when it holds lanes (`$3`).
 const HOLDERS: Statement = Statement {
     name: "lanes_holders",
-    sql: "SELECT count(DISTINCT held_by) AS holders FROM sqlstreams.lane_@id@
-          WHERE $3 AND consumer_group_id = $1 AND held_until > $2",
+    sql: concat!("SELECT ", holders!(), " AS holders"),
     params: &[INT8OID, TIMESTAMPTZOID, BOOLOID],
 };
 
@@ -364,7 +371,7 @@ pub fn candidates(
     };
     let mut lanes = Vec::new();
     let mut any_work = false;
-    for row in BEHIND.run(client, stream.id, &args)? {
+    for row in FREE_LANES.run(client, stream.id, &args)? {
         if row.required("any_work")? {
             any_work = true;
             break;
@@ -419,6 +426,7 @@ fn by_partition(
 ) -> Result<Vec<(i32, i64)>> {
     let Some(from) = left.iter().map(|&(_, claimed)| claimed).min() else { return Ok(left) };
     for part in log.holding(client, from, safe, access)? {
+        let part = part?;
         let last = log.last_id(part);
         let (lanes, claimed): (Vec<i32>, Vec<i64>) =
             left.iter().filter(|&&(_, claimed)| claimed < last).copied().unzip();
@@ -443,6 +451,9 @@ fn by_partition(
 /// (src/lanes/empty.rs).
 fn probe(client: &SpiClient<'_>, group: &GroupRef, positions: Vec<(i32, i64)>, safe: i64) -> Result<Vec<i32>> {
     let stream = &group.stream;
+    // Opened here, after the fence, and not the claim's: opening reads the catalog's
+    // invalidations, so the walk sees every partition attached since, and a lane it finds empty
+    // is empty (src/lanes/empty.rs).
     let log = Log::open(stream)?;
     let mut found = Vec::new();
     let empty = by_partition(client, &log, positions, safe, Access::Write, |part, lanes, claimed| {

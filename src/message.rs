@@ -129,7 +129,7 @@ pub fn read_by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64], access:
     let mut found = Vec::with_capacity(ids.len());
     let mut missing = Vec::new();
     for (part, ids) in by_part {
-        if !log.exists(part) {
+        if !log.exists(client, part)? {
             missing.extend(ids);
             continue;
         }
@@ -164,6 +164,7 @@ pub fn after(
     let log = Log::open(&group.stream)?;
     let mut found = Vec::new();
     for part in log.holding(client, after, upto, Access::Write)? {
+        let part = part?;
         let room = limit - found.len() as i32;
         let args = [after.into(), upto.into(), room.into(), lane.into()];
         found.extend(messages(AFTER.exec_in(client, group.stream.id, part, &args, Access::Write)?, group)?);
@@ -184,6 +185,7 @@ pub fn produced_after(
 ) -> Result<Option<TimestampWithTimeZone>> {
     let log = Log::open(stream)?;
     for part in log.holding(client, after, upto, access)? {
+        let part = part?;
         let row = PRODUCED_AFTER.exec_in(client, stream.id, part, &[after.into()], access)?;
         if !row.is_empty() {
             return row.first().value("produced_at");

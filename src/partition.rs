@@ -54,7 +54,8 @@ pub fn of(stream: &StreamRef, id: i64) -> Part {
 /// taken again without reading the catalog's invalidations when this transaction already holds
 /// it, and a partition looked up before another transaction attached it (one whose producer
 /// rolled back, below the safe head) would stay missing from the cache, its messages passed over
-/// for good. No partition is dropped while the lock is held.
+/// for good. A partition the cache does not know is looked for once more (`exists`). No
+/// partition is dropped while the lock is held.
 pub struct Log<'a> {
     stream: &'a StreamRef,
     oid: pg_sys::Oid,
@@ -68,6 +69,13 @@ const OLDEST: Statement = Statement {
           FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
           WHERE i.inhparent = $1",
     params: &[OIDOID],
+};
+
+/// The oid of relation `$1` in namespace `$2`, as committed now (`Log::exists`).
+const CREATED: Statement = Statement {
+    name: "partition_created",
+    sql: "SELECT c.oid::int8 FROM pg_catalog.pg_class c WHERE c.relname = $1::name AND c.relnamespace = $2",
+    params: &[TEXTOID, OIDOID],
 };
 
 impl<'a> Log<'a> {
@@ -99,33 +107,67 @@ impl<'a> Log<'a> {
         self.oid
     }
 
-    /// Whether partition `part` exists.
-    pub fn exists(&self, part: Part) -> bool {
-        let name = CString::new(format!("message_log_{}_p{part}", self.stream.id)).expect("no NUL in numbers");
-        // SAFETY: a syscache lookup (see `Log` for why its answer is current).
-        unsafe { pg_sys::get_relname_relid(name.as_ptr(), self.namespace) != pg_sys::InvalidOid }
+    /// Whether the syscache knows partition `part` (see `Log` for why its answer is current,
+    /// and `exists` for when it is not).
+    fn cached(&self, part: Part) -> bool {
+        // SAFETY: a syscache lookup.
+        unsafe { pg_sys::get_relname_relid(self.name(part).as_ptr(), self.namespace) != pg_sys::InvalidOid }
+    }
+
+    fn name(&self, part: Part) -> CString {
+        CString::new(format!("message_log_{}_p{part}", self.stream.id)).expect("no NUL in numbers")
+    }
+
+    /// Whether partition `part` exists. A transaction that created a partition becomes visible
+    /// as committed a moment before its invalidations reach other backends, and a backend that
+    /// looked the partition up before (a producer that created it once rolled back) keeps its
+    /// cache's "no such relation" until they do: a claim whose fence has just proven that
+    /// creator's messages safe would pass them over. So a partition the syscache does not know
+    /// is looked for in `pg_class` with the newest snapshot; found, its lock is taken, which its
+    /// creator holds until its invalidations are sent, and they are read with it.
+    pub fn exists(&self, client: &SpiClient<'_>, part: Part) -> Result<bool> {
+        if self.cached(part) {
+            return Ok(true);
+        }
+        let name = self.name(part);
+        let args = [
+            // SAFETY: a text datum of a C string, and an oid datum.
+            unsafe { pg_sys::Datum::from(pg_sys::cstring_to_text(name.as_ptr())) },
+            pg_sys::Datum::from(self.namespace),
+        ];
+        let Some(oid) = CREATED.read_newest(client, 0, &args)?.first().and_then(|row| row[0]) else {
+            return Ok(false);
+        };
+        // SAFETY: takes a relation lock by oid in a transaction (it waits for the creator's end,
+        // then reads the invalidations, as every first lock of a relation does).
+        unsafe { pg_sys::LockRelationOid(pg_sys::Oid::from(oid as u32), pg_sys::AccessShareLock as pg_sys::LOCKMODE) };
+        Ok(self.cached(part))
     }
 
     /// The partitions holding ids in `(after, upto]` that exist, oldest first; looked up as the
     /// caller goes on, so a reader that stops early looks at no more. Partitions are created and
     /// dropped in id order, so those kept are one run: when the first one wanted is gone, the
     /// walk starts at the oldest kept instead of looking up every partition retention dropped.
-    pub fn holding(
-        &self,
-        client: &SpiClient<'_>,
+    pub fn holding<'s>(
+        &'s self,
+        client: &'s SpiClient<'s>,
         after: i64,
         upto: i64,
         access: Access,
-    ) -> Result<impl Iterator<Item = Part> + '_> {
+    ) -> Result<impl Iterator<Item = Result<Part>> + 's> {
         let (mut first, last) =
             if upto > after { (of(self.stream, after + 1), of(self.stream, upto)) } else { (0, -1) };
-        if first <= last && !self.exists(first) {
+        if first <= last && !self.cached(first) {
             first = match self.oldest(client, access)? {
                 Some(oldest) => first.max(oldest),
                 None => last + 1,
             };
         }
-        Ok((first..=last).filter(|&part| self.exists(part)))
+        Ok((first..=last).filter_map(move |part| match self.exists(client, part) {
+            Ok(true) => Some(Ok(part)),
+            Ok(false) => None,
+            Err(e) => Some(Err(e)),
+        }))
     }
 
     /// The oldest partition the log keeps.

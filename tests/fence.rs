@@ -172,3 +172,31 @@ fn the_outbox_message_appears_exactly_when_the_business_write_commits() {
     assert_eq!(ids(&g.claim(&mut c, 10)), vec![committed]);
     assert!(committed > id);
 }
+
+/// From an adversary: a group that starts at the head has a fence that proved nothing, so a
+/// seek back replays the messages of producers that were open when it was created, once they
+/// commit, in order. (It took the head as proven: the replay handed out the committed message
+/// after the open one and moved the lane past it, and a backend that found the lane empty
+/// remembered so.)
+#[test]
+fn a_group_started_at_the_head_replays_what_open_producers_commit_after_a_seek_back() {
+    let mut c = connect();
+    let mut slow = connect();
+    let mut consumer = connect();
+    let s = Stream::create(&mut c, "fence-head-seek");
+    let mut slow_tx = slow.transaction().unwrap();
+    let first = s.produce(&mut slow_tx, json!({"slow": true}), Some("k"));
+    let second = s.produce(&mut c, json!({"fast": true}), Some("k"));
+    let g = c
+        .query_one("SELECT sqlstreams.create_group($1, 'g', start_at => 'head')", &[&s.name])
+        .map(|r| Group { stream: s.clone(), name: "g".into(), id: r.get(0) })
+        .unwrap();
+    let other = s.group(&mut c, "other", None);
+    c.execute("SELECT sqlstreams.seek($1, 'g', to_id => 0)", &[&s.name]).unwrap();
+    for _ in 0..3 {
+        assert!(g.claim(&mut consumer, 10).is_empty(), "claiming {second} would skip the open {first}");
+    }
+    slow_tx.commit().unwrap();
+    assert_eq!(ids(&g.claim(&mut consumer, 10)), vec![first, second], "the replay has both, in order");
+    assert_eq!(ids(&other.claim(&mut consumer, 10)), vec![first, second], "and so has every other group");
+}

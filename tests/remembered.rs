@@ -209,3 +209,129 @@ fn a_stream_whose_id_comes_again_after_the_extension_is_made_again_is_read_afres
     got.sort();
     assert_eq!(got, produced, "lanes the old stream had empty up to 50 hand out the new one's messages");
 }
+
+#[test]
+fn a_group_inspected_as_a_monitor_is_not_one_the_monitor_may_claim_from() {
+    let mut admin = connect();
+    let s = Stream::create(&mut admin, "remember-monitor");
+    s.group(&mut admin, "g", None);
+    s.produce_many(&mut admin, 1, None);
+    let watcher = role(&mut admin, "remember_watcher", "IN ROLE sqlstreams_consumer, pg_monitor");
+    let mut c = connect_as(&watcher);
+    // Inspection and claim in one statement, many times over: other tests' role changes
+    // (which make every backend forget what it checked) cannot fall between them every time.
+    for _ in 0..20 {
+        let refused = c
+            .query(
+                "SELECT (SELECT count(*) FROM sqlstreams.group_status($1, 'g')),
+                        (SELECT count(*) FROM sqlstreams.claim($1, 'g', 1))",
+                &[&s.name],
+            )
+            .unwrap_err();
+        assert_eq!(sqlstate(&refused), "42501", "{}", describe(&refused));
+    }
+}
+
+#[test]
+fn a_role_that_stops_inheriting_its_grant_is_refused_at_its_next_call() {
+    let mut admin = connect();
+    let s = Stream::create(&mut admin, "remember-inherit");
+    let g = s.group(&mut admin, "g", None);
+    s.produce_many(&mut admin, 2, None);
+    let team = role(&mut admin, "remember_team", "");
+    let worker = role(&mut admin, "remember_worker", &format!("IN ROLE {team}"));
+    // Its own right to call the functions, so only the stream grant's inheritance changes.
+    admin
+        .batch_execute(&format!(
+            "GRANT USAGE ON SCHEMA sqlstreams TO {worker}; GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA sqlstreams TO {worker}"
+        ))
+        .unwrap();
+    admin.execute("SELECT sqlstreams.grant_stream($1, $2, 'consume', 'g')", &[&s.name, &team]).unwrap();
+    let mut c = connect_as(&worker);
+    assert_eq!(g.claim(&mut c, 1).len(), 1, "the team's grant is inherited");
+    admin.batch_execute(&format!("ALTER ROLE {worker} NOINHERIT")).unwrap();
+    let refused = g.try_claim(&mut c, 1, "30 seconds").unwrap_err();
+    assert_eq!(sqlstate(&refused), "42501", "{}", describe(&refused));
+}
+
+#[test]
+fn what_a_repeatable_read_outcome_read_is_not_remembered_for_later_calls() {
+    let mut admin = connect();
+    let mut c = connect();
+    let s = Stream::create(&mut admin, "remember-snapshot");
+    let g = s.group_with(&mut admin, "g", None, 1000);
+    s.produce_many(&mut admin, 2, None);
+    let ds = g.claim(&mut c, 2);
+    c.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1").unwrap();
+    admin.execute("SELECT sqlstreams.alter_group($1, 'g', max_retries => 0)", &[&s.name]).unwrap();
+    assert_eq!(g.fail(&mut c, &ds[0], "boom", false, None).as_deref(), Some("ready"), "its snapshot's settings");
+    c.batch_execute("COMMIT").unwrap();
+    assert_eq!(g.fail(&mut c, &ds[1], "boom", false, None).as_deref(), Some("dead"), "the settings committed since");
+}
+
+/// Index scans of the stream's first log partition in this transaction so far.
+fn log_scans(c: &mut Client, s: &Stream) -> i64 {
+    c.query_one(
+        "SELECT coalesce(idx_scan, 0) FROM pg_stat_xact_user_tables WHERE relid = $1::text::regclass",
+        &[&format!("{}_p0", s.table("message_log"))],
+    )
+    .unwrap()
+    .get(0)
+}
+
+#[test]
+fn an_idle_claim_does_not_probe_lanes_it_found_empty_before() {
+    let mut admin = connect();
+    let mut c = connect();
+    let s = Stream::create(&mut admin, "remember-probe");
+    let g = s.group(&mut admin, "g", Some("ordered"));
+    s.produce_many(&mut admin, 5, Some("one-key"));
+    let first = g.claim(&mut c, 10);
+    g.ack_batch(&mut c, &first);
+    assert!(g.claim(&mut c, 10).is_empty(), "this idle claim probes the fifteen empty lanes");
+
+    c.batch_execute("BEGIN").unwrap();
+    let before = log_scans(&mut c, &s);
+    assert!(g.claim(&mut c, 10).is_empty());
+    assert_eq!(log_scans(&mut c, &s), before, "the next one reads nothing of the log");
+    c.batch_execute("COMMIT").unwrap();
+
+    let next = s.produce(&mut admin, json!({}), Some("another-key"));
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![next], "a message past what was probed is found");
+}
+
+#[test]
+fn a_lane_found_empty_in_a_transaction_that_rolls_back_is_probed_again() {
+    let mut admin = connect();
+    let mut c = connect();
+    let s = Stream::create_sized(&mut admin, "remember-rollback", 1000);
+    let g = s.group(&mut admin, "g", None);
+    // Partition 0 exactly: the safe head ends up at its last id, so the key's lane at 0 is not
+    // behind the head's partition, and what is known of it is used.
+    let produced = s.produce_many(&mut admin, 1000, Some("a-key"));
+    assert_eq!(g.drain(&mut c).len(), 1000);
+
+    // In one transaction: retention drops partition 0, a seek goes back, and a claim finds the
+    // key's lane empty. Then all of it rolls back.
+    c.batch_execute("BEGIN").unwrap();
+    c.query("SELECT * FROM sqlstreams.maintain()", &[]).unwrap();
+    let p0: Option<String> =
+        c.query_one("SELECT to_regclass($1)::text", &[&format!("{}_p0", s.table("message_log"))]).unwrap().get(0);
+    assert!(p0.is_none(), "retention dropped partition 0 in this transaction");
+    c.execute("SELECT sqlstreams.seek($1, 'g', to_id => 0)", &[&s.name]).unwrap();
+    assert!(g.claim(&mut c, 100).is_empty(), "nothing is left in this transaction");
+    c.batch_execute("ROLLBACK").unwrap();
+
+    admin.execute("SELECT sqlstreams.seek($1, 'g', to_id => 0)", &[&s.name]).unwrap();
+    let mut again = vec![];
+    for _ in 0..20 {
+        let ds = g.claim(&mut c, 1000);
+        if ds.is_empty() {
+            break;
+        }
+        again.extend(ids(&ds));
+        g.ack_batch(&mut c, &ds);
+    }
+    again.sort();
+    assert_eq!(again, produced, "partition 0 came back with the rollback, and its messages with it");
+}

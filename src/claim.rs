@@ -43,7 +43,7 @@ use crate::partition::{self, Log};
 use crate::payload::RawJsonb;
 use crate::range::{self, RangeLease};
 use crate::retention;
-use crate::statement::{self, Access, Columns, Statement};
+use crate::statement::{self, Columns, Statement};
 use pgrx::pg_sys::panic::ErrorReport;
 
 /// Largest `batch_size` a claim accepts.
@@ -169,8 +169,8 @@ pub fn claim(
             return Ok(vec![]);
         }
         // The stored fence first, then the world (src/fence.rs): the order is the proof.
-        let stored = cursor::read_fence(client, stream_id, group.id, Access::Write)?;
-        let (fence, head) = advance_fence(client, stream_id, stored)?;
+        let (stored, head) = cursor::read_fence_and_head(client, stream_id, group.id)?;
+        let fence = advance_fence(client, stream_id, stored, head)?;
         let now = clock::now();
         let candidates = lanes::candidates(client, group, &log, fence.safe, now, released.first().copied())?;
         if fence != stored {
@@ -208,17 +208,16 @@ fn signal_left(client: &SpiClient<'_>, stream_id: i64, released: &[i32], taken: 
     Ok(())
 }
 
-/// The group's fence after a fresh reading of the world. The global bound is cheap; only when
-/// it proves nothing new does the claim look up this stream's own running producers.
-/// Also returns the head it read.
-fn advance_fence(client: &SpiClient<'_>, stream_id: i64, stored: Fence) -> Result<(Fence, i64)> {
-    let head = cursor::sequence_head(client, stream_id, Access::Write)?;
+/// The group's fence after a fresh reading of the world, the head `head` read after the stored
+/// fence. The global bound is cheap; only when it proves nothing new does the claim look up
+/// this stream's own running producers.
+fn advance_fence(client: &SpiClient<'_>, stream_id: i64, stored: Fence, head: i64) -> Result<Fence> {
     let reading = fence::read(head);
     if stored.stalled(&reading) {
         let bound = fence::oldest_producer(client, stream_id, reading.next_xid)?;
-        return Ok((stored.advance(&reading.with_producer_bound(bound)), head));
+        return Ok(stored.advance(&reading.with_producer_bound(bound)));
     }
-    Ok((stored.advance(&reading), head))
+    Ok(stored.advance(&reading))
 }
 
 impl Claim<'_> {

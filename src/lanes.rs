@@ -135,8 +135,9 @@ const CANDIDATES: Statement = Statement {
 
 /// The idle claim's question, in a statement much smaller than `CANDIDATES` (whose many
 /// subplans cost more to set up than to run): whether group `$1` has anything due or expired
-/// at all, and if not, its free lanes whose positions are below the safe head `$4`, in
-/// `CANDIDATES`' order. A claim needs `CANDIDATES` only when something is due or expired.
+/// at all, and if not, its free lanes whose positions are below the safe head `$4` (put in
+/// `CANDIDATES`' order by `candidates`). A claim needs `CANDIDATES` only when something is due
+/// or expired.
 const FREE_LANES: Statement = Statement {
     name: "lanes_free",
     sql: concat!(
@@ -149,10 +150,9 @@ const FREE_LANES: Statement = Statement {
                OFFSET 0) w -- once, not once per use
          LEFT JOIN sqlstreams.lane_@id@ l
            ON NOT w.any_work AND l.consumer_group_id = $1 AND l.claimed < $4
-              AND (NOT $3 OR l.held_until IS NULL OR l.held_until <= $2)
-         ORDER BY l.claimed, l.lane = $5 DESC, l.lane"
+              AND (NOT $3 OR l.held_until IS NULL OR l.held_until <= $2)"
     ),
-    params: &[INT8OID, TIMESTAMPTZOID, BOOLOID, INT8OID, INT4OID],
+    params: &[INT8OID, TIMESTAMPTZOID, BOOLOID, INT8OID],
 };
 
 const HOLDERS: Statement = Statement {
@@ -371,7 +371,7 @@ pub fn candidates(
     };
     let mut lanes = Vec::new();
     let mut any_work = false;
-    for row in FREE_LANES.run(client, stream.id, &args)? {
+    for row in FREE_LANES.run(client, stream.id, &args[..4])? {
         if row.required("any_work")? {
             any_work = true;
             break;
@@ -380,6 +380,9 @@ pub fn candidates(
             lanes.push(candidate(lane, row.required("claimed")?, false, false, false));
         }
     }
+    // CANDIDATES' order, where nothing is due: the lane furthest behind first, the preferred
+    // one first among equals.
+    lanes.sort_by_key(|c| (c.claimed, Some(c.lane) != preferred, c.lane));
     let mut share = None;
     if any_work {
         lanes.clear();

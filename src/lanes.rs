@@ -155,6 +155,7 @@ const FREE_LANES: Statement = Statement {
     params: &[INT8OID, TIMESTAMPTZOID, BOOLOID, INT8OID],
 };
 
+/// `holders!` alone, for a claim whose candidates came from `FREE_LANES`.
 const HOLDERS: Statement = Statement {
     name: "lanes_holders",
     sql: concat!("SELECT ", holders!(), " AS holders"),

@@ -128,9 +128,12 @@ pub fn read_by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64], access:
     }
     let mut found = Vec::with_capacity(ids.len());
     let mut missing = Vec::new();
+    let mut unknown = Vec::new();
     for (part, ids) in by_part {
-        if !log.exists(client, part)? {
-            missing.extend(ids);
+        if !log.cached(part) {
+            // Dropped by retention (its messages archived), as a rule; see below.
+            missing.extend(&ids);
+            unknown.push((part, ids));
             continue;
         }
         let read = messages(IN_PART.exec_in(client, stream.id, part, &[ids.clone().into()], access)?, group)?;
@@ -141,7 +144,17 @@ pub fn read_by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64], access:
         found.extend(read);
     }
     if !missing.is_empty() {
-        found.extend(messages(ARCHIVED.exec(client, stream.id, &[missing.into()], access)?, group)?);
+        let archived = messages(ARCHIVED.exec(client, stream.id, &[missing.into()], access)?, group)?;
+        let in_archive: HashSet<i64> = archived.iter().map(|m| m.candidate.message_id).collect();
+        found.extend(archived);
+        // Neither in the cache's partitions nor in the archive: a partition this backend has
+        // not seen created yet (`Log::exists`) may hold them.
+        for (part, ids) in unknown {
+            let ids: Vec<i64> = ids.into_iter().filter(|id| !in_archive.contains(id)).collect();
+            if !ids.is_empty() && log.exists(client, part)? {
+                found.extend(messages(IN_PART.exec_in(client, stream.id, part, &[ids.into()], access)?, group)?);
+            }
+        }
     }
     found.sort_by_key(|m| m.candidate.message_id);
     Ok(found)

@@ -109,7 +109,7 @@ impl<'a> Log<'a> {
 
     /// Whether the syscache knows partition `part` (see `Log` for why its answer is current,
     /// and `exists` for when it is not).
-    fn cached(&self, part: Part) -> bool {
+    pub fn cached(&self, part: Part) -> bool {
         // SAFETY: a syscache lookup.
         unsafe { pg_sys::get_relname_relid(self.name(part).as_ptr(), self.namespace) != pg_sys::InvalidOid }
     }

@@ -26,8 +26,9 @@
 //! 5. lane rows, exception rows and range rows with `SKIP LOCKED` (lane rows also to move lanes
 //!    found empty up to the safe head, src/lanes.rs); key locks with try-locks (exclusive to
 //!    park rows, shared to wake them); partitions ahead of the head only if nobody else is
-//!    creating them and the log's lock is free at once. A claim never waits for a row or key
-//!    lock.
+//!    creating them and the log's lock is free at once; a partition its backend has not seen
+//!    created yet, `ACCESS SHARE`, which waits only for the end of its creator's commit
+//!    (src/partition.rs `Log::exists`). A claim never waits for a row or key lock.
 //!
 //! **Outcome** (`ack`, `fail`, `delay`, `release`, `extend_lease`; `src/outcome.rs`,
 //! `src/lease.rs`):

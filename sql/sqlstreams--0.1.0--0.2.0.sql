@@ -542,9 +542,9 @@ BEGIN
             -- Headers and delayed delivery: NULL for every message produced so far.
             ALTER TABLE sqlstreams.message_log_@id@ ADD COLUMN headers jsonb, ADD COLUMN deliver_at timestamptz;
 
-            -- The fence's proven head: everything claimed was proven when it was claimed.
+            -- The fence's proven head starts with nothing proven: a group created at the head
+            -- never proved its cursor, and each group's first claim proves what is safe.
             ALTER TABLE sqlstreams.cursor_@id@ ADD COLUMN fence_safe bigint NOT NULL DEFAULT 0;
-            UPDATE sqlstreams.cursor_@id@ SET fence_safe = claimed;
 
             -- Each group's lanes start where its cursor is.
             CREATE TABLE sqlstreams.lane_@id@ (

@@ -381,9 +381,6 @@ pub fn candidates(
             lanes.push(candidate(lane, row.required("claimed")?, false, false, false));
         }
     }
-    // CANDIDATES' order, where nothing is due: the lane furthest behind first, the preferred
-    // one first among equals.
-    lanes.sort_by_key(|c| (c.claimed, Some(c.lane) != preferred, c.lane));
     let mut share = None;
     if any_work {
         lanes.clear();
@@ -399,6 +396,10 @@ pub fn candidates(
             holders = row.value("holders")?.unwrap_or(0);
         }
         share = Some(share_of(group, holders));
+    } else {
+        // CANDIDATES' order, where nothing is due: the lane furthest behind first, the
+        // preferred one first among equals.
+        lanes.sort_by_key(|c| (c.claimed, Some(c.lane) != preferred, c.lane));
     }
     lanes.retain(|c| c.due_rows || c.expired_range || c.messages.is_none());
     Ok(Candidates { lanes, next: 0, probe_size: PROBE_LANES, safe, share })

@@ -113,7 +113,7 @@ fn messages(rows: SpiTupleTable<'_>, group: &GroupRef) -> Result<Vec<Message>> {
 
 /// The messages `ids` (those that exist), in id order, with their payloads: from the
 /// partitions that hold them, else from the archive (an id archived just before a drop that then
-/// did not happen is in both, and the log's copy is used).
+/// did not happen is in both; either copy is the same, since log rows never change).
 pub fn by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64]) -> Result<Vec<Message>> {
     read_by_id(client, group, ids, Access::Write)
 }

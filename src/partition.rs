@@ -125,9 +125,14 @@ impl<'a> Log<'a> {
     /// creator's messages safe would pass them over. So a partition the syscache does not know
     /// is looked for in `pg_class` with the newest snapshot; found, its lock is taken, which its
     /// creator holds until its invalidations are sent, and they are read with it.
+    ///
+    /// In parallel mode (an inspection function in a parallel plan) there is no newest snapshot
+    /// to take, and the cache's answer stands: inspection reads its snapshot anyway.
     pub fn exists(&self, client: &SpiClient<'_>, part: Part) -> Result<bool> {
-        if self.cached(part) {
-            return Ok(true);
+        let cached = self.cached(part);
+        // SAFETY: reads this backend's parallel state.
+        if cached || unsafe { pg_sys::IsInParallelMode() } {
+            return Ok(cached);
         }
         let name = self.name(part);
         let args = [

@@ -16,7 +16,7 @@
 //! prepared). The facts are kept per stream together with the oid of its log, so a stream
 //! dropped and created again with the same id (after `DROP EXTENSION`) starts with none.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
 use pgrx::pg_sys;
@@ -45,7 +45,7 @@ struct Learned {
 
 thread_local! {
     static FACTS: RefCell<HashMap<StreamId, Facts>> = RefCell::new(HashMap::new());
-    static KNOWN: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    static KNOWN: Cell<usize> = const { Cell::new(0) };
     static LEARNED: RefCell<Vec<Learned>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -61,8 +61,15 @@ pub fn known(stream_id: StreamId, log: pg_sys::Oid, lane: i32, claimed: i64, saf
 
 /// Records that a probe found no message of lane `lane` after `claimed` up to the safe head
 /// `safe`; it counts once the transaction commits (`committed`).
+/// A transaction that claims in a loop learns no more than `MAX_FACTS` (its facts count only
+/// once it commits, so each of its claims probes and learns again).
 pub fn learn(stream_id: StreamId, log: pg_sys::Oid, lane: i32, claimed: i64, safe: i64) {
-    LEARNED.with(|learned| learned.borrow_mut().push(Learned { stream_id, log, lane, claimed, safe }));
+    LEARNED.with(|learned| {
+        let mut learned = learned.borrow_mut();
+        if learned.len() < MAX_FACTS {
+            learned.push(Learned { stream_id, log, lane, claimed, safe });
+        }
+    });
 }
 
 /// The transaction committed: what it learned counts from now on (a fact it continues is
@@ -91,7 +98,8 @@ pub fn committed() {
     }
 }
 
-/// The transaction, or one of its savepoints, was rolled back or prepared: what it learned goes.
+/// The transaction, or one of its savepoints, was rolled back or prepared: what it learned goes
+/// (all of it on a savepoint's rollback, such as a PL/pgSQL exception block's: only speed is lost).
 pub fn rolled_back() {
     LEARNED.take();
 }

@@ -39,17 +39,28 @@ impl GroupRef {
     }
 }
 
+/// A group's settings as `group_from` reads them, from `consumer_group g`.
+macro_rules! settings_columns {
+    () => {
+        "g.concurrency_override, g.max_retries,
+         (extract(epoch FROM g.backoff_base) * 1e6)::int8 AS backoff_base,
+         (extract(epoch FROM g.backoff_cap) * 1e6)::int8 AS backoff_cap,
+         g.backoff_exponent, g.max_delays, g.max_reclaims, g.paused, g.on_dead"
+    };
+}
+
 const LOOKUP: Statement = Statement {
     name: "group_lookup",
-    sql: "SELECT s.id AS stream_id, s.partition_size, s.partitions_through, s.schema_version, s.lanes,
-                 g.id AS group_id, g.concurrency_override, g.max_retries,
-                 (extract(epoch FROM g.backoff_base) * 1e6)::int8 AS backoff_base,
-                 (extract(epoch FROM g.backoff_cap) * 1e6)::int8 AS backoff_cap,
-                 g.backoff_exponent, g.max_delays, g.max_reclaims, g.paused, g.on_dead
+    sql: concat!(
+        "SELECT s.id AS stream_id, s.partition_size, s.partitions_through, s.schema_version, s.lanes,
+                g.id AS group_id, ",
+        settings_columns!(),
+        "
           FROM sqlstreams.stream s
           LEFT JOIN sqlstreams.consumer_group g ON g.stream_id = s.id AND g.name = $2
           WHERE s.name = $1
-          ORDER BY s.id DESC LIMIT 1 -- the newest of the name (see stream.rs LOOKUP)",
+          ORDER BY s.id DESC LIMIT 1 -- the newest of the name (see stream.rs LOOKUP)"
+    ),
     params: &[TEXTOID, TEXTOID],
 };
 
@@ -180,22 +191,14 @@ fn group_from<R: Columns>(row: &R, stream: StreamRef, id: i64) -> Result<GroupRe
 
 const BY_ID: Statement = Statement {
     name: "group_by_id",
-    sql: "SELECT g.concurrency_override, g.max_retries,
-                 (extract(epoch FROM g.backoff_base) * 1e6)::int8 AS backoff_base,
-                 (extract(epoch FROM g.backoff_cap) * 1e6)::int8 AS backoff_cap,
-                 g.backoff_exponent, g.max_delays, g.max_reclaims, g.paused, g.on_dead
-          FROM sqlstreams.consumer_group g WHERE g.id = $1",
+    sql: concat!("SELECT ", settings_columns!(), " FROM sqlstreams.consumer_group g WHERE g.id = $1"),
     params: &[INT8OID],
 };
 
 /// `BY_ID`, locking the row (`alter_group` changes it next).
 const LOCK_BY_ID: Statement = Statement {
     name: "group_lock_by_id",
-    sql: "SELECT g.concurrency_override, g.max_retries,
-                 (extract(epoch FROM g.backoff_base) * 1e6)::int8 AS backoff_base,
-                 (extract(epoch FROM g.backoff_cap) * 1e6)::int8 AS backoff_cap,
-                 g.backoff_exponent, g.max_delays, g.max_reclaims, g.paused, g.on_dead
-          FROM sqlstreams.consumer_group g WHERE g.id = $1 FOR NO KEY UPDATE",
+    sql: concat!("SELECT ", settings_columns!(), " FROM sqlstreams.consumer_group g WHERE g.id = $1 FOR NO KEY UPDATE"),
     params: &[INT8OID],
 };
 

@@ -2,7 +2,8 @@
 -- parallel / exclusive / ordered delivery. See docs/sql-api.md for the API and
 -- docs/semantics.md for the behaviour.
 --
--- This script is written by hand. `scripts/rig test` checks it against the library: every
+-- This script is written by hand, and it is the schema pgrx installs (`cargo pgrx install`,
+-- `cargo pgrx package`: src/lib.rs). `scripts/rig test` checks it against the library: every
 -- function the library exports is declared here with the same signature, and a fresh install
 -- of this version has the same catalog as 0.1.0 upgraded by sqlstreams--0.1.0--0.2.0.sql.
 --

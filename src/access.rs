@@ -267,7 +267,7 @@ fn grant_args(
 
 /// Lets `role` produce to `stream`, or consume as `group_name` (every group when NULL). Returns
 /// false when the role already had that grant. Admins only.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn grant_stream(
     stream: Option<&str>,
     role: Option<&str>,
@@ -289,7 +289,7 @@ fn grant_stream(
 
 /// Takes back exactly one grant of `grant_stream`. Returns false when there was none. Admins
 /// only.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn revoke_stream(
     stream: Option<&str>,
     role: Option<&str>,
@@ -324,7 +324,7 @@ const MAY_SEE: Statement = Statement {
 
 /// Whether the calling role may see stream `stream_id` (any grant on it), or its group
 /// `group_name` (a consume grant on it): the filter of the views, which never raise.
-#[pg_extern(stable, parallel_safe)]
+#[pg_extern(stable, parallel_safe, sql = false)]
 fn visible(stream_id: Option<i64>, group_name: default!(Option<&str>, "NULL")) -> crate::error::SqlResult<bool> {
     let Some(stream_id) = stream_id else { return Ok(false) };
     Ok(as_owner(|caller| {

@@ -151,7 +151,7 @@ unsafe extern "C-unwind" fn role_changed(_arg: pg_sys::Datum, _cache: std::ffi::
 
 /// `catalog_changed()`: the catalog tables' triggers (before each row, and before TRUNCATE),
 /// which tell every backend to forget what it remembers of them. The row goes on unchanged.
-#[pg_trigger]
+#[pg_trigger(sql = false)]
 fn catalog_changed<'a>(
     trigger: &'a pgrx::PgTrigger<'a>,
 ) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, pgrx::PgTriggerError> {

@@ -606,7 +606,7 @@ impl<'a> ClaimArgs<'a> {
 /// `ack_lease_token` and `ack_message_ids` (optional) record successes of an earlier claim
 /// first, in the same transaction: a consumer that acks and claims again pays one round trip
 /// and one commit instead of two.
-#[pg_extern(volatile, parallel_unsafe, name = "claim")]
+#[pg_extern(volatile, parallel_unsafe, name = "claim", sql = false)]
 fn claim_sql(
     stream: Option<&str>,
     group_name: Option<&str>,
@@ -645,7 +645,7 @@ fn claim_sql(
 
 /// `claim`, with two more columns: when each message was produced and its headers. The
 /// contract fixes `claim`'s columns, so the longer row has a function of its own.
-#[pg_extern(volatile, parallel_unsafe, name = "claim_with_metadata")]
+#[pg_extern(volatile, parallel_unsafe, name = "claim_with_metadata", sql = false)]
 fn claim_with_metadata_sql(
     stream: Option<&str>,
     group_name: Option<&str>,

@@ -42,7 +42,7 @@ const PURGE: Statement = Statement {
 /// Gives dead messages of a group (all of them, or `message_ids`) another run: each is ready at
 /// once with a fresh retry budget, and an ordered key's redriven messages run in id order.
 /// Returns the ids redriven. Admins only.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn redrive(
     stream: Option<&str>,
     group_name: Option<&str>,
@@ -67,7 +67,7 @@ fn redrive(
 
 /// Resolves one dead message for good without running it: its row goes, and with
 /// `on_dead = 'hold'` its ordered key goes on. Returns false when it was not dead. Admins only.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn skip(stream: Option<&str>, group_name: Option<&str>, message_id: Option<i64>) -> SqlResult<bool> {
     let stream = validate_name("stream", stream)?;
     let group_name = validate_name("group", group_name)?;
@@ -92,7 +92,7 @@ fn skip(stream: Option<&str>, group_name: Option<&str>, message_id: Option<i64>)
 
 /// Removes a group's dead messages that died at least `older_than` ago (all of them by
 /// default). With `on_dead = 'hold'` their ordered keys go on. Returns how many. Admins only.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn purge_dead(
     stream: Option<&str>,
     group_name: Option<&str>,

@@ -360,7 +360,7 @@ fn settings(
 /// Creates a consumer group on a stream and returns its id. Declaring it again returns the same
 /// id and updates its settings; the cursor is placed only when the group is created
 /// (`start_at`: 'beginning' or 'head').
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 #[allow(clippy::too_many_arguments)]
 fn create_group(
     stream: Option<&str>,
@@ -391,7 +391,7 @@ fn create_group(
 
 /// Drops a consumer group with its cursor, leases and exception queue rows. Returns false when
 /// the stream has no such group.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn drop_group(stream: Option<&str>, name: Option<&str>) -> SqlResult<bool> {
     let stream = validate_name("stream", stream)?;
     let name = validate_name("group", name)?;
@@ -464,7 +464,7 @@ fn admin_call_with<T>(
 /// Changes a group's settings: each argument that is not NULL replaces the current value
 /// (`concurrency_override => 'none'` removes the override). `create_group` re-declares a group
 /// with every setting; this changes only what it is told to. Returns true. Admins only.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 #[allow(clippy::too_many_arguments)]
 fn alter_group(
     stream: Option<&str>,
@@ -537,13 +537,13 @@ fn alter_group(
 
 /// Pauses a group: its claims hand out nothing (outcomes of what it already holds still count)
 /// until `resume_group`. Returns false when it was paused already. Admins only.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn pause_group(stream: Option<&str>, group_name: Option<&str>) -> SqlResult<bool> {
     set_paused(stream, group_name, true)
 }
 
 /// Resumes a paused group. Returns false when it was not paused. Admins only.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn resume_group(stream: Option<&str>, group_name: Option<&str>) -> SqlResult<bool> {
     set_paused(stream, group_name, false)
 }

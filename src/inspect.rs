@@ -178,7 +178,7 @@ fn progress(stream: Option<&str>, group_name: Option<&str>) -> Result<Progress> 
 /// One group's cursor, head, lag, exception-queue counts by status, and when its oldest
 /// unresolved message was produced (NULL when it has resolved everything). Parallel restricted:
 /// it adds this backend's unwritten count changes, which a parallel worker does not have.
-#[pg_extern(stable, parallel_restricted)]
+#[pg_extern(stable, parallel_restricted, sql = false)]
 fn group_status(
     stream: Option<&str>,
     group_name: Option<&str>,
@@ -219,7 +219,7 @@ fn group_status(
 
 /// Keys whose delivery waits in the exception queue: the oldest unresolved message of each key,
 /// its status, and how many later messages of the key wait behind it.
-#[pg_extern(stable, parallel_safe)]
+#[pg_extern(stable, parallel_safe, sql = false)]
 fn blocked_keys(
     stream: Option<&str>,
     group_name: Option<&str>,
@@ -254,7 +254,7 @@ fn blocked_keys(
 
 /// Dead-lettered messages of a group, for triage. A dead predecessor released its ordered
 /// successors; it does not mean its business operation happened.
-#[pg_extern(stable, parallel_safe)]
+#[pg_extern(stable, parallel_safe, sql = false)]
 fn dead_messages(
     stream: Option<&str>,
     group_name: Option<&str>,
@@ -310,7 +310,7 @@ fn dead_messages(
 }
 
 /// Leases a group holds right now: ranges, exception-queue deliveries and held lanes.
-#[pg_extern(stable, parallel_safe)]
+#[pg_extern(stable, parallel_safe, sql = false)]
 fn open_leases(
     stream: Option<&str>,
     group_name: Option<&str>,
@@ -352,7 +352,7 @@ const STREAM_EXISTS: Statement = Statement {
 };
 
 /// The highest message id handed out on a stream (0 when none), by stream id.
-#[pg_extern(stable, parallel_safe)]
+#[pg_extern(stable, parallel_safe, sql = false)]
 fn stream_head(stream_id: i64) -> std::result::Result<i64, ErrorReport> {
     Ok(access::as_owner(|caller| {
         Spi::connect(|client| {
@@ -379,7 +379,7 @@ const PEEK: Statement = Statement {
 /// The messages of a stream after `after_id`, oldest first (at most `max_messages`), without
 /// claiming anything: what an operator's `tail` shows. Needs a consume grant on one of the
 /// stream's groups (or pg_monitor).
-#[pg_extern(stable, parallel_safe)]
+#[pg_extern(stable, parallel_safe, sql = false)]
 fn peek(
     stream: Option<&str>,
     after_id: default!(Option<i64>, 0),

@@ -102,7 +102,7 @@ pub fn release(stream: &str, group_name: &str, token: pgrx::Uuid, ids: &[i64]) -
 /// Extends every lease held under lease_token (its range, exception-queue deliveries and its
 /// lane) to now + lease. Returns false when the token holds nothing any more (its
 /// lease was taken over, or everything was resolved).
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn extend_lease(
     stream: Option<&str>,
     group_name: Option<&str>,
@@ -118,7 +118,7 @@ fn extend_lease(
 /// Gives claimed deliveries back without running them (for a consumer shutting down): each is
 /// due again at once and its attempt is not counted. Returns the ids released; an id whose
 /// lease was lost is left out.
-#[pg_extern(volatile, parallel_unsafe, name = "release")]
+#[pg_extern(volatile, parallel_unsafe, name = "release", sql = false)]
 fn release_sql(
     stream: Option<&str>,
     group_name: Option<&str>,
@@ -132,7 +132,7 @@ fn release_sql(
 /// Ends every lease held under lease_token now (its range, exception-queue deliveries and lane
 /// holds), so the next claim takes the work over. Returns false when the token holds nothing.
 /// For admins: a consumer that hangs on to work it will never finish.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn break_lease(stream: Option<&str>, group_name: Option<&str>, lease_token: Option<pgrx::Uuid>) -> SqlResult<bool> {
     let a = Answer::validate(stream, group_name, lease_token)?;
     Ok(break_now(a.stream, a.group, a.token)?)

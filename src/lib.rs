@@ -63,5 +63,10 @@ pub extern "C-unwind" fn _PG_init() {
     worker::init();
 }
 
-// The install and upgrade scripts are written by hand (sql/sqlstreams--*.sql); `scripts/rig test`
-// checks that they declare exactly the functions this library exports.
+// The install and upgrade scripts are written by hand (sql/sqlstreams--*.sql), and the install
+// script is what pgrx's own `cargo pgrx install`, `package` and `schema` write: every function
+// and trigger here says `sql = false`, so the file below is the whole schema. `scripts/rig test`
+// checks that it declares each of them with the signature pgrx derives from the Rust one
+// (tests/library_schema.rs writes the library's own declarations from what the library embeds),
+// and that the installed script is this version's (so a version bump changes this path too).
+pgrx::extension_sql_file!("../sql/sqlstreams--0.2.0.sql", name = "install", bootstrap);

@@ -122,7 +122,7 @@ fn maintain_one(client: &mut pgrx::spi::SpiClient<'_>, name: String) -> Result<R
 /// expired idempotency keys, stores each group's claimed and committed cursor, clears expired
 /// lane holds, and applies retention (src/retention.rs). Idempotent; safe to run from cron at
 /// any frequency.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn maintain() -> std::result::Result<
     TableIterator<
         'static,
@@ -144,7 +144,7 @@ fn maintain() -> std::result::Result<
 /// `maintain()` for one stream, in the caller's transaction: a cron job or worker that maintains
 /// its streams one transaction each holds a stream's log (locked by a partition drop until
 /// commit) only for that stream's step, not for every other stream's.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn maintain_stream(
     stream_name: &str,
 ) -> std::result::Result<

@@ -23,7 +23,7 @@ pub fn channel(stream_id: i64) -> String {
 
 /// The channel a stream's consumers LISTEN on (produce NOTIFYs it at commit); the `channel`
 /// column of `sqlstreams.streams`, so clients never spell it themselves.
-#[pgrx::pg_extern(immutable, parallel_safe)]
+#[pgrx::pg_extern(immutable, parallel_safe, sql = false)]
 fn stream_channel(stream_id: i64) -> String {
     channel(stream_id)
 }

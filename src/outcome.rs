@@ -154,7 +154,7 @@ fn record_setback(
 
 /// Records that the handler of a claimed message succeeded. Returns false when the lease behind
 /// lease_token was lost (expired and taken over, or already resolved): nothing changed.
-#[pg_extern(volatile, parallel_unsafe, name = "ack")]
+#[pg_extern(volatile, parallel_unsafe, name = "ack", sql = false)]
 fn ack_sql(
     stream: Option<&str>,
     group_name: Option<&str>,
@@ -168,7 +168,7 @@ fn ack_sql(
 
 /// Records success for many messages of one claim in one call; returns the ids recorded (an id
 /// whose lease was lost is left out).
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn ack_batch(
     stream: Option<&str>,
     group_name: Option<&str>,
@@ -182,7 +182,7 @@ fn ack_batch(
 /// Records that a handler failed. Returns the message's new status: 'ready' (a retry is
 /// scheduled with backoff, or after retry_after) or 'dead' (permanent, or the retry budget is
 /// spent); NULL when the lease was lost. The rest of its same-key chain is recorded deferred.
-#[pg_extern(volatile, parallel_unsafe, name = "fail")]
+#[pg_extern(volatile, parallel_unsafe, name = "fail", sql = false)]
 fn fail_sql(
     stream: Option<&str>,
     group_name: Option<&str>,
@@ -215,7 +215,7 @@ fn fail_sql(
 
 /// Asks for the message to run again after `delay`, without counting a failure. Returns false
 /// when the lease was lost. The message stays unresolved, so an ordered key keeps waiting.
-#[pg_extern(volatile, parallel_unsafe, name = "delay")]
+#[pg_extern(volatile, parallel_unsafe, name = "delay", sql = false)]
 fn delay_sql(
     stream: Option<&str>,
     group_name: Option<&str>,

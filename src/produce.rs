@@ -376,7 +376,7 @@ pub fn produce_many(
 /// message to `claim_with_metadata`; `deliver_after` holds it back that long from the
 /// transaction's start.
 #[allow(clippy::too_many_arguments)]
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn produce(
     stream: Option<&str>,
     payload: Option<RawJsonb>,
@@ -436,7 +436,7 @@ fn check_idempotency_keys(keys: &[Option<&str>], count: usize) -> Result<()> {
 /// (within the stream's idempotency_ttl, or earlier in the same batch) produces nothing and
 /// its id is NULL.
 #[allow(clippy::too_many_arguments)]
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn produce_batch(
     stream: Option<&str>,
     payloads: Option<RawJsonbArray>,

@@ -59,7 +59,7 @@ const MOVE: Statement = Statement {
 /// `to_time` (one of them): backwards replays, forwards skips. Everything the group had open is
 /// forgotten (see the module documentation in docs/sql-api.md). Returns the new position.
 /// Admins only.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn seek(
     stream: Option<&str>,
     group_name: Option<&str>,

@@ -241,7 +241,7 @@ pub const LANES: std::ops::RangeInclusive<i32> = 1..=1024;
 /// Creates a stream and its tables; returns its id. Idempotent by name: declaring an existing
 /// stream returns its id (and updates its idempotency_ttl); a different partition_size or lane
 /// count is refused.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn create_stream(
     name: Option<&str>,
     partition_size: default!(Option<i64>, 1000000),
@@ -276,7 +276,7 @@ fn create_stream(
 
 /// Drops a stream with its groups, messages and exception queue. Returns false when no stream
 /// of that name exists.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn drop_stream(name: Option<&str>) -> SqlResult<bool> {
     let name = validate_name("stream", name)?;
     Ok(drop(name)?)
@@ -294,7 +294,7 @@ const ALTER: Statement = Statement {
 /// Changes a stream's settings: each argument that is not NULL replaces the current value.
 /// `dead_retention`: how long dead and superseded exception rows are kept (retention). Returns
 /// true. Admins only.
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn alter_stream(
     name: Option<&str>,
     dead_retention: default!(Option<Interval>, "NULL"),

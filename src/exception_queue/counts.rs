@@ -36,7 +36,7 @@ thread_local! {
 
 /// Adds up one statement's changes to stream `stream_id`'s queue (called by its count trigger;
 /// the three arrays are parallel).
-#[pg_extern(volatile, parallel_unsafe)]
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn exception_counts_changed(
     stream_id: i64,
     groups: Vec<i64>,

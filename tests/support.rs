@@ -47,6 +47,34 @@ pub fn connect_as(role: &str) -> Client {
     config.connect(NoTls).expect("connect as a test role")
 }
 
+/// The rig's certificate authority for TLS tests, or `None` when the server under test was built
+/// without OpenSSL (the relocatable PostgreSQL 16 and 18 `scripts/rig test --pg` runs on are):
+/// the rig then says so with `SQLSTREAMS_TEST_TLS=unavailable`. Without either, the run is not
+/// the rig's and the test fails rather than pass untested.
+pub fn test_ca() -> Option<String> {
+    if let Ok(ca) = std::env::var("SQLSTREAMS_TEST_CA") {
+        return Some(ca);
+    }
+    match std::env::var("SQLSTREAMS_TEST_TLS").as_deref() {
+        Ok("unavailable") => {
+            eprintln!("skipped: the server under test has no TLS (SQLSTREAMS_TEST_TLS=unavailable)");
+            None
+        }
+        _ => panic!("neither SQLSTREAMS_TEST_CA nor SQLSTREAMS_TEST_TLS is set: run `scripts/rig test`"),
+    }
+}
+
+/// The setting that makes the planner use parallel workers for testing: `force_parallel_mode`
+/// until PostgreSQL 15, `debug_parallel_query` from 16 on.
+pub fn debug_parallel_setting(c: &mut impl postgres::GenericClient) -> &'static str {
+    let version: i32 = c.query_one("SELECT current_setting('server_version_num')::int", &[]).unwrap().get(0);
+    if version >= 160000 {
+        "debug_parallel_query"
+    } else {
+        "force_parallel_mode"
+    }
+}
+
 /// A unique name, so tests never share a stream.
 pub fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", &Uuid::new_v4().simple().to_string()[..12])

@@ -70,7 +70,17 @@ impl Client {
         Stream::new(self.pool.clone(), name.into())
     }
 
-    /// The underlying pool, for your own queries (and transactions to produce in).
+    /// Checks now that the database has the extension at
+    /// [`MIN_EXTENSION_VERSION`](crate::MIN_EXTENSION_VERSION) or later, as the client's own
+    /// calls do at their first connection: [`Error::Extension`](crate::Error::Extension)
+    /// otherwise.
+    pub async fn check_extension(&self) -> Result<()> {
+        self.pool.conn().await.map(drop)
+    }
+
+    /// The underlying pool, for your own queries (and transactions to produce in). Its
+    /// connections are not checked for the extension's version until a client call (or
+    /// [`Client::check_extension`]) has checked one.
     pub fn pool(&self) -> &DeadPool {
         self.pool.deadpool()
     }

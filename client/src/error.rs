@@ -43,6 +43,15 @@ pub enum Error {
         /// "setting: stored → wanted", one per difference.
         differences: Vec<String>,
     },
+    /// The database has no sqlstreams extension, or one older than this client needs
+    /// ([`MIN_EXTENSION_VERSION`](crate::MIN_EXTENSION_VERSION)): nothing was sent.
+    #[error("{}", extension_message(installed.as_deref(), required))]
+    Extension {
+        /// The version installed in the database, if any.
+        installed: Option<String>,
+        /// The oldest version this client works with.
+        required: &'static str,
+    },
     /// The client's own configuration is inconsistent.
     #[error("invalid configuration: {0}")]
     Config(String),
@@ -110,6 +119,19 @@ impl From<deadpool_postgres::PoolError> for Error {
             deadpool_postgres::PoolError::Backend(e) => e.into(),
             other => Error::Pool(other.to_string()),
         }
+    }
+}
+
+fn extension_message(installed: Option<&str>, required: &str) -> String {
+    match installed {
+        None => format!(
+            "the sqlstreams extension is not installed in this database; this client needs version \
+             {required} or later: a superuser runs CREATE EXTENSION sqlstreams"
+        ),
+        Some(installed) => format!(
+            "the sqlstreams extension in this database is version {installed}; this client needs \
+             {required} or later: install a newer extension and run ALTER EXTENSION sqlstreams UPDATE"
+        ),
     }
 }
 

@@ -41,6 +41,9 @@
 //!
 //! [`Client::connect`] takes a libpq-style connection string and pools up to 16 connections;
 //! [`Client::connect_with`] takes [`ClientOptions`] (the pool size, and a CA file to trust).
+//! The client's first call checks that the database has the extension at
+//! [`MIN_EXTENSION_VERSION`] or later ([`Client::check_extension`] checks at once); otherwise
+//! every call fails with [`Error::Extension`], which says what to run, until one finds it does.
 //! With `sslmode=require` in the string, every connection (the pool's and each consumer's
 //! `LISTEN` connection) uses TLS (rustls) and verifies the server's certificate and host name
 //! against the system's roots plus [`ClientOptions::ssl_root_cert`] (by default the file named
@@ -80,6 +83,7 @@ mod backoff;
 mod client;
 mod consumer;
 mod error;
+mod extension;
 mod pool;
 mod producer;
 mod sql;
@@ -94,6 +98,7 @@ pub use consumer::{
     Consumer, ConsumerConfig, ConsumerGroup, Delivery, HandlerError, Metrics, RunningConsumer, Shutdown, StartAt, Tx,
 };
 pub use error::{Error, Result};
+pub use extension::MIN_EXTENSION_VERSION;
 pub use producer::{BatchOptions, ProduceOptions, Produced, Producer};
 pub use stream::{Stream, StreamConfig};
 

@@ -2,6 +2,7 @@
 //! outside it (a consumer's LISTEN connection).
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod};
@@ -21,6 +22,8 @@ struct Inner {
     /// For connections outside the pool.
     config: tokio_postgres::Config,
     tls: Tls,
+    /// Set once a connection found an extension version this client works with.
+    extension_fits: AtomicBool,
 }
 
 impl Pool {
@@ -45,12 +48,19 @@ impl Pool {
             .runtime(deadpool_postgres::Runtime::Tokio1)
             .build()
             .map_err(|e| Error::Config(e.to_string()))?;
-        Ok(Pool { inner: Arc::new(Inner { pool, config, tls }) })
+        Ok(Pool { inner: Arc::new(Inner { pool, config, tls, extension_fits: AtomicBool::new(false) }) })
     }
 
-    /// A pooled connection.
+    /// A pooled connection. The first one a pool hands out checks the extension's version
+    /// (until one passes: a refused version is checked again, so an `ALTER EXTENSION ...
+    /// UPDATE` is seen without a restart).
     pub async fn conn(&self) -> Result<deadpool_postgres::Object> {
-        Ok(self.inner.pool.get().await?)
+        let conn = self.inner.pool.get().await?;
+        if !self.inner.extension_fits.load(Ordering::Relaxed) {
+            crate::extension::check(&conn).await?;
+            self.inner.extension_fits.store(true, Ordering::Relaxed);
+        }
+        Ok(conn)
     }
 
     /// The deadpool pool itself.

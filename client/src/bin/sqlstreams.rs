@@ -167,6 +167,7 @@ async fn run(cli: Cli) -> Result<(), String> {
     // The client library's connection: TLS when the DSN says sslmode=require, verified against
     // the system's roots and PGSSLROOTCERT.
     let client = sqlstreams_client::Client::with_pool_size(&cli.dsn, 1).map_err(|e| e.to_string())?;
+    client.check_extension().await.map_err(|e| e.to_string())?;
     let db = client.pool().get().await.map_err(|e| sqlstreams_client::Error::from(e).to_string())?;
     let db: &tokio_postgres::Client = &db;
     let json = cli.json;

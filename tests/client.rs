@@ -11,7 +11,7 @@ use sqlstreams_client::{
     BatchOptions, Client, ClientOptions, Concurrency, ConsumerConfig, Delivery, HandlerError, ProduceOptions, Produced,
     RunningConsumer,
 };
-use sqlstreams_tests::{database_url, unique};
+use sqlstreams_tests::{database_url, test_ca, unique};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 struct Adjustment {
@@ -726,7 +726,7 @@ fn futures_lite_block<F: std::future::Future>(future: F) -> F::Output {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_client_connects_over_tls_when_the_url_asks() {
     let _installed = client();
-    let ca = std::env::var("SQLSTREAMS_TEST_CA").expect("SQLSTREAMS_TEST_CA is not set: run `scripts/rig test`");
+    let Some(ca) = test_ca() else { return };
     let url = format!("{}?sslmode=require", database_url());
     let options = ClientOptions { ssl_root_cert: Some(ca.into()), ..Default::default() };
     let tls = Client::connect_with(&url, options).unwrap();
@@ -1075,4 +1075,50 @@ async fn work_until_idle_reports_every_delivery_and_waits_for_no_clock() {
 
 fn uuid_suffix() -> String {
     unique("x").replace('-', "_")
+}
+
+/// The client checks the extension's version at its first connection: in a database without
+/// the extension, or with an older one, every call fails with `Error::Extension`, which says
+/// what to run, and nothing is sent; once the extension fits, the same client works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_refuses_a_database_without_a_fitting_extension() {
+    let db = unique("client_version").replace('-', "_");
+    let url = format!("{}/{db}", database_url().rsplit_once('/').unwrap().0);
+    let run = |url: String, sql: String| {
+        std::thread::spawn(move || {
+            let mut c = sqlstreams_tests::postgres::Client::connect(&url, sqlstreams_tests::postgres::NoTls).unwrap();
+            c.batch_execute(&sql).unwrap();
+        })
+        .join()
+        .unwrap()
+    };
+    run(database_url(), format!("CREATE DATABASE {db}"));
+    let client = Client::connect(&url).unwrap();
+    let stream = client.stream::<Adjustment>("version.check");
+
+    let err = stream.register().await.expect_err("a database without the extension");
+    assert!(matches!(&err, sqlstreams_client::Error::Extension { installed: None, .. }), "{err:?}");
+    assert!(err.to_string().contains("CREATE EXTENSION sqlstreams"), "{err}");
+
+    // The catalog row says 0.1.0 (a database not updated after a new library was installed).
+    run(url.clone(), "CREATE EXTENSION sqlstreams".into());
+    run(url.clone(), "UPDATE pg_catalog.pg_extension SET extversion = '0.1.0' WHERE extname = 'sqlstreams'".into());
+    let err = stream.register().await.expect_err("an extension older than the client needs");
+    assert!(
+        matches!(&err, sqlstreams_client::Error::Extension { installed: Some(v), required } if v == "0.1.0" && *required == sqlstreams_client::MIN_EXTENSION_VERSION),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("ALTER EXTENSION sqlstreams UPDATE"), "{err}");
+
+    run(
+        url.clone(),
+        "UPDATE pg_catalog.pg_extension SET extversion = (SELECT default_version FROM pg_catalog.pg_available_extensions
+         WHERE name = 'sqlstreams') WHERE extname = 'sqlstreams'"
+            .into(),
+    );
+    stream.register().await.expect("the same client, once the extension fits");
+    stream.producer().produce(&adjustment("acct-1", 1), ProduceOptions::default()).await.unwrap();
+    drop(stream);
+    drop(client);
+    run(database_url(), format!("DROP DATABASE {db} WITH (FORCE)"));
 }

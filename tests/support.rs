@@ -64,11 +64,15 @@ pub fn test_ca() -> Option<String> {
     }
 }
 
+/// The server's version as a number (`160002` for 16.2).
+pub fn server_version(c: &mut impl postgres::GenericClient) -> i32 {
+    c.query_one("SELECT current_setting('server_version_num')::int", &[]).unwrap().get(0)
+}
+
 /// The setting that makes the planner use parallel workers for testing: `force_parallel_mode`
 /// until PostgreSQL 15, `debug_parallel_query` from 16 on.
 pub fn debug_parallel_setting(c: &mut impl postgres::GenericClient) -> &'static str {
-    let version: i32 = c.query_one("SELECT current_setting('server_version_num')::int", &[]).unwrap().get(0);
-    if version >= 160000 {
+    if server_version(c) >= 160000 {
         "debug_parallel_query"
     } else {
         "force_parallel_mode"

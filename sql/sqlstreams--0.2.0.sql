@@ -974,7 +974,7 @@ RETURNS TABLE (
     partitions_dropped bigint,
     exception_rows_purged bigint
 )
-STRICT VOLATILE PARALLEL UNSAFE
+VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'maintain_stream_wrapper'
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;

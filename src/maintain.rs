@@ -146,7 +146,7 @@ fn maintain() -> std::result::Result<
 /// commit) only for that stream's step, not for every other stream's.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn maintain_stream(
-    stream_name: &str,
+    stream_name: Option<&str>,
 ) -> std::result::Result<
     TableIterator<
         'static,
@@ -162,5 +162,7 @@ fn maintain_stream(
     >,
     ErrorReport,
 > {
-    Ok(TableIterator::new(maintain_stream_named(stream_name)?))
+    // Not STRICT: a NULL name is refused with 22023 like every other call's, not an empty result.
+    let name = crate::names::validate_name("stream", stream_name)?;
+    Ok(TableIterator::new(maintain_stream_named(name)?))
 }

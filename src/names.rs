@@ -78,6 +78,23 @@ pub fn positive_micros(what: &str, micros: Option<i128>, example: &str) -> Resul
     }
 }
 
+/// The longest a stream's `idempotency_ttl` or `dead_retention` may be: a hundred years as
+/// Postgres counts an interval (a month is 30 days). Produces and retention add it to or subtract
+/// it from now(), which must stay a timestamp.
+const MAX_STREAM_PERIOD_MICROS: i64 = 100 * 12 * 30 * 86_400 * 1_000_000;
+
+/// A stream's period setting: positive, and at most a hundred years.
+pub fn stream_period(what: &str, micros: Option<i128>, example: &str) -> Result<i64> {
+    let micros = positive_micros(what, micros, example)?;
+    if micros > MAX_STREAM_PERIOD_MICROS {
+        return Err(StreamError::invalid(
+            format!("{what} is longer than 100 years"),
+            format!("Pass a {what} such as {example}, at most '100 years'."),
+        ));
+    }
+    Ok(micros)
+}
+
 /// An argument that must not be NULL; the refusal says where the value comes from.
 pub fn required<T>(what: &str, value: Option<T>, from: &str) -> Result<T> {
     value.ok_or_else(|| StreamError::invalid(format!("{what} must not be NULL"), format!("Pass the {what} {from}.")))

@@ -153,8 +153,9 @@ fn check_batch_headers(client: &SpiClient<'_>, headers: Option<RawJsonbArray>, c
     Ok(())
 }
 
-/// The longest `deliver_after`: ten years (and no timestamp overflow).
-const MAX_DELIVER_AFTER_MICROS: i128 = 10 * 365 * 86_400 * 1_000_000;
+/// The longest `deliver_after`: ten years as Postgres counts an interval (a month is 30 days),
+/// so that `'10 years 50 days'` is longer, as Postgres compares them.
+const MAX_DELIVER_AFTER_MICROS: i128 = 10 * 12 * 30 * 86_400 * 1_000_000;
 
 /// `deliver_after`, checked: not negative, at most ten years, and not with compaction (a
 /// newer state that is not due yet would supersede the state that is); zero (or NULL)

@@ -15,7 +15,7 @@ use pgrx::spi::SpiClient;
 use crate::access;
 use crate::error::{Result, SqlResult, StreamError};
 use crate::locks;
-use crate::names::{named, positive_micros, validate_name};
+use crate::names::{named, stream_period, validate_name};
 use crate::statement::{self, Access, Columns, Statement};
 
 /// What the claim and produce paths need to know about a stream.
@@ -270,7 +270,7 @@ fn create_stream(
             .into())
         }
     };
-    let ttl = positive_micros("idempotency_ttl", idempotency_ttl.map(|i| i.as_micros()), "'1 day'")?;
+    let ttl = stream_period("idempotency_ttl", idempotency_ttl.map(|i| i.as_micros()), "'1 day'")?;
     Ok(create(name, partition_size, ttl, lanes)?)
 }
 
@@ -302,9 +302,8 @@ fn alter_stream(
 ) -> SqlResult<bool> {
     let name = validate_name("stream", name)?;
     let retention =
-        dead_retention.map(|i| positive_micros("dead_retention", Some(i.as_micros()), "'7 days'")).transpose()?;
-    let ttl =
-        idempotency_ttl.map(|i| positive_micros("idempotency_ttl", Some(i.as_micros()), "'1 day'")).transpose()?;
+        dead_retention.map(|i| stream_period("dead_retention", Some(i.as_micros()), "'7 days'")).transpose()?;
+    let ttl = idempotency_ttl.map(|i| stream_period("idempotency_ttl", Some(i.as_micros()), "'1 day'")).transpose()?;
     Ok(access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "alter streams")?;

@@ -106,6 +106,10 @@ fn contract_errors_have_their_sqlstates_and_change_nothing() {
         ("SELECT sqlstreams.create_stream('   ')", "empty"),
         ("SELECT sqlstreams.create_group({s}, '')", "empty"),
         ("SELECT sqlstreams.create_stream({s}, 50)", "partition_size"),
+        ("SELECT * FROM sqlstreams.maintain_stream(NULL)", "stream"),
+        ("SELECT sqlstreams.create_stream({s}, idempotency_ttl => '9223372036854 seconds')", "idempotency_ttl"),
+        ("SELECT sqlstreams.alter_stream({s}, idempotency_ttl => '101 years')", "idempotency_ttl"),
+        ("SELECT sqlstreams.alter_stream({s}, dead_retention => '9223372036854 seconds')", "dead_retention"),
         (long_stream.as_str(), "201 characters"),
         (long_group.as_str(), "201 characters"),
     ];

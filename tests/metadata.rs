@@ -110,6 +110,8 @@ fn bad_headers_and_negative_deliver_after_are_refused_and_write_nothing() {
         ),
         ("SELECT sqlstreams.produce_batch($1, ARRAY['{}']::jsonb[], deliver_after => '-1 day')", "is negative"),
         ("SELECT sqlstreams.produce($1, '{}', deliver_after => '11 years')", "is longer than 10 years"),
+        ("SELECT sqlstreams.produce($1, '{}', deliver_after => '10 years 50 days')", "is longer than 10 years"),
+        ("SELECT sqlstreams.produce($1, '{}', deliver_after => '3601 days')", "is longer than 10 years"),
         (
             "SELECT sqlstreams.produce($1, '{}', 'k', compaction => true, deliver_after => '1 minute')",
             "a compacted message cannot be delayed",

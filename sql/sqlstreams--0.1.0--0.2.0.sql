@@ -29,6 +29,9 @@ UPDATE sqlstreams.stream SET schema_version = '0.1.0';
 ALTER TABLE sqlstreams.stream ALTER COLUMN schema_version SET NOT NULL;
 ALTER TABLE sqlstreams.stream ADD COLUMN lanes integer NOT NULL DEFAULT 16 CHECK (lanes BETWEEN 1 AND 1024);
 ALTER TABLE sqlstreams.stream ADD COLUMN dead_retention interval NOT NULL DEFAULT '7 days';
+-- No foreign key to stream: a parallel restore loads the catalog tables in any order
+-- (sqlstreams--0.2.0.sql says more).
+ALTER TABLE sqlstreams.consumer_group DROP CONSTRAINT consumer_group_stream_id_fkey;
 ALTER TABLE sqlstreams.consumer_group ADD COLUMN paused boolean NOT NULL DEFAULT false;
 ALTER TABLE sqlstreams.consumer_group ADD COLUMN on_dead text NOT NULL DEFAULT 'release' CHECK (on_dead IN ('release', 'hold'));
 
@@ -469,25 +472,33 @@ $function$;
 -- leaves them.
 ----------------------------------------------------------------------------------------------
 
+-- A CREATE EXTENSION in another database at the same time may be creating them too: its
+-- roles are not visible until it commits, so this one's CREATE ROLE waits for it and then finds
+-- the name taken (23505), which means the role exists.
 DO $roles$
+DECLARE
+    role_name text;
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'sqlstreams_admin') THEN
-        CREATE ROLE sqlstreams_admin NOLOGIN;
-    END IF;
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'sqlstreams_producer') THEN
-        CREATE ROLE sqlstreams_producer NOLOGIN;
-    END IF;
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'sqlstreams_consumer') THEN
-        CREATE ROLE sqlstreams_consumer NOLOGIN;
-    END IF;
+    FOREACH role_name IN ARRAY ARRAY['sqlstreams_admin', 'sqlstreams_producer', 'sqlstreams_consumer'] LOOP
+        IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = role_name) THEN
+            BEGIN
+                EXECUTE pg_catalog.format('CREATE ROLE %I NOLOGIN', role_name);
+            EXCEPTION WHEN unique_violation OR duplicate_object THEN
+                NULL;
+            END;
+        END IF;
+    END LOOP;
 END
 $roles$;
 
 -- Who may produce to a stream, or consume as one of its groups (every group when group_name
--- is NULL). Granted and revoked with sqlstreams.grant_stream / revoke_stream.
+-- is NULL). Granted and revoked with sqlstreams.grant_stream / revoke_stream. The grantee is a
+-- regrole: pg_dump writes the role's name, so a restore into another cluster, whose roles have
+-- other oids, gives each grant back to the role of that name (and fails on a missing role). No
+-- foreign key to stream, as for consumer_group.
 CREATE TABLE sqlstreams.stream_grant (
-    stream_id  bigint      NOT NULL REFERENCES sqlstreams.stream (id) ON DELETE CASCADE,
-    grantee    oid         NOT NULL,
+    stream_id  bigint      NOT NULL,
+    grantee    regrole     NOT NULL,
     privilege  text        NOT NULL CHECK (privilege IN ('produce', 'consume')),
     group_name text        CHECK (group_name IS NULL OR privilege = 'consume'),
     granted_at timestamptz NOT NULL DEFAULT now(),

@@ -57,9 +57,13 @@ CREATE TABLE sqlstreams.stream (
     dead_retention     interval    NOT NULL DEFAULT '7 days'
 );
 
+-- No foreign key to stream: pg_dump records no order between the data of an extension's
+-- configuration tables, so a parallel restore (pg_restore -j) loads them in any order, and a
+-- foreign key would refuse a group whose stream comes later. drop_stream deletes a stream's
+-- groups and grants with it (src/stream.rs).
 CREATE TABLE sqlstreams.consumer_group (
     id                   bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    stream_id            bigint      NOT NULL REFERENCES sqlstreams.stream (id) ON DELETE CASCADE,
+    stream_id            bigint      NOT NULL,
     name                 text        NOT NULL,
     -- NULL: each message's requested concurrency applies (keyed messages default to parallel).
     concurrency_override text        CHECK (concurrency_override IN ('parallel', 'exclusive', 'ordered')),
@@ -95,25 +99,33 @@ SELECT pg_catalog.pg_extension_config_dump('sqlstreams.consumer_group_id_seq', '
 -- leaves them.
 ----------------------------------------------------------------------------------------------
 
+-- A CREATE EXTENSION in another database at the same time may be creating them too: its
+-- roles are not visible until it commits, so this one's CREATE ROLE waits for it and then finds
+-- the name taken (23505), which means the role exists.
 DO $roles$
+DECLARE
+    role_name text;
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'sqlstreams_admin') THEN
-        CREATE ROLE sqlstreams_admin NOLOGIN;
-    END IF;
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'sqlstreams_producer') THEN
-        CREATE ROLE sqlstreams_producer NOLOGIN;
-    END IF;
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'sqlstreams_consumer') THEN
-        CREATE ROLE sqlstreams_consumer NOLOGIN;
-    END IF;
+    FOREACH role_name IN ARRAY ARRAY['sqlstreams_admin', 'sqlstreams_producer', 'sqlstreams_consumer'] LOOP
+        IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = role_name) THEN
+            BEGIN
+                EXECUTE pg_catalog.format('CREATE ROLE %I NOLOGIN', role_name);
+            EXCEPTION WHEN unique_violation OR duplicate_object THEN
+                NULL;
+            END;
+        END IF;
+    END LOOP;
 END
 $roles$;
 
 -- Who may produce to a stream, or consume as one of its groups (every group when group_name
--- is NULL). Granted and revoked with sqlstreams.grant_stream / revoke_stream.
+-- is NULL). Granted and revoked with sqlstreams.grant_stream / revoke_stream. The grantee is a
+-- regrole: pg_dump writes the role's name, so a restore into another cluster, whose roles have
+-- other oids, gives each grant back to the role of that name (and fails on a missing role). No
+-- foreign key to stream, as for consumer_group.
 CREATE TABLE sqlstreams.stream_grant (
-    stream_id  bigint      NOT NULL REFERENCES sqlstreams.stream (id) ON DELETE CASCADE,
-    grantee    oid         NOT NULL,
+    stream_id  bigint      NOT NULL,
+    grantee    regrole     NOT NULL,
     privilege  text        NOT NULL CHECK (privilege IN ('produce', 'consume')),
     group_name text        CHECK (group_name IS NULL OR privilege = 'consume'),
     granted_at timestamptz NOT NULL DEFAULT now(),

@@ -80,8 +80,14 @@ pub struct Observation {
 }
 
 impl Observation {
-    pub fn is_mature(&self, oldest_running: u64) -> bool {
-        self.xid <= oldest_running
+    /// Mature once every transaction older than its xid has ended. An xid beyond the next one
+    /// this cluster will assign was read by another cluster (the group's cursor came with a
+    /// restore), and is mature too: every id up to its head is in the restored log or never will
+    /// be, since the restored sequence was past `head` when it was dumped and this cluster's ids
+    /// continue after it. Left pending, it would hold the group back while any producer of the
+    /// stream is open, until this cluster's transaction ids caught up with the other's.
+    pub fn is_mature(&self, reading: &Reading) -> bool {
+        self.xid <= reading.oldest_running || self.xid > reading.next_xid
     }
 }
 
@@ -123,7 +129,7 @@ impl Fence {
     /// older pending one matures sooner than a fresh one, so it is kept while it covers more
     /// than what is proven).
     pub fn advance(self, reading: &Reading) -> Fence {
-        let mature = |o: &Observation| o.is_mature(reading.oldest_running);
+        let mature = |o: &Observation| o.is_mature(reading);
         let mut safe = self.safe;
         if let Some(pending) = self.pending.filter(mature) {
             safe = safe.max(pending.head);
@@ -235,6 +241,18 @@ mod tests {
     fn nothing_new_is_not_stalled() {
         let f = Fence { safe: 10, pending: None };
         assert!(!f.stalled(&reading(10, 500, 480)), "nothing beyond the proven head to wait for");
+    }
+
+    #[test]
+    fn an_observation_from_another_cluster_is_mature() {
+        // A restore onto a cluster whose transaction ids are far behind the dumped cluster's:
+        // the stored observation's xid lies in this cluster's future.
+        let restored = Fence { safe: 20, pending: Some(Observation { head: 24, xid: 200_755 }) };
+        let busy = reading(30, 1_770, 1_760);
+        assert!(!Observation { head: 30, xid: 1_770 }.is_mature(&busy), "a fresh one waits for the producer");
+        let f = restored.advance(&busy);
+        assert_eq!(f.safe, 24);
+        assert_eq!(f.pending, Some(Observation { head: 30, xid: 1_770 }));
     }
 
     #[test]

@@ -60,8 +60,15 @@ const SET_TTL: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
-const DELETE: Statement =
-    Statement { name: "stream_delete", sql: "DELETE FROM sqlstreams.stream WHERE id = $1", params: &[INT8OID] };
+/// The stream's catalog rows: its groups and grants first (no foreign key deletes them: a
+/// parallel restore could not load the catalog tables with one, sqlstreams--0.2.0.sql).
+const DELETE: Statement = Statement {
+    name: "stream_delete",
+    sql: "WITH g AS (DELETE FROM sqlstreams.consumer_group WHERE stream_id = $1),
+               r AS (DELETE FROM sqlstreams.stream_grant WHERE stream_id = $1)
+          DELETE FROM sqlstreams.stream WHERE id = $1",
+    params: &[INT8OID],
+};
 
 /// The stream called `name`, or `UnknownStream`.
 pub fn lookup(client: &SpiClient<'_>, name: &str) -> Result<StreamRef> {

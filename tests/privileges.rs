@@ -107,7 +107,7 @@ fn everything_outside_a_roles_grants_is_refused() {
         format!("UPDATE sqlstreams.cursor_{id} SET claimed = claimed + 1"),
         format!("DELETE FROM sqlstreams.exception_queue_{id}"),
         "UPDATE sqlstreams.stream SET lanes = 1".to_string(),
-        "INSERT INTO sqlstreams.stream_grant VALUES (1, 1, 'produce', NULL)".to_string(),
+        "INSERT INTO sqlstreams.stream_grant VALUES (1, '10', 'produce', NULL)".to_string(),
         format!("SELECT * FROM sqlstreams.lane_{id} FOR UPDATE"),
     ] {
         refused(app.batch_execute(&sql), &sql);

@@ -504,7 +504,10 @@ CREATE TABLE sqlstreams.stream_grant (
     granted_at timestamptz NOT NULL DEFAULT now(),
     UNIQUE NULLS NOT DISTINCT (stream_id, grantee, privilege, group_name)
 );
-SELECT pg_catalog.pg_extension_config_dump('sqlstreams.stream_grant', '');
+-- A dropped role's grants stay behind (Postgres does not know them); dumped, they would name a
+-- bare oid, which a restore gives to whichever role has it there. They are not dumped.
+SELECT pg_catalog.pg_extension_config_dump('sqlstreams.stream_grant',
+    'WHERE grantee OPERATOR(pg_catalog.=) ANY (SELECT oid FROM pg_catalog.pg_roles)');
 
 -- Backends remember what these three tables say (src/catalog.rs) until an invalidation tells
 -- them to forget it: every row changed sends one, with its transaction. Row triggers, because

@@ -80,14 +80,8 @@ pub struct Observation {
 }
 
 impl Observation {
-    /// Mature once every transaction older than its xid has ended. An xid beyond the next one
-    /// this cluster will assign was read by another cluster (the group's cursor came with a
-    /// restore), and is mature too: every id up to its head is in the restored log or never will
-    /// be, since the restored sequence was past `head` when it was dumped and this cluster's ids
-    /// continue after it. Left pending, it would hold the group back while any producer of the
-    /// stream is open, until this cluster's transaction ids caught up with the other's.
-    pub fn is_mature(&self, reading: &Reading) -> bool {
-        self.xid <= reading.oldest_running || self.xid > reading.next_xid
+    pub fn is_mature(&self, oldest_running: u64) -> bool {
+        self.xid <= oldest_running
     }
 }
 
@@ -129,15 +123,22 @@ impl Fence {
     /// older pending one matures sooner than a fresh one, so it is kept while it covers more
     /// than what is proven).
     pub fn advance(self, reading: &Reading) -> Fence {
-        let mature = |o: &Observation| o.is_mature(reading);
+        let mature = |o: &Observation| o.is_mature(reading.oldest_running);
+        // A stored xid beyond the next one this cluster will assign was not read in this
+        // cluster's history: the cursor came with a restore from another cluster, or a crash (or
+        // point-in-time recovery) lost the end of the WAL, which may roll the next xid back below
+        // one that was read. It proves nothing here, and kept it would wait until this cluster's
+        // ids caught up, holding the group back whenever a producer is open: the fresh
+        // observation below takes its place.
+        let stored = self.pending.filter(|o| o.xid <= reading.next_xid);
         let mut safe = self.safe;
-        if let Some(pending) = self.pending.filter(mature) {
+        if let Some(pending) = stored.filter(mature) {
             safe = safe.max(pending.head);
         }
         if mature(&reading.observation()) {
             safe = safe.max(reading.head);
         }
-        let pending = match self.pending {
+        let pending = match stored {
             _ if reading.head <= safe => None,
             Some(older) if older.head > safe && !mature(&older) => Some(older),
             _ => Some(reading.observation()),
@@ -244,15 +245,20 @@ mod tests {
     }
 
     #[test]
-    fn an_observation_from_another_cluster_is_mature() {
-        // A restore onto a cluster whose transaction ids are far behind the dumped cluster's:
-        // the stored observation's xid lies in this cluster's future.
+    fn an_observation_from_another_history_is_observed_again() {
+        // A restore onto a cluster whose transaction ids are far behind the dumped cluster's (or
+        // a crash that rolled the next xid back): the stored xid lies in this cluster's future.
         let restored = Fence { safe: 20, pending: Some(Observation { head: 24, xid: 200_755 }) };
-        let busy = reading(30, 1_770, 1_760);
-        assert!(!Observation { head: 30, xid: 1_770 }.is_mature(&busy), "a fresh one waits for the producer");
-        let f = restored.advance(&busy);
-        assert_eq!(f.safe, 24);
-        assert_eq!(f.pending, Some(Observation { head: 30, xid: 1_770 }));
+        // Producer 1,760 is open, and may hold any id up to 30 here: nothing is proven.
+        let f = restored.advance(&reading(30, 1_770, 1_760));
+        assert_eq!(f, Fence { safe: 20, pending: Some(Observation { head: 30, xid: 1_770 }) });
+        // Once it ends, the observation made here is mature though a later producer is open.
+        assert_eq!(
+            f.advance(&reading(31, 1_780, 1_775)),
+            Fence { safe: 30, pending: Some(Observation { head: 31, xid: 1_780 }) }
+        );
+        // Kept instead, the foreign one would never have matured while producers overlapped.
+        assert!(!Observation { head: 24, xid: 200_755 }.is_mature(1_775));
     }
 
     #[test]

@@ -18,6 +18,9 @@ SELECT sqlstreams.create_group('restore.audit', 'archiver');
 SELECT sqlstreams.grant_stream('restore.orders', 'restore_alice', 'produce');
 SELECT sqlstreams.grant_stream('restore.orders', 'restore_bob', 'consume', 'billing');
 SELECT sqlstreams.grant_stream('restore.audit', 'restore_carol', 'consume');
+-- A role dropped with its grant left behind: the dump leaves the grant out.
+SELECT sqlstreams.grant_stream('restore.audit', 'restore_dave', 'consume');
+DROP ROLE restore_dave;
 
 SELECT sqlstreams.produce('restore.orders', jsonb_build_object('n', n)) FROM generate_series(1, 20) n;
 SELECT sqlstreams.produce('restore.audit', jsonb_build_object('n', n)) FROM generate_series(1, 5) n;

@@ -6,7 +6,8 @@
 SELECT name, partition_size, lanes, idempotency_ttl, dead_retention FROM sqlstreams.streams ORDER BY name;
 SELECT stream, name, concurrency_override, max_retries, paused FROM sqlstreams.consumer_groups ORDER BY stream, name;
 SELECT s.name, g.grantee::text, g.privilege, g.group_name
-FROM sqlstreams.stream_grant g JOIN sqlstreams.stream s ON s.id = g.stream_id ORDER BY 1, 2, 3, 4;
+FROM sqlstreams.stream_grant g JOIN sqlstreams.stream s ON s.id = g.stream_id
+WHERE g.grantee IN (SELECT oid FROM pg_catalog.pg_roles) ORDER BY 1, 2, 3, 4;
 SELECT c.stream, c.name, st.*
 FROM sqlstreams.consumer_groups c, LATERAL sqlstreams.group_status(c.stream, c.name) st ORDER BY 1, 2;
 SELECT c.stream, c.name, d.message_id, d.last_error

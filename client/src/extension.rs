@@ -1,6 +1,6 @@
-//! Which versions of the extension this client works with. Checked once per [`Client`] at its
-//! first connection, so a missing or older extension fails with [`Error::Extension`] instead of
-//! an unknown function half-way through a call.
+//! Which versions of the extension this client works with. Checked at a [`Client`]'s first
+//! call, and at each call after until a check passes, so a missing or older extension fails
+//! with [`Error::Extension`] instead of an unknown function half-way through a call.
 //!
 //! [`Client`]: crate::Client
 

@@ -163,10 +163,23 @@ ALTER TABLE sqlstreams.stream_grant ENABLE ALWAYS TRIGGER catalog_changed, ENABL
 -- The lane of a message: every message of a key lands in one lane (Postgres' own text hash,
 -- as hashtext computes it); messages without a key go round in blocks of 64 ids, so a claim's
 -- batch of unkeyed messages stays close together in the log. A SQL-standard body: parsed once,
--- inlined into the statements that use it, immune to the caller's search_path.
+-- inlined into the statements that use it, immune to the caller's search_path. A lane count
+-- a stream cannot have (1..1024) is refused, not divided by.
+CREATE FUNCTION sqlstreams.lane_count_refused(lanes integer) RETURNS integer
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    RAISE EXCEPTION 'sqlstreams: lanes must be between 1 and 1024, not %', coalesce(lanes::text, 'NULL')
+        USING ERRCODE = 'invalid_parameter_value',
+              HINT = 'Pass the stream''s lane count: the lanes column of sqlstreams.streams.';
+END
+$$;
+
 CREATE FUNCTION sqlstreams.lane(message_key text, message_id bigint, lanes integer) RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
-RETURN CASE WHEN message_key IS NULL THEN ((message_id / 64) % lanes)::integer
+RETURN CASE WHEN lanes NOT BETWEEN 1 AND 1024 THEN sqlstreams.lane_count_refused(lanes)
+            WHEN message_key IS NULL THEN ((message_id / 64) % lanes)::integer
             ELSE ((pg_catalog.hashtext(message_key)::bigint & 4294967295) % lanes)::integer END;
 
 ----------------------------------------------------------------------------------------------
@@ -1051,6 +1064,7 @@ GRANT SELECT ON sqlstreams.streams, sqlstreams.consumer_groups
 GRANT SELECT ON sqlstreams.fence_holders TO sqlstreams_admin, pg_monitor;
 GRANT EXECUTE ON FUNCTION
     sqlstreams.lane(text, bigint, integer),
+    sqlstreams.lane_count_refused(integer),
     sqlstreams.visible(bigint, text),
     sqlstreams.stream_head(bigint),
     sqlstreams.stream_channel(bigint),
@@ -1077,6 +1091,9 @@ GRANT EXECUTE ON FUNCTION
     sqlstreams.dead_messages(text, text),
     sqlstreams.open_leases(text, text)
     TO sqlstreams_consumer, pg_monitor;
+-- The consumer_groups view calls group_status, so a producer may call it too (and sees no
+-- group: its own check refuses a role without a consume grant on the group, with 42501).
+GRANT EXECUTE ON FUNCTION sqlstreams.group_status(text, text) TO sqlstreams_producer;
 
 ----------------------------------------------------------------------------------------------
 -- 5. Documentation, for \d+ and \df+.
@@ -1098,6 +1115,8 @@ COMMENT ON FUNCTION sqlstreams.drop_stream_tables(bigint) IS
     'Internal: drops the table family of a stream (called by drop_stream).';
 COMMENT ON FUNCTION sqlstreams.lane(text, bigint, integer) IS
     'The lane of a message: by its key''s hash, or round in blocks of 64 ids for messages without a key.';
+COMMENT ON FUNCTION sqlstreams.lane_count_refused(integer) IS
+    'Raises 22023 for a lane count no stream can have; sqlstreams.lane calls it.';
 COMMENT ON FUNCTION sqlstreams.drop_partitions(bigint, bigint) IS
     'Internal: drops message_log partitions no group needs any more (retention).';
 COMMENT ON FUNCTION sqlstreams.add_partitions(bigint, bigint, boolean) IS

@@ -274,6 +274,7 @@ fn grant_stream(
     privilege: Option<&str>,
     group_name: default!(Option<&str>, "NULL"),
 ) -> crate::error::SqlResult<bool> {
+    crate::standby::refuse_writes("grant_stream")?;
     let stream = crate::names::validate_name("stream", stream)?;
     let role = crate::names::required("role", role, "such as 'billing_app'")?;
     let privilege = crate::names::required("privilege", privilege, "'produce' or 'consume'")?;
@@ -296,6 +297,7 @@ fn revoke_stream(
     privilege: Option<&str>,
     group_name: default!(Option<&str>, "NULL"),
 ) -> crate::error::SqlResult<bool> {
+    crate::standby::refuse_writes("revoke_stream")?;
     let stream = crate::names::validate_name("stream", stream)?;
     let role = crate::names::required("role", role, "such as 'billing_app'")?;
     let privilege = crate::names::required("privilege", privilege, "'produce' or 'consume'")?;

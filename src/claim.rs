@@ -629,6 +629,7 @@ fn claim_sql(
     >,
     ErrorReport,
 > {
+    crate::standby::refuse_writes("claim")?;
     let args = ClaimArgs::check(stream, group_name, batch_size, lease, ack_lease_token, ack_message_ids)?;
     Ok(TableIterator::new(args.claim()?.into_iter().map(|d| {
         (
@@ -670,6 +671,7 @@ fn claim_with_metadata_sql(
     >,
     ErrorReport,
 > {
+    crate::standby::refuse_writes("claim_with_metadata")?;
     let args = ClaimArgs::check(stream, group_name, batch_size, lease, ack_lease_token, ack_message_ids)?;
     let deliveries = args.claim()?;
     let rows: Vec<_> = deliveries

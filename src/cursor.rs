@@ -88,6 +88,26 @@ pub(crate) use head_sql;
 const SEQUENCE_HEAD: Statement =
     Statement { name: "cursor_sequence_head", sql: concat!("SELECT ", head_sql!(), " AS head"), params: &[] };
 
+/// The head as inspection reports it. On a standby the sequence reads what the primary logged
+/// ahead of the ids it handed out (up to 32 more), so there it is the highest id replayed: the
+/// newest message of the log, or a position some group has claimed through (ids of rolled-back
+/// producers have no message). A claim or maintain() never runs on a standby.
+macro_rules! observed_head_sql {
+    () => {
+        concat!(
+            "(CASE WHEN NOT pg_catalog.pg_is_in_recovery() THEN ",
+            $crate::cursor::head_sql!(),
+            " ELSE greatest((SELECT max(id) FROM sqlstreams.message_log_@id@),
+                             (SELECT max(claimed) FROM sqlstreams.cursor_@id@),
+                             (SELECT max(claimed) FROM sqlstreams.lane_@id@), 0) END)"
+        )
+    };
+}
+pub(crate) use observed_head_sql;
+
+const OBSERVED_HEAD: Statement =
+    Statement { name: "cursor_observed_head", sql: concat!("SELECT ", observed_head_sql!(), " AS head"), params: &[] };
+
 /// The stored fence and then the head, for a claim (src/fence.rs: the order is the proof). The
 /// cursor row is read in the statement's snapshot, taken before the sequence is read, so what
 /// it shows was stored before the head was read.
@@ -163,4 +183,9 @@ pub fn advance(client: &SpiClient<'_>, stream: &StreamRef, group_id: i64) -> Res
 /// The highest message id handed out so far (0 when none).
 pub fn sequence_head(client: &SpiClient<'_>, stream_id: i64, access: Access) -> Result<i64> {
     SEQUENCE_HEAD.exec(client, stream_id, &[], access)?.first().required("head")
+}
+
+/// The head for inspection (`observed_head_sql!`), in the caller's snapshot.
+pub fn observed_head(client: &SpiClient<'_>, stream_id: i64) -> Result<i64> {
+    OBSERVED_HEAD.exec(client, stream_id, &[], Access::Read)?.first().required("head")
 }

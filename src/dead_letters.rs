@@ -48,6 +48,7 @@ fn redrive(
     group_name: Option<&str>,
     message_ids: default!(Option<Vec<Option<i64>>>, "NULL"),
 ) -> SqlResult<Vec<i64>> {
+    crate::standby::refuse_writes("redrive")?;
     let stream = validate_name("stream", stream)?;
     let group_name = validate_name("group", group_name)?;
     let ids: Option<Vec<i64>> = message_ids.map(|ids| ids.into_iter().flatten().collect());
@@ -69,6 +70,7 @@ fn redrive(
 /// `on_dead = 'hold'` its ordered key goes on. Returns false when it was not dead. Admins only.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn skip(stream: Option<&str>, group_name: Option<&str>, message_id: Option<i64>) -> SqlResult<bool> {
+    crate::standby::refuse_writes("skip")?;
     let stream = validate_name("stream", stream)?;
     let group_name = validate_name("group", group_name)?;
     let id = self::message_id(message_id)?;
@@ -98,6 +100,7 @@ fn purge_dead(
     group_name: Option<&str>,
     older_than: default!(Option<Interval>, "'0 seconds'"),
 ) -> SqlResult<i64> {
+    crate::standby::refuse_writes("purge_dead")?;
     let stream = validate_name("stream", stream)?;
     let group_name = validate_name("group", group_name)?;
     let older = match older_than.map(|i| i.as_micros()) {

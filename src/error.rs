@@ -39,6 +39,10 @@ pub enum StreamError {
     #[error("{message}")]
     PermissionDenied { message: String, hint: String },
 
+    /// A writing call on a hot standby (src/standby.rs).
+    #[error("{function} writes, and this server is a standby: recovery is in progress")]
+    Standby { function: &'static str },
+
     /// A broken invariant of the extension itself (a bug, never the caller's doing).
     #[error("internal error: {0}")]
     Internal(String),
@@ -64,6 +68,7 @@ impl StreamError {
             StreamError::WrongTransactionState { .. } => PgSqlErrorCode::ERRCODE_INVALID_TRANSACTION_STATE,
             StreamError::WrongPrerequisite { .. } => PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             StreamError::PermissionDenied { .. } => PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+            StreamError::Standby { .. } => PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,
             StreamError::Internal(_) | StreamError::Spi(_) => PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
         }
     }
@@ -76,6 +81,10 @@ impl StreamError {
             )),
             StreamError::UnknownStreamId(_) => Some("Look the stream's id up in sqlstreams.streams.".into()),
             StreamError::UnknownRole(_) => Some("Create the role first (CREATE ROLE), or check its name.".into()),
+            StreamError::Standby { function } => Some(format!(
+                "Call {function} on the primary. A standby serves the views and the inspection functions \
+                 (group_status, blocked_keys, dead_messages, open_leases, peek, stream_head)."
+            )),
             StreamError::UnknownGroup { stream, group } => Some(format!(
                 "Create it first with sqlstreams.create_group({}, {}), or check the name in sqlstreams.consumer_groups.",
                 quoted(Some(stream)),

@@ -374,6 +374,7 @@ fn create_group(
     max_delays: default!(Option<i32>, "NULL"),
     max_reclaims: default!(Option<i32>, 2),
 ) -> SqlResult<i64> {
+    crate::standby::refuse_writes("create_group")?;
     let stream = validate_name("stream", stream)?;
     let name = validate_name("group", name)?;
     let settings = settings(
@@ -393,6 +394,7 @@ fn create_group(
 /// the stream has no such group.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn drop_group(stream: Option<&str>, name: Option<&str>) -> SqlResult<bool> {
+    crate::standby::refuse_writes("drop_group")?;
     let stream = validate_name("stream", stream)?;
     let name = validate_name("group", name)?;
     Ok(drop(stream, name)?)
@@ -478,6 +480,7 @@ fn alter_group(
     max_reclaims: default!(Option<i32>, "NULL"),
     on_dead: default!(Option<&str>, "NULL"),
 ) -> SqlResult<bool> {
+    crate::standby::refuse_writes("alter_group")?;
     let stream = validate_name("stream", stream)?;
     let group_name = validate_name("group", group_name)?;
     let on_dead = match on_dead {
@@ -539,12 +542,14 @@ fn alter_group(
 /// until `resume_group`. Returns false when it was paused already. Admins only.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn pause_group(stream: Option<&str>, group_name: Option<&str>) -> SqlResult<bool> {
+    crate::standby::refuse_writes("pause_group")?;
     set_paused(stream, group_name, true)
 }
 
 /// Resumes a paused group. Returns false when it was not paused. Admins only.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn resume_group(stream: Option<&str>, group_name: Option<&str>) -> SqlResult<bool> {
+    crate::standby::refuse_writes("resume_group")?;
     set_paused(stream, group_name, false)
 }
 

@@ -10,7 +10,7 @@ use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiHeapTupleData};
 
 use crate::access::{self, Caller, Right};
-use crate::cursor::{self, committed_now, head_sql};
+use crate::cursor::{self, committed_now, observed_head_sql};
 use crate::error::{Result, StreamError};
 use crate::exception_queue::{counts, unresolved};
 use crate::group::{self, GroupRef};
@@ -30,7 +30,7 @@ const PROGRESS: Statement = Statement {
     name: "inspect_progress",
     sql: concat!(
         "SELECT greatest(p.committed, c.claimed, $2) AS claimed, p.committed, ",
-        head_sql!(),
+        observed_head_sql!(),
         " AS head,
                 (SELECT count(*) FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1) AS open_ranges,
                 e.ready, e.inflight, e.deferred, e.dead, e.superseded
@@ -363,7 +363,7 @@ fn stream_head(stream_id: i64) -> std::result::Result<i64, ErrorReport> {
             crate::locks::stream_shared(&name, true);
             crate::stream::confirm(&name, stream_id)?;
             caller.require(client, stream_id, &name, Right::Observe)?;
-            cursor::sequence_head(client, stream_id, Access::Read)
+            cursor::observed_head(client, stream_id)
         })
     })?)
 }
@@ -412,7 +412,7 @@ fn peek(
         Spi::connect(|client| {
             let s = crate::stream::lookup_read(client, stream)?;
             caller.require(client, s.id, stream, Right::ReadMessages)?;
-            let head = cursor::sequence_head(client, s.id, Access::Read)?;
+            let head = cursor::observed_head(client, s.id)?;
             let log = Log::open(&s)?;
             let mut rows = Vec::new();
             for part in log.holding(client, after, head, Access::Read)? {

@@ -109,6 +109,7 @@ fn extend_lease(
     lease_token: Option<pgrx::Uuid>,
     lease: default!(Option<Interval>, "'30 seconds'"),
 ) -> SqlResult<bool> {
+    crate::standby::refuse_writes("extend_lease")?;
     let a = Answer::validate(stream, group_name, lease_token)?;
     let lease =
         crate::settings::check_lease("lease", positive_micros("lease", lease.map(|l| l.as_micros()), "'30 seconds'")?)?;
@@ -125,6 +126,7 @@ fn release_sql(
     lease_token: Option<pgrx::Uuid>,
     message_ids: Option<Vec<Option<i64>>>,
 ) -> SqlResult<Vec<i64>> {
+    crate::standby::refuse_writes("release")?;
     let a = Answer::validate(stream, group_name, lease_token)?;
     Ok(release(a.stream, a.group, a.token, &names::message_ids("message_ids", message_ids)?)?)
 }
@@ -134,6 +136,7 @@ fn release_sql(
 /// For admins: a consumer that hangs on to work it will never finish.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn break_lease(stream: Option<&str>, group_name: Option<&str>, lease_token: Option<pgrx::Uuid>) -> SqlResult<bool> {
+    crate::standby::refuse_writes("break_lease")?;
     let a = Answer::validate(stream, group_name, lease_token)?;
     Ok(break_now(a.stream, a.group, a.token)?)
 }

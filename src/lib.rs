@@ -46,6 +46,7 @@ mod range;
 mod retention;
 mod seek;
 mod settings;
+mod standby;
 mod statement;
 mod stream;
 mod version;

@@ -138,6 +138,7 @@ fn maintain() -> std::result::Result<
     >,
     ErrorReport,
 > {
+    crate::standby::refuse_writes("maintain")?;
     Ok(TableIterator::new(maintain_all()?))
 }
 
@@ -162,6 +163,7 @@ fn maintain_stream(
     >,
     ErrorReport,
 > {
+    crate::standby::refuse_writes("maintain_stream")?;
     // Not STRICT: a NULL name is refused with 22023 like every other call's, not an empty result.
     let name = crate::names::validate_name("stream", stream_name)?;
     Ok(TableIterator::new(maintain_stream_named(name)?))

@@ -161,6 +161,7 @@ fn ack_sql(
     lease_token: Option<pgrx::Uuid>,
     message_id: Option<i64>,
 ) -> SqlResult<bool> {
+    crate::standby::refuse_writes("ack")?;
     let a = Answer::validate(stream, group_name, lease_token)?;
     let id = names::message_id(message_id)?;
     Ok(!ack(a.stream, a.group, a.token, &[id])?.is_empty())
@@ -175,6 +176,7 @@ fn ack_batch(
     lease_token: Option<pgrx::Uuid>,
     message_ids: Option<Vec<Option<i64>>>,
 ) -> SqlResult<Vec<i64>> {
+    crate::standby::refuse_writes("ack_batch")?;
     let a = Answer::validate(stream, group_name, lease_token)?;
     Ok(ack(a.stream, a.group, a.token, &names::message_ids("message_ids", message_ids)?)?)
 }
@@ -192,6 +194,7 @@ fn fail_sql(
     permanent: default!(Option<bool>, false),
     retry_after: default!(Option<Interval>, "NULL"),
 ) -> SqlResult<Option<String>> {
+    crate::standby::refuse_writes("fail")?;
     let a = Answer::validate(stream, group_name, lease_token)?;
     let id = names::message_id(message_id)?;
     let retry_after = match retry_after.map(|i| i.as_micros()) {
@@ -223,6 +226,7 @@ fn delay_sql(
     message_id: Option<i64>,
     delay: Option<Interval>,
 ) -> SqlResult<bool> {
+    crate::standby::refuse_writes("delay")?;
     let a = Answer::validate(stream, group_name, lease_token)?;
     let id = names::message_id(message_id)?;
     let delay = positive_micros("delay", delay.map(|d| d.as_micros()), "'10 seconds'")?;

@@ -388,6 +388,7 @@ fn produce(
     headers: default!(Option<RawJsonb>, "NULL"),
     deliver_after: default!(Option<Interval>, "NULL"),
 ) -> SqlResult<Option<i64>> {
+    crate::standby::refuse_writes("produce")?;
     let stream = validate_name("stream", stream)?;
     let request = ProduceRequest::validate(message_key, concurrency, compaction.unwrap_or(false))?;
     let payload = payload.ok_or_else(|| {
@@ -448,6 +449,7 @@ fn produce_batch(
     headers: default!(Option<RawJsonbArray>, "NULL"),
     deliver_after: default!(Option<Interval>, "NULL"),
 ) -> std::result::Result<SetOfIterator<'static, Option<i64>>, ErrorReport> {
+    crate::standby::refuse_writes("produce_batch")?;
     let stream = validate_name("stream", stream)?;
     let payloads = payloads.ok_or_else(|| {
         StreamError::invalid("payloads must not be NULL", "Pass an array with one jsonb per message.")

@@ -66,6 +66,7 @@ fn seek(
     to_id: default!(Option<i64>, "NULL"),
     to_time: default!(Option<TimestampWithTimeZone>, "NULL"),
 ) -> SqlResult<i64> {
+    crate::standby::refuse_writes("seek")?;
     let stream = validate_name("stream", stream)?;
     let group_name = validate_name("group", group_name)?;
     if to_id.is_some() == to_time.is_some() {

@@ -255,6 +255,7 @@ fn create_stream(
     idempotency_ttl: default!(Option<Interval>, "'1 day'"),
     lanes: default!(Option<i32>, 16),
 ) -> SqlResult<i64> {
+    crate::standby::refuse_writes("create_stream")?;
     let name = validate_name("stream", name)?;
     let Some(partition_size) = partition_size else {
         return Err(StreamError::invalid(
@@ -285,6 +286,7 @@ fn create_stream(
 /// of that name exists.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn drop_stream(name: Option<&str>) -> SqlResult<bool> {
+    crate::standby::refuse_writes("drop_stream")?;
     let name = validate_name("stream", name)?;
     Ok(drop(name)?)
 }
@@ -307,6 +309,7 @@ fn alter_stream(
     dead_retention: default!(Option<Interval>, "NULL"),
     idempotency_ttl: default!(Option<Interval>, "NULL"),
 ) -> SqlResult<bool> {
+    crate::standby::refuse_writes("alter_stream")?;
     let name = validate_name("stream", name)?;
     let retention =
         dead_retention.map(|i| stream_period("dead_retention", Some(i.as_micros()), "'7 days'")).transpose()?;

@@ -6,10 +6,16 @@
 //!
 //! - `sqlstreams.worker_database` (server start): the database it maintains; default `postgres`.
 //!   A database without the extension is left alone.
+//! - `sqlstreams.worker_role` (server start): the role it connects as; default the bootstrap
+//!   superuser. A login role that is a member of `sqlstreams_admin` is all the work needs.
 //! - `sqlstreams.maintain_interval` (reload): seconds between rounds; 0 pauses the worker.
 //!
-//! An error in a round ends the worker process with the error in the server log; the
-//! postmaster starts it again after `RESTART`.
+//! An error in a round, or a `pg_terminate_backend`, ends the worker process with the error in
+//! the server log; the postmaster starts it again after `RESTART`.
+//!
+//! The worker's database may belong to a role that is not a superuser, who can `ALTER DATABASE
+//! ... SET search_path` to a schema of its own: the worker pins `search_path` over anything a
+//! database or role sets, and qualifies what it names, so nothing of theirs runs as the worker.
 
 use std::ffi::CString;
 use std::time::Duration;
@@ -19,6 +25,7 @@ use pgrx::prelude::*;
 use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
 
 static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
+static ROLE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 /// Seconds.
 static INTERVAL: GucSetting<i32> = GucSetting::<i32>::new(60);
 
@@ -36,6 +43,14 @@ pub fn init() {
         c"The database the sqlstreams maintenance worker runs maintain() in.",
         c"Only used when sqlstreams is in shared_preload_libraries.",
         &DATABASE,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"sqlstreams.worker_role",
+        c"The role the sqlstreams maintenance worker connects as; empty: the bootstrap superuser.",
+        c"A login role that is a member of sqlstreams_admin is all maintain() needs.",
+        &ROLE,
         GucContext::Postmaster,
         GucFlags::default(),
     );
@@ -71,15 +86,17 @@ fn interval() -> Option<Duration> {
 /// installed here.
 fn round() {
     let streams: Vec<String> = BackgroundWorker::transaction(|| {
-        let installed = Spi::get_one::<bool>("SELECT true FROM pg_catalog.pg_extension WHERE extname = 'sqlstreams'")
-            .ok()
-            .flatten()
-            .unwrap_or(false);
+        let installed = Spi::get_one::<bool>(
+            "SELECT true FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'sqlstreams'",
+        )
+        .ok()
+        .flatten()
+        .unwrap_or(false);
         if !installed {
             return vec![];
         }
         Spi::connect(|client| {
-            let rows = client.select("SELECT name FROM sqlstreams.stream ORDER BY id", None, &[])?;
+            let rows = client.select("SELECT name FROM sqlstreams.streams ORDER BY id", None, &[])?;
             rows.map(|row| row.get::<String>(1)).filter_map(|name| name.transpose()).collect::<Result<Vec<_>, _>>()
         })
         .unwrap_or_else(|e: pgrx::spi::SpiError| {
@@ -90,7 +107,7 @@ fn round() {
     for name in streams {
         BackgroundWorker::transaction(|| {
             let maintained = Spi::get_one_with_args::<i64>(
-                "SELECT count(*) FROM sqlstreams.maintain_stream($1)",
+                "SELECT pg_catalog.count(*) FROM sqlstreams.maintain_stream($1)",
                 &[name.as_str().into()],
             );
             if let Err(e) = maintained {
@@ -105,7 +122,9 @@ fn round() {
 pub extern "C-unwind" fn sqlstreams_maintenance_main(_arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
     let database = DATABASE.get().and_then(|d| d.into_string().ok()).unwrap_or_else(|| "postgres".into());
-    BackgroundWorker::connect_worker_to_spi(Some(&database), None);
+    let role = ROLE.get().and_then(|r| r.into_string().ok()).filter(|r| !r.is_empty());
+    BackgroundWorker::connect_worker_to_spi(Some(&database), role.as_deref());
+    pin_search_path();
     log!("sqlstreams maintenance worker started in database \"{database}\"");
     loop {
         if interval().is_some() {
@@ -118,5 +137,24 @@ pub extern "C-unwind" fn sqlstreams_maintenance_main(_arg: pg_sys::Datum) {
             // SAFETY: rereads the configuration files, as any backend does on SIGHUP.
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
         }
+    }
+    // A clean exit would unregister the worker for good: a pg_terminate_backend meant to end a
+    // session would end maintenance until the server restarts. At shutdown nothing restarts it.
+    log!("sqlstreams maintenance worker terminated; the postmaster starts it again in {} seconds", RESTART.as_secs());
+    // SAFETY: ends this process the way an error does, with exit code 1.
+    unsafe { pg_sys::proc_exit(1) };
+}
+
+/// `search_path = pg_catalog, pg_temp` above every source a database owner or role controls
+/// (`ALTER DATABASE ... SET`, `ALTER ROLE ... SET`), for the life of the process.
+fn pin_search_path() {
+    // SAFETY: sets a setting in this process, outside any transaction, before any query.
+    unsafe {
+        pg_sys::SetConfigOption(
+            c"search_path".as_ptr(),
+            c"pg_catalog, pg_temp".as_ptr(),
+            pg_sys::GucContext::PGC_SUSET,
+            pg_sys::GucSource::PGC_S_OVERRIDE,
+        );
     }
 }

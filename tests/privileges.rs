@@ -297,3 +297,26 @@ fn a_prepared_transaction_produces_with_notify_off() {
     c.batch_execute(&format!("COMMIT PREPARED '{gid}'")).unwrap();
     assert_eq!(ids(&g.claim(&mut c, 10)), vec![id]);
 }
+
+#[test]
+fn a_producer_sees_its_stream_and_no_group() {
+    let mut c = connect();
+    let (stream, admin, _app) = setup(&mut c);
+    let producer = role(&mut c, "orders_app", "IN ROLE sqlstreams_producer");
+    let mut a = connect_as(&admin);
+    a.query_one("SELECT sqlstreams.grant_stream($1, $2, 'produce')", &[&stream, &producer]).unwrap();
+    a.query_one("SELECT sqlstreams.create_group($1, 'invoicer')", &[&stream]).unwrap();
+    a.query_one("SELECT sqlstreams.create_group($1, 'auditor')", &[&stream]).unwrap();
+    let mut p = connect_as(&producer);
+    p.query_one("SELECT sqlstreams.produce($1, '{}')", &[&stream]).unwrap();
+    let streams: Vec<String> =
+        p.query("SELECT name FROM sqlstreams.streams", &[]).unwrap().iter().map(|r| r.get(0)).collect();
+    assert_eq!(streams, vec![stream.clone()]);
+    // The view asks group_status of each group it shows: a producer is shown none, not refused.
+    let groups = p.query("SELECT name, lag FROM sqlstreams.consumer_groups", &[]).unwrap();
+    assert!(groups.is_empty(), "a producer sees no group");
+    let groups = p.query("SELECT name FROM sqlstreams.consumer_groups WHERE stream = $1", &[&stream]).unwrap();
+    assert!(groups.is_empty(), "a producer sees no group");
+    // Asked directly, group_status refuses it.
+    refused(p.query("SELECT * FROM sqlstreams.group_status($1, 'invoicer')", &[&stream]), "a producer's group_status");
+}

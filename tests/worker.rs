@@ -8,12 +8,36 @@ use std::time::{Duration, Instant};
 use postgres::{Client, NoTls};
 use sqlstreams_tests::*;
 
-fn connect_worker_database() -> Client {
+/// A connection to the worker's database as `user` (the rig's superuser when `None`). Its own
+/// search_path is set, over the one the hostile test gives the database.
+fn connect_worker_database_as(user: Option<&str>) -> Client {
     let url = std::env::var("SQLSTREAMS_WORKER_DATABASE_URL")
         .expect("SQLSTREAMS_WORKER_DATABASE_URL is not set: scripts/rig test runs this test on a preloaded cluster");
-    let mut client = Client::connect(&url, NoTls).expect("connect to the worker's database");
+    let mut config: postgres::Config = url.parse().expect("SQLSTREAMS_WORKER_DATABASE_URL");
+    if let Some(user) = user {
+        config.user(user);
+    }
+    config.options("-c search_path=public,pg_catalog");
+    config.connect(NoTls).expect("connect to the worker's database")
+}
+
+fn connect_worker_database() -> Client {
+    let mut client = connect_worker_database_as(None);
     client.batch_execute(CREATE_EXTENSION).expect("create the extension");
     client
+}
+
+/// The worker's process id, once one runs in this database.
+fn worker_pid(c: &mut Client) -> i32 {
+    let query = "SELECT EXISTS (SELECT FROM pg_stat_activity
+                 WHERE backend_type = 'sqlstreams maintenance' AND datname = current_database())";
+    eventually(c, "the worker runs in this database", query, &[]);
+    c.query_one(
+        "SELECT pid FROM pg_stat_activity WHERE backend_type = 'sqlstreams maintenance' AND datname = current_database()",
+        &[],
+    )
+    .unwrap()
+    .get(0)
 }
 
 /// Waits (bounded: the worker runs every second) until `query` returns true.
@@ -36,6 +60,16 @@ fn the_worker_maintains_the_database_without_anyone_calling_maintain() {
          WHERE backend_type = 'sqlstreams maintenance' AND datname = current_database()",
         &[],
     );
+    // As the role sqlstreams.worker_role names, which is no superuser.
+    let role = std::env::var("SQLSTREAMS_WORKER_ROLE").expect("SQLSTREAMS_WORKER_ROLE: scripts/rig test sets it");
+    eventually(
+        &mut c,
+        "the worker runs as sqlstreams.worker_role, no superuser",
+        "SELECT EXISTS (SELECT FROM pg_stat_activity JOIN pg_roles ON oid = usesysid
+         WHERE backend_type = 'sqlstreams maintenance' AND datname = current_database()
+           AND usename = $1 AND NOT rolsuper)",
+        &[&role],
+    );
 
     // Only maintain() purges expired idempotency keys: nothing else here calls it.
     let s = Stream::create_sized(&mut c, "worker", 1000);
@@ -50,4 +84,73 @@ fn the_worker_maintains_the_database_without_anyone_calling_maintain() {
     assert_eq!(g.drain(&mut c).len(), 3501, "the batch and the message produced with a key");
     let first_partition = format!("{}_p0", s.table("message_log"));
     eventually(&mut c, "the consumed partitions dropped", "SELECT to_regclass($1) IS NULL", &[&first_partition]);
+}
+
+/// The database belongs to a role that is no superuser (`scripts/rig test` makes it so). It plants
+/// an operator and an aggregate that would make it a superuser if a superuser ran them, and puts
+/// its schema first on the database's search_path; the worker then starts again (terminated, as
+/// a DBA may) and maintains the database: nothing of the owner's runs.
+#[test]
+#[ignore = "needs a cluster that preloads sqlstreams: scripts/rig test runs it"]
+fn the_worker_runs_nothing_the_database_owner_planted() {
+    let mut c = connect_worker_database();
+    let owner: String = c
+        .query_one("SELECT pg_get_userbyid(datdba)::text FROM pg_database WHERE datname = current_database()", &[])
+        .unwrap()
+        .get(0);
+    let owner_is_superuser = "SELECT rolsuper FROM pg_roles WHERE rolname = $1";
+    assert!(!c.query_one(owner_is_superuser, &[&owner]).unwrap().get::<_, bool>(0), "the rig's owner is no superuser");
+
+    let mut o = connect_worker_database_as(Some(&owner));
+    let schema = format!("planted_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let escalate = format!(
+        "INSERT INTO {schema}.ran SELECT current_user; \
+         IF (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname OPERATOR(pg_catalog.=) current_user) THEN \
+           EXECUTE 'ALTER ROLE {owner} SUPERUSER'; END IF;"
+    );
+    o.batch_execute(&format!(
+        "CREATE SCHEMA {schema};
+         CREATE TABLE {schema}.ran (role_name name);
+         GRANT INSERT ON {schema}.ran TO PUBLIC;
+         GRANT USAGE ON SCHEMA {schema} TO PUBLIC;
+         CREATE FUNCTION {schema}.eq(name, name) RETURNS boolean LANGUAGE plpgsql AS $$
+           BEGIN {escalate} RETURN $1::text OPERATOR(pg_catalog.=) $2::text; END $$;
+         CREATE OPERATOR {schema}.= (LEFTARG = name, RIGHTARG = name, FUNCTION = {schema}.eq);
+         CREATE FUNCTION {schema}.count_step(bigint) RETURNS bigint LANGUAGE plpgsql AS $$
+           BEGIN {escalate} RETURN $1 OPERATOR(pg_catalog.+) 1; END $$;
+         CREATE AGGREGATE {schema}.count(*) (SFUNC = {schema}.count_step, STYPE = bigint, INITCOND = '0');
+         ALTER DATABASE worker_sqlstreams SET search_path = {schema}, pg_catalog;"
+    ))
+    .unwrap();
+    // The trap works: a superuser session that takes the database's search_path runs it.
+    // (Checked in a transaction rolled back, so the owner does not become a superuser here.)
+    let mut probe = {
+        let url = std::env::var("SQLSTREAMS_WORKER_DATABASE_URL").unwrap();
+        Client::connect(&url, NoTls).unwrap()
+    };
+    let mut t = probe.transaction().unwrap();
+    t.query_one("SELECT true FROM pg_catalog.pg_extension WHERE extname = 'sqlstreams'", &[]).unwrap();
+    let became: bool = t.query_one(owner_is_superuser, &[&owner]).unwrap().get(0);
+    assert!(became, "the planted operator runs for a session that takes the database's search_path");
+    t.rollback().unwrap();
+
+    // The worker starts again, and so takes the database's settings.
+    let before = worker_pid(&mut c);
+    c.query_one("SELECT pg_terminate_backend($1)", &[&before]).unwrap();
+    let restarted = "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE backend_type = 'sqlstreams maintenance'
+                     AND datname = current_database() AND pid <> $1)";
+    eventually(&mut c, "the worker started again after pg_terminate_backend", restarted, &[&before]);
+
+    // A whole round after the restart: a stream made now is maintained (its expired key purged).
+    let s = Stream::create_sized(&mut c, "planted", 1000);
+    c.query_one("SELECT sqlstreams.create_stream($1, 1000, idempotency_ttl => '1 microsecond')", &[&s.name]).unwrap();
+    c.query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => 'order-1')", &[&s.name]).unwrap();
+    let keys = format!("SELECT count(*) = 0 FROM {}", s.table("idempotency_key"));
+    eventually(&mut c, "a round of the restarted worker", &keys, &[]);
+
+    let ran: Vec<String> =
+        c.query(&format!("SELECT role_name::text FROM {schema}.ran"), &[]).unwrap().iter().map(|r| r.get(0)).collect();
+    c.batch_execute("ALTER DATABASE worker_sqlstreams RESET search_path").unwrap();
+    assert!(ran.is_empty(), "the worker ran the owner's planted objects as {ran:?}");
+    assert!(!c.query_one(owner_is_superuser, &[&owner]).unwrap().get::<_, bool>(0), "the owner became a superuser");
 }

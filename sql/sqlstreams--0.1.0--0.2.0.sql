@@ -857,6 +857,15 @@ LANGUAGE c AS 'MODULE_PATHNAME', 'maintain_stream_wrapper'
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;
 
+-- DROP EXTENSION sqlstreams (or DROP SCHEMA sqlstreams CASCADE) while streams exist is refused
+-- (src/drop_guard.rs): it would drop the catalog and leave the streams' tables behind.
+CREATE FUNCTION sqlstreams.refuse_drop() RETURNS event_trigger
+LANGUAGE c AS 'MODULE_PATHNAME', 'refuse_drop'
+SET search_path = pg_catalog, pg_temp;
+CREATE EVENT TRIGGER sqlstreams_refuse_drop ON ddl_command_start
+    WHEN TAG IN ('DROP EXTENSION', 'DROP SCHEMA')
+    EXECUTE FUNCTION sqlstreams.refuse_drop();
+
 -- The channel consumers LISTEN on, so clients never spell it themselves.
 CREATE FUNCTION sqlstreams.stream_channel(stream_id bigint) RETURNS text
 STRICT IMMUTABLE PARALLEL SAFE

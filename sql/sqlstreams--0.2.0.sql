@@ -1007,6 +1007,15 @@ LANGUAGE c AS 'MODULE_PATHNAME', 'maintain_stream_wrapper'
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;
 
+-- DROP EXTENSION sqlstreams (or DROP SCHEMA sqlstreams CASCADE) while streams exist is refused
+-- (src/drop_guard.rs): it would drop the catalog and leave the streams' tables behind.
+CREATE FUNCTION sqlstreams.refuse_drop() RETURNS event_trigger
+LANGUAGE c AS 'MODULE_PATHNAME', 'refuse_drop'
+SET search_path = pg_catalog, pg_temp;
+CREATE EVENT TRIGGER sqlstreams_refuse_drop ON ddl_command_start
+    WHEN TAG IN ('DROP EXTENSION', 'DROP SCHEMA')
+    EXECUTE FUNCTION sqlstreams.refuse_drop();
+
 ----------------------------------------------------------------------------------------------
 -- 4. Views.
 ----------------------------------------------------------------------------------------------
@@ -1057,7 +1066,8 @@ GRANT USAGE ON SCHEMA sqlstreams TO sqlstreams_admin, sqlstreams_producer, sqlst
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA sqlstreams TO sqlstreams_admin;
 REVOKE EXECUTE ON FUNCTION sqlstreams.create_stream_tables(bigint), sqlstreams.drop_stream_tables(bigint),
     sqlstreams.add_partitions(bigint, bigint, boolean), sqlstreams.drop_partitions(bigint, bigint),
-    sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[]), sqlstreams.catalog_changed()
+    sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[]), sqlstreams.catalog_changed(),
+    sqlstreams.refuse_drop()
     FROM sqlstreams_admin;
 GRANT SELECT ON sqlstreams.streams, sqlstreams.consumer_groups
     TO sqlstreams_admin, sqlstreams_producer, sqlstreams_consumer, pg_monitor;
@@ -1115,6 +1125,8 @@ COMMENT ON FUNCTION sqlstreams.drop_stream_tables(bigint) IS
     'Internal: drops the table family of a stream (called by drop_stream).';
 COMMENT ON FUNCTION sqlstreams.lane(text, bigint, integer) IS
     'The lane of a message: by its key''s hash, or round in blocks of 64 ids for messages without a key.';
+COMMENT ON FUNCTION sqlstreams.refuse_drop() IS
+    'Event trigger: refuses DROP EXTENSION sqlstreams and DROP SCHEMA sqlstreams while streams exist.';
 COMMENT ON FUNCTION sqlstreams.lane_count_refused(integer) IS
     'Raises 22023 for a lane count no stream can have; sqlstreams.lane calls it.';
 COMMENT ON FUNCTION sqlstreams.drop_partitions(bigint, bigint) IS

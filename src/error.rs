@@ -39,6 +39,10 @@ pub enum StreamError {
     #[error("{message}")]
     PermissionDenied { message: String, hint: String },
 
+    /// `DROP EXTENSION sqlstreams` while streams exist (src/drop_guard.rs).
+    #[error("dropping the extension would lose {streams} stream(s): their names, groups and grants, and leave their tables behind")]
+    StreamsExist { streams: i64 },
+
     /// A writing call on a hot standby (src/standby.rs).
     #[error("{function} writes, and this server is a standby: recovery is in progress")]
     Standby { function: &'static str },
@@ -69,6 +73,7 @@ impl StreamError {
             StreamError::WrongPrerequisite { .. } => PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             StreamError::PermissionDenied { .. } => PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
             StreamError::Standby { .. } => PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,
+            StreamError::StreamsExist { .. } => PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
             StreamError::Internal(_) | StreamError::Spi(_) => PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
         }
     }
@@ -81,6 +86,11 @@ impl StreamError {
             )),
             StreamError::UnknownStreamId(_) => Some("Look the stream's id up in sqlstreams.streams.".into()),
             StreamError::UnknownRole(_) => Some("Create the role first (CREATE ROLE), or check its name.".into()),
+            StreamError::StreamsExist { .. } => Some(
+                "Drop the streams first (SELECT sqlstreams.drop_stream(name) FROM sqlstreams.streams), \
+                 or keep the extension. To move them, pg_dump the database instead."
+                    .into(),
+            ),
             StreamError::Standby { function } => Some(format!(
                 "Call {function} on the primary. A standby serves the views and the inspection functions \
                  (group_status, blocked_keys, dead_messages, open_leases, peek, stream_head)."

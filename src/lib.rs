@@ -25,6 +25,7 @@ mod commit;
 mod concurrency;
 mod cursor;
 mod dead_letters;
+mod drop_guard;
 mod error;
 mod exception_queue;
 mod fence;

@@ -51,6 +51,10 @@ WITH objects AS (
     FROM pg_catalog.pg_trigger t JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid
     WHERE c.relnamespace = 'sqlstreams'::regnamespace AND NOT t.tgisinternal
     UNION ALL
+    SELECT format('event-trigger %s %s %s %s %s', e.evtname, e.evtevent, e.evttags, e.evtfoid::regprocedure, e.evtenabled)
+    FROM pg_catalog.pg_event_trigger e
+    WHERE e.evtfoid IN (SELECT oid FROM pg_catalog.pg_proc WHERE pronamespace = 'sqlstreams'::regnamespace)
+    UNION ALL
     SELECT format('view %s %s', c.relname, pg_catalog.pg_get_viewdef(c.oid))
     FROM pg_catalog.pg_class c WHERE c.relnamespace = 'sqlstreams'::regnamespace AND c.relkind = 'v'
     UNION ALL

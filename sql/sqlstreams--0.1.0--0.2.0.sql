@@ -824,6 +824,13 @@ LANGUAGE c AS 'MODULE_PATHNAME', 'open_leases_wrapper'
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;
 
+-- When a group's waiting work falls due (src/due.rs): what an idle consumer sleeps until.
+CREATE FUNCTION sqlstreams.next_due(stream text, group_name text) RETURNS timestamptz
+STABLE PARALLEL SAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'next_due_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
 -- maintain() reports the expired lane holds it clears.
 DROP FUNCTION sqlstreams.maintain();
 CREATE FUNCTION sqlstreams.maintain()
@@ -1047,7 +1054,8 @@ GRANT USAGE ON SCHEMA sqlstreams TO sqlstreams_admin, sqlstreams_producer, sqlst
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA sqlstreams TO sqlstreams_admin;
 REVOKE EXECUTE ON FUNCTION sqlstreams.create_stream_tables(bigint), sqlstreams.drop_stream_tables(bigint),
     sqlstreams.add_partitions(bigint, bigint, boolean), sqlstreams.drop_partitions(bigint, bigint),
-    sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[]), sqlstreams.catalog_changed()
+    sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[]), sqlstreams.catalog_changed(),
+    sqlstreams.refuse_drop()
     FROM sqlstreams_admin;
 -- Each stream's trigger function (exception_count_<id>) is nobody's to call; the grant above
 -- took them in.
@@ -1091,7 +1099,8 @@ GRANT EXECUTE ON FUNCTION
     sqlstreams.group_status(text, text),
     sqlstreams.blocked_keys(text, text),
     sqlstreams.dead_messages(text, text),
-    sqlstreams.open_leases(text, text)
+    sqlstreams.open_leases(text, text),
+    sqlstreams.next_due(text, text)
     TO sqlstreams_consumer, pg_monitor;
 -- The consumer_groups view calls group_status, so a producer may call it too (and sees no
 -- group: its own check refuses a role without a consume grant on the group, with 42501).
@@ -1103,6 +1112,10 @@ COMMENT ON VIEW sqlstreams.streams IS
     'the version its tables were built by, the channel its consumers LISTEN on, and its lanes.';
 COMMENT ON FUNCTION sqlstreams.lane(text, bigint, integer) IS
     'The lane of a message: by its key''s hash, or round in blocks of 64 ids for messages without a key.';
+COMMENT ON FUNCTION sqlstreams.next_due(text, text) IS
+    'When the group''s earliest retry, delay, expiring lease or lane hold falls due: what an idle consumer sleeps until; NULL when nothing waits for a time.';
+COMMENT ON FUNCTION sqlstreams.refuse_drop() IS
+    'Event trigger: refuses DROP EXTENSION sqlstreams and DROP SCHEMA sqlstreams while streams exist.';
 COMMENT ON FUNCTION sqlstreams.lane_count_refused(integer) IS
     'Raises 22023 for a lane count no stream can have; sqlstreams.lane calls it.';
 COMMENT ON FUNCTION sqlstreams.create_stream_tables(bigint) IS

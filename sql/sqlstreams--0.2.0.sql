@@ -17,8 +17,9 @@
 
 \echo Use "CREATE EXTENSION sqlstreams" to load this file. \quit
 
--- Stream tables are not extension members, so DROP EXTENSION leaves them behind (pg_dump keeps
--- them for the same reason). Refuse to reuse stream ids over such leftovers.
+-- Stream tables are not extension members (so pg_dump keeps them), and a DROP EXTENSION with
+-- the drop guard turned off (src/drop_guard.rs) leaves them behind. Refuse to reuse stream ids
+-- over such leftovers.
 DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_class
@@ -854,6 +855,13 @@ LANGUAGE c AS 'MODULE_PATHNAME', 'open_leases_wrapper'
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;
 
+-- When a group's waiting work falls due (src/due.rs): what an idle consumer sleeps until.
+CREATE FUNCTION sqlstreams.next_due(stream text, group_name text) RETURNS timestamptz
+STABLE PARALLEL SAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'next_due_wrapper'
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan;
+
 CREATE FUNCTION sqlstreams.stream_head(stream_id bigint) RETURNS bigint
 STRICT STABLE PARALLEL SAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'stream_head_wrapper'
@@ -1099,7 +1107,8 @@ GRANT EXECUTE ON FUNCTION
     sqlstreams.group_status(text, text),
     sqlstreams.blocked_keys(text, text),
     sqlstreams.dead_messages(text, text),
-    sqlstreams.open_leases(text, text)
+    sqlstreams.open_leases(text, text),
+    sqlstreams.next_due(text, text)
     TO sqlstreams_consumer, pg_monitor;
 -- The consumer_groups view calls group_status, so a producer may call it too (and sees no
 -- group: its own check refuses a role without a consume grant on the group, with 42501).
@@ -1125,6 +1134,8 @@ COMMENT ON FUNCTION sqlstreams.drop_stream_tables(bigint) IS
     'Internal: drops the table family of a stream (called by drop_stream).';
 COMMENT ON FUNCTION sqlstreams.lane(text, bigint, integer) IS
     'The lane of a message: by its key''s hash, or round in blocks of 64 ids for messages without a key.';
+COMMENT ON FUNCTION sqlstreams.next_due(text, text) IS
+    'When the group''s earliest retry, delay, expiring lease or lane hold falls due: what an idle consumer sleeps until; NULL when nothing waits for a time.';
 COMMENT ON FUNCTION sqlstreams.refuse_drop() IS
     'Event trigger: refuses DROP EXTENSION sqlstreams and DROP SCHEMA sqlstreams while streams exist.';
 COMMENT ON FUNCTION sqlstreams.lane_count_refused(integer) IS

@@ -101,7 +101,7 @@ const LEASES: Statement = Statement {
 };
 
 /// The group named by a call's arguments.
-fn resolve(
+pub(crate) fn resolve(
     client: &SpiClient<'_>,
     caller: &Caller,
     stream: Option<&str>,

@@ -26,6 +26,7 @@ mod concurrency;
 mod cursor;
 mod dead_letters;
 mod drop_guard;
+mod due;
 mod error;
 mod exception_queue;
 mod fence;

@@ -716,6 +716,35 @@ async fn notifications_wake_an_idle_consumer_without_polling() {
     b.shutdown(Duration::from_secs(5)).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_idle_consumer_wakes_when_its_retry_falls_due_without_polling() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("due"));
+    stream.register().await.unwrap();
+    // Nothing notifies when a retry falls due, and the poll interval is far longer than the
+    // test: only sleeping until sqlstreams.next_due brings the retry.
+    let slow_poll = ConsumerConfig { poll_interval: Duration::from_secs(600), ..config(Some(Concurrency::Ordered)) };
+    let consumer = stream.consumer("g").register(slow_poll).await.unwrap();
+    let id = stream.producer().produce(&adjustment("k", 1), keyed("k")).await.unwrap().id().unwrap();
+    let calls: Calls = Arc::default();
+    let running = {
+        let calls = calls.clone();
+        consumer.start(move |d: Delivery<Adjustment>| {
+            let calls = calls.clone();
+            async move {
+                calls.lock().unwrap().push((d.id, d.attempt));
+                if d.attempt == 0 {
+                    return Err(HandlerError::retry("not yet"));
+                }
+                Ok(())
+            }
+        })
+    };
+    eventually("the retry ran", || calls.lock().unwrap().len() == 2).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(*calls.lock().unwrap(), vec![(id, 0), (id, 1)]);
+}
+
 /// Runs a future to completion from a synchronous closure (used inside `eventually`).
 fn futures_lite_block<F: std::future::Future>(future: F) -> F::Output {
     tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(future))

@@ -770,3 +770,68 @@ fn peek_passes_a_partition_whose_creator_rolled_back_in_a_parallel_plan_too() {
     }
     c.batch_execute(&format!("RESET {setting}")).unwrap();
 }
+
+/// Seconds from now until `next_due` (None: NULL).
+fn due_in(c: &mut Client, g: &Group) -> Option<f64> {
+    c.query_one("SELECT extract(epoch FROM sqlstreams.next_due($1, $2) - now())::float8", &[&g.stream.name, &g.name])
+        .unwrap()
+        .get(0)
+}
+
+#[test]
+fn next_due_is_when_the_earliest_waiting_work_comes_due() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "due");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    assert_eq!(due_in(&mut c, &g), None, "nothing waits: NULL");
+    s.produce_many(&mut c, 3, Some("a"));
+    assert_eq!(due_in(&mut c, &g), None, "new messages are NOTIFYed, not timed");
+
+    // A claim under a 10-minute lease: due when the lease (and the lane's hold) runs out.
+    let batch = g.try_claim(&mut c, 10, "10 minutes").unwrap();
+    assert_eq!(batch.len(), 3);
+    let due = due_in(&mut c, &g).expect("a lease runs out");
+    assert!((599.0..=600.5).contains(&due), "the lease: {due}");
+
+    // The first fails with a retry in 5 minutes; its successors wait behind it; the rest acked
+    // would leave only the retry, but they are parked behind it (ordered), due no later.
+    g.fail(&mut c, &batch[0], "later", false, Some("5 minutes"));
+    let due = due_in(&mut c, &g).expect("a retry waits");
+    assert!((299.0..=300.5).contains(&due), "the retry comes first: {due}");
+
+    // A message delayed by a minute comes due before both.
+    let later = g.try_claim(&mut c, 10, "10 minutes").unwrap();
+    assert!(later.is_empty(), "key a waits for its retry");
+    let lane_a = s.lane(&mut c, "a");
+    let b = (0..).map(|i| format!("b{i}")).find(|k| s.lane(&mut c, k) != lane_a).unwrap();
+    let other = s.produce(&mut c, json!({}), Some(&b));
+    let d = g.try_claim(&mut c, 10, "10 minutes").unwrap();
+    assert_eq!(ids(&d), vec![other]);
+    g.delay(&mut c, &d[0], "1 minute");
+    let due = due_in(&mut c, &g).expect("a delay waits");
+    assert!((59.0..=60.5).contains(&due), "the delay comes first: {due}");
+
+    // A paused group has nothing due until it is resumed (which notifies).
+    c.query_one("SELECT sqlstreams.pause_group($1, 'g')", &[&s.name]).unwrap();
+    assert_eq!(due_in(&mut c, &g), None);
+    c.query_one("SELECT sqlstreams.resume_group($1, 'g')", &[&s.name]).unwrap();
+    assert!(due_in(&mut c, &g).is_some());
+
+    // Past due is due now: the claim hands it out.
+    g.make_due(&mut c);
+    assert!(due_in(&mut c, &g).unwrap() <= 0.0);
+}
+
+#[test]
+fn next_due_needs_the_right_to_inspect_the_group() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "due-rights");
+    let g = s.group(&mut c, "g", None);
+    let stranger = role(&mut c, "due_stranger", "IN ROLE sqlstreams_consumer");
+    let mut other = connect_as(&stranger);
+    let err = other.query_one("SELECT sqlstreams.next_due($1, 'g')", &[&s.name]).expect_err("no grant");
+    assert_eq!(sqlstate(&err), "42501", "{err}");
+    let err = c.query_one("SELECT sqlstreams.next_due($1, 'no-such-group')", &[&s.name]).expect_err("no group");
+    assert_eq!(sqlstate(&err), "42704");
+    assert_eq!(due_in(&mut c, &g), None);
+}

@@ -51,4 +51,8 @@ pub const RELEASE: &str = "SELECT sqlstreams.release($1, $2, $3, $4)";
 pub const LAG: &str = "SELECT lag, coalesce(extract(epoch FROM now() - oldest_unresolved_at), 0)::float8
         FROM sqlstreams.group_status($1, $2)";
 
+/// Seconds until the group's earliest retry, delay, lease or lane hold falls due (NULL: none),
+/// by the server's clock.
+pub const NEXT_DUE_IN: &str = "SELECT extract(epoch FROM sqlstreams.next_due($1, $2) - clock_timestamp())::float8";
+
 pub const EXTEND_LEASE: &str = "SELECT sqlstreams.extend_lease($1, $2, $3, $4::float8 * interval '1 second')";

@@ -81,7 +81,9 @@ pub struct ConsumerConfig {
     /// Lease of each claim (default 60 s), extended while its handlers run. Must be longer
     /// than `handler_timeout`: a message is only started when its lease covers the timeout.
     pub lease: Duration,
-    /// How often an idle consumer looks for work when no notification arrives (default 1 s).
+    /// The longest an idle consumer waits for work without a notification (default 1 s). It
+    /// wakes earlier when a retry, a delay, a lease or a lane hold of its group falls due
+    /// (`sqlstreams.next_due`), which nothing notifies.
     pub poll_interval: Duration,
     /// How often the consumer reads its group's lag for the `sqlstreams_lag_messages` and
     /// `sqlstreams_oldest_unresolved_seconds` gauges (default 15 s; `None`: never). Each

@@ -258,9 +258,10 @@ where
         idle_after_flush = false;
         if rows.is_empty() {
             drop(permits);
+            let idle = idle_wait(&ctx).await;
             tokio::select! {
                 _ = wake.notified() => {}
-                _ = tokio::time::sleep(ctx.config.poll_interval) => {}
+                _ = tokio::time::sleep(idle) => {}
                 _ = stop.cancelled() => break,
             }
             continue;
@@ -377,6 +378,29 @@ async fn heartbeat(leases: Arc<LeaseBook>, every: Duration, stop: CancellationTo
 }
 
 /// Sets the lag gauges every `every`, until `stop`.
+/// How long an idle consumer waits for a notification: until its group's next timed work
+/// falls due (`sqlstreams.next_due`), at most `poll_interval`, and not less than `IDLE_FLOOR`
+/// (work due but not claimable, such as a retry behind a key another consumer holds, must not
+/// spin). If the question fails, `poll_interval`.
+async fn idle_wait<T, H>(ctx: &Ctx<T, H>) -> Duration {
+    const IDLE_FLOOR: Duration = Duration::from_millis(20);
+    let asked = async {
+        let conn = ctx.group.stream.pool.conn().await?;
+        let row = conn.query_one(sql::NEXT_DUE_IN, &[&ctx.group.stream.name, &ctx.group.name]).await?;
+        Ok::<_, crate::Error>(row.get::<_, Option<f64>>(0))
+    };
+    match asked.await {
+        Ok(Some(seconds)) => Duration::try_from_secs_f64(seconds.max(0.0))
+            .unwrap_or(ctx.config.poll_interval)
+            .clamp(IDLE_FLOOR, ctx.config.poll_interval.max(IDLE_FLOOR)),
+        Ok(None) => ctx.config.poll_interval,
+        Err(e) => {
+            debug!(error = %e, "sqlstreams: could not read when the group's next work falls due");
+            ctx.config.poll_interval
+        }
+    }
+}
+
 async fn read_lag(
     pool: crate::pool::Pool,
     stream: String,

@@ -1,0 +1,42 @@
+//! When a group's waiting work falls due: what an idle consumer sleeps until. A produce, a
+//! resolved blocker or a freed lane sends a NOTIFY (src/notify.rs); work that waits for a clock
+//! sends nothing when its time comes: a retry's backoff, a delay, a `deliver_after`, a lease
+//! that expires, a lane held until a time. `next_due` is the earliest of those times.
+
+use pgrx::datum::TimestampWithTimeZone;
+use pgrx::pg_sys::BuiltinOid::*;
+use pgrx::prelude::*;
+
+use crate::access;
+use crate::error::SqlResult;
+use crate::inspect::resolve;
+use crate::statement::{Access, Columns, Statement};
+
+/// The earliest time a waiting row, lease or lane hold of group `$1` comes due (each probe is
+/// an index's first entry); none for a paused group, which `resume_group` wakes with a NOTIFY.
+const NEXT_DUE: Statement = Statement {
+    name: "due_next",
+    sql: "SELECT CASE WHEN g.paused THEN NULL ELSE least(
+                (SELECT min(can_run_after) FROM sqlstreams.exception_queue_@id@
+                 WHERE consumer_group_id = $1 AND status IN ('ready', 'deferred')),
+                (SELECT min(lease_expires_at) FROM sqlstreams.exception_queue_@id@
+                 WHERE consumer_group_id = $1 AND status = 'inflight'),
+                (SELECT min(lease_expires_at) FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1),
+                (SELECT min(held_until) FROM sqlstreams.lane_@id@
+                 WHERE consumer_group_id = $1 AND held_by IS NOT NULL)) END AS due
+          FROM sqlstreams.consumer_group g WHERE g.id = $1",
+    params: &[INT8OID],
+};
+
+/// The earliest time something of the group waits for: a retry or delayed row (`ready`,
+/// `deferred`), an expiring lease or lane hold; NULL when nothing waits for a time (or the group
+/// is paused). A time already past means work is due now. Needs the inspect right.
+#[pg_extern(stable, parallel_safe, sql = false)]
+fn next_due(stream: Option<&str>, group_name: Option<&str>) -> SqlResult<Option<TimestampWithTimeZone>> {
+    Ok(access::as_owner(|caller| {
+        Spi::connect(|client| {
+            let group = resolve(client, caller, stream, group_name)?;
+            NEXT_DUE.exec(client, group.stream.id, &[group.id.into()], Access::Read)?.first().value("due")
+        })
+    })?)
+}

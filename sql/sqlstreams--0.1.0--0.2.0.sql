@@ -58,6 +58,13 @@ RETURN CASE WHEN lanes NOT BETWEEN 1 AND 1024 THEN sqlstreams.lane_count_refused
             ELSE ((pg_catalog.hashtext(message_key)::bigint & 4294967295) % lanes)::integer END;
 
 -- The table family, now in the versioned script.
+-- Keeps the count rows the library writes and drops any other insert, such as a data-only
+-- restore's copy of them (src/exception_queue/counts.rs): the queue's own count triggers count
+-- what that restore loads.
+CREATE FUNCTION sqlstreams.exception_count_written() RETURNS trigger
+LANGUAGE c AS 'MODULE_PATHNAME', 'exception_count_written_wrapper'
+SET search_path = pg_catalog, pg_temp;
+
 CREATE FUNCTION sqlstreams.create_stream_tables(stream_id bigint) RETURNS void
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
@@ -232,8 +239,8 @@ BEGIN
         -- however many statements changed them, and no writer waits for another (a row it
         -- cannot lock at once gets a new row beside it). Retention (src/retention.rs) folds
         -- each group's rows into one per status. See src/exception_queue/counts.rs. The
-        -- table has no triggers and must get none: the commit writes it after deferred
-        -- triggers have run.
+        -- commit writes the table after deferred triggers have run, so it has one BEFORE
+        -- trigger only, which drops rows the library did not write (a data-only restore's).
         CREATE TABLE sqlstreams.exception_count_@id@ (
             consumer_group_id bigint  NOT NULL,
             status            text    NOT NULL,
@@ -242,6 +249,8 @@ BEGIN
         );
         CREATE INDEX exception_count_@id@_group_idx
             ON sqlstreams.exception_count_@id@ (consumer_group_id, status, writer);
+        CREATE TRIGGER exception_count_restored BEFORE INSERT ON sqlstreams.exception_count_@id@
+            FOR EACH ROW EXECUTE FUNCTION sqlstreams.exception_count_written();
         CREATE FUNCTION sqlstreams.exception_count_@id@() RETURNS trigger
         LANGUAGE plpgsql
         SET search_path = pg_catalog, pg_temp
@@ -646,8 +655,8 @@ BEGIN
         -- however many statements changed them, and no writer waits for another (a row it
         -- cannot lock at once gets a new row beside it). Retention (src/retention.rs) folds
         -- each group's rows into one per status. See src/exception_queue/counts.rs. The
-        -- table has no triggers and must get none: the commit writes it after deferred
-        -- triggers have run.
+        -- commit writes the table after deferred triggers have run, so it has one BEFORE
+        -- trigger only, which drops rows the library did not write (a data-only restore's).
         CREATE TABLE sqlstreams.exception_count_@id@ (
             consumer_group_id bigint  NOT NULL,
             status            text    NOT NULL,
@@ -705,6 +714,9 @@ BEGIN
             ALTER EXTENSION sqlstreams DROP FUNCTION sqlstreams.exception_count_@id@();
             INSERT INTO sqlstreams.exception_count_@id@ (consumer_group_id, status, delta)
             SELECT consumer_group_id, status, count(*) FROM sqlstreams.exception_queue_@id@ GROUP BY 1, 2;
+            -- After the counts of the rows there are: it would drop them.
+            CREATE TRIGGER exception_count_restored BEFORE INSERT ON sqlstreams.exception_count_@id@
+                FOR EACH ROW EXECUTE FUNCTION sqlstreams.exception_count_written();
 
             -- The archive of messages that exception rows refer to after their partition goes.
             CREATE TABLE sqlstreams.message_archive_@id@
@@ -1055,7 +1067,7 @@ GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA sqlstreams TO sqlstreams_admin;
 REVOKE EXECUTE ON FUNCTION sqlstreams.create_stream_tables(bigint), sqlstreams.drop_stream_tables(bigint),
     sqlstreams.add_partitions(bigint, bigint, boolean), sqlstreams.drop_partitions(bigint, bigint),
     sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[]), sqlstreams.catalog_changed(),
-    sqlstreams.refuse_drop()
+    sqlstreams.refuse_drop(), sqlstreams.exception_count_written()
     FROM sqlstreams_admin;
 -- Each stream's trigger function (exception_count_<id>) is nobody's to call; the grant above
 -- took them in.
@@ -1114,6 +1126,8 @@ COMMENT ON FUNCTION sqlstreams.lane(text, bigint, integer) IS
     'The lane of a message: by its key''s hash, or round in blocks of 64 ids for messages without a key.';
 COMMENT ON FUNCTION sqlstreams.next_due(text, text) IS
     'When the group''s earliest retry, delay, expiring lease or lane hold falls due: what an idle consumer sleeps until; NULL when nothing waits for a time.';
+COMMENT ON FUNCTION sqlstreams.exception_count_written() IS
+    'Trigger: keeps the exception count rows the library writes, drops any other (a data-only restore''s).';
 COMMENT ON FUNCTION sqlstreams.refuse_drop() IS
     'Event trigger: refuses DROP EXTENSION sqlstreams and DROP SCHEMA sqlstreams while streams exist.';
 COMMENT ON FUNCTION sqlstreams.lane_count_refused(integer) IS

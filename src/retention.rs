@@ -171,7 +171,7 @@ pub fn step(client: &SpiClient<'_>, stream: &StreamRef, groups: &[i64]) -> Resul
         let keys = exception_queue::distinct_keys(&keys);
         exception_queue::after_resolution(client, &group, &keys, crate::clock::now(), Waker::Outcome)?;
     }
-    FOLD_COUNTS.run(client, stream.id, &[])?;
+    crate::exception_queue::counts::writing(|| FOLD_COUNTS.run(client, stream.id, &[]))?;
     PURGE_ARCHIVE.run(client, stream.id, &[PURGE_BATCH.into(), stream.id.into()])?;
     let row = NEEDED_FROM.run(client, stream.id, &[])?;
     let below: Option<i64> = if row.is_empty() { None } else { row.first().value("below")? };

@@ -10,8 +10,14 @@
 //! retention step is folding it). No two live backends share a row, so no commit waits for
 //! another; an update of `delta` alone stays on its page (HOT), so the table stays a few pages.
 //! Retention folds each group's rows into one per status (src/retention.rs).
+//!
+//! Only the library writes count rows (`writing`). A row inserted any other way is a restore's
+//! copy of the source's counts, and the trigger `exception_count_restored` drops it: a
+//! `--data-only` restore into tables made by a `--schema-only` one fires the queue's count
+//! triggers as it loads the queue, which count its rows already (counted twice before). A
+//! whole restore loads the counts before it creates any trigger, and keeps them.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
@@ -32,6 +38,29 @@ struct Pending {
 
 thread_local! {
     static PENDING: RefCell<Vec<Pending>> = const { RefCell::new(Vec::new()) };
+    /// Set while the library itself writes count rows.
+    static WRITING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `write`, whose inserts of count rows the restore trigger lets through.
+pub fn writing<T>(write: impl FnOnce() -> T) -> T {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            WRITING.with(|w| w.set(self.0));
+        }
+    }
+    let _reset = Reset(WRITING.with(|w| w.replace(true)));
+    write()
+}
+
+/// `BEFORE INSERT` on each `exception_count_<id>` (trigger `exception_count_restored`): keeps
+/// the rows the library writes and drops any other, such as a data-only restore's.
+#[pg_trigger(sql = false)]
+fn exception_count_written<'a>(
+    trigger: &'a pgrx::PgTrigger<'a>,
+) -> std::result::Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, pgrx::PgTriggerError> {
+    Ok(if WRITING.with(Cell::get) { trigger.new() } else { None })
 }
 
 /// Adds up one statement's changes to stream `stream_id`'s queue (called by its count trigger;
@@ -161,14 +190,16 @@ pub fn flush() -> Result<()> {
         none
     };
     let written = crate::access::as_owner(|_| {
-        Spi::connect_mut(|client| {
-            for (stream, group, status, delta) in &sums {
-                let args = [(*group).into(), status.as_str().into(), (*delta).into()];
-                if snapshot_isolation || ADD_TO_OWN_ROW.run(client, *stream, &args)?.is_empty() {
-                    ADD_ROW.run(client, *stream, &args)?;
+        writing(|| {
+            Spi::connect_mut(|client| {
+                for (stream, group, status, delta) in &sums {
+                    let args = [(*group).into(), status.as_str().into(), (*delta).into()];
+                    if snapshot_isolation || ADD_TO_OWN_ROW.run(client, *stream, &args)?.is_empty() {
+                        ADD_ROW.run(client, *stream, &args)?;
+                    }
                 }
-            }
-            Ok(())
+                Ok(())
+            })
         })
     });
     // SAFETY: pops what was pushed above.

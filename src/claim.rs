@@ -14,6 +14,11 @@
 //!    lane's position and hold, return the runs. Now and then, a retention step for the
 //!    stream (src/retention.rs).
 //!
+//! Partitions ahead of the head and retention steps lock what every producer and every group
+//! need until the transaction ends: a claim does them only as a transaction of its own
+//! (autocommit), never in a transaction block the caller may leave open, where it holds
+//! nothing but its own lanes and rows.
+//!
 //! A claim never waits for a row or key lock (src/locks.rs): lanes, rows and key locks are all
 //! taken only when free. Its one wait of its own, for the log's lock while retention drops
 //! partitions, comes first, before it holds anything or reads the clock. So the fence and the clock it reads are never older than
@@ -201,6 +206,12 @@ pub fn claim(
 }
 
 /// Signals idle consumers when the carried acks freed a lane this claim did not take back.
+/// Whether the claim runs in a transaction block (BEGIN ... COMMIT), which may stay open.
+fn in_transaction_block() -> bool {
+    // SAFETY: reads this backend's transaction state.
+    unsafe { pg_sys::IsTransactionBlock() }
+}
+
 fn signal_left(client: &SpiClient<'_>, stream_id: i64, released: &[i32], taken: &[i32]) -> Result<()> {
     if released.iter().any(|lane| !taken.contains(lane)) {
         notify::signal(client, stream_id)?;
@@ -260,7 +271,9 @@ impl Claim<'_> {
         if self.lanes.is_empty() {
             return Ok((vec![], vec![]));
         }
-        partition::ensure(client, &self.group.stream, head, partition::Need::Ahead)?;
+        if !in_transaction_block() {
+            partition::ensure(client, &self.group.stream, head, partition::Need::Ahead)?;
+        }
         self.work.sort_by_key(|w| w.candidate.message_id);
 
         let candidates: Vec<Candidate> = self.work.iter().map(|w| w.candidate.clone()).collect();
@@ -319,7 +332,9 @@ impl Claim<'_> {
         }
         let keys = exception_queue::distinct_keys(&self.resolved_keys);
         exception_queue::after_resolution(client, self.group, &keys, self.now, Waker::Claim)?;
-        retention::from_claim(client, &self.group.stream)?;
+        if !in_transaction_block() {
+            retention::from_claim(client, &self.group.stream)?;
+        }
         Ok((deliveries, taken))
     }
 

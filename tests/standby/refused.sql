@@ -13,7 +13,8 @@ BEGIN
         FROM pg_catalog.pg_proc p
         WHERE p.pronamespace = 'sqlstreams'::regnamespace AND p.provolatile = 'v'
           AND p.prolang = (SELECT oid FROM pg_catalog.pg_language WHERE lanname = 'c')
-          AND p.prorettype <> 'trigger'::regtype AND p.proname <> 'exception_counts_changed'
+          AND p.prorettype NOT IN ('trigger'::regtype, 'event_trigger'::regtype)
+          AND p.proname <> 'exception_counts_changed'
         ORDER BY p.proname
     LOOP
         SELECT string_agg(

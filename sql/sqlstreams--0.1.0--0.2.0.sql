@@ -29,6 +29,9 @@ UPDATE sqlstreams.stream SET schema_version = '0.1.0';
 ALTER TABLE sqlstreams.stream ALTER COLUMN schema_version SET NOT NULL;
 ALTER TABLE sqlstreams.stream ADD COLUMN lanes integer NOT NULL DEFAULT 16 CHECK (lanes BETWEEN 1 AND 1024);
 ALTER TABLE sqlstreams.stream ADD COLUMN dead_retention interval NOT NULL DEFAULT '7 days';
+-- Bounds (src/bounds.rs), NULL: none.
+ALTER TABLE sqlstreams.stream ADD COLUMN max_age interval CHECK (max_age > '0'),
+    ADD COLUMN max_bytes bigint CHECK (max_bytes > 0);
 -- No foreign key to stream: a parallel restore loads the catalog tables in any order
 -- (sqlstreams--0.2.0.sql says more).
 ALTER TABLE sqlstreams.consumer_group DROP CONSTRAINT consumer_group_stream_id_fkey;
@@ -111,6 +114,8 @@ BEGIN
             fence_xid         bigint,
             -- 0.2.0
             fence_safe        bigint NOT NULL DEFAULT 0,
+            -- 0.2.0: messages a stream's bound dropped before the group consumed them.
+            lost              bigint NOT NULL DEFAULT 0,
             CHECK (committed <= claimed)
         );
 
@@ -581,6 +586,7 @@ BEGIN
             -- The fence's proven head starts with nothing proven: a group created at the head
             -- never proved its cursor, and each group's first claim proves what is safe.
             ALTER TABLE sqlstreams.cursor_@id@ ADD COLUMN fence_safe bigint NOT NULL DEFAULT 0;
+            ALTER TABLE sqlstreams.cursor_@id@ ADD COLUMN lost bigint NOT NULL DEFAULT 0;
 
             -- Each group's lanes start where its cursor is.
             CREATE TABLE sqlstreams.lane_@id@ (
@@ -930,7 +936,8 @@ LANGUAGE c AS 'MODULE_PATHNAME', 'peek_wrapper'
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;
 
-CREATE FUNCTION sqlstreams.alter_stream(name text, dead_retention interval DEFAULT NULL, idempotency_ttl interval DEFAULT NULL)
+CREATE FUNCTION sqlstreams.alter_stream(name text, dead_retention interval DEFAULT NULL, idempotency_ttl interval DEFAULT NULL,
+    max_age interval DEFAULT NULL, max_bytes bigint DEFAULT NULL)
 RETURNS boolean
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'alter_stream_wrapper'
@@ -1008,7 +1015,9 @@ RETURNS TABLE (
     deferred bigint,
     dead bigint,
     superseded bigint,
-    oldest_unresolved_at timestamptz
+    oldest_unresolved_at timestamptz,
+    lost bigint,
+    held_back_bytes bigint
 )
 -- Restricted: it adds the calling backend's count changes not written yet (src/inspect.rs).
 -- No bitmap scans: they read the page of every dead row their index still points to (each
@@ -1027,7 +1036,7 @@ SELECT s.id, s.name, s.partition_size, s.idempotency_ttl, s.created_at,
        sqlstreams.stream_head(s.id) AS head,
        s.schema_version,
        sqlstreams.stream_channel(s.id) AS channel,
-       s.lanes, s.dead_retention
+       s.lanes, s.dead_retention, s.max_age, s.max_bytes
 FROM sqlstreams.stream s
 WHERE sqlstreams.visible(s.id);
 
@@ -1036,7 +1045,7 @@ SELECT g.id, g.stream_id, s.name AS stream, g.name, g.concurrency_override, g.ma
        g.backoff_base, g.backoff_cap, g.backoff_exponent, g.max_delays, g.max_reclaims, g.created_at,
        p.claimed, p.committed, p.head, p.lag, p.open_ranges, p.ready, p.inflight, p.deferred, p.dead,
        p.superseded, g.paused, g.on_dead, p.oldest_unresolved_at,
-       now() - p.oldest_unresolved_at AS oldest_unresolved_age
+       now() - p.oldest_unresolved_at AS oldest_unresolved_age, p.lost, p.held_back_bytes
 FROM sqlstreams.consumer_group g
 JOIN sqlstreams.stream s ON s.id = g.stream_id
 CROSS JOIN LATERAL sqlstreams.group_status(s.name, g.name) p
@@ -1185,8 +1194,9 @@ COMMENT ON FUNCTION sqlstreams.drop_partitions(bigint, bigint) IS
     'Internal: drops message_log partitions no group needs any more (retention).';
 COMMENT ON FUNCTION sqlstreams.group_status(text, text) IS
     'One group''s claimed and committed cursor, head, lag, open ranges and exception-queue counts.';
-COMMENT ON FUNCTION sqlstreams.alter_stream(text, interval, interval) IS
-    'Changes a stream''s dead_retention or idempotency_ttl (NULL keeps the current value). Admins only.';
+COMMENT ON FUNCTION sqlstreams.alter_stream(text, interval, interval, interval, bigint) IS
+    'Changes a stream''s dead_retention, idempotency_ttl or bounds (max_age, max_bytes; 0 removes a bound); '
+    'NULL keeps the current value. Admins only.';
 COMMENT ON FUNCTION sqlstreams.alter_group(text, text, text, integer, interval, interval, double precision, integer, integer, text) IS
     'Changes only the settings given (NULL keeps the current value; concurrency_override => ''none'' removes it), '
     'including on_dead (''release'' or ''hold''). Admins only.';

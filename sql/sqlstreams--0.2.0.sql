@@ -55,7 +55,11 @@ CREATE TABLE sqlstreams.stream (
     lanes              integer     NOT NULL DEFAULT 16 CHECK (lanes BETWEEN 1 AND 1024),
     -- How long resolved exception rows (dead, superseded) are kept before retention removes
     -- them (and with them the last reason to keep their messages' partition).
-    dead_retention     interval    NOT NULL DEFAULT '7 days'
+    dead_retention     interval    NOT NULL DEFAULT '7 days',
+    -- Bounds (src/bounds.rs), NULL: none. Past them maintain() drops whole partitions even if a
+    -- group has not consumed them: the age of a partition's newest message, the log's size.
+    max_age            interval    CHECK (max_age > '0'),
+    max_bytes          bigint      CHECK (max_bytes > 0)
 );
 
 -- No foreign key to stream: pg_dump records no order between the data of an extension's
@@ -242,6 +246,8 @@ BEGIN
             fence_xid         bigint,
             -- 0.2.0
             fence_safe        bigint NOT NULL DEFAULT 0,
+            -- 0.2.0: messages a stream's bound dropped before the group consumed them.
+            lost              bigint NOT NULL DEFAULT 0,
             CHECK (committed <= claimed)
         );
 
@@ -806,7 +812,9 @@ RETURNS TABLE (
     deferred bigint,
     dead bigint,
     superseded bigint,
-    oldest_unresolved_at timestamptz
+    oldest_unresolved_at timestamptz,
+    lost bigint,
+    held_back_bytes bigint
 )
 -- Restricted: it adds the calling backend's count changes not written yet (src/inspect.rs).
 -- No bitmap scans: they read the page of every dead row their index still points to (each
@@ -921,7 +929,8 @@ LANGUAGE c AS 'MODULE_PATHNAME', 'peek_wrapper'
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;
 
-CREATE FUNCTION sqlstreams.alter_stream(name text, dead_retention interval DEFAULT NULL, idempotency_ttl interval DEFAULT NULL)
+CREATE FUNCTION sqlstreams.alter_stream(name text, dead_retention interval DEFAULT NULL, idempotency_ttl interval DEFAULT NULL,
+    max_age interval DEFAULT NULL, max_bytes bigint DEFAULT NULL)
 RETURNS boolean
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'alter_stream_wrapper'
@@ -1044,7 +1053,7 @@ SELECT s.id, s.name, s.partition_size, s.idempotency_ttl, s.created_at,
        sqlstreams.stream_head(s.id) AS head,
        s.schema_version,
        sqlstreams.stream_channel(s.id) AS channel,
-       s.lanes, s.dead_retention
+       s.lanes, s.dead_retention, s.max_age, s.max_bytes
 FROM sqlstreams.stream s
 WHERE sqlstreams.visible(s.id);
 
@@ -1053,7 +1062,7 @@ SELECT g.id, g.stream_id, s.name AS stream, g.name, g.concurrency_override, g.ma
        g.backoff_base, g.backoff_cap, g.backoff_exponent, g.max_delays, g.max_reclaims, g.created_at,
        p.claimed, p.committed, p.head, p.lag, p.open_ranges, p.ready, p.inflight, p.deferred, p.dead,
        p.superseded, g.paused, g.on_dead, p.oldest_unresolved_at,
-       now() - p.oldest_unresolved_at AS oldest_unresolved_age
+       now() - p.oldest_unresolved_at AS oldest_unresolved_age, p.lost, p.held_back_bytes
 FROM sqlstreams.consumer_group g
 JOIN sqlstreams.stream s ON s.id = g.stream_id
 CROSS JOIN LATERAL sqlstreams.group_status(s.name, g.name) p
@@ -1227,8 +1236,9 @@ COMMENT ON FUNCTION sqlstreams.visible(bigint, text) IS
 COMMENT ON FUNCTION sqlstreams.break_lease(text, text, uuid) IS
     'Ends every lease under a token now (range, exception rows, lane holds), so the next claim takes the '
     'work over; false when the token holds nothing. Admins only.';
-COMMENT ON FUNCTION sqlstreams.alter_stream(text, interval, interval) IS
-    'Changes a stream''s dead_retention or idempotency_ttl (NULL keeps the current value). Admins only.';
+COMMENT ON FUNCTION sqlstreams.alter_stream(text, interval, interval, interval, bigint) IS
+    'Changes a stream''s dead_retention, idempotency_ttl or bounds (max_age, max_bytes; 0 removes a bound); '
+    'NULL keeps the current value. Admins only.';
 COMMENT ON FUNCTION sqlstreams.alter_group(text, text, text, integer, interval, interval, double precision, integer, integer, text) IS
     'Changes only the settings given (NULL keeps the current value; concurrency_override => ''none'' removes it), '
     'including on_dead (''release'' or ''hold''). Admins only.';

@@ -33,7 +33,16 @@ const PROGRESS: Statement = Statement {
         observed_head_sql!(),
         " AS head,
                 (SELECT count(*) FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1) AS open_ranges,
-                e.ready, e.inflight, e.deferred, e.dead, e.superseded
+                e.ready, e.inflight, e.deferred, e.dead, e.superseded, c.lost,
+                -- The bytes of the partitions the group's position keeps: those holding a
+                -- message after it, but the head's (src/bounds.rs).
+                (SELECT coalesce(sum(pg_catalog.pg_total_relation_size(pc.oid)), 0)::int8
+                 FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class pc ON pc.oid = i.inhrelid,
+                      LATERAL (SELECT (substring(pc.relname FROM '_p([0-9]+)$')::int8 + 1) * $3 AS last_id) b
+                 WHERE i.inhparent = 'sqlstreams.message_log_@id@'::regclass
+                   AND b.last_id > p.committed AND b.last_id < ",
+        observed_head_sql!(),
+        ") AS held_back_bytes
          FROM sqlstreams.cursor_@id@ c,
               LATERAL (SELECT greatest(c.committed, ",
         committed_now!("$2"),
@@ -49,7 +58,7 @@ const PROGRESS: Statement = Statement {
                        FROM sqlstreams.exception_count_@id@ WHERE consumer_group_id = $1) e
          WHERE c.consumer_group_id = $1"
     ),
-    params: &[INT8OID, INT8OID],
+    params: &[INT8OID, INT8OID, INT8OID],
 };
 
 const BLOCKED_KEYS: Statement = Statement {
@@ -143,6 +152,10 @@ struct Progress {
     superseded: i64,
     /// When the oldest message the group has not resolved was produced.
     oldest_unresolved_at: Option<TimestampWithTimeZone>,
+    /// Messages a bound of the stream dropped before the group consumed them (src/bounds.rs).
+    lost: i64,
+    /// Bytes of the log the group's position keeps.
+    held_back_bytes: i64,
 }
 
 fn progress(stream: Option<&str>, group_name: Option<&str>) -> Result<Progress> {
@@ -151,7 +164,13 @@ fn progress(stream: Option<&str>, group_name: Option<&str>) -> Result<Progress> 
             let group = resolve(client, caller, stream, group_name)?;
             let safe = cursor::read_fence(client, group.stream.id, group.id, Access::Read)?.safe;
             let handed_out = lanes::claimed_through(client, &group.stream, group.id, safe, Access::Read)?;
-            let row = PROGRESS.read(client, group.stream.id, &[group.id.into(), handed_out.into()])?.first();
+            let row = PROGRESS
+                .read(
+                    client,
+                    group.stream.id,
+                    &[group.id.into(), handed_out.into(), group.stream.partition_size.into()],
+                )?
+                .first();
             if row.is_empty() {
                 return Err(StreamError::Internal("the group has no cursor row".into()));
             }
@@ -170,6 +189,8 @@ fn progress(stream: Option<&str>, group_name: Option<&str>) -> Result<Progress> 
                 dead: row.required::<i64>("dead")? + dead,
                 superseded: row.required::<i64>("superseded")? + superseded,
                 oldest_unresolved_at: message::produced_after(client, &group.stream, committed, head, Access::Read)?,
+                lost: row.required("lost")?,
+                held_back_bytes: row.required("held_back_bytes")?,
             })
         })
     })
@@ -197,6 +218,8 @@ fn group_status(
             name!(dead, i64),
             name!(superseded, i64),
             name!(oldest_unresolved_at, Option<TimestampWithTimeZone>),
+            name!(lost, i64),
+            name!(held_back_bytes, i64),
         ),
     >,
     ErrorReport,
@@ -214,6 +237,8 @@ fn group_status(
         p.dead,
         p.superseded,
         p.oldest_unresolved_at,
+        p.lost,
+        p.held_back_bytes,
     )))
 }
 

@@ -18,6 +18,7 @@ use pgrx::prelude::*;
 
 mod access;
 mod backoff;
+mod bounds;
 mod catalog;
 mod claim;
 mod clock;

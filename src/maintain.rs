@@ -114,6 +114,7 @@ fn maintain_one(client: &mut pgrx::spi::SpiClient<'_>, name: String) -> Result<R
             advanced += 1;
         }
     }
+    crate::bounds::enforce(client, &name, &stream, &groups)?;
     let retained = retention::step(client, &stream, &groups)?;
     Ok((name, through, purged, advanced, cleared, retained.partitions_dropped, retained.rows_purged))
 }

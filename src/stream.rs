@@ -295,30 +295,53 @@ const ALTER: Statement = Statement {
     name: "stream_alter",
     sql: "UPDATE sqlstreams.stream
           SET dead_retention = coalesce(make_interval(secs => $2 / 1e6), dead_retention),
-              idempotency_ttl = coalesce(make_interval(secs => $3 / 1e6), idempotency_ttl)
+              idempotency_ttl = coalesce(make_interval(secs => $3 / 1e6), idempotency_ttl),
+              max_age = CASE WHEN $4 IS NULL THEN max_age WHEN $4 = 0 THEN NULL
+                             ELSE make_interval(secs => $4 / 1e6) END,
+              max_bytes = CASE WHEN $5 IS NULL THEN max_bytes WHEN $5 = 0 THEN NULL ELSE $5 END
           WHERE id = $1",
-    params: &[INT8OID, INT8OID, INT8OID],
+    params: &[INT8OID, INT8OID, INT8OID, INT8OID, INT8OID],
 };
 
 /// Changes a stream's settings: each argument that is not NULL replaces the current value.
-/// `dead_retention`: how long dead and superseded exception rows are kept (retention). Returns
-/// true. Admins only.
+/// `dead_retention`: how long dead and superseded exception rows are kept (retention).
+/// `max_age`, `max_bytes`: the stream's bounds (src/bounds.rs); 0 removes one. Returns true.
+/// Admins only.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn alter_stream(
     name: Option<&str>,
     dead_retention: default!(Option<Interval>, "NULL"),
     idempotency_ttl: default!(Option<Interval>, "NULL"),
+    max_age: default!(Option<Interval>, "NULL"),
+    max_bytes: default!(Option<i64>, "NULL"),
 ) -> SqlResult<bool> {
     crate::standby::refuse_writes("alter_stream")?;
     let name = validate_name("stream", name)?;
     let retention =
         dead_retention.map(|i| stream_period("dead_retention", Some(i.as_micros()), "'7 days'")).transpose()?;
     let ttl = idempotency_ttl.map(|i| stream_period("idempotency_ttl", Some(i.as_micros()), "'1 day'")).transpose()?;
+    let max_age = max_age
+        .map(|i| match i.as_micros() {
+            0 => Ok(0),
+            micros => stream_period("max_age", Some(micros), "'30 days' (or '0' for no bound)"),
+        })
+        .transpose()?;
+    if max_bytes.is_some_and(|b| b < 0) {
+        return Err(StreamError::invalid(
+            format!("max_bytes must not be negative, not {}", max_bytes.unwrap_or_default()),
+            "Pass a size in bytes such as 10737418240 (10 GB), or 0 for no bound.",
+        )
+        .into());
+    }
     Ok(access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "alter streams")?;
             let stream = lookup(client, name)?;
-            ALTER.run(client, 0, &[stream.id.into(), retention.into(), ttl.into()])?;
+            ALTER.run(
+                client,
+                0,
+                &[stream.id.into(), retention.into(), ttl.into(), max_age.into(), max_bytes.into()],
+            )?;
             Ok(true)
         })
     })?)

@@ -113,6 +113,9 @@ fn contract_errors_have_their_sqlstates_and_change_nothing() {
         ("SELECT sqlstreams.create_stream({s}, idempotency_ttl => '9223372036854 seconds')", "idempotency_ttl"),
         ("SELECT sqlstreams.alter_stream({s}, idempotency_ttl => '101 years')", "idempotency_ttl"),
         ("SELECT sqlstreams.alter_stream({s}, dead_retention => '9223372036854 seconds')", "dead_retention"),
+        ("SELECT sqlstreams.alter_stream({s}, max_bytes => -1)", "max_bytes"),
+        ("SELECT sqlstreams.alter_stream({s}, max_age => '101 years')", "max_age"),
+        ("SELECT sqlstreams.alter_stream({s}, max_age => '-1 day')", "max_age"),
         (long_stream.as_str(), "201 characters"),
         (long_group.as_str(), "201 characters"),
     ];

@@ -1,0 +1,197 @@
+//! Bounded streams. Retention drops only what every group has committed (src/retention.rs), so
+//! one forgotten group (a decommissioned service, a paused one, a poison message held) would
+//! keep every message until the disk is full. A stream may be bounded (`alter_stream`'s
+//! `max_age` and `max_bytes`, NULL: unbounded): past a bound, `maintain()` moves every group
+//! that has not consumed the partitions out of bounds past them, counts what each lost
+//! (`cursor_<id>.lost`, shown by `group_status`) and says so in the server log, and retention
+//! then drops those partitions.
+//!
+//! Whole partitions go, oldest first: one is out of bounds when its newest message is older than
+//! `max_age`, or when it and the newer partitions hold more than `max_bytes`. The partition with
+//! the head always stays.
+//!
+//! What a group loses: the messages of those partitions it was never handed out, and the ones
+//! handed out in ranges without an outcome yet (their ranges end: an outcome under their token
+//! reports a lost lease). Its exception rows stay, and their messages are archived when the
+//! partitions go: retries and dead letters go on.
+//!
+//! Locks, in the order outcomes and `seek` take them: each lagging group's ranges, lanes and
+//! cursor row; then the log, without waiting (`ConditionalLockRelationOid`). With the log held
+//! no producer and no claim is inside it, so every id up to the head is committed or rolled
+//! back, and no claim reads the lanes moved. Not got: the next round tries again.
+
+use pgrx::pg_sys::{self, BuiltinOid::*};
+use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
+
+use crate::cursor;
+use crate::error::Result;
+use crate::names::named;
+use crate::partition::Log;
+use crate::statement::{Access, Columns, Statement};
+use crate::stream::StreamRef;
+
+/// The stream's bounds, as microseconds and bytes.
+const BOUNDS: Statement = Statement {
+    name: "bounds_of_stream",
+    sql: "SELECT (extract(epoch FROM max_age) * 1e6)::int8 AS max_age, max_bytes, now() AS now
+          FROM sqlstreams.stream WHERE id = $1",
+    params: &[INT8OID],
+};
+
+/// The log's partitions, oldest first, each with the bytes of it and every newer one.
+const PARTITIONS: Statement = Statement {
+    name: "bounds_partitions",
+    sql: "SELECT p.n, (sum(p.bytes) OVER (ORDER BY p.n DESC))::int8 AS bytes_from_here
+          FROM (SELECT substring(c.relname FROM '_p([0-9]+)$')::int8 AS n,
+                       pg_catalog.pg_total_relation_size(c.oid) AS bytes
+                FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
+                WHERE i.inhparent = $1) p
+          ORDER BY p.n",
+    params: &[OIDOID],
+};
+
+/// When the newest message of one partition was produced (none: an empty partition).
+const NEWEST: Statement = Statement {
+    name: "bounds_newest",
+    sql: "SELECT produced_at FROM sqlstreams.message_log_@id@_p@part@ ORDER BY id DESC LIMIT 1",
+    params: &[],
+};
+
+/// The groups whose committed position is below `$1`.
+const LAGGING: Statement = Statement {
+    name: "bounds_lagging",
+    sql: "SELECT consumer_group_id FROM sqlstreams.cursor_@id@ WHERE committed < $1 ORDER BY consumer_group_id",
+    params: &[INT8OID],
+};
+
+/// Group `$1`'s ranges, lanes and cursor row, in the order outcomes lock them, each only if
+/// free: whether every one of them was.
+const LOCK_GROUP: Statement = Statement {
+    name: "bounds_lock_group",
+    sql: "SELECT (SELECT count(*) FROM (SELECT 1 FROM sqlstreams.range_lease_@id@
+                                        WHERE consumer_group_id = $1 FOR UPDATE SKIP LOCKED) r)
+                   = (SELECT count(*) FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1)
+             AND (SELECT count(*) FROM (SELECT 1 FROM sqlstreams.lane_@id@ WHERE consumer_group_id = $1
+                                        ORDER BY lane FOR UPDATE SKIP LOCKED) l)
+                   = (SELECT count(*) FROM sqlstreams.lane_@id@ WHERE consumer_group_id = $1)
+             AND (SELECT count(*) FROM (SELECT 1 FROM sqlstreams.cursor_@id@ WHERE consumer_group_id = $1
+                                        FOR UPDATE SKIP LOCKED) c) = 1 AS locked",
+    params: &[INT8OID],
+};
+
+/// What group `$1` loses when its position moves past `$2`: messages up to `$2` its lanes never
+/// handed out, and messages of its ranges starting at or below `$2` that have no outcome.
+const LOST: Statement = Statement {
+    name: "bounds_lost",
+    sql: "SELECT (SELECT count(*) FROM sqlstreams.message_log_@id@ m
+                  JOIN sqlstreams.lane_@id@ l ON l.consumer_group_id = $1 AND l.lane = m.lane
+                  WHERE m.id <= $2 AND m.id > l.claimed)
+             + (SELECT count(*) FROM sqlstreams.range_lease_@id@ r CROSS JOIN LATERAL unnest(r.pending) p(id)
+                WHERE r.consumer_group_id = $1 AND r.first_id <= $2
+                  AND NOT EXISTS (SELECT 1 FROM sqlstreams.range_done_@id@ d
+                                  WHERE d.consumer_group_id = $1 AND d.lease_token = r.lease_token
+                                    AND d.message_id = p.id)) AS lost",
+    params: &[INT8OID, INT8OID],
+};
+
+/// Moves group `$1` past `$2`, adding `$3` to what it lost: its ranges starting at or below
+/// `$2` end (and the lane holds they had), its lanes and cursor move up to `$2`.
+const MOVE: Statement = Statement {
+    name: "bounds_move",
+    sql: "WITH gone AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1 AND first_id <= $2
+                        RETURNING lease_token, lane),
+               lanes AS (UPDATE sqlstreams.lane_@id@ l
+                         SET claimed = greatest(l.claimed, $2),
+                             held_by = CASE WHEN ended THEN NULL ELSE l.held_by END,
+                             held_until = CASE WHEN ended THEN NULL ELSE l.held_until END
+                         FROM (SELECT x.lane, EXISTS (SELECT 1 FROM gone g
+                                                      WHERE g.lease_token = x.held_by AND g.lane = x.lane) AS ended
+                               FROM sqlstreams.lane_@id@ x WHERE x.consumer_group_id = $1) e
+                         WHERE l.consumer_group_id = $1 AND l.lane = e.lane)
+          UPDATE sqlstreams.cursor_@id@
+          SET claimed = greatest(claimed, $2), committed = greatest(committed, $2), lost = lost + $3
+          WHERE consumer_group_id = $1",
+    params: &[INT8OID, INT8OID, INT8OID],
+};
+
+const GROUP_NAME: Statement = Statement {
+    name: "bounds_group_name",
+    sql: "SELECT name FROM sqlstreams.consumer_group WHERE id = $1",
+    params: &[INT8OID],
+};
+
+/// Moves the groups of `stream` that hold back partitions out of its bounds past them (only
+/// groups in `groups`, whose locks this transaction holds: a group held by a seek or a drop is
+/// left, and then so is the move). Returns the messages lost, summed over the groups.
+pub fn enforce(client: &SpiClient<'_>, name: &str, stream: &StreamRef, groups: &[i64]) -> Result<i64> {
+    let bounds = BOUNDS.run(client, 0, &[stream.id.into()])?.first();
+    let (max_age, max_bytes): (Option<i64>, Option<i64>) = (bounds.value("max_age")?, bounds.value("max_bytes")?);
+    if max_age.is_none() && max_bytes.is_none() {
+        return Ok(0);
+    }
+    let now: pgrx::datum::TimestampWithTimeZone = bounds.required("now")?;
+    let oldest_kept = max_age.map(|age| now.into_inner() - age);
+    let log = Log::open(stream)?;
+    let head = cursor::sequence_head(client, stream.id, Access::Write)?;
+    // The end of the last partition out of bounds, oldest first; the head's partition stays.
+    let mut through = 0;
+    for row in PARTITIONS.run(client, 0, &[log.oid().into()])? {
+        let (part, bytes_from_here): (i64, i64) = (row.required("n")?, row.required("bytes_from_here")?);
+        let end = log.last_id(part);
+        if end >= head {
+            break;
+        }
+        let too_big = max_bytes.is_some_and(|max| bytes_from_here > max);
+        let too_old = match oldest_kept {
+            Some(limit) => {
+                let newest: Option<pgrx::datum::TimestampWithTimeZone> =
+                    NEWEST.exec_in(client, stream.id, part, &[], Access::Write)?.first().value("produced_at")?;
+                newest.is_none_or(|at| at.into_inner() < limit)
+            }
+            None => false,
+        };
+        if !(too_big || too_old) {
+            break;
+        }
+        through = end;
+    }
+    if through == 0 {
+        return Ok(0);
+    }
+    let mut lagging = Vec::new();
+    for row in LAGGING.run(client, stream.id, &[through.into()])? {
+        let group: i64 = row.required("consumer_group_id")?;
+        if !groups.contains(&group) {
+            return Ok(0);
+        }
+        lagging.push(group);
+    }
+    if lagging.is_empty() {
+        return Ok(0);
+    }
+    for &group in &lagging {
+        let locked: bool = LOCK_GROUP.run(client, stream.id, &[group.into()])?.first().required("locked")?;
+        if !locked {
+            return Ok(0);
+        }
+    }
+    // SAFETY: takes the log's lock only if no other transaction holds any lock on it.
+    if !unsafe { pg_sys::ConditionalLockRelationOid(log.oid(), pg_sys::AccessExclusiveLock as pg_sys::LOCKMODE) } {
+        return Ok(0);
+    }
+    let mut total = 0;
+    for &group in &lagging {
+        let lost: i64 = LOST.run(client, stream.id, &[group.into(), through.into()])?.first().required("lost")?;
+        MOVE.run(client, stream.id, &[group.into(), through.into(), lost.into()])?;
+        let group_name: String = GROUP_NAME.run(client, 0, &[group.into()])?.first().required("name")?;
+        warning!(
+            "sqlstreams: stream {} is past its bound: group {} lost {lost} message(s) it had not consumed, \
+             and goes on after message {through}",
+            named(name),
+            named(&group_name),
+        );
+        total += lost;
+    }
+    Ok(total)
+}

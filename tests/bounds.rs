@@ -1,0 +1,148 @@
+//! Bounded streams (src/bounds.rs): past `max_bytes` or `max_age`, maintain() drops whole
+//! partitions even though a group has not consumed them, moves that group past them, and counts
+//! what it lost; before that, `consumer_groups` shows what each group holds back.
+
+use std::sync::{Arc, Mutex};
+
+use postgres::{Client, NoTls};
+use sqlstreams_tests::*;
+
+fn partitions(c: &mut Client, s: &Stream) -> Vec<String> {
+    c.query(
+        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+         WHERE i.inhparent = $1::text::regclass ORDER BY 1",
+        &[&s.table("message_log")],
+    )
+    .unwrap()
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+/// (lost, held_back_bytes, committed) of a group, from the view.
+fn bound_columns(c: &mut Client, s: &Stream, group: &str) -> (i64, i64, i64) {
+    let row = c
+        .query_one(
+            "SELECT lost, held_back_bytes, committed FROM sqlstreams.consumer_groups WHERE stream = $1 AND name = $2",
+            &[&s.name, &group],
+        )
+        .unwrap();
+    (row.get(0), row.get(1), row.get(2))
+}
+
+/// A connection whose warnings are kept.
+fn connect_listening() -> (Client, Arc<Mutex<Vec<String>>>) {
+    let warnings = Arc::new(Mutex::new(Vec::new()));
+    let kept = warnings.clone();
+    let mut config: postgres::Config = database_url().parse().unwrap();
+    config.notice_callback(move |n| kept.lock().unwrap().push(n.message().to_string()));
+    let mut c = config.connect(NoTls).unwrap();
+    c.batch_execute(CREATE_EXTENSION).unwrap();
+    (c, warnings)
+}
+
+/// maintain_stream until the partitions below `through` are gone (a drop gives way to any
+/// other lock on a partition, autovacuum's included, and the next call drops it).
+fn maintain_until_dropped(c: &mut Client, s: &Stream, through_partition: usize) {
+    for _ in 0..20 {
+        c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&s.name]).unwrap();
+        let left = partitions(c, s);
+        if (0..through_partition)
+            .all(|p| !left.contains(&format!("{}_p{p}", s.table("message_log")).replace("sqlstreams.", "")))
+        {
+            return;
+        }
+    }
+    panic!("the partitions out of bounds are still there: {:?}", partitions(c, s));
+}
+
+#[test]
+fn a_size_bound_drops_what_a_paused_group_holds_back_and_counts_what_it_lost() {
+    let (mut c, warnings) = connect_listening();
+    let s = Stream::create_sized(&mut c, "bounded-size", 1000);
+    let paused = s.group(&mut c, "paused", None);
+    let active = s.group(&mut c, "active", None);
+    s.produce_many(&mut c, 3500, None);
+
+    // Before it is paused, the group takes five: acks three, fails one (a retry), and leaves one
+    // without an outcome.
+    let taken = paused.claim(&mut c, 5);
+    assert_eq!(ids(&taken), vec![1, 2, 3, 4, 5]);
+    paused.ack_batch(&mut c, &taken[..3]);
+    paused.fail(&mut c, &taken[3], "later", false, Some("0 seconds"));
+    c.query_one("SELECT sqlstreams.pause_group($1, 'paused')", &[&s.name]).unwrap();
+    assert_eq!(active.drain(&mut c).len(), 3500);
+
+    // Unbounded, retention keeps everything the paused group has not committed.
+    c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&s.name]).unwrap();
+    let (lost, held_back, _) = bound_columns(&mut c, &s, "paused");
+    assert_eq!(lost, 0);
+    assert!(held_back > 0, "the paused group holds the first three partitions back");
+    assert_eq!(bound_columns(&mut c, &s, "active").1, 0, "the active group holds nothing back");
+    assert!(partitions(&mut c, &s).iter().any(|p| p.ends_with("_p0")));
+
+    // One byte: every partition but the head's is out of bounds.
+    c.query_one("SELECT sqlstreams.alter_stream($1, max_bytes => 1)", &[&s.name]).unwrap();
+    maintain_until_dropped(&mut c, &s, 3);
+    let (lost, held_back, committed) = bound_columns(&mut c, &s, "paused");
+    assert_eq!(committed, 3000);
+    assert_eq!(lost, 2995 + 1, "never handed out (6..3000) and handed out without an outcome (5)");
+    assert_eq!(held_back, 0);
+    assert_eq!(bound_columns(&mut c, &s, "active").0, 0, "the active group lost nothing");
+    let said = warnings.lock().unwrap().join("\n");
+    assert!(said.contains("group \"paused\" lost 2996 message(s)"), "the loss is said: {said}");
+    assert!(!said.contains("\"active\""), "{said}");
+
+    // Running again loses nothing more.
+    c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&s.name]).unwrap();
+    assert_eq!(bound_columns(&mut c, &s, "paused").0, 2996);
+
+    // The open range's outcome reports its lease lost; the retry comes back (its message was
+    // archived), then the messages after the bound, and nothing else.
+    assert!(!paused.ack(&mut c, &taken[4]), "the range ended with the bound");
+    c.query_one("SELECT sqlstreams.resume_group($1, 'paused')", &[&s.name]).unwrap();
+    paused.make_due(&mut c);
+    let mut got = paused.drain(&mut c);
+    got.sort();
+    let expected: Vec<i64> = std::iter::once(4).chain(3001..=3500).collect();
+    assert_eq!(got, expected);
+}
+
+#[test]
+fn an_age_bound_drops_partitions_whose_newest_message_is_older() {
+    let mut c = connect();
+    let s = Stream::create_sized(&mut c, "bounded-age", 1000);
+    let g = s.group(&mut c, "forgotten", None);
+    s.produce_many(&mut c, 2500, None);
+    // The first two partitions were produced two days ago.
+    c.batch_execute(&format!(
+        "UPDATE {} SET produced_at = now() - interval '2 days' WHERE id <= 2000",
+        s.table("message_log")
+    ))
+    .unwrap();
+    c.query_one("SELECT sqlstreams.alter_stream($1, max_age => '3 days')", &[&s.name]).unwrap();
+    c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&s.name]).unwrap();
+    assert_eq!(bound_columns(&mut c, &s, "forgotten").0, 0, "within three days nothing goes");
+
+    c.query_one("SELECT sqlstreams.alter_stream($1, max_age => '1 day')", &[&s.name]).unwrap();
+    maintain_until_dropped(&mut c, &s, 2);
+    let (lost, _, committed) = bound_columns(&mut c, &s, "forgotten");
+    assert_eq!((lost, committed), (2000, 2000));
+    let streams = c
+        .query_one(
+            "SELECT extract(epoch FROM max_age)::float8, max_bytes FROM sqlstreams.streams WHERE name = $1",
+            &[&s.name],
+        )
+        .unwrap();
+    assert_eq!(streams.get::<_, Option<f64>>(0), Some(86400.0));
+    assert_eq!(streams.get::<_, Option<i64>>(1), None);
+    let mut got = g.drain(&mut c);
+    got.sort();
+    assert_eq!(got, (2001..=2500).collect::<Vec<i64>>());
+
+    // 0 removes the bound.
+    c.query_one("SELECT sqlstreams.alter_stream($1, max_age => '0')", &[&s.name]).unwrap();
+    let age: Option<String> =
+        c.query_one("SELECT max_age::text FROM sqlstreams.streams WHERE name = $1", &[&s.name]).unwrap().get(0);
+    assert_eq!(age, None);
+}

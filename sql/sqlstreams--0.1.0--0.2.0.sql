@@ -410,6 +410,29 @@ BEGIN
 END
 $function$;
 
+-- The log of a stream, locked ACCESS EXCLUSIVE until commit if it can be within 20 ms
+-- (src/bounds.rs): waiting longer would queue every producer and claim of the stream behind
+-- this one. Returns whether it is locked.
+CREATE FUNCTION sqlstreams.lock_log(stream_id bigint) RETURNS boolean
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $function$
+DECLARE
+    timeout text := current_setting('lock_timeout');
+BEGIN
+    PERFORM set_config('lock_timeout', '20ms', true);
+    BEGIN
+        EXECUTE format('LOCK TABLE sqlstreams.message_log_%s IN ACCESS EXCLUSIVE MODE', stream_id);
+    EXCEPTION
+        WHEN lock_not_available OR deadlock_detected THEN
+            PERFORM set_config('lock_timeout', timeout, true);
+            RETURN false;
+    END;
+    PERFORM set_config('lock_timeout', timeout, true);
+    RETURN true;
+END
+$function$;
+
 -- Retention (src/retention.rs): drops the partitions of message_log_<id> whose every id is at
 -- or below `below` (no group needs them any more), oldest first, at most 8 per call. First, in
 -- one pass and before any drop locks the log, the messages of those partitions that exception
@@ -1076,7 +1099,7 @@ GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA sqlstreams TO sqlstreams_admin;
 REVOKE EXECUTE ON FUNCTION sqlstreams.create_stream_tables(bigint), sqlstreams.drop_stream_tables(bigint),
     sqlstreams.add_partitions(bigint, bigint, boolean), sqlstreams.drop_partitions(bigint, bigint),
     sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[]), sqlstreams.catalog_changed(),
-    sqlstreams.refuse_drop(), sqlstreams.exception_count_written()
+    sqlstreams.refuse_drop(), sqlstreams.exception_count_written(), sqlstreams.lock_log(bigint)
     FROM sqlstreams_admin;
 -- Each stream's trigger function (exception_count_<id>) is nobody's to call; the grant above
 -- took them in.
@@ -1137,6 +1160,8 @@ COMMENT ON FUNCTION sqlstreams.next_due(text, text) IS
     'When the group''s earliest retry, delay, expiring lease or lane hold falls due: what an idle consumer sleeps until; NULL when nothing waits for a time.';
 COMMENT ON FUNCTION sqlstreams.exception_count_written() IS
     'Trigger: keeps the exception count rows the library writes, drops any other (a data-only restore''s).';
+COMMENT ON FUNCTION sqlstreams.lock_log(bigint) IS
+    'Internal: locks a stream''s log ACCESS EXCLUSIVE if it can within 20 ms; whether it did.';
 COMMENT ON FUNCTION sqlstreams.refuse_drop() IS
     'Event trigger: refuses DROP EXTENSION sqlstreams and DROP SCHEMA sqlstreams while streams exist.';
 COMMENT ON FUNCTION sqlstreams.lane_count_refused(integer) IS

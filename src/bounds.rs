@@ -6,19 +6,25 @@
 //! (`cursor_<id>.lost`, shown by `group_status`) and says so in the server log, and retention
 //! then drops those partitions.
 //!
-//! Whole partitions go, oldest first: one is out of bounds when its newest message is older than
-//! `max_age`, or when it and the newer partitions hold more than `max_bytes`. The partition with
-//! the head always stays.
+//! Whole partitions go, oldest first, at most 8 a round (as many as a retention step drops): one
+//! is out of bounds when its newest message is older than `max_age`, or when it and the newer
+//! partitions hold more than `max_bytes`. The partition with the head always stays. A stream
+//! without groups is not bounded: nothing consumes it, and retention keeps it for its first
+//! group.
 //!
 //! What a group loses: the messages of those partitions it was never handed out, and the ones
 //! handed out in ranges without an outcome yet (their ranges end: an outcome under their token
-//! reports a lost lease). Its exception rows stay, and their messages are archived when the
-//! partitions go: retries and dead letters go on.
+//! reports a lost lease; a lane hold stays until it ends, so no key of it runs twice). Its
+//! exception rows stay, and their messages are archived when the partitions go: retries and
+//! dead letters go on. `committed` moves past them too, so it no longer means that every id
+//! below it is resolved; the exception counts still show them.
 //!
-//! Locks, in the order outcomes and `seek` take them: each lagging group's ranges, lanes and
-//! cursor row; then the log, without waiting (`ConditionalLockRelationOid`). With the log held
-//! no producer and no claim is inside it, so every id up to the head is committed or rolled
-//! back, and no claim reads the lanes moved. Not got: the next round tries again.
+//! Locks: each lagging group's ranges, lanes and cursor row, in the order outcomes and `seek`
+//! take them, only when free (`SKIP LOCKED`); then the log, waiting at most 20 ms
+//! (`sqlstreams.lock_log`), which no claim and no producer is then inside; then the log's
+//! sequence, only if free (`ConditionalLockRelationOid`, EXCLUSIVE): `nextval` holds it until
+//! its transaction ends, so no producer holds an id it has not committed or rolled back, and
+//! every id up to the head is final. Not got: nothing moves, and the next round tries again.
 
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
@@ -50,6 +56,9 @@ const PARTITIONS: Statement = Statement {
           ORDER BY p.n",
     params: &[OIDOID],
 };
+
+/// Partitions moved past in one round at most.
+const PARTITIONS_PER_ROUND: usize = 8;
 
 /// When the newest message of one partition was produced (none: an empty partition).
 const NEWEST: Statement = Statement {
@@ -96,23 +105,23 @@ const LOST: Statement = Statement {
 };
 
 /// Moves group `$1` past `$2`, adding `$3` to what it lost: its ranges starting at or below
-/// `$2` end (and the lane holds they had), its lanes and cursor move up to `$2`.
+/// `$2` end, its lanes and cursor move up to `$2` (lane holds stay until they end).
 const MOVE: Statement = Statement {
     name: "bounds_move",
-    sql: "WITH gone AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1 AND first_id <= $2
-                        RETURNING lease_token, lane),
-               lanes AS (UPDATE sqlstreams.lane_@id@ l
-                         SET claimed = greatest(l.claimed, $2),
-                             held_by = CASE WHEN ended THEN NULL ELSE l.held_by END,
-                             held_until = CASE WHEN ended THEN NULL ELSE l.held_until END
-                         FROM (SELECT x.lane, EXISTS (SELECT 1 FROM gone g
-                                                      WHERE g.lease_token = x.held_by AND g.lane = x.lane) AS ended
-                               FROM sqlstreams.lane_@id@ x WHERE x.consumer_group_id = $1) e
-                         WHERE l.consumer_group_id = $1 AND l.lane = e.lane)
+    sql: "WITH gone AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1 AND first_id <= $2),
+               lanes AS (UPDATE sqlstreams.lane_@id@ SET claimed = greatest(claimed, $2)
+                         WHERE consumer_group_id = $1)
           UPDATE sqlstreams.cursor_@id@
           SET claimed = greatest(claimed, $2), committed = greatest(committed, $2), lost = lost + $3
           WHERE consumer_group_id = $1",
     params: &[INT8OID, INT8OID, INT8OID],
+};
+
+/// The log, waiting at most 20 ms, and its sequence's oid.
+const LOCK_LOG: Statement = Statement {
+    name: "bounds_lock_log",
+    sql: "SELECT sqlstreams.lock_log($1) AS locked, 'sqlstreams.message_log_@id@_seq'::regclass::oid AS sequence",
+    params: &[INT8OID],
 };
 
 const GROUP_NAME: Statement = Statement {
@@ -136,7 +145,7 @@ pub fn enforce(client: &SpiClient<'_>, name: &str, stream: &StreamRef, groups: &
     let head = cursor::sequence_head(client, stream.id, Access::Write)?;
     // The end of the last partition out of bounds, oldest first; the head's partition stays.
     let mut through = 0;
-    for row in PARTITIONS.run(client, 0, &[log.oid().into()])? {
+    for row in PARTITIONS.run(client, 0, &[log.oid().into()])?.take(PARTITIONS_PER_ROUND) {
         let (part, bytes_from_here): (i64, i64) = (row.required("n")?, row.required("bytes_from_here")?);
         let end = log.last_id(part);
         if end >= head {
@@ -176,14 +185,22 @@ pub fn enforce(client: &SpiClient<'_>, name: &str, stream: &StreamRef, groups: &
             return Ok(0);
         }
     }
-    // SAFETY: takes the log's lock only if no other transaction holds any lock on it.
-    if !unsafe { pg_sys::ConditionalLockRelationOid(log.oid(), pg_sys::AccessExclusiveLock as pg_sys::LOCKMODE) } {
+    let locked = LOCK_LOG.run(client, stream.id, &[stream.id.into()])?.first();
+    if !locked.required::<bool>("locked")? {
+        return Ok(0);
+    }
+    let sequence: pg_sys::Oid = locked.required("sequence")?;
+    // SAFETY: takes the sequence's lock only if no other transaction holds a conflicting one.
+    if !unsafe { pg_sys::ConditionalLockRelationOid(sequence, pg_sys::ExclusiveLock as pg_sys::LOCKMODE) } {
         return Ok(0);
     }
     let mut total = 0;
     for &group in &lagging {
         let lost: i64 = LOST.run(client, stream.id, &[group.into(), through.into()])?.first().required("lost")?;
         MOVE.run(client, stream.id, &[group.into(), through.into(), lost.into()])?;
+        if lost == 0 {
+            continue;
+        }
         let group_name: String = GROUP_NAME.run(client, 0, &[group.into()])?.first().required("name")?;
         warning!(
             "sqlstreams: stream {} is past its bound: group {} lost {lost} message(s) it had not consumed, \

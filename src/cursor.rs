@@ -90,15 +90,15 @@ const SEQUENCE_HEAD: Statement =
 
 /// The head as inspection reports it. On a standby the sequence reads what the primary logged
 /// ahead of the ids it handed out (up to 32 more), so there it is the highest id replayed: the
-/// newest message of the log, or a position some group has claimed through (ids of rolled-back
-/// producers have no message). A claim or maintain() never runs on a standby.
+/// newest message of the log, or a position some group has claimed through or proven safe (ids of
+/// rolled-back producers have no message). A claim or maintain() never runs on a standby.
 macro_rules! observed_head_sql {
     () => {
         concat!(
             "(CASE WHEN NOT pg_catalog.pg_is_in_recovery() THEN ",
             $crate::cursor::head_sql!(),
             " ELSE greatest((SELECT max(id) FROM sqlstreams.message_log_@id@),
-                             (SELECT max(claimed) FROM sqlstreams.cursor_@id@),
+                             (SELECT max(greatest(claimed, fence_safe)) FROM sqlstreams.cursor_@id@),
                              (SELECT max(claimed) FROM sqlstreams.lane_@id@), 0) END)"
         )
     };

@@ -14,11 +14,13 @@ use crate::statement::{Access, Columns, Statement};
 
 /// The earliest time a waiting row, lease or lane hold of group `$1` comes due (each probe is
 /// an index's first entry); none for a paused group, which `resume_group` wakes with a NOTIFY.
+/// A row parked behind a held dead row waits for no time (`infinity`): what frees it notifies.
 const NEXT_DUE: Statement = Statement {
     name: "due_next",
     sql: "SELECT CASE WHEN g.paused THEN NULL ELSE least(
                 (SELECT min(can_run_after) FROM sqlstreams.exception_queue_@id@
-                 WHERE consumer_group_id = $1 AND status IN ('ready', 'deferred')),
+                 WHERE consumer_group_id = $1 AND status IN ('ready', 'deferred')
+                   AND can_run_after < 'infinity'),
                 (SELECT min(lease_expires_at) FROM sqlstreams.exception_queue_@id@
                  WHERE consumer_group_id = $1 AND status = 'inflight'),
                 (SELECT min(lease_expires_at) FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1),

@@ -835,3 +835,18 @@ fn next_due_needs_the_right_to_inspect_the_group() {
     assert_eq!(sqlstate(&err), "42704");
     assert_eq!(due_in(&mut c, &g), None);
 }
+
+#[test]
+fn next_due_passes_over_rows_parked_for_good_behind_a_held_dead_row() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "due-hold");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    c.query_one("SELECT sqlstreams.alter_group($1, 'g', on_dead => 'hold')", &[&s.name]).unwrap();
+    s.produce_many(&mut c, 3, Some("k"));
+    let first = g.claim(&mut c, 10);
+    assert_eq!(ids(&first), vec![1], "one message per ordered key while on_dead holds");
+    g.fail(&mut c, &first[0], "poison", true, None);
+    assert!(g.claim(&mut c, 10).is_empty(), "the key stops at its dead message");
+    // The rows behind it wait for a redrive, skip or purge (which notify), not for a time.
+    assert_eq!(due_in(&mut c, &g), None);
+}

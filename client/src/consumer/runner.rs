@@ -165,6 +165,7 @@ where
     let mut chains = JoinSet::new();
     let workers = tokio::runtime::Handle::current().metrics().num_workers().max(1);
     let mut backoff = Backoff::new();
+    let mut idle_floor = IDLE_FLOOR;
     let mut fatal = None;
     // Whether the last claim was parallel work only (no chains): then the next claim may
     // overlap its handlers.
@@ -258,7 +259,11 @@ where
         idle_after_flush = false;
         if rows.is_empty() {
             drop(permits);
-            let idle = idle_wait(&ctx).await;
+            let idle = idle_wait(&ctx, idle_floor).await;
+            if idle <= idle_floor {
+                // Due now, yet nothing came: the work waits behind something that notifies.
+                idle_floor = (idle_floor * 2).min(ctx.config.poll_interval);
+            }
             tokio::select! {
                 _ = wake.notified() => {}
                 _ = tokio::time::sleep(idle) => {}
@@ -266,6 +271,7 @@ where
             }
             continue;
         }
+        idle_floor = IDLE_FLOOR;
         ctx.counters.add(Event::Claimed, rows.len() as u64);
         ctx.outstanding.fetch_add(rows.len(), Ordering::AcqRel);
         let token = rows[0].token;
@@ -377,13 +383,15 @@ async fn heartbeat(leases: Arc<LeaseBook>, every: Duration, stop: CancellationTo
     }
 }
 
-/// Sets the lag gauges every `every`, until `stop`.
+/// The shortest idle wait. Work that is due but that a claim did not hand out (a retry in a
+/// lane another consumer holds) doubles it, up to `poll_interval`, until a claim finds work.
+const IDLE_FLOOR: Duration = Duration::from_millis(20);
+
 /// How long an idle consumer waits for a notification: until its group's next timed work
-/// falls due (`sqlstreams.next_due`), at most `poll_interval`, and not less than `IDLE_FLOOR`
-/// (work due but not claimable, such as a retry behind a key another consumer holds, must not
-/// spin). If the question fails, `poll_interval`.
-async fn idle_wait<T, H>(ctx: &Ctx<T, H>) -> Duration {
-    const IDLE_FLOOR: Duration = Duration::from_millis(20);
+/// falls due (`sqlstreams.next_due`), at most `poll_interval`, and not less than `floor`. If
+/// the question fails, `poll_interval`.
+async fn idle_wait<T, H>(ctx: &Ctx<T, H>, floor: Duration) -> Duration {
+    let floor = floor.min(ctx.config.poll_interval);
     let asked = async {
         let conn = ctx.group.stream.pool.conn().await?;
         let row = conn.query_one(sql::NEXT_DUE_IN, &[&ctx.group.stream.name, &ctx.group.name]).await?;
@@ -392,7 +400,7 @@ async fn idle_wait<T, H>(ctx: &Ctx<T, H>) -> Duration {
     match asked.await {
         Ok(Some(seconds)) => Duration::try_from_secs_f64(seconds.max(0.0))
             .unwrap_or(ctx.config.poll_interval)
-            .clamp(IDLE_FLOOR, ctx.config.poll_interval.max(IDLE_FLOOR)),
+            .clamp(floor, ctx.config.poll_interval.max(floor)),
         Ok(None) => ctx.config.poll_interval,
         Err(e) => {
             debug!(error = %e, "sqlstreams: could not read when the group's next work falls due");
@@ -401,6 +409,7 @@ async fn idle_wait<T, H>(ctx: &Ctx<T, H>) -> Duration {
     }
 }
 
+/// Sets the lag gauges every `every`, until `stop`.
 async fn read_lag(
     pool: crate::pool::Pool,
     stream: String,

@@ -39,6 +39,11 @@ pub enum StreamError {
     #[error("{message}")]
     PermissionDenied { message: String, hint: String },
 
+    /// The call's snapshot is older than rows it must see (a REPEATABLE READ transaction):
+    /// retried, it sees them.
+    #[error("{message}")]
+    SerializationFailure { message: String, hint: String },
+
     /// `DROP EXTENSION sqlstreams` while streams exist (src/drop_guard.rs).
     #[error("dropping the extension would lose {streams} stream(s): their names, groups and grants, and leave their tables behind")]
     StreamsExist { streams: i64 },
@@ -73,6 +78,7 @@ impl StreamError {
             StreamError::WrongPrerequisite { .. } => PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             StreamError::PermissionDenied { .. } => PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
             StreamError::Standby { .. } => PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,
+            StreamError::SerializationFailure { .. } => PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
             StreamError::StreamsExist { .. } => PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
             StreamError::Internal(_) | StreamError::Spi(_) => PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
         }
@@ -103,7 +109,8 @@ impl StreamError {
             StreamError::InvalidArgument { hint, .. }
             | StreamError::WrongTransactionState { hint, .. }
             | StreamError::WrongPrerequisite { hint, .. }
-            | StreamError::PermissionDenied { hint, .. } => Some(hint.clone()),
+            | StreamError::PermissionDenied { hint, .. }
+            | StreamError::SerializationFailure { hint, .. } => Some(hint.clone()),
             StreamError::Internal(_) | StreamError::Spi(_) => None,
         }
     }

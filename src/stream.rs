@@ -70,6 +70,15 @@ const DELETE: Statement = Statement {
     params: &[INT8OID],
 };
 
+/// Groups and grants of stream `$1` that the newest snapshot still sees: after `DELETE`, those
+/// committed after the caller's snapshot (REPEATABLE READ), which it did not delete.
+const LEFT_BEHIND: Statement = Statement {
+    name: "stream_left_behind",
+    sql: "SELECT (SELECT count(*) FROM sqlstreams.consumer_group WHERE stream_id = $1)
+               + (SELECT count(*) FROM sqlstreams.stream_grant WHERE stream_id = $1)",
+    params: &[INT8OID],
+};
+
 /// The stream called `name`, or `UnknownStream`.
 pub fn lookup(client: &SpiClient<'_>, name: &str) -> Result<StreamRef> {
     lookup_with(client, name, Access::Write)
@@ -219,6 +228,18 @@ pub fn drop(name: &str) -> Result<bool> {
             LOCK_FOR_DROP.run(client, 0, &[name.into()])?;
             DROP_TABLES.run(client, 0, &[stream.id.into()])?;
             DELETE.run(client, 0, &[stream.id.into()])?;
+            // The catalog has no foreign keys (a parallel restore loads it in any order), so no
+            // cascade fails here for a group created after this transaction's snapshot.
+            let left = LEFT_BEHIND.read_newest(client, 0, &[pg_sys::Datum::from(stream.id)])?;
+            if left.first().and_then(|row| row[0]).unwrap_or(0) > 0 {
+                return Err(StreamError::SerializationFailure {
+                    message: format!(
+                        "stream {} got a group or grant after this transaction's snapshot was taken",
+                        named(name)
+                    ),
+                    hint: "Retry the transaction (or drop the stream in READ COMMITTED).".into(),
+                });
+            }
             statement::forget_stream(stream.id);
             crate::lanes::forget(stream.id);
             Ok(true)

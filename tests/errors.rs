@@ -134,3 +134,26 @@ fn claim_refuses_old_snapshots() {
     assert_eq!(sqlstate(&err), "25000");
     assert!(err.as_db_error().unwrap().hint().unwrap().contains("READ COMMITTED"));
 }
+
+#[test]
+fn drop_stream_under_repeatable_read_leaves_no_group_behind() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "drop-rr");
+    let mut other = connect();
+    c.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1").unwrap();
+    // A group created after the snapshot: the drop does not see it.
+    other.query_one("SELECT sqlstreams.create_group($1, 'late')", &[&s.name]).unwrap();
+    let err = c.query_one("SELECT sqlstreams.drop_stream($1)", &[&s.name]).expect_err("a serialization failure");
+    assert_eq!(sqlstate(&err), "40001", "{err}");
+    c.batch_execute("ROLLBACK").unwrap();
+    assert!(c.query_one("SELECT sqlstreams.drop_stream($1)", &[&s.name]).unwrap().get::<_, bool>(0));
+    let orphans: i64 = c
+        .query_one(
+            "SELECT count(*) FROM sqlstreams.consumer_group g
+             WHERE NOT EXISTS (SELECT 1 FROM sqlstreams.stream s WHERE s.id = g.stream_id)",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(orphans, 0);
+}

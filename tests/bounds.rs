@@ -7,18 +7,6 @@ use std::sync::{Arc, Mutex};
 use postgres::{Client, NoTls};
 use sqlstreams_tests::*;
 
-fn partitions(c: &mut Client, s: &Stream) -> Vec<String> {
-    c.query(
-        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-         WHERE i.inhparent = $1::text::regclass ORDER BY 1",
-        &[&s.table("message_log")],
-    )
-    .unwrap()
-    .iter()
-    .map(|r| r.get(0))
-    .collect()
-}
-
 /// (lost, held_back_bytes, committed) of a group, from the view.
 fn bound_columns(c: &mut Client, s: &Stream, group: &str) -> (i64, i64, i64) {
     let row = c
@@ -46,14 +34,14 @@ fn connect_listening() -> (Client, Arc<Mutex<Vec<String>>>) {
 fn maintain_until_dropped(c: &mut Client, s: &Stream, through_partition: usize) {
     for _ in 0..20 {
         c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&s.name]).unwrap();
-        let left = partitions(c, s);
+        let left = s.partitions(c);
         if (0..through_partition)
             .all(|p| !left.contains(&format!("{}_p{p}", s.table("message_log")).replace("sqlstreams.", "")))
         {
             return;
         }
     }
-    panic!("the partitions out of bounds are still there: {:?}", partitions(c, s));
+    panic!("the partitions out of bounds are still there: {:?}", s.partitions(c));
 }
 
 #[test]
@@ -79,7 +67,7 @@ fn a_size_bound_drops_what_a_paused_group_holds_back_and_counts_what_it_lost() {
     assert_eq!(lost, 0);
     assert!(held_back > 0, "the paused group holds the first three partitions back");
     assert_eq!(bound_columns(&mut c, &s, "active").1, 0, "the active group holds nothing back");
-    assert!(partitions(&mut c, &s).iter().any(|p| p.ends_with("_p0")));
+    assert!(s.partitions(&mut c).iter().any(|p| p.ends_with("_p0")));
 
     // One byte: every partition but the head's is out of bounds.
     c.query_one("SELECT sqlstreams.alter_stream($1, max_bytes => 1)", &[&s.name]).unwrap();

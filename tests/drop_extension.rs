@@ -5,17 +5,6 @@
 use postgres::Client;
 use sqlstreams_tests::*;
 
-fn own_database() -> Client {
-    let mut admin = connect();
-    let name = unique("dropext").replace('-', "_");
-    admin.batch_execute(&format!("CREATE DATABASE {name}")).unwrap();
-    let url = database_url();
-    let base = url.rsplit_once('/').map(|(base, _)| base).unwrap();
-    let mut c = Client::connect(&format!("{base}/{name}"), postgres::NoTls).unwrap();
-    c.batch_execute("CREATE EXTENSION sqlstreams").unwrap();
-    c
-}
-
 /// Relations in the sqlstreams schema, and the catalog's rows.
 fn footprint(c: &mut Client) -> (i64, i64, i64) {
     let row = c
@@ -30,7 +19,7 @@ fn footprint(c: &mut Client) -> (i64, i64, i64) {
 
 #[test]
 fn dropping_the_extension_with_streams_is_refused_and_without_them_leaves_nothing() {
-    let mut c = own_database();
+    let (mut c, _) = own_database("dropext");
     let s = Stream::create(&mut c, "kept");
     let g = s.group(&mut c, "g", None);
     s.produce_many(&mut c, 5, None);

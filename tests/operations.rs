@@ -5,18 +5,6 @@ use postgres::Client;
 use serde_json::Value;
 use sqlstreams_tests::*;
 
-fn partitions(c: &mut Client, s: &Stream) -> Vec<String> {
-    c.query(
-        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-         WHERE i.inhparent = $1::text::regclass ORDER BY 1",
-        &[&s.table("message_log")],
-    )
-    .unwrap()
-    .iter()
-    .map(|r| r.get(0))
-    .collect()
-}
-
 /// maintain()'s (partitions dropped, exception rows purged) for one stream.
 fn maintain(c: &mut Client, s: &Stream) -> (i64, i64) {
     let row = c
@@ -46,11 +34,11 @@ fn a_redriven_compacted_dead_letter_is_still_superseded_after_its_partition_goes
     let first_partition = format!("{}_p0", s.table("message_log").trim_start_matches("sqlstreams."));
     for _ in 0..100 {
         c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&s.name]).unwrap();
-        if !partitions(&mut c, &s).contains(&first_partition) {
+        if !s.partitions(&mut c).contains(&first_partition) {
             break;
         }
     }
-    assert!(!partitions(&mut c, &s).contains(&first_partition), "{:?}", partitions(&mut c, &s));
+    assert!(!s.partitions(&mut c).contains(&first_partition), "{:?}", s.partitions(&mut c));
     // Redriven, the stale value must not run after the newer one: it is superseded.
     c.query_one("SELECT sqlstreams.redrive($1, 'g', ARRAY[$2::int8])", &[&s.name, &old]).unwrap();
     assert!(g.claim(&mut c, 10).is_empty(), "the stale compacted message ran again");
@@ -136,12 +124,12 @@ fn retention_drops_partitions_every_group_is_done_with_and_keeps_what_any_group_
     let slow = s.group(&mut c, "slow", None);
     s.produce_many(&mut c, 3500, None);
     assert_eq!(maintain(&mut c, &s), (0, 0), "no group has resolved anything yet");
-    let before = partitions(&mut c, &s);
+    let before = s.partitions(&mut c);
     assert!(before.len() >= 4, "{before:?}");
 
     fast.drain(&mut c);
     assert_eq!(maintain(&mut c, &s), (0, 0), "slow still needs every message");
-    assert_eq!(partitions(&mut c, &s), before);
+    assert_eq!(s.partitions(&mut c), before);
 
     // slow resolves everything, but two messages of the second and third partitions die.
     let payload_of = |c: &mut Client, id: i64| -> Value {
@@ -165,7 +153,7 @@ fn retention_drops_partitions_every_group_is_done_with_and_keeps_what_any_group_
     }
     // Dead letters keep no partition: every group committed past the first three.
     assert_eq!(maintain(&mut c, &s), (3, 0));
-    assert_eq!(partitions(&mut c, &s), before[3..], "the partition holding the head stays");
+    assert_eq!(s.partitions(&mut c), before[3..], "the partition holding the head stays");
     let archive = s.table("message_archive");
     let archived = |c: &mut Client| -> Vec<i64> {
         let sql = format!("SELECT id FROM {archive} ORDER BY id");

@@ -17,14 +17,7 @@ ORDER BY message_id;";
 
 /// A database of its own, so the ordering guide's ids come out as written: stream 1, group 7, 101-104.
 fn guide_database() -> Client {
-    let mut admin = connect();
-    let name = unique("guide").replace('-', "_");
-    admin.batch_execute(&format!("CREATE DATABASE {name}")).unwrap();
-    let url = database_url();
-    let base = url.rsplit_once('/').map(|(base, _)| base).unwrap();
-    let mut c = Client::connect(&format!("{base}/{name}"), postgres::NoTls).unwrap();
-    c.batch_execute("CREATE EXTENSION sqlstreams").unwrap();
-    c
+    own_database("guide").0
 }
 
 /// Sets the ordering guide's stage: returns the group; messages 1-100 are applied already.

@@ -156,23 +156,11 @@ fn lanes_found_empty_still_hand_out_what_comes_later_and_again_after_a_seek() {
     assert_eq!(again, produced, "after a seek every message comes again");
 }
 
-/// A database of its own: the extension is dropped and created again there, so a new stream
-/// gets the id of the old one.
-fn own_database() -> (Client, String) {
-    let mut admin = connect();
-    let name = unique("remember").replace('-', "_");
-    admin.batch_execute(&format!("CREATE DATABASE {name}")).unwrap();
-    let url = database_url();
-    let base = url.rsplit_once('/').map(|(base, _)| base).unwrap().to_string();
-    let url = format!("{base}/{name}");
-    let mut c = Client::connect(&url, postgres::NoTls).unwrap();
-    c.batch_execute("CREATE EXTENSION sqlstreams").unwrap();
-    (c, url)
-}
-
 #[test]
 fn a_stream_whose_id_comes_again_after_the_extension_is_made_again_is_read_afresh() {
-    let (mut admin, url) = own_database();
+    // A database of its own: the extension is dropped and created again there, so a new
+    // stream gets the id of the old one.
+    let (mut admin, url) = own_database("remember");
     let mut consumer = Client::connect(&url, postgres::NoTls).unwrap();
     let s = Stream::named(&mut admin, "ledger");
     let g = s.group(&mut admin, "g", Some("ordered"));

@@ -31,6 +31,20 @@ pub fn connect() -> Client {
     client
 }
 
+/// A database of its own for one test, with the extension: for tests whose ids must come out
+/// as written, or that drop the extension. Returns a connection to it and its URL.
+pub fn own_database(prefix: &str) -> (Client, String) {
+    let mut admin = connect();
+    let name = unique(prefix).replace('-', "_");
+    admin.batch_execute(&format!("CREATE DATABASE {name}")).expect("create a database");
+    let url = database_url();
+    let base = url.rsplit_once('/').map(|(base, _)| base).expect("a database URL");
+    let url = format!("{base}/{name}");
+    let mut c = Client::connect(&url, NoTls).expect("connect to the new database");
+    c.batch_execute("CREATE EXTENSION sqlstreams").expect("create the extension");
+    (c, url)
+}
+
 /// A new login role for one test (roles belong to the cluster: the name is unique), created by
 /// the superuser connection `c` with `options` such as `IN ROLE sqlstreams_consumer`. Returns
 /// its name.
@@ -125,6 +139,19 @@ impl Stream {
     }
 
     /// The lane of `key` in this stream.
+    /// The names of its log's partitions, in name order.
+    pub fn partitions(&self, c: &mut Client) -> Vec<String> {
+        c.query(
+            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+             WHERE i.inhparent = $1::text::regclass ORDER BY 1",
+            &[&self.table("message_log")],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+    }
+
     pub fn lane(&self, c: &mut Client, key: &str) -> i32 {
         c.query_one("SELECT sqlstreams.lane($1, 0, lanes) FROM sqlstreams.streams WHERE name = $2", &[&key, &self.name])
             .expect("lane")

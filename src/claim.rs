@@ -44,10 +44,12 @@ use crate::message::{self, Message, Meta};
 use crate::names::{self, positive_micros, validate_name};
 use crate::notify;
 use crate::outcome::{self, Signal};
+use crate::own_claims;
 use crate::partition::{self, Log};
 use crate::payload::RawJsonb;
 use crate::range::{self, RangeLease};
 use crate::retention;
+use crate::srf;
 use crate::statement::{self, Columns, Statement};
 use pgrx::pg_sys::panic::ErrorReport;
 
@@ -133,6 +135,8 @@ struct Claim<'a> {
     dead_on_expiry: Vec<i64>,
     /// Keys of messages this claim resolved (superseded, dead): their parked rows may wake.
     resolved_keys: Vec<Option<String>>,
+    /// It hands out an exception row, in flight under its token (src/own_claims.rs).
+    work_in_flight: bool,
 }
 
 /// Outcomes a claim records before it claims (`ack_lease_token`, `ack_message_ids`).
@@ -198,6 +202,7 @@ pub fn claim(
             changes: vec![],
             dead_on_expiry: vec![],
             resolved_keys: vec![],
+            work_in_flight: false,
         };
         let (deliveries, taken) = claim.run(client, fence.safe, candidates, head)?;
         signal_left(client, stream_id, &released, &taken)?;
@@ -315,6 +320,10 @@ impl Claim<'_> {
         }
 
         let (deliveries, pending, holding) = self.record(verdicts);
+        own_claims::made(
+            self.token,
+            own_claims::Facts { held_lanes: !holding.is_empty(), rows_in_flight: self.work_in_flight },
+        );
         exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;
         for mut range in std::mem::take(&mut self.ranges) {
             (range.pending, range.pending_keys) = pending
@@ -527,7 +536,10 @@ impl Claim<'_> {
             match verdict {
                 Verdict::Run { run_after } => {
                     match exception_queue::hand_out(&work.held, c.message_id, work.attempt, self.token, self.expires) {
-                        Some(update) => self.changes.push(Change::Update(update)),
+                        Some(update) => {
+                            self.work_in_flight = true;
+                            self.changes.push(Change::Update(update));
+                        }
                         None => pending.push((c.message_id, c.key.clone(), work.range.unwrap_or_default())),
                     }
                     if c.key.is_some() && c.concurrency.is_keyed_gate() {
@@ -630,12 +642,12 @@ fn claim_sql(
     ack_lease_token: default!(Option<pgrx::Uuid>, "NULL"),
     ack_message_ids: default!(Option<Vec<Option<i64>>>, "NULL"),
 ) -> Result<
-    TableIterator<
+    srf::TableIterator<
         'static,
         (
             name!(message_id, i64),
             name!(message_key, Option<String>),
-            name!(concurrency, String),
+            name!(concurrency, &'static str),
             name!(attempt, i32),
             name!(payload, RawJsonb),
             name!(lease_token, pgrx::Uuid),
@@ -646,16 +658,8 @@ fn claim_sql(
 > {
     crate::standby::refuse_writes("claim")?;
     let args = ClaimArgs::check(stream, group_name, batch_size, lease, ack_lease_token, ack_message_ids)?;
-    Ok(TableIterator::new(args.claim()?.into_iter().map(|d| {
-        (
-            d.message_id,
-            d.message_key,
-            d.concurrency.as_str().to_string(),
-            d.attempt,
-            d.payload,
-            d.lease_token,
-            d.run_after,
-        )
+    Ok(srf::TableIterator::new(args.claim()?.into_iter().map(|d| {
+        (d.message_id, d.message_key, d.concurrency.as_str(), d.attempt, d.payload, d.lease_token, d.run_after)
     })))
 }
 
@@ -670,12 +674,12 @@ fn claim_with_metadata_sql(
     ack_lease_token: default!(Option<pgrx::Uuid>, "NULL"),
     ack_message_ids: default!(Option<Vec<Option<i64>>>, "NULL"),
 ) -> Result<
-    TableIterator<
+    srf::TableIterator<
         'static,
         (
             name!(message_id, i64),
             name!(message_key, Option<String>),
-            name!(concurrency, String),
+            name!(concurrency, &'static str),
             name!(attempt, i32),
             name!(payload, RawJsonb),
             name!(lease_token, pgrx::Uuid),
@@ -688,8 +692,8 @@ fn claim_with_metadata_sql(
 > {
     crate::standby::refuse_writes("claim_with_metadata")?;
     let args = ClaimArgs::check(stream, group_name, batch_size, lease, ack_lease_token, ack_message_ids)?;
-    let deliveries = args.claim()?;
-    let rows: Vec<_> = deliveries
+    let rows: Vec<_> = args
+        .claim()?
         .into_iter()
         .map(|d| {
             let produced_at = TimestampWithTimeZone::try_from(d.meta.produced_at)
@@ -697,7 +701,7 @@ fn claim_with_metadata_sql(
             Ok((
                 d.message_id,
                 d.message_key,
-                d.concurrency.as_str().to_string(),
+                d.concurrency.as_str(),
                 d.attempt,
                 d.payload,
                 d.lease_token,
@@ -707,5 +711,5 @@ fn claim_with_metadata_sql(
             ))
         })
         .collect::<Result<_>>()?;
-    Ok(TableIterator::new(rows))
+    Ok(srf::TableIterator::new(rows))
 }

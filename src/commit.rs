@@ -109,8 +109,10 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
             counts::forget();
             if event == XACT_EVENT_COMMIT {
                 crate::lanes::committed();
+                crate::own_claims::committed();
             } else {
                 crate::lanes::rolled_back();
+                crate::own_claims::rolled_back();
             }
         }
         _ => {}
@@ -130,6 +132,7 @@ unsafe extern "C-unwind" fn on_subxact_event(
         SUBXACT_EVENT_ABORT_SUB => {
             counts::end_subtransaction(false, sub, parent);
             crate::lanes::rolled_back();
+            crate::own_claims::rolled_back();
         }
         _ => {}
     }

@@ -25,6 +25,7 @@ use pgrx::spi::SpiClient;
 
 use crate::error::Result;
 use crate::group::GroupRef;
+use crate::own_claims;
 use crate::partition::{self, Log};
 use crate::statement::{self, Access, Columns, Part, Statement};
 use crate::stream::StreamRef;
@@ -544,9 +545,10 @@ pub fn store(client: &SpiClient<'_>, group: &GroupRef, lane: Lane, hold: Option<
 }
 
 /// After outcomes under `token`: frees each lane it holds once everything it handed out there
-/// is resolved. Returns the lanes freed.
+/// is resolved. Returns the lanes freed. A token whose claim this backend made and which held
+/// no lane holds none (src/own_claims.rs).
 pub fn release(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid) -> Result<Vec<i32>> {
-    if !holds(group) {
+    if !holds(group) || own_claims::facts(token).is_some_and(|f| !f.held_lanes) {
         return Ok(vec![]);
     }
     let rows = RELEASE.run(client, group.stream.id, &[group.id.into(), token.into()])?;

@@ -6,9 +6,10 @@ use std::collections::{BTreeMap, HashSet};
 use pgrx::datum::TimestampWithTimeZone;
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::{SpiClient, SpiHeapTupleData, SpiTupleTable};
+use pgrx::{FromDatum, IntoDatum};
 
 use crate::concurrency::{self, Concurrency};
-use crate::error::Result;
+use crate::error::{Result, StreamError};
 use crate::group::GroupRef;
 use crate::key_gate::Candidate;
 use crate::partition::{self, Log};
@@ -16,11 +17,36 @@ use crate::payload::RawJsonb;
 use crate::statement::{Access, Columns, Part, Statement};
 use crate::stream::StreamRef;
 
-/// The columns a message is read with (`messages`).
+/// The columns a message is read with (`messages`), in the order of `Column`.
 macro_rules! columns {
     () => {
         "id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at"
     };
+}
+
+/// The position of each of `columns!()` in a row (1-based): a claim reads its messages by
+/// position, since a lookup by name costs a search of the row's columns per value.
+#[derive(Clone, Copy)]
+enum Column {
+    Id = 1,
+    Key,
+    Concurrency,
+    Compaction,
+    Lane,
+    Payload,
+    ProducedAt,
+    Headers,
+    DeliverAt,
+}
+
+/// A message row's value at `column`.
+fn at<T: FromDatum + IntoDatum>(row: &SpiHeapTupleData<'_>, column: Column) -> Result<Option<T>> {
+    Ok(row.get(column as usize)?)
+}
+
+fn required_at<T: FromDatum + IntoDatum>(row: &SpiHeapTupleData<'_>, column: Column) -> Result<T> {
+    at(row, column)?
+        .ok_or_else(|| StreamError::Internal(format!("message column {} is unexpectedly NULL", column as usize)))
 }
 
 /// Messages by id in one partition of the log (src/partition.rs).
@@ -76,26 +102,19 @@ pub struct Meta {
     pub headers: Option<RawJsonb>,
 }
 
-impl Meta {
-    /// Reads `produced_at` and `headers` from a row that selected them.
-    pub fn from_row(row: &SpiHeapTupleData<'_>) -> Result<Meta> {
-        Ok(Meta { produced_at: micros(row.required("produced_at")?), headers: row.value("headers")? })
-    }
-}
-
 fn micros(t: TimestampWithTimeZone) -> i64 {
     t.into_inner()
 }
 
 fn candidate(row: &SpiHeapTupleData<'_>, group: &GroupRef) -> Result<Candidate> {
-    let key: Option<String> = row.value("message_key")?;
-    let requested = row.value::<String>("concurrency")?.map(|c| Concurrency::from_stored(&c)).transpose()?;
+    let key: Option<String> = at(row, Column::Key)?;
+    let requested = at::<String>(row, Column::Concurrency)?.map(|c| Concurrency::from_stored(&c)).transpose()?;
     Ok(Candidate {
-        message_id: row.required("id")?,
+        message_id: required_at(row, Column::Id)?,
         concurrency: concurrency::resolve(group.concurrency_override, requested, key.is_some()),
         key,
-        compaction: row.required("compaction")?,
-        lane: row.required("lane")?,
+        compaction: required_at(row, Column::Compaction)?,
+        lane: required_at(row, Column::Lane)?,
     })
 }
 
@@ -103,9 +122,12 @@ fn messages(rows: SpiTupleTable<'_>, group: &GroupRef) -> Result<Vec<Message>> {
     rows.map(|row| {
         Ok(Message {
             candidate: candidate(&row, group)?,
-            payload: row.required("payload")?,
-            meta: Meta::from_row(&row)?,
-            deliver_at: row.value::<TimestampWithTimeZone>("deliver_at")?.map(micros),
+            payload: required_at(&row, Column::Payload)?,
+            meta: Meta {
+                produced_at: micros(required_at(&row, Column::ProducedAt)?),
+                headers: at(&row, Column::Headers)?,
+            },
+            deliver_at: at::<TimestampWithTimeZone>(&row, Column::DeliverAt)?.map(micros),
         })
     })
     .collect()
@@ -205,4 +227,29 @@ pub fn produced_after(
         }
     }
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_column_positions_are_those_of_the_select_list() {
+        let names: Vec<&str> = columns!().split(", ").collect();
+        let positions = [
+            ("id", Column::Id),
+            ("message_key", Column::Key),
+            ("concurrency", Column::Concurrency),
+            ("compaction", Column::Compaction),
+            ("lane", Column::Lane),
+            ("payload", Column::Payload),
+            ("produced_at", Column::ProducedAt),
+            ("headers", Column::Headers),
+            ("deliver_at", Column::DeliverAt),
+        ];
+        assert_eq!(names.len(), positions.len());
+        for (name, column) in positions {
+            assert_eq!(names[column as usize - 1], name);
+        }
+    }
 }

@@ -15,6 +15,7 @@ use crate::names::validate_name;
 use crate::notify;
 use crate::partition::{self, Need};
 use crate::payload::{RawJsonb, RawJsonbArray};
+use crate::srf;
 use crate::statement::{Columns, Statement};
 use crate::stream::{self, StreamRef};
 use pgrx::pg_sys::panic::ErrorReport;
@@ -448,7 +449,7 @@ fn produce_batch(
     idempotency_keys: default!(Option<Vec<Option<String>>>, "NULL"),
     headers: default!(Option<RawJsonbArray>, "NULL"),
     deliver_after: default!(Option<Interval>, "NULL"),
-) -> std::result::Result<SetOfIterator<'static, Option<i64>>, ErrorReport> {
+) -> std::result::Result<srf::SetOfIterator<'static, Option<i64>>, ErrorReport> {
     crate::standby::refuse_writes("produce_batch")?;
     let stream = validate_name("stream", stream)?;
     let payloads = payloads.ok_or_else(|| {
@@ -460,5 +461,5 @@ fn produce_batch(
     let extras =
         BatchExtras { headers, deliver_after: check_deliver_after(deliver_after, compaction.unwrap_or(false))? };
     let ids = produce_many(stream, payloads, keys, concurrency, compaction.unwrap_or(false), idempotency, extras)?;
-    Ok(SetOfIterator::new(ids))
+    Ok(srf::SetOfIterator::new(ids))
 }

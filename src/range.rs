@@ -160,6 +160,16 @@ const SPLIT: Statement = Statement {
     params: &[INT8OID, INT8OID, INT8OID, INT8ARRAYOID, TEXTARRAYOID],
 };
 
+/// A range handed out for the first time: no row of it exists (its messages lie past the lane's
+/// position, past every range of the lane), so it is inserted without `LEASE`'s look for one.
+const LEASE_NEW: Statement = Statement {
+    name: "range_lease_new",
+    sql: "INSERT INTO sqlstreams.range_lease_@id@
+              (consumer_group_id, first_id, last_id, lease_token, lease_expires_at, reclaims, pending, pending_keys, lane)
+          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+    params: &[INT8OID, INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID, INT4OID, INT8ARRAYOID, TEXTARRAYOID, INT4OID],
+};
+
 /// Outcomes of messages `$3`, delivered under token `$2`.
 const ADD_DONE: Statement = Statement {
     name: "range_add_done",
@@ -324,7 +334,8 @@ pub fn lease(
         // A fresh range (no reclaims yet) was never stored.
         return if range.reclaims > 0 { delete(client, stream_id, group_id, range.first_id) } else { Ok(()) };
     }
-    LEASE.run(
+    let statement = if range.reclaims == 0 { &LEASE_NEW } else { &LEASE };
+    statement.run(
         client,
         stream_id,
         &[

@@ -332,8 +332,23 @@ const SUCCEED_ROWS: Statement = Statement {
     params: &[INT8OID, UUIDOID, INT8ARRAYOID],
 };
 
+/// Whether group `$1` has any row in flight: one probe of the index of leases.
+const ANY_INFLIGHT: Statement = Statement {
+    name: "eq_any_inflight",
+    sql: "SELECT coalesce((SELECT true FROM sqlstreams.exception_queue_@id@
+                           WHERE consumer_group_id = $1 AND status = 'inflight'
+                           ORDER BY lease_expires_at LIMIT 1), false) AS any",
+    params: &[INT8OID],
+};
+
 /// Handlers of deliveries from the queue succeeded: their rows are deleted. Returns the (id,
 /// key) pairs deleted. (A first delivery that succeeds only leaves its range: src/outcome.rs.)
+///
+/// A token whose claim this backend made and which put no row in flight has none
+/// (src/own_claims.rs); a group with no row in flight (a consumer keeping up acks only first
+/// deliveries) deletes nothing either. Then no statement fires the queue's count triggers.
+/// That look is final: rows in flight under `token` were written by the claim that made the
+/// token, which committed, and nothing else puts a row in flight under it.
 pub fn succeed(
     client: &SpiClient<'_>,
     group: &GroupRef,
@@ -341,6 +356,11 @@ pub fn succeed(
     ids: &[i64],
 ) -> Result<Vec<(i64, Option<String>)>> {
     let mut done = Vec::new();
+    if crate::own_claims::facts(token).is_some_and(|f| !f.rows_in_flight)
+        || !ANY_INFLIGHT.run(client, group.stream.id, &[group.id.into()])?.first().required::<bool>("any")?
+    {
+        return Ok(done);
+    }
     for row in SUCCEED_ROWS.run(client, group.stream.id, &[group.id.into(), token.into(), ids.to_vec().into()])? {
         done.push((row.required("message_id")?, row.value("message_key")?));
     }
@@ -385,6 +405,17 @@ const WAKE: Statement = Statement {
     params: &[INT8OID, TEXTARRAYOID, TIMESTAMPTZOID, INT4OID],
 };
 
+/// Whether group `$1` has any parked row, read after the keys' locks as `WAKE` would read it: a
+/// group with none (as a rule, while it keeps up) updates nothing, and no statement fires the
+/// queue's count triggers.
+const ANY_PARKED: Statement = Statement {
+    name: "eq_any_parked",
+    sql: "SELECT coalesce((SELECT true FROM sqlstreams.exception_queue_@id@
+                           WHERE consumer_group_id = $1 AND parked
+                           ORDER BY message_key, message_id LIMIT 1), false) AS any",
+    params: &[INT8OID],
+};
+
 /// Rows one claim can chain per key; also the wake batch.
 pub const WAKE_PER_KEY: i32 = 1000;
 
@@ -420,7 +451,7 @@ pub fn after_resolution(
         }
         Waker::Claim => locks::try_keys_shared(group.id, keys),
     };
-    if keys.is_empty() {
+    if keys.is_empty() || !ANY_PARKED.run(client, stream_id, &[group.id.into()])?.first().required::<bool>("any")? {
         return Ok(());
     }
     let woken =

@@ -81,6 +81,13 @@ fn render_part(sql: &str, stream_id: StreamId, part: Option<Part>) -> String {
 }
 
 impl Statement {
+    /// The SQL as prepared, behind a comment with the statement's name: pg_stat_statements,
+    /// pg_stat_activity and the server log then say which statement of the library it is
+    /// (docs/benchmarks/results.md breaks a claim down by these names).
+    fn labelled(&self, sql: String) -> String {
+        format!("/* sqlstreams {} */ {sql}", self.name)
+    }
+
     /// Runs the statement against `stream_id`'s tables and returns its rows.
     ///
     /// Plans are prepared as "mutating": SPI then takes a fresh snapshot per statement under
@@ -150,7 +157,7 @@ impl Statement {
             return Ok(plan);
         }
         let types: Vec<PgOid> = self.params.iter().map(|oid| PgOid::BuiltIn(*oid)).collect();
-        let sql = render_part(self.sql, stream_id, part);
+        let sql = self.labelled(render_part(self.sql, stream_id, part));
         let prepared =
             if read_only { client.prepare(sql.as_str(), &types)? } else { client.prepare_mut(sql.as_str(), &types)? };
         let plan = Rc::new(prepared.keep());
@@ -226,7 +233,7 @@ impl Statement {
             if let Some(plan) = plans.get(&(stream_id, self.name)) {
                 return Ok(plan.0);
             }
-            let sql = std::ffi::CString::new(render(self.sql, stream_id)).expect("no NUL in statements");
+            let sql = std::ffi::CString::new(self.labelled(render(self.sql, stream_id))).expect("no NUL in statements");
             let mut types: Vec<pg_sys::Oid> = self.params.iter().map(|oid| PgOid::BuiltIn(*oid).value()).collect();
             // SAFETY: prepares and keeps a plan inside the caller's SPI connection.
             let plan = unsafe { pg_sys::SPI_prepare(sql.as_ptr(), types.len() as i32, types.as_mut_ptr()) };

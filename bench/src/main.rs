@@ -2,8 +2,10 @@
 //! `DATABASE_URL` (started by `scripts/rig bench` with durable settings). Writes
 //! `results.md` and SVG plots to `--out` (default `docs/benchmarks`) and prints the ratios.
 //!
-//! Usage: sqlstreams-bench [--quick] [--out DIR] [--only w1,w2,w3,w4,w5,w7,w8,w9]
+//! Usage: sqlstreams-bench [--quick] [--out DIR] [--only w1,w2,w3,w4,w5,w6,w7,w8,w9,w10]
 
+mod cost;
+mod drain;
 mod growth;
 mod report;
 mod scaling;
@@ -32,7 +34,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let bench = Bench::new(&url, quick).await;
     bench.db.batch_execute("CREATE EXTENSION IF NOT EXISTS sqlstreams;").await?;
-    if ["w1", "w3", "w5"].iter().any(|w| run(w)) {
+    if ["w1", "w3", "w5", "w10"].iter().any(|w| run(w)) {
         bench.db.batch_execute("CREATE EXTENSION IF NOT EXISTS pgq;").await?;
     }
     let mut results = Results {
@@ -44,6 +46,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         w5: vec![],
         w7: vec![],
         w8: vec![],
+        w10: vec![],
+        w6: vec![],
     };
     for (k, v) in &results.machine {
         println!("{k}: {v}");
@@ -101,6 +105,37 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
 
+    if run("w6") {
+        for keys in [Keys::None, Keys::Ordered(1024)] {
+            match bench.cost(keys).await {
+                Some(c) => {
+                    println!(
+                        "W6 {:<20} claim {:>6.0} µs of server time ({:.0} µs outside its statements), WAL {:>5.0} B per claim",
+                        c.label, c.claim_us, c.outside_statements_us(), c.wal_bytes_per_claim
+                    );
+                    results.w6.push(c);
+                }
+                None => println!("W6: pg_stat_statements is not loaded; no per-statement costs"),
+            }
+        }
+    }
+    if run("w10") {
+        // Rounds of every case, interleaved, and each case's median round: the machine's noise
+        // moves single runs by more than the differences measured.
+        let rounds = if bench.quick { 1 } else { 3 };
+        let mut runs: Vec<Vec<drain::Drain>> = vec![vec![]; drain::CASES.len()];
+        for round in 1..=rounds {
+            for (i, (system, keys)) in drain::CASES.into_iter().enumerate() {
+                let d = bench.drain(system, keys).await;
+                println!(
+                    "W10 round {round} {:<20} {:<20} {:>8.0}/s, server CPU {:>5.1} µs/msg, WAL {:>4.0} B/msg, claim {:>6.0} µs, missing {} duplicates {}",
+                    system.name(), d.label, d.rate, d.server_cpu_us_per_message, d.wal_bytes_per_message, d.claim_us, d.missing, d.duplicates
+                );
+                runs[i].push(d);
+            }
+        }
+        results.w10 = runs.into_iter().filter_map(drain::median).collect();
+    }
     if run("w7") {
         // Consumers are threads with blocking connections: off the async runtime.
         let (url, quick) = (url.clone(), bench.quick);
@@ -114,8 +149,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     std::fs::create_dir_all(&out)?;
     println!();
-    // The results page holds W1-W8; W9 has a page of its own, so each can be re-run alone.
-    if ["w1", "w2", "w3", "w4", "w5", "w7", "w8"].iter().any(|w| run(w)) {
+    // The results page holds W1-W8 and W10; W9 has a page of its own, so each can be re-run alone.
+    if ["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w10"].iter().any(|w| run(w)) {
         for line in results.ratios() {
             println!("{line}");
         }

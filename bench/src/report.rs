@@ -18,6 +18,8 @@ pub struct Results {
     pub w5: Vec<Idle>,
     pub w7: Vec<Scaling>,
     pub w8: Vec<crate::soak::Sample>,
+    pub w10: Vec<crate::drain::Drain>,
+    pub w6: Vec<crate::cost::Cost>,
 }
 
 fn name(system: Option<System>) -> &'static str {
@@ -88,6 +90,15 @@ impl Results {
             }
         }
         lines.extend(self.scaling_ratios());
+        lines.extend(self.drain_ratios());
+        for c in &self.w6 {
+            lines.push(format!(
+                "W6 claim of 100 carrying the previous acks, {}: {:.0} µs of server time (target ≤ 300 µs), {:.0} µs of it outside its statements",
+                c.label,
+                c.claim_us,
+                c.outside_statements_us()
+            ));
+        }
         let quiet = |s| self.w3.iter().find(|l| l.system == Some(s));
         if let (Some(ours), Some(pgq)) = (quiet(System::Client), quiet(System::Pgq)) {
             lines.push(format!("W3 pickup p50, sqlstreams (client) / PgQ: {}", ratio(ours.p50_ms, pgq.p50_ms)));
@@ -134,6 +145,9 @@ impl Results {
             throughput_table(&self.w1)
         );
         let _ = writeln!(md, "## W2 keyed throughput\n\nW1 with message keys (sqlstreams only: PgQ and the floor have no per-key delivery).\n\n![keyed](keyed.svg)\n\n{}", throughput_table(&self.w2));
+        if !self.w10.is_empty() {
+            let _ = writeln!(md, "{}", self.drain_section());
+        }
         if !self.w7.is_empty() {
             let _ = writeln!(md, "{}", self.scaling_section());
         }
@@ -163,6 +177,9 @@ impl Results {
             "## W6 claim cost\n\nFrom W1's function statistics (`track_functions = all`), server time per call.\n\n{}",
             claim_cost_table(&self.w1)
         );
+        if !self.w6.is_empty() {
+            let _ = writeln!(md, "{}", self.cost_section());
+        }
         let _ = writeln!(
             md,
             "## W3 quiet latency\n\nOne message every 5 ms (200/s), one per transaction; time from the produce call to the handler. \
@@ -476,4 +493,111 @@ fn bars(path: &Path, title: &str, values: &[(String, f64)]) -> Result<(), Box<dy
     }))?;
     root.present()?;
     Ok(())
+}
+
+impl Results {
+    fn drain(&self, system: System, label: &str) -> Option<&crate::drain::Drain> {
+        self.w10.iter().find(|d| d.system == Some(system) && d.label == label)
+    }
+
+    /// W10's ratios, each next to its target.
+    fn drain_ratios(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        let none = "no keys";
+        let rate = |s, l| self.drain(s, l).map_or(f64::NAN, |d| d.rate);
+        if self.w10.is_empty() {
+            return lines;
+        }
+        lines.push(format!(
+            "W10 drain, sqlstreams parallel (SQL) / floor: {} (target ≥ 1.00×); PgQ / floor: {}",
+            ratio(rate(System::Sql, none), rate(System::Floor, none)),
+            ratio(rate(System::Pgq, none), rate(System::Floor, none))
+        ));
+        lines.push(format!(
+            "W10 drain, client / SQL: {} (target ≥ 0.95×)",
+            ratio(rate(System::Client, none), rate(System::Sql, none))
+        ));
+        for label in ["ordered, 1024 keys", "exclusive, 1024 keys"] {
+            lines.push(format!(
+                "W10 drain (SQL), {label} / parallel: {} (target ≥ 0.90×)",
+                ratio(rate(System::Sql, label), rate(System::Sql, none))
+            ));
+        }
+        lines.push(format!(
+            "W10 drain (client), ordered, 1024 keys / parallel: {}",
+            ratio(rate(System::Client, "ordered, 1024 keys"), rate(System::Client, none))
+        ));
+        let cpu = |s| self.drain(s, none).map_or(f64::NAN, |d| d.server_cpu_us_per_message);
+        lines.push(format!(
+            "W10 drain, server CPU per message, sqlstreams (SQL) / PgQ: {}; / floor: {}",
+            ratio(cpu(System::Sql), cpu(System::Pgq)),
+            ratio(cpu(System::Sql), cpu(System::Floor))
+        ));
+        lines
+    }
+
+    fn drain_section(&self) -> String {
+        let mut md = String::from(
+            "## W10 drain\n\nA consumer's capacity: a backlog (2 producers in 100-message transactions, keys as in W2) is \
+             produced first, then one consumer drains it in batches of 100 with nothing else running (PgQ in its tick \
+             batches, its ticker running). Every case runs in rounds, interleaved; each row is the case's median \
+             round (missing and duplicates: all rounds). Server CPU is every process of the cluster, from `/proc`; claim µs is \
+             `track_functions`' time per claim call.\n\n\
+             | system | keys | messages | seconds | drained/s | server CPU µs/msg | WAL bytes/msg | claims | µs per claim | missing | duplicates |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|\n",
+        );
+        for d in &self.w10 {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {:.2} | {:.0} | {:.1} | {:.0} | {} | {} | {} | {} |",
+                name(d.system),
+                d.label,
+                d.messages,
+                d.seconds,
+                d.rate,
+                d.server_cpu_us_per_message,
+                d.wal_bytes_per_message,
+                d.claims,
+                if d.claim_us.is_finite() { format!("{:.0}", d.claim_us) } else { "n/a".into() },
+                d.missing,
+                d.duplicates
+            );
+        }
+        md
+    }
+}
+
+impl Results {
+    /// W6's statement-by-statement tables.
+    fn cost_section(&self) -> String {
+        let mut md = String::from(
+            "### Where a claim's time and WAL go\n\nOne consumer drains a backlog through SQL in claims of 100 that \
+             carry the previous claim's acks, with `pg_stat_statements.track = all` in its session only. Each row \
+             is a statement of the library, by the name in its leading comment (src/statement.rs): its calls, \
+             execution time and WAL per claim. \"Outside the statements\" is the claim's `track_functions` time \
+             less their execution time: the call, SPI, planning the execution (`ExecutorStart`), building the \
+             result rows, the checks. A profile of the same drain (`perf record --call-graph dwarf` on the \
+             backend) is in docs/benchmarks/cost-model.md.\n",
+        );
+        for c in &self.w6 {
+            let _ = writeln!(
+                md,
+                "\n**{}** ({} claims): {:.0} µs per claim, {:.0} µs of it outside the statements; WAL {:.0} bytes per claim.\n\n\
+                 | statement | calls per claim | µs per claim | WAL bytes per claim |\n|---|---|---|---|",
+                c.label,
+                c.claims,
+                c.claim_us,
+                c.outside_statements_us(),
+                c.wal_bytes_per_claim
+            );
+            for l in &c.lines {
+                let _ = writeln!(
+                    md,
+                    "| {} | {:.2} | {:.1} | {:.0} |",
+                    l.statement, l.calls_per_claim, l.us_per_claim, l.wal_bytes_per_claim
+                );
+            }
+        }
+        md
+    }
 }

@@ -39,7 +39,7 @@ impl Keys {
         }
     }
 
-    fn policy(self) -> Option<&'static str> {
+    pub fn policy(self) -> Option<&'static str> {
         match self {
             Keys::None => None,
             Keys::Ordered(_) => Some("ordered"),
@@ -47,7 +47,7 @@ impl Keys {
         }
     }
 
-    fn key(self, producer: u32, seq: u64) -> Option<String> {
+    pub fn key(self, producer: u32, seq: u64) -> Option<String> {
         let n = match self {
             Keys::None => return None,
             Keys::Ordered(n) | Keys::Exclusive(n) => n as u64,
@@ -97,7 +97,7 @@ impl Bench {
         Bench { url: url.to_string(), db: systems::connect(url).await, quick, runs: AtomicUsize::new(0) }
     }
 
-    fn run_name(&self, what: &str) -> String {
+    pub fn run_name(&self, what: &str) -> String {
         format!("{what}-{}-{}", std::process::id(), self.runs.fetch_add(1, Ordering::Relaxed))
     }
 

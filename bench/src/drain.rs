@@ -1,0 +1,194 @@
+//! W10 drain: a consumer's capacity. W1's consumed/s is capped by each system's producers once
+//! its consumer keeps up, so it cannot rank consumers that keep up; here a backlog is produced
+//! first (2 producers, 100-message transactions), then one consumer drains it in batches of 100
+//! with nothing else running. The floor's bare id cursor is what a consumer with no guarantee
+//! costs; PgQ drains in its tick batches (its ticker runs throughout, as it must).
+//!
+//! Server CPU is read from `/proc` for every process of the cluster (the postmaster's children),
+//! so it counts what the consumer's calls cost wherever it is spent: in SQL, in the call around
+//! it, in WAL writing.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::systems::{self, ConsumerOpts, Event, Producer, System};
+use crate::workloads::{Bench, Keys};
+
+#[derive(Clone, Debug, Default)]
+pub struct Drain {
+    pub system: Option<System>,
+    pub label: String,
+    pub messages: usize,
+    pub seconds: f64,
+    pub rate: f64,
+    pub server_cpu_us_per_message: f64,
+    pub wal_bytes_per_message: f64,
+    /// sqlstreams: claims and their server time (`track_functions`), µs per claim.
+    pub claims: i64,
+    pub claim_us: f64,
+    pub missing: usize,
+    pub duplicates: usize,
+    /// Rounds run; the numbers are the median round's.
+    pub rounds: usize,
+}
+
+/// The cases, in the order the report shows them.
+pub const CASES: [(System, Keys); 7] = [
+    (System::Floor, Keys::None),
+    (System::Pgq, Keys::None),
+    (System::Sql, Keys::None),
+    (System::Client, Keys::None),
+    (System::Sql, Keys::Ordered(1024)),
+    (System::Sql, Keys::Exclusive(1024)),
+    (System::Client, Keys::Ordered(1024)),
+];
+
+/// The round with the median rate, with every round's missing and duplicate messages added up.
+pub fn median(mut rounds: Vec<Drain>) -> Option<Drain> {
+    let (missing, duplicates) = rounds.iter().fold((0, 0), |(m, d), r| (m + r.missing, d + r.duplicates));
+    rounds.sort_by(|a, b| a.rate.total_cmp(&b.rate));
+    let n = rounds.len();
+    let mut median = rounds.into_iter().nth(n / 2)?;
+    median.rounds = n;
+    median.missing = missing;
+    median.duplicates = duplicates;
+    Some(median)
+}
+
+/// CPU time (user + system) of the cluster's processes, in microseconds: the postmaster whose
+/// data directory is `data_dir` and its children.
+fn cluster_cpu_us(data_dir: &str) -> u64 {
+    let postmaster: u32 = std::fs::read_to_string(format!("{data_dir}/postmaster.pid"))
+        .ok()
+        .and_then(|s| s.lines().next().and_then(|l| l.trim().parse().ok()))
+        .unwrap_or(0);
+    let ticks = 100u64; // USER_HZ on Linux
+    let mut total = 0u64;
+    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
+    for entry in dir.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        // Fields after the command (which may hold spaces) start after the last ')'.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { continue };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        // rest: state(0) ppid(1) ... utime(11) stime(12)
+        let ppid: u32 = fields.get(1).and_then(|f| f.parse().ok()).unwrap_or(0);
+        if pid != postmaster && ppid != postmaster {
+            continue;
+        }
+        let utime: u64 = fields.get(11).and_then(|f| f.parse().ok()).unwrap_or(0);
+        let stime: u64 = fields.get(12).and_then(|f| f.parse().ok()).unwrap_or(0);
+        total += (utime + stime) * 1_000_000 / ticks;
+    }
+    total
+}
+
+impl Bench {
+    /// W10: one consumer drains a backlog of `messages`.
+    pub async fn drain(&self, system: System, keys: Keys) -> Drain {
+        let messages = if self.quick { 20_000 } else { 200_000 };
+        let target = systems::setup(&self.db, system, &self.run_name("drain"), keys.policy()).await;
+        let client = sqlstreams_client::Client::connect(&self.url).unwrap();
+        let data_dir: String = self.db.query_one("SHOW data_directory", &[]).await.unwrap().get(0);
+        let stop_ticker = CancellationToken::new();
+        let ticker = (system == System::Pgq).then(|| systems::spawn_ticker(self.url.clone(), stop_ticker.clone()));
+
+        // The backlog: 2 producers, 100 messages a transaction, keys interleaved as in W2.
+        let mut producers = Vec::new();
+        for p in 0..2u32 {
+            let (url, client, target) = (self.url.clone(), client.clone(), target.clone());
+            let count = messages / 2;
+            producers.push(tokio::spawn(async move {
+                let producer = Producer::new(&url, &client, &target).await;
+                let mut seq = 0u64;
+                while (seq as usize) < count {
+                    let n = 100.min(count - seq as usize);
+                    let events: Vec<Event> = (0..n)
+                        .map(|_| {
+                            seq += 1;
+                            Event::new(p, seq, keys.key(p, seq))
+                        })
+                        .collect();
+                    producer.send(&events).await;
+                }
+                seq
+            }));
+        }
+        let mut expected = HashSet::new();
+        for (p, handle) in producers.into_iter().enumerate() {
+            let last = handle.await.unwrap();
+            expected.extend((1..=last).map(|seq| (p as u32, seq)));
+        }
+        // Every tick PgQ needs for the backlog is made before the clock starts.
+        if system == System::Pgq {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        self.db.execute("CHECKPOINT", &[]).await.unwrap();
+        self.db.execute("SELECT pg_stat_reset()", &[]).await.unwrap();
+
+        let (sink, mut seen_rx) = mpsc::unbounded_channel();
+        let opts = ConsumerOpts { batch: 100, idle_poll: Duration::from_millis(10), policy: keys.policy() };
+        let wal_start: String = self.db.query_one("SELECT pg_current_wal_lsn()::text", &[]).await.unwrap().get(0);
+        let cpu_start = cluster_cpu_us(&data_dir);
+        let started = Instant::now();
+        let consumer = systems::start_consumer(&self.url, &client, &target, opts, sink).await;
+        let mut seen = Vec::with_capacity(expected.len());
+        let deadline = Instant::now() + Duration::from_secs(300);
+        let mut unique = HashSet::new();
+        while unique.len() < expected.len() && Instant::now() < deadline {
+            if let Ok(Some(c)) = tokio::time::timeout(Duration::from_secs(1), seen_rx.recv()).await {
+                unique.insert((c.producer, c.seq));
+                seen.push(c);
+            }
+        }
+        let elapsed = started.elapsed();
+        let cpu = cluster_cpu_us(&data_dir).saturating_sub(cpu_start);
+        let wal: f64 = self
+            .db
+            .query_one("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::float8", &[&wal_start])
+            .await
+            .unwrap()
+            .get(0);
+        consumer.stop().await;
+        stop_ticker.cancel();
+        if let Some(t) = ticker {
+            let _stopped = t.await;
+        }
+        drop(client);
+        while let Ok(c) = seen_rx.try_recv() {
+            unique.insert((c.producer, c.seq));
+            seen.push(c);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await; // closed backends flush statistics
+        let (claims, claim_ms): (i64, f64) = {
+            let row = self
+                .db
+                .query_one(
+                    "SELECT coalesce(sum(calls), 0)::int8, coalesce(sum(total_time), 0)
+                     FROM pg_stat_user_functions WHERE schemaname = 'sqlstreams' AND funcname IN ('claim', 'claim_with_metadata')",
+                    &[],
+                )
+                .await
+                .unwrap();
+            (row.get(0), row.get(1))
+        };
+        let n = expected.len().max(1) as f64;
+        Drain {
+            system: Some(system),
+            label: keys.label(),
+            messages: expected.len(),
+            seconds: elapsed.as_secs_f64(),
+            rate: unique.len() as f64 / elapsed.as_secs_f64(),
+            server_cpu_us_per_message: cpu as f64 / n,
+            wal_bytes_per_message: wal / n,
+            claims,
+            claim_us: if claims > 0 { claim_ms * 1000.0 / claims as f64 } else { f64::NAN },
+            missing: expected.difference(&unique).count(),
+            duplicates: seen.len() - unique.len(),
+            rounds: 1,
+        }
+    }
+}

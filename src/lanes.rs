@@ -31,7 +31,27 @@ use crate::statement::{self, Access, Columns, Part, Statement};
 use crate::stream::StreamRef;
 
 mod empty;
-pub use empty::{committed, forget, rolled_back};
+mod next;
+
+/// The transaction committed: what its probes learned of lanes counts from now on
+/// (src/lanes/empty.rs, src/lanes/next.rs).
+pub fn committed() {
+    empty::committed();
+    next::committed();
+}
+
+/// The transaction, or one of its savepoints, was rolled back or prepared: what its probes
+/// learned goes.
+pub fn rolled_back() {
+    empty::rolled_back();
+    next::rolled_back();
+}
+
+/// Forgets what this backend learned of a dropped stream's lanes.
+pub fn forget(stream_id: i64) {
+    empty::forget(stream_id);
+    next::forget(stream_id);
+}
 
 /// A lane a claim holds (its row is locked until the claim commits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -368,8 +388,14 @@ pub fn candidates(
     let safe_part = partition::of(stream, safe);
     let candidate = |lane: i32, claimed: i64, due_rows: bool, expired_range: bool, isolated: bool| {
         let behind = partition::of(stream, claimed + 1) < safe_part;
-        let known_empty = claimed >= safe || (!behind && empty::known(stream.id, log.oid(), lane, claimed, safe));
-        Candidate { lane, due_rows, expired_range, isolated, claimed, messages: known_empty.then_some(false), behind }
+        let messages = if claimed >= safe || (!behind && empty::known(stream.id, log.oid(), lane, claimed, safe)) {
+            Some(false)
+        } else if next::known(stream.id, log.oid(), lane, claimed, safe) {
+            Some(true)
+        } else {
+            None
+        };
+        Candidate { lane, due_rows, expired_range, isolated, claimed, messages, behind }
     };
     let mut lanes = Vec::new();
     let mut any_work = false;
@@ -402,7 +428,7 @@ pub fn candidates(
         // preferred one first among equals.
         lanes.sort_by_key(|c| (c.claimed, Some(c.lane) != preferred, c.lane));
     }
-    lanes.retain(|c| c.due_rows || c.expired_range || c.messages.is_none());
+    lanes.retain(|c| c.due_rows || c.expired_range || c.messages != Some(false));
     Ok(Candidates { lanes, next: 0, probe_size: PROBE_LANES, safe, share })
 }
 
@@ -465,7 +491,12 @@ fn probe(client: &SpiClient<'_>, group: &GroupRef, positions: Vec<(i32, i64)>, s
     let empty = by_partition(client, &log, positions, safe, Access::Write, |part, lanes, claimed| {
         let args = [lanes.into(), claimed.into(), safe.into()];
         let rows = NEXT.exec_in(client, stream.id, part, &args, Access::Write)?;
-        let here = rows.map(|row| row.required("lane")).collect::<Result<Vec<i32>>>()?;
+        let here =
+            rows.map(|row| Ok((row.required("lane")?, row.required("id")?))).collect::<Result<Vec<(i32, i64)>>>()?;
+        for &(lane, id) in &here {
+            next::learn(stream.id, log.oid(), lane, id);
+        }
+        let here: Vec<i32> = here.into_iter().map(|(lane, _)| lane).collect();
         found.extend(&here);
         Ok(ControlFlow::Continue(here))
     })?;

@@ -390,7 +390,7 @@ pub fn candidates(
         let behind = partition::of(stream, claimed + 1) < safe_part;
         let messages = if claimed >= safe || (!behind && empty::known(stream.id, log.oid(), lane, claimed, safe)) {
             Some(false)
-        } else if next::known(stream.id, log.oid(), lane, claimed, safe) {
+        } else if !behind && next::known(stream.id, log.oid(), lane, claimed, safe) {
             Some(true)
         } else {
             None

@@ -4,7 +4,8 @@
 //! cost more than the rest of `produce` and `claim` together. The extension never looks inside a
 //! payload, so these types carry the datum as Postgres made it: an argument is handed to SPI as
 //! is, and a value read through SPI is detoasted and copied once into the caller's memory
-//! context (the set-returning function's multi-call context for `claim`).
+//! context (SPI's caller's, which outlives the call's rows: `claim` puts them into its
+//! tuplestore, src/srf.rs).
 
 use pgrx::callconv::{Arg, ArgAbi, BoxRet, FcInfo};
 use pgrx::datum::Datum;

@@ -6,7 +6,8 @@
 //! (`SPI_keepplan`); later executions reuse it. A plan whose tables are dropped is re-planned by
 //! Postgres' plan cache, so a recreated stream with a reused id still works.
 //!
-//! Rows are read by column name (`Columns`), never by position.
+//! Rows are read by column name (`Columns`); a claim reads its messages by position
+//! (src/message.rs), as many as a hundred rows of nine columns per call.
 
 use std::cell::RefCell;
 use std::collections::HashMap;

@@ -100,27 +100,52 @@ fn an_ack_on_the_claims_connection_deletes_the_rows_it_put_in_flight() {
     g.assert_counts_exact(&mut c);
 }
 
-#[test]
-fn a_claim_rolled_back_teaches_its_connection_nothing() {
-    let mut c = connect();
-    let s = Stream::create(&mut c, "own-rollback");
-    let g = s.group(&mut c, "g", Some("ordered"));
-    s.produce_many(&mut c, 2, Some("k"));
-    // Claimed and rolled back: the messages are claimed again under a new token, which this
-    // connection's committed claim made.
+/// Scans of `table` and its indexes this backend has not reported yet.
+fn scans(tx: &mut Transaction<'_>, table: &str) -> i64 {
+    tx.query_one(
+        "SELECT sum(pg_stat_get_xact_numscans(r))::int8
+         FROM (SELECT $1::text::regclass AS r UNION ALL SELECT indexrelid FROM pg_index WHERE indrelid = $1::text::regclass) i",
+        &[&table],
+    )
+    .unwrap()
+    .get(0)
+}
+
+/// Acks `ds` on `c`; returns the scans of the stream's lane table and exception queue the ack
+/// made.
+fn ack_scans(c: &mut Client, s: &Stream, g: &Group, ds: &[Delivery]) -> (i64, i64) {
+    let (lane, queue) = (s.table("lane"), s.table("exception_queue"));
     let mut tx = c.transaction().unwrap();
-    let rolled: Vec<uuid::Uuid> = tx
-        .query("SELECT lease_token FROM sqlstreams.claim($1, 'g', 10)", &[&s.name])
+    let before = (scans(&mut tx, &lane), scans(&mut tx, &queue));
+    let ids: Vec<i64> = ds.iter().map(|d| d.message_id).collect();
+    let acked: Vec<i64> = tx
+        .query_one("SELECT sqlstreams.ack_batch($1, $2, $3, $4)", &[&s.name, &g.name, &ds[0].lease_token, &ids])
         .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    tx.rollback().unwrap();
-    assert_eq!(rolled.len(), 2);
-    let batch = g.claim(&mut c, 10);
-    assert_eq!(batch.len(), 2);
-    assert_ne!(batch[0].lease_token, rolled[0]);
-    assert_eq!(held_by(&mut c, &s, &g), vec![Some(batch[0].lease_token)]);
-    assert_eq!(ack_counting(&mut c, &s, &g, &batch), 0);
-    assert!(held_by(&mut c, &s, &g).is_empty(), "the lane is free");
+        .get(0);
+    assert_eq!(acked, ids, "every message is acked");
+    let after = (scans(&mut tx, &lane), scans(&mut tx, &queue));
+    tx.commit().unwrap();
+    (after.0 - before.0, after.1 - before.1)
+}
+
+#[test]
+fn an_ack_on_the_claims_connection_skips_what_its_claim_did_not_do() {
+    let mut c = connect();
+    let mut other = connect();
+    let s = Stream::create(&mut c, "own-skip");
+    // The group may hold lanes (no override), but messages without a key hold none.
+    let g = s.group(&mut c, "g", None);
+    s.produce_many(&mut c, 6, None);
+    let mine = g.claim(&mut c, 3);
+    let theirs = g.claim(&mut c, 3);
+    assert_eq!((mine.len(), theirs.len()), (3, 3));
+    assert_eq!(
+        ack_scans(&mut c, &s, &g, &mine),
+        (0, 0),
+        "the claim's connection knows it held no lane and put no row in flight"
+    );
+    let (lane_scans, queue_scans) = ack_scans(&mut other, &s, &g, &theirs);
+    assert!(lane_scans > 0, "another connection looks for the lanes the token holds");
+    assert!(queue_scans > 0, "and for its rows in flight");
+    assert_eq!(g.drain(&mut c), Vec::<i64>::new(), "everything was acked");
 }

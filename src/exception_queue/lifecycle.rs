@@ -347,8 +347,9 @@ const ANY_INFLIGHT: Statement = Statement {
 /// A token whose claim this backend made and which put no row in flight has none
 /// (src/own_claims.rs); a group with no row in flight (a consumer keeping up acks only first
 /// deliveries) deletes nothing either. Then no statement fires the queue's count triggers.
-/// That look is final: rows in flight under `token` were written by the claim that made the
-/// token, which committed, and nothing else puts a row in flight under it.
+/// That look is final: rows in flight under `token` are written only by the claim that made the
+/// token, which the ack's snapshot sees committed (or is the ack's own transaction), and
+/// nothing else puts a row in flight under it.
 pub fn succeed(
     client: &SpiClient<'_>,
     group: &GroupRef,

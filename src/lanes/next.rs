@@ -3,9 +3,11 @@
 //! few lanes at once and a claim takes one of them, so the next claims take the others without
 //! probing them again.
 //!
-//! X is at or below a safe head, so it is final (src/fence.rs); it stays in the log until the
-//! group's committed position passes it (retention keeps what any group has not committed). So
-//! while a lane's position is below X, the lane has work: X, at least. Facts count once the
+//! X is at or below a safe head, so it is final (src/fence.rs); retention keeps it while any
+//! group has not committed it. So while a lane's position is below X, the lane has work: X, at
+//! least. Except after a seek back past partitions retention dropped meanwhile (or a group
+//! created again from the beginning): the lane then sits in an older partition than the safe
+//! head's, where the facts are not used (src/lanes.rs probes such a lane, and moves it up). Facts count once the
 //! transaction that learned them commits, as in src/lanes/empty.rs, and are kept per stream with
 //! the oid of its log.
 

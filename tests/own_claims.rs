@@ -29,23 +29,6 @@ fn held_by(c: &mut Client, s: &Stream, g: &Group) -> Vec<Option<uuid::Uuid>> {
     .collect()
 }
 
-/// Acks `ds` in a transaction of `c` that counts function calls; returns the count trigger's
-/// calls.
-fn ack_counting(c: &mut Client, s: &Stream, g: &Group, ds: &[Delivery]) -> i64 {
-    let mut tx = c.transaction().unwrap();
-    tx.batch_execute("SET LOCAL track_functions = 'all'").unwrap();
-    let before = count_trigger_calls(&mut tx, s);
-    let ids: Vec<i64> = ds.iter().map(|d| d.message_id).collect();
-    let acked: Vec<i64> = tx
-        .query_one("SELECT sqlstreams.ack_batch($1, $2, $3, $4)", &[&s.name, &g.name, &ds[0].lease_token, &ids])
-        .unwrap()
-        .get(0);
-    assert_eq!(acked, ids, "every message is acked");
-    let calls = count_trigger_calls(&mut tx, s) - before;
-    tx.commit().unwrap();
-    calls
-}
-
 #[test]
 fn an_ack_of_first_deliveries_touches_no_exception_row() {
     let mut c = connect();
@@ -55,7 +38,7 @@ fn an_ack_of_first_deliveries_touches_no_exception_row() {
     let batch = g.claim(&mut c, 10);
     assert_eq!(batch.len(), 5);
     assert_eq!(held_by(&mut c, &s, &g), vec![Some(batch[0].lease_token)], "the claim holds the key's lane");
-    assert_eq!(ack_counting(&mut c, &s, &g, &batch), 0, "no statement on the exception queue");
+    assert_eq!(ack_measured(&mut c, &s, &g, &batch).trigger_calls, 0, "no statement on the exception queue");
     assert!(held_by(&mut c, &s, &g).is_empty(), "the ack freed the lane");
 }
 
@@ -77,7 +60,7 @@ fn an_ack_on_another_connection_frees_the_lane_and_deletes_the_rows_in_flight() 
     );
     assert_eq!(held_by(&mut c, &s, &g), vec![Some(second[0].lease_token)]);
     // The other connection did not make the token: it looks, and finds the row and the lane.
-    assert!(ack_counting(&mut other, &s, &g, &second) >= 1, "the row in flight is deleted");
+    assert!(ack_measured(&mut other, &s, &g, &second).trigger_calls >= 1, "the row in flight is deleted");
     assert!(g.exception_rows(&mut c).is_empty(), "no exception row is left");
     assert!(held_by(&mut c, &s, &g).is_empty(), "the lane is free");
     g.assert_counts_exact(&mut c);
@@ -94,7 +77,7 @@ fn an_ack_on_the_claims_connection_deletes_the_rows_it_put_in_flight() {
     g.make_due(&mut c);
     let second = g.claim(&mut c, 10);
     assert_eq!(second.len(), 2);
-    assert!(ack_counting(&mut c, &s, &g, &second) >= 1, "the row in flight is deleted");
+    assert!(ack_measured(&mut c, &s, &g, &second).trigger_calls >= 1, "the row in flight is deleted");
     assert!(g.exception_rows(&mut c).is_empty());
     assert!(held_by(&mut c, &s, &g).is_empty(), "the lane is free");
     g.assert_counts_exact(&mut c);
@@ -111,21 +94,39 @@ fn scans(tx: &mut Transaction<'_>, table: &str) -> i64 {
     .get(0)
 }
 
-/// Acks `ds` on `c`; returns the scans of the stream's lane table and exception queue the ack
-/// made.
-fn ack_scans(c: &mut Client, s: &Stream, g: &Group, ds: &[Delivery]) -> (i64, i64) {
+/// What an ack made on its connection's backend.
+#[derive(Debug, PartialEq)]
+struct Made {
+    /// Calls of the exception count trigger: statements that changed the queue, or could have.
+    trigger_calls: i64,
+    lane_scans: i64,
+    queue_scans: i64,
+}
+
+/// Acks `ds` on `c` in a transaction that counts what the ack does.
+fn ack_measured(c: &mut Client, s: &Stream, g: &Group, ds: &[Delivery]) -> Made {
     let (lane, queue) = (s.table("lane"), s.table("exception_queue"));
     let mut tx = c.transaction().unwrap();
-    let before = (scans(&mut tx, &lane), scans(&mut tx, &queue));
+    tx.batch_execute("SET LOCAL track_functions = 'all'").unwrap();
+    let measure = |tx: &mut Transaction<'_>| Made {
+        trigger_calls: count_trigger_calls(tx, s),
+        lane_scans: scans(tx, &lane),
+        queue_scans: scans(tx, &queue),
+    };
+    let before = measure(&mut tx);
     let ids: Vec<i64> = ds.iter().map(|d| d.message_id).collect();
     let acked: Vec<i64> = tx
         .query_one("SELECT sqlstreams.ack_batch($1, $2, $3, $4)", &[&s.name, &g.name, &ds[0].lease_token, &ids])
         .unwrap()
         .get(0);
     assert_eq!(acked, ids, "every message is acked");
-    let after = (scans(&mut tx, &lane), scans(&mut tx, &queue));
+    let after = measure(&mut tx);
     tx.commit().unwrap();
-    (after.0 - before.0, after.1 - before.1)
+    Made {
+        trigger_calls: after.trigger_calls - before.trigger_calls,
+        lane_scans: after.lane_scans - before.lane_scans,
+        queue_scans: after.queue_scans - before.queue_scans,
+    }
 }
 
 #[test]
@@ -139,13 +140,14 @@ fn an_ack_on_the_claims_connection_skips_what_its_claim_did_not_do() {
     let mine = g.claim(&mut c, 3);
     let theirs = g.claim(&mut c, 3);
     assert_eq!((mine.len(), theirs.len()), (3, 3));
+    let mine = ack_measured(&mut c, &s, &g, &mine);
     assert_eq!(
-        ack_scans(&mut c, &s, &g, &mine),
+        (mine.lane_scans, mine.queue_scans),
         (0, 0),
         "the claim's connection knows it held no lane and put no row in flight"
     );
-    let (lane_scans, queue_scans) = ack_scans(&mut other, &s, &g, &theirs);
-    assert!(lane_scans > 0, "another connection looks for the lanes the token holds");
-    assert!(queue_scans > 0, "and for its rows in flight");
+    let theirs = ack_measured(&mut other, &s, &g, &theirs);
+    assert!(theirs.lane_scans > 0, "another connection looks for the lanes the token holds");
+    assert!(theirs.queue_scans > 0, "and for its rows in flight");
     assert_eq!(g.drain(&mut c), Vec::<i64>::new(), "everything was acked");
 }

@@ -82,7 +82,7 @@ impl Bench {
             .unwrap();
         self.db.execute("SELECT pg_stat_reset()", &[]).await.unwrap();
         self.db.execute("SELECT pg_stat_statements_reset()", &[]).await.unwrap();
-        let wal_start: String = self.db.query_one("SELECT pg_current_wal_lsn()::text", &[]).await.unwrap().get(0);
+        let wal_start = self.wal_position().await;
         let mut acks: (Option<uuid::Uuid>, Option<Vec<i64>>) = (None, None);
         loop {
             let rows = pg.query(&claim, &[&stream, &acks.0, &acks.1]).await.unwrap();
@@ -91,12 +91,7 @@ impl Bench {
             }
             acks = (Some(rows[0].get(1)), Some(rows.iter().map(|r| r.get(0)).collect()));
         }
-        let wal: f64 = self
-            .db
-            .query_one("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::float8", &[&wal_start])
-            .await
-            .unwrap()
-            .get(0);
+        let wal = self.wal_since(&wal_start).await;
         drop(pg);
         tokio::time::sleep(Duration::from_millis(600)).await; // a closed backend flushes its statistics
         let (claims, claim_ms): (i64, f64) = {

@@ -131,7 +131,7 @@ impl Bench {
 
         let (sink, mut seen_rx) = mpsc::unbounded_channel();
         let opts = ConsumerOpts { batch: 100, idle_poll: Duration::from_millis(10), policy: keys.policy() };
-        let wal_start: String = self.db.query_one("SELECT pg_current_wal_lsn()::text", &[]).await.unwrap().get(0);
+        let wal_start = self.wal_position().await;
         let cpu_start = cluster_cpu_us(&data_dir);
         let started = Instant::now();
         let consumer = systems::start_consumer(&self.url, &client, &target, opts, sink).await;
@@ -146,12 +146,7 @@ impl Bench {
         }
         let elapsed = started.elapsed();
         let cpu = cluster_cpu_us(&data_dir).saturating_sub(cpu_start);
-        let wal: f64 = self
-            .db
-            .query_one("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::float8", &[&wal_start])
-            .await
-            .unwrap()
-            .get(0);
+        let wal = self.wal_since(&wal_start).await;
         consumer.stop().await;
         stop_ticker.cancel();
         if let Some(t) = ticker {

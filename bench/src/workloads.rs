@@ -105,6 +105,20 @@ impl Bench {
         Duration::from_secs(if self.quick { quick } else { full })
     }
 
+    /// The cluster's WAL position now, for `wal_since`.
+    pub async fn wal_position(&self) -> String {
+        self.db.query_one("SELECT pg_current_wal_lsn()::text", &[]).await.unwrap().get(0)
+    }
+
+    /// Bytes of WAL written since `position` (from `wal_position`).
+    pub async fn wal_since(&self, position: &str) -> f64 {
+        self.db
+            .query_one("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::float8", &[&position])
+            .await
+            .unwrap()
+            .get(0)
+    }
+
     async fn function_stats(&self) -> Vec<(String, i64, f64)> {
         self.db
             .query(
@@ -127,7 +141,7 @@ impl Bench {
         // A client of its own: its connections close at the end and flush their statistics.
         let client = sqlstreams_client::Client::connect(&self.url).unwrap();
         self.db.execute("SELECT pg_stat_reset()", &[]).await.unwrap();
-        let wal_start: String = self.db.query_one("SELECT pg_current_wal_lsn()::text", &[]).await.unwrap().get(0);
+        let wal_start = self.wal_position().await;
         let stop_ticker = CancellationToken::new();
         let ticker = (system == System::Pgq).then(|| systems::spawn_ticker(self.url.clone(), stop_ticker.clone()));
         let (sink, mut seen_rx) = mpsc::unbounded_channel();
@@ -180,12 +194,7 @@ impl Bench {
             seen.push(c);
         }
         tokio::time::sleep(Duration::from_millis(500)).await; // closed backends flush statistics
-        let wal: f64 = self
-            .db
-            .query_one("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::float8", &[&wal_start])
-            .await
-            .unwrap()
-            .get(0);
+        let wal = self.wal_since(&wal_start).await;
 
         let unique: HashSet<(u32, u64)> = seen.iter().map(|c| (c.producer, c.seq)).collect();
         let mut latencies: Vec<f64> = seen.iter().map(|c| (c.handled_us - c.produced_us) as f64 / 1000.0).collect();

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::systems::{self, ConsumerOpts, Event, Producer, System};
-use crate::workloads::{Bench, Keys};
+use crate::systems::{self, ConsumerOpts, System};
+use crate::workloads::{Bench, Keys, Until};
 
 #[derive(Clone, Debug, Default)]
 pub struct Drain {
@@ -97,31 +97,7 @@ impl Bench {
         let ticker = (system == System::Pgq).then(|| systems::spawn_ticker(self.url.clone(), stop_ticker.clone()));
 
         // The backlog: 2 producers, 100 messages a transaction, keys interleaved as in W2.
-        let mut producers = Vec::new();
-        for p in 0..2u32 {
-            let (url, client, target) = (self.url.clone(), client.clone(), target.clone());
-            let count = messages / 2;
-            producers.push(tokio::spawn(async move {
-                let producer = Producer::new(&url, &client, &target).await;
-                let mut seq = 0u64;
-                while (seq as usize) < count {
-                    let n = 100.min(count - seq as usize);
-                    let events: Vec<Event> = (0..n)
-                        .map(|_| {
-                            seq += 1;
-                            Event::new(p, seq, keys.key(p, seq))
-                        })
-                        .collect();
-                    producer.send(&events).await;
-                }
-                seq
-            }));
-        }
-        let mut expected = HashSet::new();
-        for (p, handle) in producers.into_iter().enumerate() {
-            let last = handle.await.unwrap();
-            expected.extend((1..=last).map(|seq| (p as u32, seq)));
-        }
+        let expected = self.produce(&client, &target, keys, Until::Count(messages)).await;
         // Every tick PgQ needs for the backlog is made before the clock starts.
         if system == System::Pgq {
             tokio::time::sleep(Duration::from_millis(200)).await;

@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::stats::{now_us, quantile};
-use crate::systems::{self, Consumed, ConsumerOpts, Event, Pg, Producer, System};
+use crate::systems::{self, Consumed, ConsumerOpts, Event, Pg, Producer, System, Target};
 
 pub struct Bench {
     pub url: String,
@@ -54,6 +54,15 @@ impl Keys {
         };
         Some(format!("key-{}", (seq * 2 + producer as u64) % n))
     }
+}
+
+/// How long `produce` goes on.
+#[derive(Clone, Copy, Debug)]
+pub enum Until {
+    /// Until this much time has passed since the instant.
+    Elapsed(Instant, Duration),
+    /// Until this many messages, half from each producer, are sent.
+    Count(usize),
 }
 
 #[derive(Clone, Debug, Default)]
@@ -105,6 +114,46 @@ impl Bench {
         Duration::from_secs(if self.quick { quick } else { full })
     }
 
+    /// Two producers sending 100-message transactions of `keys`' events to `target` until
+    /// `until`; returns what they sent, as (producer, sequence number).
+    pub async fn produce(
+        &self,
+        client: &sqlstreams_client::Client,
+        target: &Target,
+        keys: Keys,
+        until: Until,
+    ) -> HashSet<(u32, u64)> {
+        let mut producers = Vec::new();
+        for p in 0..2u32 {
+            let (url, client, target) = (self.url.clone(), client.clone(), target.clone());
+            producers.push(tokio::spawn(async move {
+                let producer = Producer::new(&url, &client, &target).await;
+                let mut seq = 0u64;
+                loop {
+                    let n = match until {
+                        Until::Elapsed(started, duration) if started.elapsed() < duration => 100,
+                        Until::Count(count) if (seq as usize) < count / 2 => 100.min(count / 2 - seq as usize),
+                        _ => break,
+                    };
+                    let events: Vec<Event> = (0..n)
+                        .map(|_| {
+                            seq += 1;
+                            Event::new(p, seq, keys.key(p, seq))
+                        })
+                        .collect();
+                    producer.send(&events).await;
+                }
+                seq
+            }));
+        }
+        let mut sent = HashSet::new();
+        for (p, handle) in producers.into_iter().enumerate() {
+            let last = handle.await.unwrap();
+            sent.extend((1..=last).map(|seq| (p as u32, seq)));
+        }
+        sent
+    }
+
     /// The cluster's WAL position now, for `wal_since`.
     pub async fn wal_position(&self) -> String {
         self.db.query_one("SELECT pg_current_wal_lsn()::text", &[]).await.unwrap().get(0)
@@ -150,29 +199,7 @@ impl Bench {
 
         let duration = self.seconds(10, 3);
         let started = Instant::now();
-        let mut producers = Vec::new();
-        for p in 0..2u32 {
-            let (url, client, target) = (self.url.clone(), client.clone(), target.clone());
-            producers.push(tokio::spawn(async move {
-                let producer = Producer::new(&url, &client, &target).await;
-                let mut seq = 0u64;
-                while started.elapsed() < duration {
-                    let events: Vec<Event> = (0..100)
-                        .map(|_| {
-                            seq += 1;
-                            Event::new(p, seq, keys.key(p, seq))
-                        })
-                        .collect();
-                    producer.send(&events).await;
-                }
-                seq
-            }));
-        }
-        let mut expected = HashSet::new();
-        for (p, handle) in producers.into_iter().enumerate() {
-            let last = handle.await.unwrap();
-            expected.extend((1..=last).map(|seq| (p as u32, seq)));
-        }
+        let expected = self.produce(&client, &target, keys, Until::Elapsed(started, duration)).await;
         let produce_elapsed = started.elapsed();
 
         let mut seen: Vec<Consumed> = Vec::with_capacity(expected.len());

@@ -58,34 +58,6 @@ pub fn median(mut rounds: Vec<Drain>) -> Option<Drain> {
     Some(median)
 }
 
-/// CPU time (user + system) of the cluster's processes, in microseconds: the postmaster whose
-/// data directory is `data_dir` and its children.
-fn cluster_cpu_us(data_dir: &str) -> u64 {
-    let postmaster: u32 = std::fs::read_to_string(format!("{data_dir}/postmaster.pid"))
-        .ok()
-        .and_then(|s| s.lines().next().and_then(|l| l.trim().parse().ok()))
-        .unwrap_or(0);
-    let ticks = 100u64; // USER_HZ on Linux
-    let mut total = 0u64;
-    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
-    for entry in dir.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-        // Fields after the command (which may hold spaces) start after the last ')'.
-        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { continue };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        // rest: state(0) ppid(1) ... utime(11) stime(12)
-        let ppid: u32 = fields.get(1).and_then(|f| f.parse().ok()).unwrap_or(0);
-        if pid != postmaster && ppid != postmaster {
-            continue;
-        }
-        let utime: u64 = fields.get(11).and_then(|f| f.parse().ok()).unwrap_or(0);
-        let stime: u64 = fields.get(12).and_then(|f| f.parse().ok()).unwrap_or(0);
-        total += (utime + stime) * 1_000_000 / ticks;
-    }
-    total
-}
-
 impl Bench {
     /// W10: one consumer drains a backlog of `messages`.
     pub async fn drain(&self, system: System, keys: Keys) -> Drain {
@@ -108,7 +80,7 @@ impl Bench {
         let (sink, mut seen_rx) = mpsc::unbounded_channel();
         let opts = ConsumerOpts { batch: 100, idle_poll: Duration::from_millis(10), policy: keys.policy() };
         let wal_start = self.wal_position().await;
-        let cpu_start = cluster_cpu_us(&data_dir);
+        let cpu_start = self.cluster_cpu_us(&data_dir);
         let started = Instant::now();
         let consumer = systems::start_consumer(&self.url, &client, &target, opts, sink).await;
         let mut seen = Vec::with_capacity(expected.len());
@@ -121,7 +93,7 @@ impl Bench {
             }
         }
         let elapsed = started.elapsed();
-        let cpu = cluster_cpu_us(&data_dir).saturating_sub(cpu_start);
+        let cpu = self.cluster_cpu_us(&data_dir).saturating_sub(cpu_start);
         let wal = self.wal_since(&wal_start).await;
         consumer.stop().await;
         stop_ticker.cancel();

@@ -2,11 +2,12 @@
 //! `DATABASE_URL` (started by `scripts/rig bench` with durable settings). Writes
 //! `results.md` and SVG plots to `--out` (default `docs/benchmarks`) and prints the ratios.
 //!
-//! Usage: sqlstreams-bench [--quick] [--out DIR] [--only w1,w2,w3,w4,w5,w6,w7,w8,w9,w10]
+//! Usage: sqlstreams-bench [--quick] [--out DIR] [--only w1,w2,w3,w4,w5,w6,w7,w8,w9,w10,w11]
 
 mod cost;
 mod drain;
 mod growth;
+mod poll;
 mod report;
 mod scaling;
 mod soak;
@@ -47,6 +48,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         w7: vec![],
         w8: vec![],
         w10: vec![],
+        w11: vec![],
         w6: vec![],
     };
     for (k, v) in &results.machine {
@@ -136,6 +138,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         results.w10 = runs.into_iter().filter_map(drain::median).collect();
     }
+    if run("w11") {
+        let stream = bench.idle_poll_stream().await;
+        bench.pause_autovacuum().await;
+        let rounds = if bench.quick { 1 } else { 3 };
+        let mut runs: Vec<Vec<poll::Polled>> = vec![vec![]; poll::Poll::ALL.len()];
+        for round in 1..=rounds {
+            for (i, p) in poll::Poll::ALL.into_iter().enumerate() {
+                let polled = bench.idle_poll(&stream, p).await;
+                println!(
+                    "W11 round {round} {:<28} {:>7} polls in {:.1} s, server CPU {:>6.1} µs per poll",
+                    p.label(), polled.polls, polled.seconds, polled.server_cpu_us
+                );
+                runs[i].push(polled);
+            }
+        }
+        bench.resume_autovacuum().await;
+        results.w11 = runs.into_iter().filter_map(poll::median).collect();
+    }
     if run("w7") {
         // Consumers are threads with blocking connections: off the async runtime.
         let (url, quick) = (url.clone(), bench.quick);
@@ -149,8 +169,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     std::fs::create_dir_all(&out)?;
     println!();
-    // The results page holds W1-W8 and W10; W9 has a page of its own, so each can be re-run alone.
-    if ["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w10"].iter().any(|w| run(w)) {
+    // The results page holds every workload but W9, which has a page of its own, so each can be
+    // re-run alone.
+    if ["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w10", "w11"].iter().any(|w| run(w)) {
         for line in results.ratios() {
             println!("{line}");
         }

@@ -19,6 +19,7 @@ pub struct Results {
     pub w7: Vec<Scaling>,
     pub w8: Vec<crate::soak::Sample>,
     pub w10: Vec<crate::drain::Drain>,
+    pub w11: Vec<crate::poll::Polled>,
     pub w6: Vec<crate::cost::Cost>,
 }
 
@@ -91,6 +92,7 @@ impl Results {
         }
         lines.extend(self.scaling_ratios());
         lines.extend(self.drain_ratios());
+        lines.extend(self.poll_ratios());
         for c in &self.w6 {
             lines.push(format!(
                 "W6 claim of 100 carrying the previous acks, {}: {:.0} µs of server time (target ≤ 300 µs), {:.0} µs of it outside its statements",
@@ -204,6 +206,9 @@ impl Results {
                 i.statements_per_second,
                 i.xids
             );
+        }
+        if !self.w11.is_empty() {
+            let _ = writeln!(md, "{}", self.poll_section());
         }
         md
     }
@@ -597,6 +602,51 @@ impl Results {
                     l.statement, l.calls_per_claim, l.us_per_claim, l.wal_bytes_per_claim
                 );
             }
+        }
+        md
+    }
+}
+
+impl Results {
+    fn polled(&self, poll: crate::poll::Poll) -> f64 {
+        self.w11.iter().find(|p| p.poll == poll).map_or(f64::NAN, |p| p.server_cpu_us)
+    }
+
+    /// W11's ratios: an idle poll's server CPU against `SELECT 1`'s.
+    fn poll_ratios(&self) -> Vec<String> {
+        use crate::poll::Poll;
+        if self.w11.is_empty() {
+            return vec![];
+        }
+        let one = self.polled(Poll::SelectOne);
+        vec![format!(
+            "W11 idle poll, {} groups, server CPU per poll / SELECT 1's: claim {} (target ≤ 2.00×), claim + next_due (client) {}",
+            crate::poll::GROUPS,
+            ratio(self.polled(Poll::Claim), one),
+            ratio(self.polled(Poll::ClaimNextDue), one)
+        )]
+    }
+
+    fn poll_section(&self) -> String {
+        let mut md = format!(
+            "## W11 idle poll\n\n{} groups of one caught-up stream, each polled every 20 ms from a connection of its own \
+             (statements prepared), against the same connections sending `SELECT 1` at the same rate. Server CPU is the \
+             pollers' own backends' (`/proc/<pid>/schedstat`; an idle poll writes nothing, so no other process works \
+             for it); each row is the median of its rounds, run interleaved.\n\n\
+             | poll | polls | seconds | server CPU µs per poll | / SELECT 1 |\n|---|---|---|---|---|\n",
+            crate::poll::GROUPS
+        );
+        let one = self.polled(crate::poll::Poll::SelectOne);
+        for p in &self.w11 {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {:.1} | {:.1} | {} |",
+                p.poll.label(),
+                p.polls,
+                p.seconds,
+                p.server_cpu_us,
+                ratio(p.server_cpu_us, one)
+            );
         }
         md
     }

@@ -154,6 +154,60 @@ impl Bench {
         sent
     }
 
+    /// CPU time of the cluster's processes, in microseconds: the postmaster whose data
+    /// directory is `data_dir` and its children. Read from `/proc/<pid>/schedstat` (time on a
+    /// CPU, in nanoseconds), not `/proc/<pid>/stat`'s ticks: a backend that runs a few
+    /// microseconds per wake-up is charged by tick sampling only when a tick lands in it, which
+    /// miscounts pollers that wake in step with the timer.
+    pub fn cluster_cpu_us(&self, data_dir: &str) -> u64 {
+        let postmaster: u32 = std::fs::read_to_string(format!("{data_dir}/postmaster.pid"))
+            .ok()
+            .and_then(|s| s.lines().next().and_then(|l| l.trim().parse().ok()))
+            .unwrap_or(0);
+        let mut total_ns = 0u64;
+        let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
+        for entry in dir.flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+            // Fields after the command (which may hold spaces) start after the last ')'.
+            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { continue };
+            // rest: state(0) ppid(1) ...
+            let ppid: u32 = rest.split_whitespace().nth(1).and_then(|f| f.parse().ok()).unwrap_or(0);
+            if pid != postmaster && ppid != postmaster {
+                continue;
+            }
+            let Ok(schedstat) = std::fs::read_to_string(format!("/proc/{pid}/schedstat")) else { continue };
+            total_ns += schedstat.split_whitespace().next().and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+        }
+        total_ns / 1000
+    }
+
+    /// Turns autovacuum off and waits (up to a minute) for its running workers to finish:
+    /// their transactions (it analyzes after the heavy runs) are not what an idle workload
+    /// costs. `ALTER SYSTEM` cannot run in a multi-statement transaction: one at a time.
+    pub async fn pause_autovacuum(&self) {
+        self.db.execute("ALTER SYSTEM SET autovacuum = off", &[]).await.unwrap();
+        self.db.execute("SELECT pg_reload_conf()", &[]).await.unwrap();
+        let quiet = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < quiet {
+            let workers: i64 = self
+                .db
+                .query_one("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'", &[])
+                .await
+                .unwrap()
+                .get(0);
+            if workers == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    pub async fn resume_autovacuum(&self) {
+        self.db.execute("ALTER SYSTEM RESET autovacuum", &[]).await.unwrap();
+        self.db.execute("SELECT pg_reload_conf()", &[]).await.unwrap();
+    }
+
     /// The cluster's WAL position now, for `wal_since`.
     pub async fn wal_position(&self) -> String {
         self.db.query_one("SELECT pg_current_wal_lsn()::text", &[]).await.unwrap().get(0)
@@ -411,32 +465,14 @@ impl Bench {
             running.push(systems::start_consumer(&self.url, &client, &target, opts, sink).await);
         }
         tokio::time::sleep(Duration::from_secs(2)).await; // settle: connections made, caught up
-                                                          // Autovacuum's own transactions (it analyzes after the heavy runs) are not the
-                                                          // consumers' cost: pause it for the measurement.
-                                                          // ALTER SYSTEM cannot run in a (multi-statement) transaction: one statement at a time.
-        self.db.execute("ALTER SYSTEM SET autovacuum = off", &[]).await.unwrap();
-        self.db.execute("SELECT pg_reload_conf()", &[]).await.unwrap();
-        let quiet = Instant::now() + Duration::from_secs(60);
-        while Instant::now() < quiet {
-            let workers: i64 = self
-                .db
-                .query_one("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'", &[])
-                .await
-                .unwrap()
-                .get(0);
-            if workers == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        self.pause_autovacuum().await;
         let counters = "SELECT (xact_commit + xact_rollback)::int8, pg_current_xact_id()::text::int8
                         FROM pg_stat_database WHERE datname = current_database()";
         let before = self.db.query_one(counters, &[]).await.unwrap();
         let duration = self.seconds(20, 5);
         tokio::time::sleep(duration).await;
         let after = self.db.query_one(counters, &[]).await.unwrap();
-        self.db.execute("ALTER SYSTEM RESET autovacuum", &[]).await.unwrap();
-        self.db.execute("SELECT pg_reload_conf()", &[]).await.unwrap();
+        self.resume_autovacuum().await;
         for r in running {
             r.stop().await;
         }

@@ -29,14 +29,9 @@ impl Backoff {
     }
 }
 
-/// A number in [0, 1) that differs between processes and calls (no crate needed for this much).
+/// A number in [0, 1), different for every call and process.
 fn jitter() -> f64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u64(
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos() as u64
-    );
-    (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64
+    rand::random()
 }
 
 #[cfg(test)]

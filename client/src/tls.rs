@@ -10,6 +10,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::CertificateDer;
 use tokio_postgres::config::SslMode;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
@@ -36,7 +38,7 @@ impl Tls {
         if let Some(path) = root_cert {
             let pem =
                 std::fs::read(path).map_err(|e| Error::Config(format!("ssl_root_cert {}: {e}", path.display())))?;
-            for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+            for cert in CertificateDer::pem_slice_iter(&pem) {
                 let cert = cert.map_err(|e| Error::Config(format!("ssl_root_cert {}: {e}", path.display())))?;
                 roots.add(cert).map_err(|e| Error::Config(format!("ssl_root_cert {}: {e}", path.display())))?;
             }

@@ -148,7 +148,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let polled = bench.idle_poll(&stream, p).await;
                 println!(
                     "W11 round {round} {:<28} {:>7} polls in {:.1} s, server CPU {:>6.1} µs per poll",
-                    p.label(), polled.polls, polled.seconds, polled.server_cpu_us
+                    p.label(),
+                    polled.polls,
+                    polled.seconds,
+                    polled.server_cpu_us
                 );
                 runs[i].push(polled);
             }

@@ -89,7 +89,8 @@ impl Bench {
         let (pid_tx, mut pid_rx) = tokio::sync::mpsc::unbounded_channel::<u32>();
         let mut pollers = Vec::new();
         for g in 0..GROUPS {
-            let (url, stream, barrier, pid_tx) = (self.url.clone(), stream.to_string(), barrier.clone(), pid_tx.clone());
+            let (url, stream, barrier, pid_tx) =
+                (self.url.clone(), stream.to_string(), barrier.clone(), pid_tx.clone());
             pollers.push(tokio::spawn(async move {
                 let pg = systems::connect(&url).await;
                 let pid: i32 = pg.query_one("SELECT pg_backend_pid()", &[]).await.unwrap().get(0);
@@ -149,6 +150,12 @@ impl Bench {
         for p in pollers {
             polls += p.await.unwrap();
         }
-        Polled { poll, polls, seconds: seconds.as_secs_f64(), server_cpu_us: cpu as f64 / polls.max(1) as f64, rounds: 1 }
+        Polled {
+            poll,
+            polls,
+            seconds: seconds.as_secs_f64(),
+            server_cpu_us: cpu as f64 / polls.max(1) as f64,
+            rounds: 1,
+        }
     }
 }

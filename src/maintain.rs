@@ -13,7 +13,7 @@ use crate::partition::{self, Need};
 use crate::range;
 use crate::retention;
 use crate::statement::{Access, Columns, Statement};
-use crate::stream;
+use crate::stream::{self, StreamRef};
 
 const STREAMS: Statement =
     Statement { name: "maintain_streams", sql: "SELECT name FROM sqlstreams.stream ORDER BY id", params: &[] };
@@ -74,9 +74,9 @@ fn maintain_all() -> Result<Vec<Report>> {
                 if !stream::try_hold(&name) {
                     continue;
                 }
-                match maintain_one(client, name) {
+                match stream::lookup(client, &name) {
                     Err(StreamError::UnknownStream(_)) => {}
-                    report => reports.push(report?),
+                    found => reports.push(maintain_one(client, name, found?)?),
                 }
             }
             Ok(reports)
@@ -93,27 +93,22 @@ fn maintain_stream_named(name: &str) -> Result<Vec<Report>> {
             if !stream::try_hold(name) {
                 return Ok(vec![]);
             }
-            stream::lookup(client, name)?; // an unknown stream is an error, with its hint
-            Ok(vec![maintain_one(client, name.to_string())?])
+            let stream = stream::lookup(client, name)?; // an unknown stream is an error, with its hint
+            Ok(vec![maintain_one(client, name.to_string(), stream)?])
         })
     })
 }
 
-fn maintain_one(client: &mut pgrx::spi::SpiClient<'_>, name: String) -> Result<Report> {
-    let stream = stream::lookup(client, &name)?;
+/// One stream's housekeeping, each part once: the stream as its caller looked it up, each
+/// group's cursor stored once, before the bounds (which read it) and retention.
+fn maintain_one(client: &mut pgrx::spi::SpiClient<'_>, name: String, stream: StreamRef) -> Result<Report> {
     let head = cursor::sequence_head(client, stream.id, Access::Write)?;
-    partition::ensure(client, &stream, head, Need::Ahead)?;
-    let through = stream::lookup(client, &name)?.partitions_through;
+    let through = partition::ensure(client, &stream, head, Need::Ahead)?;
     let purged = PURGE_IDEMPOTENCY.run(client, stream.id, &[])?.len() as i64;
     let cleared = CLEAR_HOLDS.run(client, stream.id, &[])?.len() as i64;
     range::purge_done(client, stream.id)?;
     let groups = retention::groups_to_maintain(client, &stream)?;
-    let mut advanced = 0;
-    for &group in &groups {
-        if cursor::advance(client, &stream, group)?.is_some() {
-            advanced += 1;
-        }
-    }
+    let advanced = retention::advance(client, &stream, &groups)?;
     crate::bounds::enforce(client, &name, &stream, &groups)?;
     let retained = retention::step(client, &stream, &groups)?;
     Ok((name, through, purged, advanced, cleared, retained.partitions_dropped, retained.rows_purged))

@@ -19,7 +19,7 @@ use crate::stream::StreamRef;
 
 const ADD: Statement = Statement {
     name: "partition_add",
-    sql: "SELECT sqlstreams.add_partitions($1, $2, $3)",
+    sql: "SELECT sqlstreams.add_partitions($1, $2, $3) AS through",
     params: &[INT8OID, INT8OID, BOOLOID],
 };
 
@@ -198,11 +198,12 @@ fn headroom(partition_size: i64) -> i64 {
 
 /// Makes sure partitions cover `id` (`Need::Now`) or `id` plus headroom (`Need::Ahead`). Cheap
 /// when they already do.
-pub fn ensure(client: &SpiClient<'_>, stream: &StreamRef, id: i64, need: Need) -> Result<()> {
+pub fn ensure(client: &SpiClient<'_>, stream: &StreamRef, id: i64, need: Need) -> Result<i64> {
+    let mut through = stream.partitions_through;
     match need {
         Need::Now => {
             if id >= stream.partitions_through {
-                ADD.run(client, 0, &[stream.id.into(), id.into(), true.into()])?;
+                through = added(ADD.run(client, 0, &[stream.id.into(), id.into(), true.into()])?, through)?;
             }
             // A partition another transaction attached since this one first touched the log
             // is not in this backend's partition descriptor until it reads the invalidations
@@ -213,11 +214,17 @@ pub fn ensure(client: &SpiClient<'_>, stream: &StreamRef, id: i64, need: Need) -
         }
         Need::Ahead if needs_more(stream, id) => {
             let upto = id.saturating_add(headroom(stream.partition_size));
-            ADD.run(client, 0, &[stream.id.into(), upto.into(), false.into()])?;
+            through = added(ADD.run(client, 0, &[stream.id.into(), upto.into(), false.into()])?, through)?;
         }
         _ => {}
     }
-    Ok(())
+    Ok(through)
+}
+
+/// What `add_partitions` says the stream's partitions now reach (`known` when it left the
+/// work to another transaction).
+fn added(rows: pgrx::spi::SpiTupleTable<'_>, known: i64) -> Result<i64> {
+    Ok(rows.first().value::<i64>("through")?.map_or(known, |through| through.max(known)))
 }
 
 #[cfg(test)]

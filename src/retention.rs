@@ -147,13 +147,22 @@ pub fn groups_to_maintain(client: &SpiClient<'_>, stream: &StreamRef) -> Result<
     Ok(groups)
 }
 
-/// One step for `stream`, for `groups` (`groups_to_maintain`): stores each one's committed
-/// cursor, removes their expired resolved rows, folds the exception counts, then removes what
-/// nobody needs below the rows.
-pub fn step(client: &SpiClient<'_>, stream: &StreamRef, groups: &[i64]) -> Result<Retained> {
+/// Stores the committed cursor of each of `groups` (`groups_to_maintain`), as `step` needs it;
+/// returns how many moved.
+pub fn advance(client: &SpiClient<'_>, stream: &StreamRef, groups: &[i64]) -> Result<i64> {
+    let mut advanced = 0;
     for &group in groups {
-        cursor::advance(client, stream, group)?;
+        if cursor::advance(client, stream, group)?.is_some() {
+            advanced += 1;
+        }
     }
+    Ok(advanced)
+}
+
+/// One step for `stream`, for `groups` (`groups_to_maintain`), whose cursors `advance` stored:
+/// removes their expired resolved rows, folds the exception counts, then removes what nobody
+/// needs below the rows.
+pub fn step(client: &SpiClient<'_>, stream: &StreamRef, groups: &[i64]) -> Result<Retained> {
     let mut purged: HashMap<i64, Vec<Option<String>>> = HashMap::new();
     for row in PURGE_RESOLVED.run(client, stream.id, &[stream.id.into(), PURGE_BATCH.into(), groups.into()])? {
         purged.entry(row.required("consumer_group_id")?).or_default().push(row.value("message_key")?);
@@ -200,6 +209,7 @@ pub fn from_claim(client: &SpiClient<'_>, stream: &StreamRef) -> Result<()> {
     LAST.with(|last| last.borrow_mut().insert(stream.id, Instant::now()));
     if locks::try_retention(stream.id) {
         let groups = groups_to_maintain(client, stream)?;
+        advance(client, stream, &groups)?;
         step(client, stream, &groups)?;
     }
     Ok(())

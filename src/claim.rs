@@ -82,9 +82,9 @@ macro_rules! due_rows {
              FROM sqlstreams.exception_queue_@id@ e
              WHERE e.consumer_group_id = $1 AND e.lane = $3 AND e.isolated = ",
             $isolated,
+            " AND ",
+            crate::exception_queue::due_or_expired!("e", "$2"),
             "
-               AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
-                    OR (e.status = 'inflight' AND e.lease_expires_at <= $2))
              ORDER BY e.message_id
              LIMIT ",
             $limit,

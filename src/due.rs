@@ -17,16 +17,21 @@ use crate::statement::{Access, Columns, Statement};
 /// A row parked behind a held dead row waits for no time (`infinity`): what frees it notifies.
 const NEXT_DUE: Statement = Statement {
     name: "due_next",
-    sql: "SELECT CASE WHEN g.paused THEN NULL ELSE least(
+    sql: concat!(
+        "SELECT CASE WHEN g.paused THEN NULL ELSE least(
                 (SELECT min(can_run_after) FROM sqlstreams.exception_queue_@id@
-                 WHERE consumer_group_id = $1 AND status IN ('ready', 'deferred')
-                   AND can_run_after < 'infinity'),
+                 WHERE consumer_group_id = $1 AND ",
+        crate::exception_queue::waiting!(),
+        " AND can_run_after < 'infinity'),
                 (SELECT min(lease_expires_at) FROM sqlstreams.exception_queue_@id@
-                 WHERE consumer_group_id = $1 AND status = 'inflight'),
+                 WHERE consumer_group_id = $1 AND ",
+        crate::exception_queue::in_flight!(),
+        "),
                 (SELECT min(lease_expires_at) FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1),
                 (SELECT min(held_until) FROM sqlstreams.lane_@id@
                  WHERE consumer_group_id = $1 AND held_by IS NOT NULL)) END AS due
-          FROM sqlstreams.consumer_group g WHERE g.id = $1",
+          FROM sqlstreams.consumer_group g WHERE g.id = $1"
+    ),
     params: &[INT8OID],
 };
 

@@ -69,14 +69,18 @@ pub struct Lane {
 /// each of the two indexes that answer it, whatever the queue holds.
 macro_rules! any_due {
     () => {
-        "(coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
-                    WHERE e.consumer_group_id = $1 AND e.status IN ('ready', 'deferred')
-                      AND e.can_run_after <= $2
-                    ORDER BY e.can_run_after LIMIT 1), false)
-          OR coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
-                       WHERE e.consumer_group_id = $1 AND e.status = 'inflight'
-                         AND e.lease_expires_at <= $2
-                       ORDER BY e.lease_expires_at LIMIT 1), false))"
+        concat!(
+            "(coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
+                        WHERE e.consumer_group_id = $1 AND ",
+            crate::exception_queue::waiting!("e"),
+            " AND e.can_run_after <= $2
+                        ORDER BY e.can_run_after LIMIT 1), false)
+              OR coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
+                           WHERE e.consumer_group_id = $1 AND ",
+            crate::exception_queue::in_flight!("e"),
+            " AND e.lease_expires_at <= $2
+                           ORDER BY e.lease_expires_at LIMIT 1), false))"
+        )
     };
 }
 
@@ -128,21 +132,27 @@ const CANDIDATES: Statement = Statement {
           SELECT l.lane, l.claimed, g.holders,
                  g.any_due AND (coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
                                           WHERE e.consumer_group_id = $1 AND e.lane = l.lane
-                                            AND e.status IN ('ready', 'deferred') AND e.can_run_after <= $2
+                                            AND ",
+        crate::exception_queue::waiting!("e"),
+        " AND e.can_run_after <= $2
                                           ORDER BY e.lane, e.can_run_after LIMIT 1), false)
                                 OR coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
                                              WHERE e.consumer_group_id = $1 AND e.lane = l.lane
-                                               AND e.status = 'inflight' AND e.lease_expires_at <= $2
+                                               AND ",
+        crate::exception_queue::in_flight!("e"),
+        " AND e.lease_expires_at <= $2
                                              ORDER BY e.lane, e.lease_expires_at LIMIT 1), false)) AS due_rows,
                  g.any_expired AND coalesce((SELECT true FROM sqlstreams.range_lease_@id@ r
                                              WHERE r.consumer_group_id = $1 AND (r.lane = l.lane OR r.lane IS NULL)
                                                AND r.lease_expires_at <= $2
                                              ORDER BY r.lease_expires_at LIMIT 1), false) AS expired_range,
                  g.any_due AND coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
-                                         WHERE e.consumer_group_id = $1 AND e.lane = l.lane AND e.isolated
-                                           AND e.status IN ('ready', 'inflight', 'deferred')
-                                           AND ((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2)
-                                                OR (e.status = 'inflight' AND e.lease_expires_at <= $2))
+                                         WHERE e.consumer_group_id = $1 AND e.lane = l.lane
+                                           AND e.isolated AND e.status IN ",
+        crate::exception_queue::unresolved!(),
+        " AND ",
+        crate::exception_queue::due_or_expired!("e", "$2"),
+        "
                                          ORDER BY e.lane, e.message_id LIMIT 1), false) AS isolated
           FROM sqlstreams.lane_@id@ l CROSS JOIN g
           WHERE l.consumer_group_id = $1 AND (NOT $3 OR l.held_until IS NULL OR l.held_until <= $2)

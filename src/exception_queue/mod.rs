@@ -25,6 +25,57 @@ macro_rules! unresolved {
 }
 pub(crate) use unresolved;
 
+// The conditions below are the predicates of the queue's partial indexes (sql/). Postgres uses
+// a partial index only for a statement whose conditions imply its predicate, so a statement
+// that needs one says it with these macros, and a test holds the indexes to the same text.
+
+/// Rows waiting for a time (`can_run_after`): retries, delays, rows a resolution woke. The
+/// `_due` and `_due_any` indexes' predicate; `waiting!("e")` for alias `e`.
+macro_rules! waiting {
+    () => {
+        "status IN ('ready', 'deferred')"
+    };
+    ($alias:literal) => {
+        concat!($alias, ".", $crate::exception_queue::waiting!())
+    };
+}
+pub(crate) use waiting;
+
+/// Rows handed out under a lease that may expire. The `_inflight` and `_expiry_any` indexes'
+/// predicate; `in_flight!("e")` for alias `e`.
+macro_rules! in_flight {
+    () => {
+        "status = 'inflight'"
+    };
+    ($alias:literal) => {
+        concat!($alias, ".", $crate::exception_queue::in_flight!())
+    };
+}
+pub(crate) use in_flight;
+
+/// Rows of alias `$alias` that a claim may hand out at time `$now`: waiting and due, or in
+/// flight with their lease expired.
+macro_rules! due_or_expired {
+    ($alias:literal, $now:literal) => {
+        concat!(
+            "((",
+            $crate::exception_queue::waiting!($alias),
+            " AND ",
+            $alias,
+            ".can_run_after <= ",
+            $now,
+            ") OR (",
+            $crate::exception_queue::in_flight!($alias),
+            " AND ",
+            $alias,
+            ".lease_expires_at <= ",
+            $now,
+            "))"
+        )
+    };
+}
+pub(crate) use due_or_expired;
+
 /// In the order `group_status` reports them (`Status as usize` indexes its counts).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Status {
@@ -286,4 +337,47 @@ pub fn distinct_keys<'a>(keys: impl IntoIterator<Item = &'a Option<String>>) -> 
     keys.sort_unstable();
     keys.dedup();
     keys
+}
+
+#[cfg(test)]
+mod tests {
+    /// The predicate of every `CREATE INDEX exception_queue_@id@_<suffix>` in `sql`, by suffix.
+    fn predicates(sql: &str) -> Vec<(String, String)> {
+        let mut found = Vec::new();
+        for definition in sql.split("CREATE INDEX exception_queue_@id@_").skip(1) {
+            let definition = &definition[..definition.find(';').expect("an index definition ends with ;")];
+            let suffix = definition.split_whitespace().next().unwrap_or_default().to_string();
+            if let Some((_, predicate)) = definition.split_once(" WHERE ") {
+                found.push((suffix, predicate.split_whitespace().collect::<Vec<_>>().join(" ")));
+            }
+        }
+        found
+    }
+
+    #[test]
+    fn the_queues_partial_indexes_are_the_statements_conditions() {
+        let expected = [
+            ("due_idx", waiting!()),
+            ("due_any_idx", waiting!()),
+            ("inflight_idx", in_flight!()),
+            ("expiry_any_idx", in_flight!()),
+            ("unresolved_idx", concat!("status IN ", unresolved!())),
+            ("isolated_idx", concat!("isolated AND status IN ", unresolved!())),
+        ];
+        let current = predicates(include_str!("../../sql/sqlstreams--0.2.0.sql"));
+        let upgrade = predicates(include_str!("../../sql/sqlstreams--0.1.0--0.2.0.sql"));
+        for (suffix, condition) in expected {
+            assert!(
+                current.iter().any(|(s, _)| s == suffix),
+                "sqlstreams--0.2.0.sql creates exception_queue_@id@_{suffix}"
+            );
+            for (s, predicate) in current.iter().chain(&upgrade).filter(|(s, _)| s == suffix) {
+                assert_eq!(predicate, condition, "the predicate of exception_queue_@id@_{s}");
+            }
+        }
+        assert_eq!(
+            due_or_expired!("e", "$2"),
+            "((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2) OR (e.status = 'inflight' AND e.lease_expires_at <= $2))"
+        );
+    }
 }

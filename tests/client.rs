@@ -78,6 +78,15 @@ async fn eventually(what: &str, done: impl Fn() -> bool) {
     }
 }
 
+/// `eventually` for a condition that has to ask the database.
+async fn eventually_async<F: std::future::Future<Output = bool>>(what: &str, done: impl Fn() -> F) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !done().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 async fn exception_statuses(client: &Client, stream: &str, group: &str) -> Vec<(i64, String)> {
     let conn = client.pool().get().await.unwrap();
     let id: i64 = conn.query_one("SELECT id FROM sqlstreams.streams WHERE name = $1", &[&stream]).await.unwrap().get(0);
@@ -714,6 +723,46 @@ async fn notifications_wake_an_idle_consumer_without_polling() {
     assert_eq!(*calls.lock().unwrap(), vec![(first, 0), (second, 0)]);
     a.shutdown(Duration::from_secs(5)).await;
     b.shutdown(Duration::from_secs(5)).await;
+}
+
+/// Calls of `sqlstreams.<function>` counted so far by sessions that track them.
+async fn function_calls(client: &Client, function: &str) -> i64 {
+    let conn = client.pool().get().await.unwrap();
+    conn.query_one(
+        "SELECT coalesce(sum(calls), 0)::int8 FROM pg_stat_user_functions WHERE schemaname = 'sqlstreams' AND funcname = $1",
+        &[&function],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_idle_consumer_asks_next_due_only_after_something_changed() {
+    // Function statistics are the database's: a database of its own, whose only sessions
+    // tracking function calls are this consumer's.
+    let url = tokio::task::spawn_blocking(|| sqlstreams_tests::own_database("idle_due").1).await.unwrap();
+    let tracked = Client::connect(&format!("{url}?options=-c%20track_functions%3Dall")).unwrap();
+    let client = Client::connect(&url).unwrap();
+    let stream = tracked.stream::<Adjustment>(unique("idle-due"));
+    stream.register().await.unwrap();
+    let fast_poll = ConsumerConfig { poll_interval: Duration::from_millis(20), ..config(None) };
+    let consumer = stream.consumer("g").register(fast_poll).await.unwrap();
+    let before = (function_calls(&client, "claim_with_metadata").await, function_calls(&client, "next_due").await);
+    let running = consumer.start(|_: Delivery<Adjustment>| async { Ok(()) });
+    // Statistics reach the view when a session flushes them (at most once a second while busy).
+    eventually_async("30 idle claims counted", || async {
+        function_calls(&client, "claim_with_metadata").await - before.0 >= 30
+    })
+    .await;
+    let asked = function_calls(&client, "next_due").await - before.1;
+    assert!(asked <= 2, "nothing changed between the idle claims, yet next_due was asked {asked} times");
+    // A produce notifies: the consumer claims it, and asks again when it is idle again.
+    stream.producer().produce(&adjustment("k", 1), keyed("k")).await.unwrap();
+    eventually("the message ran", || running.metrics().succeeded == 1).await;
+    eventually_async("next_due asked again", || async { function_calls(&client, "next_due").await - before.1 > asked })
+        .await;
+    running.shutdown(Duration::from_secs(5)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

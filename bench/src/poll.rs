@@ -23,7 +23,8 @@ pub enum Poll {
     SelectOne,
     /// An empty claim, as a consumer through SQL polls.
     Claim,
-    /// An empty claim and `next_due`, as the Rust client polls when a claim comes back empty.
+    /// An empty claim and `next_due`, as the Rust client's first idle poll after work or a
+    /// notification (later ones are a claim alone).
     ClaimNextDue,
 }
 
@@ -34,7 +35,7 @@ impl Poll {
         match self {
             Poll::SelectOne => "SELECT 1",
             Poll::Claim => "claim",
-            Poll::ClaimNextDue => "claim + next_due (client)",
+            Poll::ClaimNextDue => "claim + next_due (client, first)",
         }
     }
 }

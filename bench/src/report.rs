@@ -620,7 +620,7 @@ impl Results {
         }
         let one = self.polled(Poll::SelectOne);
         vec![format!(
-            "W11 idle poll, {} groups, server CPU per poll / SELECT 1's: claim {} (target ≤ 2.00×), claim + next_due (client) {}",
+            "W11 idle poll, {} groups, server CPU per poll / SELECT 1's: claim {} (target ≤ 2.00×), claim + next_due (the client's first idle poll) {}",
             crate::poll::GROUPS,
             ratio(self.polled(Poll::Claim), one),
             ratio(self.polled(Poll::ClaimNextDue), one)

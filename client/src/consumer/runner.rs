@@ -166,6 +166,7 @@ where
     let workers = tokio::runtime::Handle::current().metrics().num_workers().max(1);
     let mut backoff = Backoff::new();
     let mut idle_floor = IDLE_FLOOR;
+    let mut next_due = NextDue::Unknown;
     let mut fatal = None;
     // Whether the last claim was parallel work only (no chains): then the next claim may
     // overlap its handlers.
@@ -259,19 +260,22 @@ where
         idle_after_flush = false;
         if rows.is_empty() {
             drop(permits);
-            let idle = idle_wait(&ctx, idle_floor).await;
+            let idle = idle_wait(&ctx, idle_floor, &mut next_due).await;
             if idle <= idle_floor {
                 // Due now, yet nothing came: the work waits behind something that notifies.
                 idle_floor = (idle_floor * 2).min(ctx.config.poll_interval);
             }
             tokio::select! {
-                _ = wake.notified() => {}
+                // Something changed: what next_due said may no longer hold.
+                _ = wake.notified() => next_due = NextDue::Unknown,
                 _ = tokio::time::sleep(idle) => {}
                 _ = stop.cancelled() => break,
             }
             continue;
         }
         idle_floor = IDLE_FLOOR;
+        // Work came, and its outcomes may set retries and delays: ask again when idle.
+        next_due = NextDue::Unknown;
         ctx.counters.add(Event::Claimed, rows.len() as u64);
         ctx.outstanding.fetch_add(rows.len(), Ordering::AcqRel);
         let token = rows[0].token;
@@ -387,25 +391,47 @@ async fn heartbeat(leases: Arc<LeaseBook>, every: Duration, stop: CancellationTo
 /// lane another consumer holds) doubles it, up to `poll_interval`, until a claim finds work.
 const IDLE_FLOOR: Duration = Duration::from_millis(20);
 
+/// What `sqlstreams.next_due` last said, kept until something may have changed it: a
+/// notification, or a claim that handed out work (whose outcomes may set retries and delays).
+/// An idle consumer that polls again with nothing changed then costs one claim, not two calls.
+/// Timed work another consumer sets (its retry) sends no notification: this consumer sees it
+/// at its next `poll_interval` at the latest, and the consumer that set it sleeps until it.
+#[derive(Clone, Copy, Debug)]
+enum NextDue {
+    Unknown,
+    /// Nothing waits for a time.
+    Nothing,
+    At(Instant),
+}
+
 /// How long an idle consumer waits for a notification: until its group's next timed work
-/// falls due (`sqlstreams.next_due`), at most `poll_interval`, and not less than `floor`. If
-/// the question fails, `poll_interval`.
-async fn idle_wait<T, H>(ctx: &Ctx<T, H>, floor: Duration) -> Duration {
+/// falls due (`sqlstreams.next_due`, asked when `known` may be out of date or its time has
+/// come), at most `poll_interval`, and not less than `floor`. If the question fails,
+/// `poll_interval`.
+async fn idle_wait<T, H>(ctx: &Ctx<T, H>, floor: Duration, known: &mut NextDue) -> Duration {
     let floor = floor.min(ctx.config.poll_interval);
-    let asked = async {
-        let conn = ctx.group.stream.pool.conn().await?;
-        let row = conn.query_one(sql::NEXT_DUE_IN, &[&ctx.group.stream.name, &ctx.group.name]).await?;
-        Ok::<_, crate::Error>(row.get::<_, Option<f64>>(0))
-    };
-    match asked.await {
-        Ok(Some(seconds)) => Duration::try_from_secs_f64(seconds.max(0.0))
-            .unwrap_or(ctx.config.poll_interval)
-            .clamp(floor, ctx.config.poll_interval.max(floor)),
-        Ok(None) => ctx.config.poll_interval,
-        Err(e) => {
-            debug!(error = %e, "sqlstreams: could not read when the group's next work falls due");
-            ctx.config.poll_interval
-        }
+    let now = Instant::now();
+    if matches!(*known, NextDue::Unknown) || matches!(*known, NextDue::At(at) if at <= now) {
+        let asked = async {
+            let conn = ctx.group.stream.pool.conn().await?;
+            let row = conn.query_one(sql::NEXT_DUE_IN, &[&ctx.group.stream.name, &ctx.group.name]).await?;
+            Ok::<_, crate::Error>(row.get::<_, Option<f64>>(0))
+        };
+        *known = match asked.await {
+            Ok(Some(seconds)) => Duration::try_from_secs_f64(seconds.max(0.0))
+                .ok()
+                .and_then(|wait| now.checked_add(wait))
+                .map_or(NextDue::Nothing, NextDue::At),
+            Ok(None) => NextDue::Nothing,
+            Err(e) => {
+                debug!(error = %e, "sqlstreams: could not read when the group's next work falls due");
+                NextDue::Unknown
+            }
+        };
+    }
+    match *known {
+        NextDue::At(at) => at.saturating_duration_since(now).clamp(floor, ctx.config.poll_interval.max(floor)),
+        NextDue::Nothing | NextDue::Unknown => ctx.config.poll_interval,
     }
 }
 

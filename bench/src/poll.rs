@@ -21,6 +21,9 @@ const EVERY: Duration = Duration::from_millis(20);
 pub enum Poll {
     /// `SELECT 1`: the round trip alone.
     SelectOne,
+    /// `sqlstreams.lane('k', 1, 16)`: a call into the extension that reads no table, the least any
+    /// call of it costs.
+    Lane,
     /// An empty claim, as a consumer through SQL polls.
     Claim,
     /// An empty claim and `next_due`, as the Rust client's first idle poll after work or a
@@ -29,11 +32,12 @@ pub enum Poll {
 }
 
 impl Poll {
-    pub const ALL: [Poll; 3] = [Poll::SelectOne, Poll::Claim, Poll::ClaimNextDue];
+    pub const ALL: [Poll; 4] = [Poll::SelectOne, Poll::Lane, Poll::Claim, Poll::ClaimNextDue];
 
     pub fn label(self) -> &'static str {
         match self {
             Poll::SelectOne => "SELECT 1",
+            Poll::Lane => "sqlstreams.lane()",
             Poll::Claim => "claim",
             Poll::ClaimNextDue => "claim + next_due (client, first)",
         }
@@ -99,6 +103,7 @@ impl Bench {
                 let group = format!("g{g}");
                 let statements = match poll {
                     Poll::SelectOne => vec![pg.prepare("SELECT 1").await.unwrap()],
+                    Poll::Lane => vec![pg.prepare("SELECT sqlstreams.lane('k', 1, 16)").await.unwrap()],
                     Poll::Claim => vec![pg.prepare("SELECT * FROM sqlstreams.claim($1, $2, 100)").await.unwrap()],
                     Poll::ClaimNextDue => vec![
                         // The client's two statements (client/src/sql.rs), with its default batch and lease.
@@ -121,7 +126,8 @@ impl Bench {
                         } else {
                             pg.query(s, &[&stream, &group]).await.unwrap()
                         };
-                        // SELECT 1 and next_due return a row; a claim returns none (nothing to claim).
+                        // SELECT 1, lane and next_due return a row; a claim returns none (nothing
+                        // to claim).
                         assert!(s.columns().len() == 1 || rows.is_empty(), "an idle claim found work");
                     }
                 };

@@ -1,6 +1,13 @@
 //! Retry backoff, and what a failure or a delay does against a group's budgets. Pure logic.
 
-use crate::exception_queue::Setback;
+/// What a failure or a delay does to a message, once its budgets are applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Setback {
+    /// Run again at `can_run_after`.
+    Retry { attempts: i32, delays: i32, can_run_after: i64 },
+    /// Dead-lettered; `note` replaces the caller's error text (why a budget ended it).
+    Dead { attempts: i32, delays: i32, note: Option<&'static str> },
+}
 
 /// A group's retry settings, in microseconds.
 #[derive(Clone, Copy, Debug, PartialEq)]

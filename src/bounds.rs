@@ -31,8 +31,8 @@ use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
 use crate::cursor;
+use crate::error::named;
 use crate::error::Result;
-use crate::names::named;
 use crate::partition::Log;
 use crate::statement::{Access, Columns, Statement};
 use crate::stream::StreamRef;

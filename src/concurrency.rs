@@ -2,13 +2,9 @@
 //! message, and where it comes from. Pure logic. The SQL API calls it `concurrency` (a message's
 //! request) and `concurrency_override` (a group's), the Rust client `Concurrency`.
 
+use crate::error::quoted;
 use crate::error::{Result, StreamError};
-use crate::names::{self, quoted};
-
-/// Longest message key, in bytes. Keys are indexed (the exception queue, compaction
-/// heads), and a btree entry must stay well under Postgres' limit of about 2.7 kB; a key that
-/// passed produce must never make a later claim or outcome fail.
-pub const MAX_KEY_BYTES: usize = 1024;
+use crate::names;
 
 /// When a keyed message must wait, within one consumer group: its concurrency policy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -143,7 +139,7 @@ mod tests {
 
     #[test]
     fn produce_requests_are_validated() {
-        let long = "k".repeat(MAX_KEY_BYTES + 1);
+        let long = "k".repeat(crate::names::MAX_KEY_BYTES + 1);
         assert!(ProduceRequest::validate(Some(&long[1..]), Some("ordered"), false).is_ok(), "the longest key");
         assert!(ProduceRequest::validate(Some("acct-42"), Some("ordered"), false).is_ok());
         assert!(ProduceRequest::validate(Some("acct-42"), Some("exclusive"), true).is_ok());

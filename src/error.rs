@@ -6,8 +6,6 @@
 use pgrx::pg_sys::errcodes::PgSqlErrorCode;
 use pgrx::pg_sys::panic::ErrorReport;
 
-use crate::names::{named, quoted};
-
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
     #[error("stream {} does not exist", named(.0))]
@@ -129,3 +127,16 @@ impl From<StreamError> for ErrorReport {
 /// The return type of every `#[pg_extern]` shim: pgrx raises an `ErrorReport` with its own
 /// SQLSTATE, while any other error type would become a generic 22000.
 pub type SqlResult<T> = std::result::Result<T, ErrorReport>;
+
+/// A name as messages show it, in double quotes like Postgres' own (`"orders"`).
+pub fn named(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// A value as SQL in a hint spells it: a literal (`'it''s'`) or NULL.
+pub fn quoted(value: Option<&str>) -> String {
+    match value {
+        Some(v) => format!("'{}'", v.replace('\'', "''")),
+        None => "NULL".to_string(),
+    }
+}

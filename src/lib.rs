@@ -17,6 +17,7 @@ use pgrx::prelude::*;
 ::pgrx::pg_module_magic!(name, version);
 
 mod access;
+mod admin;
 mod backoff;
 mod bounds;
 mod catalog;
@@ -25,7 +26,6 @@ mod clock;
 mod commit;
 mod concurrency;
 mod cursor;
-mod dead_letters;
 mod drop_guard;
 mod due;
 mod error;
@@ -37,7 +37,6 @@ mod key_gate;
 mod lanes;
 mod lease;
 mod locks;
-mod maintain;
 mod message;
 mod names;
 mod notify;
@@ -48,7 +47,6 @@ mod payload;
 mod produce;
 mod range;
 mod retention;
-mod seek;
 mod settings;
 mod srf;
 mod standby;
@@ -76,3 +74,77 @@ pub extern "C-unwind" fn _PG_init() {
 // (tests/library_schema.rs writes the library's own declarations from what the library embeds),
 // and that the installed script is this version's (so a version bump changes this path too).
 pgrx::extension_sql_file!("../sql/sqlstreams--0.2.0.sql", name = "install", bootstrap);
+
+#[cfg(test)]
+mod layout {
+    //! The shape of src/ a maintainer relies on: modules import each other without circles, so
+    //! each can be read knowing only the ones below it.
+
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::path::Path;
+
+    /// Each top-level module of src/ and the top-level modules its code (not its tests) names.
+    fn imports() -> BTreeMap<String, BTreeSet<String>> {
+        fn walk(dir: &Path, files: &mut Vec<std::path::PathBuf>) {
+            for entry in std::fs::read_dir(dir).expect("src/ is readable").flatten() {
+                let path = entry.path();
+                if path.is_dir() {
+                    walk(&path, files);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    files.push(path);
+                }
+            }
+        }
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files = Vec::new();
+        walk(&src, &mut files);
+        let mut map: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for file in files {
+            let relative = file.strip_prefix(&src).unwrap();
+            let top = relative.components().next().unwrap().as_os_str().to_string_lossy();
+            let top = top.trim_end_matches(".rs").to_string();
+            if top == "lib" {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file).unwrap();
+            let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+            let names = map.entry(top.clone()).or_default();
+            for (at, _) in code.match_indices("crate::") {
+                let name: String = code[at + 7..].chars().take_while(|c| c.is_ascii_lowercase() || *c == '_').collect();
+                if !name.is_empty() && name != top {
+                    names.insert(name);
+                }
+            }
+        }
+        map
+    }
+
+    #[test]
+    fn no_module_of_src_imports_one_that_imports_it_back() {
+        let map = imports();
+        // Depth-first, with the path so far: a module met again on its own path closes a circle.
+        fn visit(
+            map: &BTreeMap<String, BTreeSet<String>>,
+            module: &str,
+            path: &mut Vec<String>,
+            done: &mut BTreeSet<String>,
+        ) {
+            if let Some(at) = path.iter().position(|m| m == module) {
+                panic!("an import circle: {} -> {module}", path[at..].join(" -> "));
+            }
+            if !done.insert(module.to_string()) {
+                return;
+            }
+            path.push(module.to_string());
+            for next in map.get(module).into_iter().flatten().filter(|m| map.contains_key(*m)) {
+                visit(map, next, path, done);
+            }
+            path.pop();
+        }
+        let mut done = BTreeSet::new();
+        for module in map.keys() {
+            visit(&map, module, &mut vec![], &mut done);
+        }
+        assert!(map.contains_key("admin") && map.contains_key("claim"), "the walk found src/'s modules");
+    }
+}

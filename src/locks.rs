@@ -44,7 +44,7 @@
 //! src/exception_queue/counts.rs) with `SKIP LOCKED`, and adds a row instead when one is held:
 //! it never waits for a row.
 //!
-//! **Seek** (`src/seek.rs`) takes the group's rows in the outcomes' order: exception rows,
+//! **Seek** (`src/admin/seek.rs`) takes the group's rows in the outcomes' order: exception rows,
 //! ranges, lane rows, then the cursor row.
 //!
 //! **Why there is no deadlock.** Claims never wait (beyond the stream's and group's locks while a

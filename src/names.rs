@@ -1,7 +1,7 @@
 //! Validation of the user's words: stream and group names, `start_at`, intervals.
 //! Pure functions; every refusal names the value and says what to do instead.
 
-use crate::error::{Result, StreamError};
+use crate::error::{quoted, Result, StreamError};
 
 /// Longest stream or group name, in characters. Names are data (they never reach SQL text),
 /// so the limit is about keeping views and logs readable, not about identifiers.
@@ -130,10 +130,15 @@ pub fn message_id(id: Option<i64>) -> Result<i64> {
     required("message_id", id, "from the claim result the call answers")
 }
 
+/// Longest message key, in bytes. Keys are indexed (the exception queue, compaction
+/// heads), and a btree entry must stay well under Postgres' limit of about 2.7 kB; a key that
+/// passed produce must never make a later claim or outcome fail.
+pub const MAX_KEY_BYTES: usize = 1024;
+
 /// Checks that a key (`message_key`, `idempotency_key`) fits in an index entry: at most
-/// `concurrency::MAX_KEY_BYTES` bytes.
+/// `MAX_KEY_BYTES` bytes.
 pub fn check_key_length(what: &str, key: &str) -> Result<()> {
-    let max = crate::concurrency::MAX_KEY_BYTES;
+    let max = MAX_KEY_BYTES;
     if key.len() <= max {
         return Ok(());
     }
@@ -142,19 +147,6 @@ pub fn check_key_length(what: &str, key: &str) -> Result<()> {
         format!("{what} '{start}...' is {} bytes long", key.len()),
         format!("Use a {what} of at most {max} bytes; for a longer natural key, pass a hash of it (such as md5)."),
     ))
-}
-
-/// A name as messages show it, in double quotes like Postgres' own (`"orders"`).
-pub fn named(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
-}
-
-/// A value as SQL in a hint spells it: a literal (`'it''s'`) or NULL.
-pub fn quoted(value: Option<&str>) -> String {
-    match value {
-        Some(v) => format!("'{}'", v.replace('\'', "''")),
-        None => "NULL".to_string(),
-    }
 }
 
 #[cfg(test)]

@@ -13,10 +13,11 @@ use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
 use crate::backoff;
+use crate::backoff::Setback;
 use crate::clock;
 use crate::commit::consumer_call;
 use crate::error::{Result, SqlResult, StreamError};
-use crate::exception_queue::{self, Setback, Status, Waker};
+use crate::exception_queue::{self, Status, Waker};
 use crate::group::GroupRef;
 use crate::lanes;
 use crate::locks;

@@ -53,6 +53,6 @@ pub fn check_stream(name: &str, schema_version: &str) -> Result<()> {
     }
     Err(mismatch(format!(
         "the tables of stream {} are version {schema_version}, not {LIBRARY} like the library",
-        crate::names::named(name)
+        crate::error::named(name)
     )))
 }

@@ -34,6 +34,7 @@ use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::SpiClient;
 
 use super::{Change, NewRow, RowUpdate, Status};
+use crate::backoff::Setback;
 use crate::concurrency::Concurrency;
 use crate::error::Result;
 use crate::group::GroupRef;
@@ -44,15 +45,7 @@ use crate::notify;
 use crate::range::{RangeLease, Ranges};
 use crate::statement::{self, Columns, Statement};
 
-/// What a failure or a delay does to a message, once its budgets are applied.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Setback {
-    /// Run again at `can_run_after`.
-    Retry { attempts: i32, delays: i32, can_run_after: i64 },
-    /// Dead-lettered; `note` replaces the caller's error text (why a budget ended it).
-    Dead { attempts: i32, delays: i32, note: Option<&'static str> },
-}
-
+/// What a failure or a delay does to a queue row (the type is backoff.rs's, which computes it).
 impl Setback {
     pub fn status(self) -> Status {
         match self {

@@ -16,7 +16,6 @@ use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
 
 use crate::error::{SqlResult, StreamError};
-use crate::group;
 use crate::names::validate_name;
 use crate::notify;
 use crate::statement::{self, Columns, Statement};
@@ -79,7 +78,7 @@ fn seek(
     if to_id.is_some_and(|id| id < 0) {
         return Err(StreamError::invalid("to_id must not be negative", "Pass 0 to replay from the beginning.").into());
     }
-    Ok(group::exclusive_admin_call(stream, group_name, "seek consumer groups", |client, g| {
+    Ok(crate::admin::exclusive_admin_call(stream, group_name, "seek consumer groups", |client, g| {
         LOCK.run(client, g.stream.id, &[g.id.into()])?;
         let head: i64 = HEAD.run(client, g.stream.id, &[])?.first().required("head")?;
         let position = match (to_id, to_time) {

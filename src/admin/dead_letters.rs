@@ -8,7 +8,6 @@ use pgrx::prelude::*;
 use crate::clock;
 use crate::error::SqlResult;
 use crate::exception_queue::{self, Waker};
-use crate::group;
 use crate::names::{message_id, validate_name};
 use crate::notify;
 use crate::statement::{self, Columns, Statement};
@@ -52,7 +51,7 @@ fn redrive(
     let stream = validate_name("stream", stream)?;
     let group_name = validate_name("group", group_name)?;
     let ids: Option<Vec<i64>> = message_ids.map(|ids| ids.into_iter().flatten().collect());
-    Ok(group::admin_call(stream, group_name, "redrive dead messages", |client, g| {
+    Ok(crate::admin::admin_call(stream, group_name, "redrive dead messages", |client, g| {
         let now = clock::now();
         let mut redriven: Vec<i64> = REDRIVE
             .run(client, g.stream.id, &[g.id.into(), ids.into(), statement::timestamptz(now)])?
@@ -74,7 +73,7 @@ fn skip(stream: Option<&str>, group_name: Option<&str>, message_id: Option<i64>)
     let stream = validate_name("stream", stream)?;
     let group_name = validate_name("group", group_name)?;
     let id = self::message_id(message_id)?;
-    Ok(group::admin_call(stream, group_name, "skip dead messages", |client, g| {
+    Ok(crate::admin::admin_call(stream, group_name, "skip dead messages", |client, g| {
         let rows = SKIP.run(client, g.stream.id, &[g.id.into(), id.into()])?;
         if rows.is_empty() {
             return Ok(false);
@@ -113,7 +112,7 @@ fn purge_dead(
             .into())
         }
     };
-    Ok(group::admin_call(stream, group_name, "purge dead messages", |client, g| {
+    Ok(crate::admin::admin_call(stream, group_name, "purge dead messages", |client, g| {
         let now = clock::now();
         let keys: Vec<Option<String>> = PURGE
             .run(client, g.stream.id, &[g.id.into(), statement::timestamptz(now), older.into()])?

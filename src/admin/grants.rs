@@ -1,0 +1,103 @@
+//! Per-stream grants: `grant_stream`, `revoke_stream` (who may do what: src/access.rs).
+
+use pgrx::pg_sys::{self, BuiltinOid::*};
+use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
+
+use crate::access::as_owner;
+use crate::error::quoted;
+use crate::error::{Result, StreamError};
+use crate::statement::{Columns, Statement};
+
+const ROLE: Statement = Statement {
+    name: "access_role",
+    sql: "SELECT oid FROM pg_catalog.pg_roles WHERE rolname = $1",
+    params: &[TEXTOID],
+};
+
+const GRANT: Statement = Statement {
+    name: "access_grant",
+    sql: "INSERT INTO sqlstreams.stream_grant (stream_id, grantee, privilege, group_name)
+          VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING RETURNING 1",
+    params: &[INT8OID, OIDOID, TEXTOID, TEXTOID],
+};
+
+const REVOKE: Statement = Statement {
+    name: "access_revoke",
+    sql: "DELETE FROM sqlstreams.stream_grant
+          WHERE stream_id = $1 AND grantee = $2 AND privilege = $3 AND group_name IS NOT DISTINCT FROM $4
+          RETURNING 1",
+    params: &[INT8OID, OIDOID, TEXTOID, TEXTOID],
+};
+
+/// A grant's arguments, checked: (stream id, role oid, privilege, group).
+fn grant_args(
+    client: &SpiClient<'_>,
+    stream: &str,
+    role: &str,
+    privilege: &str,
+    group: Option<&str>,
+) -> Result<(i64, pg_sys::Oid)> {
+    let stream_id = crate::stream::lookup(client, stream)?.id;
+    let row = ROLE.run(client, 0, &[role.into()])?.first();
+    let Some(oid) = (if row.is_empty() { None } else { row.value::<pg_sys::Oid>("oid")? }) else {
+        return Err(StreamError::UnknownRole(role.to_string()));
+    };
+    match (privilege, group) {
+        ("consume", _) | ("produce", None) => Ok((stream_id, oid)),
+        ("produce", Some(_)) => Err(StreamError::invalid(
+            "a produce grant covers the whole stream, not a group",
+            "Pass group_name => NULL with 'produce'.",
+        )),
+        (other, _) => Err(StreamError::invalid(
+            format!("privilege {} is not valid", quoted(Some(other))),
+            "Pass 'produce' or 'consume'.",
+        )),
+    }
+}
+
+/// Lets `role` produce to `stream`, or consume as `group_name` (every group when NULL). Returns
+/// false when the role already had that grant. Admins only.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+fn grant_stream(
+    stream: Option<&str>,
+    role: Option<&str>,
+    privilege: Option<&str>,
+    group_name: default!(Option<&str>, "NULL"),
+) -> crate::error::SqlResult<bool> {
+    crate::standby::refuse_writes("grant_stream")?;
+    let stream = crate::names::validate_name("stream", stream)?;
+    let role = crate::names::required("role", role, "such as 'billing_app'")?;
+    let privilege = crate::names::required("privilege", privilege, "'produce' or 'consume'")?;
+    let group = group_name.map(|g| crate::names::validate_name("group", Some(g))).transpose()?;
+    Ok(as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            caller.require_admin(client, "grant access to streams")?;
+            let (stream_id, oid) = grant_args(client, stream, role, privilege, group)?;
+            Ok(!GRANT.run(client, 0, &[stream_id.into(), oid.into(), privilege.into(), group.into()])?.is_empty())
+        })
+    })?)
+}
+
+/// Takes back exactly one grant of `grant_stream`. Returns false when there was none. Admins
+/// only.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+fn revoke_stream(
+    stream: Option<&str>,
+    role: Option<&str>,
+    privilege: Option<&str>,
+    group_name: default!(Option<&str>, "NULL"),
+) -> crate::error::SqlResult<bool> {
+    crate::standby::refuse_writes("revoke_stream")?;
+    let stream = crate::names::validate_name("stream", stream)?;
+    let role = crate::names::required("role", role, "such as 'billing_app'")?;
+    let privilege = crate::names::required("privilege", privilege, "'produce' or 'consume'")?;
+    let group = group_name.map(|g| crate::names::validate_name("group", Some(g))).transpose()?;
+    Ok(as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            caller.require_admin(client, "revoke access to streams")?;
+            let (stream_id, oid) = grant_args(client, stream, role, privilege, group)?;
+            Ok(!REVOKE.run(client, 0, &[stream_id.into(), oid.into(), privilege.into(), group.into()])?.is_empty())
+        })
+    })?)
+}

@@ -1,0 +1,387 @@
+//! Creating, changing and dropping consumer groups: `create_group`, `alter_group`,
+//! `drop_group`, `pause_group`, `resume_group`.
+
+use pgrx::pg_sys::BuiltinOid::*;
+use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
+
+use crate::access::{self, Right};
+use crate::admin::admin_call;
+use crate::backoff::Backoff;
+use crate::concurrency::Concurrency;
+use crate::error::{Result, SqlResult, StreamError};
+use crate::group::{group_from, lookup_exclusive, settings_columns, GroupRef};
+use crate::lanes;
+use crate::names::{positive_micros, validate_name, StartAt};
+use crate::statement::{Columns, Statement};
+use crate::stream;
+
+const UPSERT: Statement = Statement {
+    name: "group_upsert",
+    sql: "INSERT INTO sqlstreams.consumer_group AS g
+              (stream_id, name, concurrency_override, max_retries, backoff_base, backoff_cap,
+               backoff_exponent, max_delays, max_reclaims)
+          VALUES ($1, $2, $3, $4, make_interval(secs => $5 / 1e6), make_interval(secs => $6 / 1e6), $7, $8, $9)
+          ON CONFLICT (stream_id, name) DO UPDATE SET
+              concurrency_override = EXCLUDED.concurrency_override,
+              max_retries = EXCLUDED.max_retries,
+              backoff_base = EXCLUDED.backoff_base,
+              backoff_cap = EXCLUDED.backoff_cap,
+              backoff_exponent = EXCLUDED.backoff_exponent,
+              max_delays = EXCLUDED.max_delays,
+              max_reclaims = EXCLUDED.max_reclaims
+          RETURNING g.id, (xmax = 0) AS created",
+    params: &[INT8OID, TEXTOID, TEXTOID, INT4OID, INT8OID, INT8OID, FLOAT8OID, INT4OID, INT4OID],
+};
+
+/// A new group's cursor, at the beginning or at the head; every id at or below it counts as
+/// handed out (with `start_at => 'head'`, messages up to the head are not for it). Its fence
+/// proves nothing yet: ids below the head may belong to producers still open, and a seek back
+/// must not claim past them (the group's first claims prove what is safe, src/fence.rs).
+const PLACE_CURSOR: Statement = Statement {
+    name: "group_place_cursor",
+    sql: "INSERT INTO sqlstreams.cursor_@id@ (consumer_group_id, claimed, committed, fence_safe)
+          SELECT $1, h.head, h.head, 0
+          FROM (SELECT CASE WHEN $2 AND is_called THEN last_value ELSE 0 END AS head
+                FROM sqlstreams.message_log_@id@_seq) h
+          RETURNING claimed",
+    params: &[INT8OID, BOOLOID],
+};
+
+const DELETE: Statement = Statement {
+    name: "group_delete",
+    sql: "WITH c AS (DELETE FROM sqlstreams.cursor_@id@ WHERE consumer_group_id = $1),
+               r AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1),
+               d AS (DELETE FROM sqlstreams.range_done_@id@ WHERE consumer_group_id = $1),
+               e AS (DELETE FROM sqlstreams.exception_queue_@id@ WHERE consumer_group_id = $1),
+               l AS (DELETE FROM sqlstreams.lane_@id@ WHERE consumer_group_id = $1)
+          DELETE FROM sqlstreams.consumer_group WHERE id = $1",
+    params: &[INT8OID],
+};
+
+/// `BY_ID`, locking the row (`alter_group` changes it next).
+const LOCK_BY_ID: Statement = Statement {
+    name: "group_lock_by_id",
+    sql: concat!("SELECT ", settings_columns!(), " FROM sqlstreams.consumer_group g WHERE g.id = $1 FOR NO KEY UPDATE"),
+    params: &[INT8OID],
+};
+
+/// `group` as its row says once this transaction has locked it.
+fn locked(client: &SpiClient<'_>, group: &GroupRef) -> Result<GroupRef> {
+    let row = LOCK_BY_ID.run(client, 0, &[group.id.into()])?.first();
+    if row.is_empty() {
+        return Err(StreamError::Internal(format!("consumer group {} disappeared", group.id)));
+    }
+    group_from(&row, group.stream.clone(), group.id)
+}
+
+/// A group's settings, validated.
+#[derive(Clone, Debug)]
+pub struct GroupSettings {
+    pub concurrency_override: Option<Concurrency>,
+    pub max_retries: i32,
+    pub start_at: StartAt,
+    pub backoff: Backoff,
+    pub max_delays: Option<i32>,
+    pub max_reclaims: i32,
+}
+
+impl GroupSettings {
+    /// The settings as statement parameters, in the order `UPSERT` and `ALTER` take them.
+    fn args<'a>(&self) -> [pgrx::datum::DatumWithOid<'a>; 7] {
+        [
+            self.concurrency_override.map(Concurrency::as_str).into(),
+            self.max_retries.into(),
+            self.backoff.base_micros.into(),
+            self.backoff.cap_micros.into(),
+            self.backoff.exponent.into(),
+            self.max_delays.into(),
+            self.max_reclaims.into(),
+        ]
+    }
+}
+
+/// Creates the group (placing its cursor) or updates the settings of the existing one.
+pub fn create(stream_name: &str, name: &str, settings: &GroupSettings) -> Result<i64> {
+    access::as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            let stream = stream::lookup(client, stream_name)?;
+            caller.require(client, stream.id, stream_name, Right::Consume(name))?;
+            let row = UPSERT
+                .run(
+                    client,
+                    0,
+                    &[stream.id.into(), name.into()].into_iter().chain(settings.args()).collect::<Vec<_>>(),
+                )?
+                .first();
+            let id: i64 = row.required("id")?;
+            let created: bool = row.required("created")?;
+            if created {
+                let start: i64 = PLACE_CURSOR
+                    .run(client, stream.id, &[id.into(), (settings.start_at == StartAt::Head).into()])?
+                    .first()
+                    .required("claimed")?;
+                lanes::create(client, stream.id, id, stream.lanes, start)?;
+            }
+            Ok(id)
+        })
+    })
+}
+
+/// Drops a group with its cursor, leases and exception rows. False when it does not exist.
+pub fn drop(stream: &str, name: &str) -> Result<bool> {
+    access::as_owner(|caller| {
+        Spi::connect_mut(|client| {
+            caller.require_admin(client, "drop consumer groups")?;
+            // The group's lock, exclusive, before its rows: it waits for every call on the
+            // group in progress, and calls arriving now wait, then find the group gone.
+            match lookup_exclusive(client, stream, name) {
+                Ok(group) => {
+                    DELETE.run(client, group.stream.id, &[group.id.into()])?;
+                    Ok(true)
+                }
+                Err(StreamError::UnknownGroup { .. }) => Ok(false),
+                Err(other) => Err(other),
+            }
+        })
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn settings(
+    concurrency_override: Option<&str>,
+    max_retries: Option<i32>,
+    start_at: Option<&str>,
+    backoff_base: Option<Interval>,
+    backoff_cap: Option<Interval>,
+    backoff_exponent: Option<f64>,
+    max_delays: Option<i32>,
+    max_reclaims: Option<i32>,
+) -> Result<GroupSettings> {
+    let concurrency_override =
+        concurrency_override.map(|p| Concurrency::parse("concurrency_override", p)).transpose()?;
+    let max_retries = match max_retries {
+        Some(n) if n >= 0 => n,
+        other => {
+            return Err(StreamError::invalid(
+                format!("max_retries {} is not valid", other.map_or("NULL".into(), |n| n.to_string())),
+                "Pass zero or more retries (3 means four runs in all).",
+            ))
+        }
+    };
+    let start_at = StartAt::parse(start_at)?;
+    let base = positive_micros("backoff_base", backoff_base.map(|i| i.as_micros()), "'1 second'")?;
+    let cap = positive_micros("backoff_cap", backoff_cap.map(|i| i.as_micros()), "'5 minutes'")?;
+    if cap < base {
+        return Err(StreamError::invalid(
+            "backoff_cap is shorter than backoff_base",
+            "Pass a backoff_cap at least as long as backoff_base.",
+        ));
+    }
+    let exponent = match backoff_exponent {
+        Some(e) if e.is_finite() && e >= 1.0 => e,
+        other => {
+            return Err(StreamError::invalid(
+                format!("backoff_exponent {} is not valid", other.map_or("NULL".into(), |e| e.to_string())),
+                "Pass a growth factor of at least 1, such as 2.",
+            ))
+        }
+    };
+    if let Some(n) = max_delays.filter(|n| *n < 0) {
+        return Err(StreamError::invalid(
+            format!("max_delays {n} is negative"),
+            "Pass zero or more delays, or NULL for no limit.",
+        ));
+    }
+    let max_reclaims = match max_reclaims {
+        Some(n) if n >= 0 => n,
+        other => {
+            return Err(StreamError::invalid(
+                format!("max_reclaims {} is not valid", other.map_or("NULL".into(), |n| n.to_string())),
+                "Pass how many times an expired range may be handed out again, such as 2.",
+            ))
+        }
+    };
+    Ok(GroupSettings {
+        concurrency_override,
+        max_retries,
+        start_at,
+        backoff: Backoff { base_micros: base, cap_micros: cap, exponent },
+        max_delays,
+        max_reclaims,
+    })
+}
+
+/// Creates a consumer group on a stream and returns its id. Declaring it again returns the same
+/// id and updates its settings; the cursor is placed only when the group is created
+/// (`start_at`: 'beginning' or 'head').
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+#[allow(clippy::too_many_arguments)]
+fn create_group(
+    stream: Option<&str>,
+    name: Option<&str>,
+    concurrency_override: default!(Option<&str>, "NULL"),
+    max_retries: default!(Option<i32>, 3),
+    start_at: default!(Option<&str>, "'beginning'"),
+    backoff_base: default!(Option<Interval>, "'1 second'"),
+    backoff_cap: default!(Option<Interval>, "'5 minutes'"),
+    backoff_exponent: default!(Option<f64>, 2.0),
+    max_delays: default!(Option<i32>, "NULL"),
+    max_reclaims: default!(Option<i32>, 2),
+) -> SqlResult<i64> {
+    crate::standby::refuse_writes("create_group")?;
+    let stream = validate_name("stream", stream)?;
+    let name = validate_name("group", name)?;
+    let settings = settings(
+        concurrency_override,
+        max_retries,
+        start_at,
+        backoff_base,
+        backoff_cap,
+        backoff_exponent,
+        max_delays,
+        max_reclaims,
+    )?;
+    Ok(create(stream, name, &settings)?)
+}
+
+/// Drops a consumer group with its cursor, leases and exception queue rows. Returns false when
+/// the stream has no such group.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+fn drop_group(stream: Option<&str>, name: Option<&str>) -> SqlResult<bool> {
+    crate::standby::refuse_writes("drop_group")?;
+    let stream = validate_name("stream", stream)?;
+    let name = validate_name("group", name)?;
+    Ok(drop(stream, name)?)
+}
+
+const ALTER: Statement = Statement {
+    name: "group_alter",
+    sql: "UPDATE sqlstreams.consumer_group g SET
+              concurrency_override = $2, max_retries = $3,
+              backoff_base = make_interval(secs => $4 / 1e6), backoff_cap = make_interval(secs => $5 / 1e6),
+              backoff_exponent = $6, max_delays = $7, max_reclaims = $8, on_dead = $9
+          WHERE g.id = $1",
+    params: &[INT8OID, TEXTOID, INT4OID, INT8OID, INT8OID, FLOAT8OID, INT4OID, INT4OID, TEXTOID],
+};
+
+/// Keys of a group's dead ordered messages (those a hold kept waiting).
+const HELD_KEYS: Statement = Statement {
+    name: "group_held_keys",
+    sql: "SELECT DISTINCT message_key FROM sqlstreams.exception_queue_@id@
+          WHERE consumer_group_id = $1 AND status = 'dead' AND concurrency = 'ordered' AND message_key IS NOT NULL",
+    params: &[INT8OID],
+};
+
+const SET_PAUSED: Statement = Statement {
+    name: "group_set_paused",
+    sql: "UPDATE sqlstreams.consumer_group SET paused = $2 WHERE id = $1 AND paused <> $2 RETURNING id",
+    params: &[INT8OID, BOOLOID],
+};
+
+/// Changes a group's settings: each argument that is not NULL replaces the current value
+/// (`concurrency_override => 'none'` removes the override). `create_group` re-declares a group
+/// with every setting; this changes only what it is told to. Returns true. Admins only.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+#[allow(clippy::too_many_arguments)]
+fn alter_group(
+    stream: Option<&str>,
+    group_name: Option<&str>,
+    concurrency_override: default!(Option<&str>, "NULL"),
+    max_retries: default!(Option<i32>, "NULL"),
+    backoff_base: default!(Option<Interval>, "NULL"),
+    backoff_cap: default!(Option<Interval>, "NULL"),
+    backoff_exponent: default!(Option<f64>, "NULL"),
+    max_delays: default!(Option<i32>, "NULL"),
+    max_reclaims: default!(Option<i32>, "NULL"),
+    on_dead: default!(Option<&str>, "NULL"),
+) -> SqlResult<bool> {
+    crate::standby::refuse_writes("alter_group")?;
+    let stream = validate_name("stream", stream)?;
+    let group_name = validate_name("group", group_name)?;
+    let on_dead = match on_dead {
+        None | Some("release") | Some("hold") => on_dead,
+        Some(other) => {
+            return Err(StreamError::invalid(
+                format!("on_dead {} is not valid", crate::error::quoted(Some(other))),
+                "Pass 'release' (a dead message releases its key) or 'hold' (an ordered key stops at it).",
+            )
+            .into())
+        }
+    };
+    Ok(admin_call(stream, group_name, "alter consumer groups", |client, g| {
+        // The settings as they are once the row is locked: another alter_group may have
+        // committed while this one waited, and only what this one was told to change changes.
+        let g = &locked(client, g)?;
+        let micros = |i: Option<Interval>| i.map(|i| i.as_micros().clamp(i64::MIN as i128, i64::MAX as i128) as i64);
+        let current_override = g.concurrency_override.map(Concurrency::as_str);
+        let merged = settings(
+            match concurrency_override {
+                Some("none") => None,
+                Some(c) => Some(c),
+                None => current_override,
+            },
+            Some(max_retries.unwrap_or(g.max_retries)),
+            Some("beginning"), // placement applies at creation only
+            Some(Interval::from_micros(micros(backoff_base).unwrap_or(g.backoff.base_micros))),
+            Some(Interval::from_micros(micros(backoff_cap).unwrap_or(g.backoff.cap_micros))),
+            Some(backoff_exponent.unwrap_or(g.backoff.exponent)),
+            max_delays.or(g.max_delays),
+            Some(max_reclaims.unwrap_or(g.max_reclaims)),
+        )?;
+        let on_dead = on_dead.unwrap_or(if g.hold_on_dead { "hold" } else { "release" });
+        ALTER.run(
+            client,
+            0,
+            &std::iter::once(g.id.into()).chain(merged.args()).chain([on_dead.into()]).collect::<Vec<_>>(),
+        )?;
+        if g.hold_on_dead && on_dead == "release" {
+            // Keys held at a dead message go on now: wake what waits behind them.
+            let keys: Vec<Option<String>> = HELD_KEYS
+                .run(client, g.stream.id, &[g.id.into()])?
+                .map(|row| row.value("message_key"))
+                .collect::<Result<_>>()?;
+            let released = GroupRef { hold_on_dead: false, ..g.clone() };
+            crate::exception_queue::after_resolution(
+                client,
+                &released,
+                &crate::exception_queue::distinct_keys(&keys),
+                crate::clock::now(),
+                crate::exception_queue::Waker::Outcome,
+            )?;
+        }
+        Ok(true)
+    })?)
+}
+
+/// Pauses a group: its claims hand out nothing (outcomes of what it already holds still count)
+/// until `resume_group`. Returns false when it was paused already. Admins only.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+fn pause_group(stream: Option<&str>, group_name: Option<&str>) -> SqlResult<bool> {
+    crate::standby::refuse_writes("pause_group")?;
+    set_paused(stream, group_name, true)
+}
+
+/// Resumes a paused group. Returns false when it was not paused. Admins only.
+#[pg_extern(volatile, parallel_unsafe, sql = false)]
+fn resume_group(stream: Option<&str>, group_name: Option<&str>) -> SqlResult<bool> {
+    crate::standby::refuse_writes("resume_group")?;
+    set_paused(stream, group_name, false)
+}
+
+fn set_paused(stream: Option<&str>, group_name: Option<&str>, paused: bool) -> SqlResult<bool> {
+    let stream = validate_name("stream", stream)?;
+    let group_name = validate_name("group", group_name)?;
+    Ok(admin_call(
+        stream,
+        group_name,
+        if paused { "pause consumer groups" } else { "resume consumer groups" },
+        |client, g| {
+            let changed = !SET_PAUSED.run(client, 0, &[g.id.into(), paused.into()])?.is_empty();
+            if changed && !paused {
+                crate::notify::signal(client, g.stream.id)?;
+            }
+            Ok(changed)
+        },
+    )?)
+}

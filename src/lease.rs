@@ -2,8 +2,7 @@
 //! still running (a heartbeat), and release deliveries it will not start (shutdown, or a lease
 //! too short for the handler's timeout) without spending an attempt.
 //!
-//! Both are outcomes in the lock order of src/locks.rs: the token lock, the token's rows, then
-//! the clock.
+//! Both take their locks as outcomes do (docs/semantics.md, "One lock order").
 
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;

@@ -1,72 +1,12 @@
-//! Every lock sqlstreams takes, and the one order in which claims and outcomes take them.
+//! Every lock sqlstreams takes (the order they are taken in: docs/semantics.md, "One lock order").
 //!
 //! ## The order
 //!
-//! **Every call that works on a stream** (claims, outcomes, producers, inspection, seeks,
-//! `maintain()`) first takes the stream's lock, shared, before it looks the stream up
-//! (`src/stream.rs`); a call that changes a group then takes the group's lock, shared, before it
-//! looks the group up (`src/group.rs`; inspection reads its snapshot without it, so an idle
-//! inspecting transaction holds no seek back). Only `drop_stream` takes the stream's lock
-//! exclusively, and only `drop_group` and `seek` the group's, before anything else of the stream or
-//! group. So a call that arrives while one of them runs waits for it and then looks up what is left
-//! (a dropped stream or group is unknown, `42704`), and they wait for the calls in progress: no
-//! call meets tables or rows half dropped or half moved, and none waits for their row locks while
-//! they wait for its. The locks are named by a 64-bit hash of the stream's and the group's names,
-//! so they are taken before the lookup reads anything. `maintain()` only tries a stream's lock, and
-//! skips a stream being dropped.
-//!
-//! **Claim** (`src/claim.rs`):
-//! 1. the log's ACCESS SHARE lock, as any statement over it takes (the claim reads the
-//!    partitions it needs by name, src/partition.rs), before it holds anything: it waits only
-//!    while a retention step drops partitions;
-//! 2. the outcomes it carries (`ack_lease_token`), complete, exactly as an outcome below;
-//! 3. no lock at all for the fence: the stored fence is read, then the world (src/fence.rs);
-//!    the new fence is stored only if the cursor row is free (`SKIP LOCKED`);
-//! 4. the clock;
-//! 5. lane rows, exception rows and range rows with `SKIP LOCKED` (lane rows also to move lanes
-//!    found empty up to the safe head, src/lanes.rs); key locks with try-locks (exclusive to
-//!    park rows, shared to wake them); partitions ahead of the head only if nobody else is
-//!    creating them and the log's lock is free at once; a partition its backend has not seen
-//!    created yet, `ACCESS SHARE`, which waits only for the end of its creator's commit
-//!    (src/partition.rs `Log::exists`). A claim never waits for a row or key lock.
-//!
-//! **Outcome** (`ack`, `fail`, `delay`, `release`, `extend_lease`; `src/outcome.rs`,
-//! `src/lease.rs`):
-//! 1. the token lock (outcomes of one lease token run one at a time);
-//! 2. the token's exception rows, then its range rows (`extend_lease`: then its lane rows);
-//! 3. the clock;
-//! 4. key locks, shared, in key order; then wake-ups (`SKIP LOCKED`); then the token's lane
-//!    rows, to free the lanes whose work is resolved (waiting: a claim may hold one for a
-//!    moment without taking it, src/lanes.rs).
-//!
-//! **A transaction that changed exception rows** (in a claim, an outcome, a seek, retention)
-//! locks, as it commits, its backend's own exception-count rows (`exception_count_<id>`,
-//! src/exception_queue/counts.rs) with `SKIP LOCKED`, and adds a row instead when one is held:
-//! it never waits for a row.
-//!
-//! **Seek** (`src/admin/seek.rs`) takes the group's rows in the outcomes' order: exception rows,
-//! ranges, lane rows, then the cursor row.
-//!
-//! **Why there is no deadlock.** Claims never wait (beyond the stream's and group's locks while a
-//! drop or seek runs, before they hold anything), so every wait is an outcome's, for a row or
-//! key lock that a claim holds (the claim commits without waiting) or for its own token's lock
-//! and rows, which every outcome of that token takes in the same order; key locks are only
-//! ever shared between outcomes. So no cycle of waits can form. (A caller who records outcomes
-//! of two tokens in one transaction, in opposite orders in two sessions, can deadlock like any
-//! two transactions updating two rows in opposite orders; so can a transaction that upgrades a
-//! stream's or group's lock it holds shared, by a `drop_stream` after other calls on the stream
-//! or a `seek` after a claim of the group.)
-//!
-//! **Produce** takes the producer lock (shared), its transaction id, message ids, then the
-//! compaction-head rows of its keys in key order (`src/produce.rs`); only a producer whose message
-//! id has no partition yet waits, for the stream row, behind another transaction creating that
-//! partition. **`maintain()`** takes cursor rows and expired lane holds with `SKIP LOCKED`. **A
-//! retention step** (`src/retention.rs`; from `maintain()`, or at the end of a claim, one claiming
-//! session per stream at a time) takes the locks of the groups it maintains shared, without waiting
-//! (it leaves a group a seek or drop holds), then its rows with `SKIP LOCKED` (the exception counts
-//! it folds too, so two steps that meet fold disjoint rows), then, for a group with `on_dead =
-//! 'hold'`, the key locks of the held dead rows it deleted, shared and waiting as an outcome's do:
-//! it waits only for a claim parking that key, which never waits.
+//! The order in which every path takes these locks, and why no cycle of waits can form, is
+//! written once, for users and maintainers alike: docs/semantics.md, "One lock order". A change
+//! to any path's locking changes that text in the same commit. The paths take them in
+//! src/claim.rs (claims), src/outcome.rs and src/lease.rs (outcomes), src/produce.rs,
+//! src/retention.rs, src/admin/seek.rs, src/admin/dead_letters.rs and src/admin/maintain.rs.
 //!
 //! ## Which locks
 //!

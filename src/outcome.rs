@@ -6,8 +6,7 @@
 //! exception row; it only leaves its range's pending list. What each outcome does to a row is in
 //! src/exception_queue/lifecycle.rs.
 //!
-//! Locks, in the order of src/locks.rs: the token lock, the token's rows, then the clock, then
-//! the keys' locks (shared) for wake-ups. Outcomes never touch the cursor row.
+//! Locks: an outcome's steps of the lock order (docs/semantics.md, "One lock order").
 
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;

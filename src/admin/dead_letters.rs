@@ -1,6 +1,6 @@
 //! Dead letters, for operators: `redrive` gives dead messages another run with a fresh retry
 //! budget, `skip` resolves one for good, `purge_dead` removes old ones. Each changes exception
-//! rows like an outcome (src/locks.rs: rows, then the keys' locks shared for wake-ups).
+//! rows like an outcome (docs/semantics.md, "One lock order").
 
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;

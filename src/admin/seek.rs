@@ -6,11 +6,9 @@
 //! skips them, dead ones included), its lanes are free, and `claimed` and `committed` are P.
 //! Messages that retention dropped are gone: a replay starts at the oldest one kept.
 //!
-//! Locks, in the order outcomes take them (src/locks.rs): the group's exception rows, its
-//! ranges, its lane rows, then its cursor row. It waits for outcomes and claims in progress;
-//! claims never wait, and outcomes wait for these rows in the same order, so no cycle of waits
-//! forms. A claim that commits while the seek waits is ordered before it: what it handed out
-//! stays handed out (a replay delivers it again).
+//! Locks: the seek's steps of the lock order (docs/semantics.md, "One lock order"), which
+//! takes the group's rows in the order outcomes do. A claim that commits while the seek waits is
+//! ordered before it: what it handed out stays handed out (a replay delivers it again).
 
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;

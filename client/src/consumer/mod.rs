@@ -1,7 +1,10 @@
 //! Consumer groups and consumers that run handlers.
 
+mod claims;
 mod delivery;
+mod executor;
 mod handler;
+mod idle;
 mod leases;
 mod listener;
 mod metrics;

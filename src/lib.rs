@@ -77,27 +77,31 @@ pgrx::extension_sql_file!("../sql/sqlstreams--0.2.0.sql", name = "install", boot
 
 #[cfg(test)]
 mod layout {
-    //! The shape of src/ a maintainer relies on: modules import each other without circles, so
-    //! each can be read knowing only the ones below it.
+    //! The shape of the code a maintainer relies on: modules of src/ import each other without
+    //! circles, so each can be read knowing only the ones below it; no file of src/ or
+    //! client/src is over 700 lines, and no function over 120.
 
     use std::collections::{BTreeMap, BTreeSet};
     use std::path::Path;
 
-    /// Each top-level module of src/ and the top-level modules its code (not its tests) names.
-    fn imports() -> BTreeMap<String, BTreeSet<String>> {
-        fn walk(dir: &Path, files: &mut Vec<std::path::PathBuf>) {
-            for entry in std::fs::read_dir(dir).expect("src/ is readable").flatten() {
-                let path = entry.path();
-                if path.is_dir() {
-                    walk(&path, files);
-                } else if path.extension().is_some_and(|e| e == "rs") {
-                    files.push(path);
-                }
+    /// The Rust files under `dir`.
+    fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
+        let mut files = Vec::new();
+        for entry in std::fs::read_dir(dir).expect("the source is readable").flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                files.extend(rust_files(&path));
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
             }
         }
+        files
+    }
+
+    /// Each top-level module of src/ and the top-level modules its code (not its tests) names.
+    fn imports() -> BTreeMap<String, BTreeSet<String>> {
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-        let mut files = Vec::new();
-        walk(&src, &mut files);
+        let files = rust_files(&src);
         let mut map: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
         for file in files {
             let relative = file.strip_prefix(&src).unwrap();
@@ -146,5 +150,38 @@ mod layout {
             visit(&map, module, &mut vec![], &mut done);
         }
         assert!(map.contains_key("admin") && map.contains_key("claim"), "the walk found src/'s modules");
+    }
+
+    #[test]
+    fn no_file_is_over_700_lines_and_no_function_over_120() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut long = Vec::new();
+        for file in rust_files(&root.join("src")).into_iter().chain(rust_files(&root.join("client/src"))) {
+            let text = std::fs::read_to_string(&file).unwrap();
+            let lines: Vec<&str> = text.lines().collect();
+            let name = file.strip_prefix(root).unwrap().display().to_string();
+            if lines.len() > 700 {
+                long.push(format!("{name}: {} lines", lines.len()));
+            }
+            // rustfmt's layout: a function ends at the first `}` at its own indentation.
+            for (at, line) in lines.iter().enumerate() {
+                let code = line.trim_start();
+                let indent = &line[..line.len() - code.len()];
+                let words: Vec<&str> = code.split_whitespace().take_while(|w| !w.starts_with("fn")).collect();
+                let is_fn = code.split_whitespace().any(|w| w == "fn")
+                    && words
+                        .iter()
+                        .all(|w| ["pub", "pub(crate)", "pub(super)", "async", "unsafe", "const"].contains(w))
+                    && !code.ends_with(';');
+                if !is_fn {
+                    continue;
+                }
+                let end = lines[at + 1..].iter().position(|l| *l == format!("{indent}}}"));
+                if let Some(end) = end.filter(|end| end + 2 > 120) {
+                    long.push(format!("{name}:{}: a function of {} lines", at + 1, end + 2));
+                }
+            }
+        }
+        assert!(long.is_empty(), "too long: {long:#?}");
     }
 }

@@ -5,8 +5,8 @@
 -- What changes:
 -- - lanes: every message gets a lane (sqlstreams.lane: its key's hash, or blocks of ids), each
 --   group a position and a hold per lane; one claim at a time holds a lane for ordered and
---   exclusive work, which replaces the per-key leases (message_key_lease_<id> is dropped). Ranges that
---   were open before the upgrade keep working across lanes (lane NULL) until they resolve.
+--   exclusive work, which replaces the per-key leases (message_key_lease_<id> is dropped). A range
+--   open at the upgrade becomes one range per lane of its pending messages, same token.
 -- - every stream's tables are migrated here and each stream records the version of its tables
 --   (stream.schema_version); the table family and partitions are created by SQL functions of
 --   the versioned script instead of library code. Filling the lane of every message rewrites
@@ -146,9 +146,8 @@ BEGIN
             reclaims          int         NOT NULL DEFAULT 0,
             pending           bigint[]    NOT NULL,
             pending_keys      text[]      NOT NULL,
-            -- 0.2.0: the lane every message of the range is in; NULL for a range claimed
-            -- before lanes existed (0.1.0), which may hold messages of every lane.
-            lane              integer,
+            -- 0.2.0: the lane every message of the range is in.
+            lane              integer     NOT NULL,
             PRIMARY KEY (consumer_group_id, first_id),
             CHECK (cardinality(pending) = cardinality(pending_keys))
         );
@@ -628,8 +627,34 @@ BEGIN
             INSERT INTO sqlstreams.lane_@id@ (consumer_group_id, lane, claimed)
             SELECT c.consumer_group_id, l, c.claimed FROM sqlstreams.cursor_@id@ c, generate_series(0, @lanes@ - 1) l;
 
-            -- Ranges open now were claimed across lanes.
             ALTER TABLE sqlstreams.range_lease_@id@ ADD COLUMN lane integer;
+            -- Ranges open now were claimed across lanes: each becomes one range per lane of its
+            -- pending messages, under the same token, expiry and reclaims, so that every range is
+            -- in one lane. The row keeps the lane of its oldest pending message; the other lanes'
+            -- messages get rows of their own, keyed by their oldest message.
+            INSERT INTO sqlstreams.range_lease_@id@
+                (consumer_group_id, first_id, last_id, lease_token, lease_expires_at, reclaims, pending, pending_keys, lane)
+            SELECT r.consumer_group_id, min(p.id), r.last_id, r.lease_token, r.lease_expires_at, r.reclaims,
+                   array_agg(p.id ORDER BY p.id), array_agg(p.key ORDER BY p.id), p.lane
+            FROM sqlstreams.range_lease_@id@ r
+            CROSS JOIN LATERAL (SELECT sqlstreams.lane(u.key, u.id, @lanes@) AS lane
+                                FROM unnest(r.pending, r.pending_keys) AS u(id, key) ORDER BY u.id LIMIT 1) f
+            CROSS JOIN LATERAL (SELECT u.id, u.key, sqlstreams.lane(u.key, u.id, @lanes@) AS lane
+                                FROM unnest(r.pending, r.pending_keys) AS u(id, key)) p
+            WHERE r.lane IS NULL AND p.lane <> f.lane
+            GROUP BY r.consumer_group_id, r.first_id, r.last_id, r.lease_token, r.lease_expires_at, r.reclaims, p.lane;
+            UPDATE sqlstreams.range_lease_@id@ r
+            SET lane = k.lane, pending = k.pending, pending_keys = k.pending_keys
+            FROM (SELECT r.consumer_group_id, r.first_id, f.lane,
+                         array_agg(u.id ORDER BY u.id) AS pending, array_agg(u.key ORDER BY u.id) AS pending_keys
+                  FROM sqlstreams.range_lease_@id@ r
+                  CROSS JOIN LATERAL (SELECT sqlstreams.lane(u.key, u.id, @lanes@) AS lane
+                                      FROM unnest(r.pending, r.pending_keys) AS u(id, key) ORDER BY u.id LIMIT 1) f
+                  CROSS JOIN LATERAL unnest(r.pending, r.pending_keys) AS u(id, key)
+                  WHERE r.lane IS NULL AND sqlstreams.lane(u.key, u.id, @lanes@) = f.lane
+                  GROUP BY r.consumer_group_id, r.first_id, f.lane) k
+            WHERE r.consumer_group_id = k.consumer_group_id AND r.first_id = k.first_id;
+            ALTER TABLE sqlstreams.range_lease_@id@ ALTER COLUMN lane SET NOT NULL;
             CREATE INDEX range_lease_@id@_token_idx ON sqlstreams.range_lease_@id@ (consumer_group_id, lease_token);
             CREATE INDEX range_lease_@id@_expiry_idx ON sqlstreams.range_lease_@id@ (consumer_group_id, lease_expires_at);
             -- Outcomes of open ranges' messages: none yet, each range lists only its pending ones.

@@ -278,9 +278,8 @@ BEGIN
             reclaims          int         NOT NULL DEFAULT 0,
             pending           bigint[]    NOT NULL,
             pending_keys      text[]      NOT NULL,
-            -- 0.2.0: the lane every message of the range is in; NULL for a range claimed
-            -- before lanes existed (0.1.0), which may hold messages of every lane.
-            lane              integer,
+            -- 0.2.0: the lane every message of the range is in.
+            lane              integer     NOT NULL,
             PRIMARY KEY (consumer_group_id, first_id),
             CHECK (cardinality(pending) = cardinality(pending_keys))
         );

@@ -12,7 +12,7 @@
 //! A key is in one lane, and a group with ordered or exclusive messages hands out one
 //! claim's deliveries per lane at a time (src/lanes.rs), so checks 2 and the exclusive check
 //! find nothing while lanes do their job; they stay as the safety net for the moments they do
-//! not: a lane taken over after its lease ran out, or a range claimed before lanes existed.
+//! not: a lane taken over after its lease ran out.
 //! That is also how exclusive delivery holds a key: one delivery per key at a time, because
 //! the key's lane admits one claim at a time and the gate chains same-key rows of a result.
 //!
@@ -178,8 +178,7 @@ pub fn gate(
 ///   (which wakes the key's parked rows), so its own clear time is the one that matters. No
 ///   key is probed when the group has no unresolved row at all.
 /// - Kind 2, for ordered and exclusive keys `$6`: the earliest same-key message pending in
-///   another open range (`$5` are this claim's own) of a lane the claim took (`$7`), or of a
-///   range claimed before lanes existed.
+///   another open range (`$5` are this claim's own) of a lane the claim took (`$7`).
 /// - Kind 3, for exclusive keys `$8`: the earliest same-key exception row in flight outside
 ///   this claim.
 const CHECK: Statement = Statement {
@@ -209,7 +208,7 @@ const CHECK: Statement = Statement {
           SELECT 2, u.message_key, min(u.id), min(r.lease_expires_at)
           FROM sqlstreams.range_lease_@id@ r
           CROSS JOIN LATERAL unnest(r.pending, r.pending_keys) AS u(id, message_key)
-          WHERE r.consumer_group_id = $1 AND r.first_id <> ALL($5) AND (r.lane = ANY($7) OR r.lane IS NULL)
+          WHERE r.consumer_group_id = $1 AND r.first_id <> ALL($5) AND r.lane = ANY($7)
             AND u.message_key = ANY($6)
             AND NOT EXISTS (SELECT 1 FROM sqlstreams.range_done_@id@ d
                             WHERE d.consumer_group_id = $1 AND d.lease_token = r.lease_token AND d.message_id = u.id)

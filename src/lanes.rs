@@ -105,7 +105,7 @@ macro_rules! holders {
 /// Lanes with work that a claim may take, best first: one with a due isolated row (it is
 /// handed out alone, so it goes first or never), then the lane furthest behind, the lane the
 /// caller just released first among equals (it stays with the keys it knows). Work is due
-/// exception rows, an expired range (or one claimed before lanes existed), or perhaps messages:
+/// exception rows, an expired range, or perhaps messages:
 /// the lane's position is below the safe head `$4` (`NEXT` looks). Also how many claims hold
 /// lanes now. Reads only; `take` locks.
 const CANDIDATES: Statement = Statement {
@@ -143,7 +143,7 @@ const CANDIDATES: Statement = Statement {
         " AND e.lease_expires_at <= $2
                                              ORDER BY e.lane, e.lease_expires_at LIMIT 1), false)) AS due_rows,
                  g.any_expired AND coalesce((SELECT true FROM sqlstreams.range_lease_@id@ r
-                                             WHERE r.consumer_group_id = $1 AND (r.lane = l.lane OR r.lane IS NULL)
+                                             WHERE r.consumer_group_id = $1 AND r.lane = l.lane
                                                AND r.lease_expires_at <= $2
                                              ORDER BY r.lease_expires_at LIMIT 1), false) AS expired_range,
                  g.any_due AND coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
@@ -258,7 +258,7 @@ const RELEASE: Statement = Statement {
           WHERE l.consumer_group_id = $1 AND l.held_by = $2
             AND NOT EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@ r
                             WHERE r.consumer_group_id = $1 AND r.lease_token = $2
-                              AND (r.lane = l.lane OR r.lane IS NULL))
+                              AND r.lane = l.lane)
             AND NOT EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
                             WHERE e.consumer_group_id = $1 AND e.lease_token = $2 AND e.status = 'inflight'
                               AND e.lane = l.lane)
@@ -284,7 +284,7 @@ pub struct Candidate {
     pub lane: i32,
     /// Due exception rows (retries, delays, woken or expired rows).
     pub due_rows: bool,
-    /// An expired range (or one claimed before lanes existed).
+    /// An expired range.
     pub expired_range: bool,
     /// A due isolated row (it goes out alone).
     pub isolated: bool,

@@ -32,8 +32,8 @@ pub struct RangeLease {
     /// The range's messages that have no outcome yet.
     pub pending: Vec<i64>,
     pub pending_keys: Vec<Option<String>>,
-    /// `None` for a range claimed before lanes existed (it may hold messages of every lane).
-    pub lane: Option<i32>,
+    /// The lane every message of the range is in.
+    pub lane: i32,
     /// Messages removed from `pending` since the range was read, not stored yet.
     resolved: Vec<i64>,
 }
@@ -41,7 +41,7 @@ pub struct RangeLease {
 impl RangeLease {
     /// A fresh range of `lane`: its messages are set as the claim hands them out.
     pub fn new(first_id: i64, last_id: i64, lane: i32) -> RangeLease {
-        RangeLease { first_id, last_id, lane: Some(lane), ..Default::default() }
+        RangeLease { first_id, last_id, lane, ..Default::default() }
     }
 
     /// Removes `ids` from `pending`; returns the removed (id, key) pairs in id order.
@@ -115,11 +115,11 @@ const FOR_TOKEN: Statement = Statement {
     params: &[INT8OID, UUIDOID],
 };
 
-/// The lane's oldest expired range (a range from before lanes belongs to every lane).
+/// The lane's oldest expired range.
 const OLDEST_EXPIRED: Statement = Statement {
     name: "range_oldest_expired",
     sql: "SELECT first_id, last_id, lease_token, reclaims, pending, pending_keys, lane FROM sqlstreams.range_lease_@id@
-          WHERE consumer_group_id = $1 AND lease_expires_at <= $2 AND (lane = $3 OR lane IS NULL)
+          WHERE consumer_group_id = $1 AND lease_expires_at <= $2 AND lane = $3
           ORDER BY first_id LIMIT 1 FOR UPDATE SKIP LOCKED",
     params: &[INT8OID, TIMESTAMPTZOID, INT4OID],
 };
@@ -206,7 +206,7 @@ fn from_row<R: Columns>(row: &R) -> Result<(pgrx::Uuid, RangeLease)> {
         reclaims: row.required("reclaims")?,
         pending: row.required("pending")?,
         pending_keys: row.required("pending_keys")?,
-        lane: row.value("lane")?,
+        lane: row.required("lane")?,
         resolved: vec![],
     };
     Ok((row.required("lease_token")?, range))
@@ -252,7 +252,7 @@ impl Ranges {
     }
 
     /// Pending messages of `key` after `after`, in id order (a key's messages are all in its
-    /// lane's range, or in a range claimed before lanes existed).
+    /// lane's range).
     pub fn pending_after(&self, key: &str, after: i64) -> Vec<i64> {
         let mut ids: Vec<i64> = self.ranges.iter().flat_map(|r| r.pending_after(key, after)).collect();
         ids.sort_unstable();
@@ -391,7 +391,7 @@ mod tests {
             reclaims: 0,
             pending: vec![101, 102, 103, 105],
             pending_keys: vec![Some("a".into()), None, Some("a".into()), Some("b".into())],
-            lane: Some(0),
+            lane: 0,
             resolved: vec![],
         }
     }

@@ -61,6 +61,19 @@ SELECT sqlstreams.ack('upgrade.idempotent', 'g', c.token, c.message_id)
 FROM sqlstreams.claim('upgrade.idempotent', 'g') AS c(message_id, message_key, concurrency, attempt, payload, token, run_after);
 SELECT sqlstreams.produce('upgrade.idempotent', '{"n": 2}', idempotency_key => 'order-2');
 
+-- Stream 5: ranges open across keys of different lanes (0.1.0 had no lanes): one whose lease
+-- holds, one that expired.
+SELECT sqlstreams.create_stream('upgrade.lanes');
+SELECT sqlstreams.create_group('upgrade.lanes', 'g');
+SELECT sqlstreams.produce('upgrade.lanes', jsonb_build_object('n', n), k)
+FROM unnest(ARRAY[1, 2, 3, 4, 5, 6], ARRAY['x', 'y', NULL, 'z', 'w', NULL]) AS u(n, k);
+SELECT upgrade_keep('lanes-open', 'upgrade.lanes', 'g', 10);                        -- 1-6, leased
+SELECT sqlstreams.produce('upgrade.lanes', jsonb_build_object('n', n), k)
+FROM unnest(ARRAY[7, 8, 9], ARRAY['x', 'y', NULL]) AS u(n, k);
+SELECT upgrade_keep('lanes-expired', 'upgrade.lanes', 'g', 10);                     -- 7-9
+UPDATE sqlstreams.range_lease_5 SET lease_expires_at = now() - interval '1 second'
+WHERE lease_token = (SELECT token FROM upgrade_claims WHERE name = 'lanes-expired');
+
 -- Every row of every stream table, as text: phase 2 compares it after the upgrade.
 CREATE VIEW upgrade_rows AS
 SELECT 'exception_queue' AS t, format('%s/%s %s %s %s %s %s %s %s %s', e.stream, e.consumer_group_id, e.message_id,

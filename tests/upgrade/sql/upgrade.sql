@@ -91,6 +91,18 @@ SELECT payload, headers, produced_at IS NOT NULL AS has_produced_at FROM d;
 SELECT sqlstreams.ack('upgrade.idempotent', 'g', lease_token, message_id) FROM d;
 DROP TABLE d;
 
+-- Ranges open across lanes are one range per lane now, under the same token; the lane of the
+-- oldest pending message keeps the row.
+SELECT r.first_id, r.last_id, r.lane, r.pending, r.pending_keys, c.name AS claim, r.lease_expires_at < now() AS expired
+FROM sqlstreams.range_lease_5 r JOIN upgrade_claims c ON c.token = r.lease_token ORDER BY r.first_id;
+SELECT bool_and(r.lane = sqlstreams.lane(k.key, k.id, 16)) AS every_message_in_its_ranges_lane
+FROM sqlstreams.range_lease_5 r, unnest(r.pending, r.pending_keys) AS k(id, key);
+-- The open one's messages answer with their 0.1.0 token; the expired one's are handed out
+-- again, lane by lane, each once.
+SELECT sqlstreams.ack_batch('upgrade.lanes', 'g', token, ids) FROM upgrade_claims WHERE name = 'lanes-open';
+SELECT message_id, message_key, attempt FROM drain('upgrade.lanes', 'g') ORDER BY message_id;
+SELECT claimed, committed, lag, open_ranges FROM sqlstreams.group_status('upgrade.lanes', 'g');
+
 -- New messages on an upgraded stream, a new group, a new stream with its own lane count.
 SELECT count(*) FROM sqlstreams.produce_batch('upgrade.ordered', ARRAY['{"n": 8}', '{"n": 9}']::jsonb[], ARRAY['a', 'd']);
 SELECT sqlstreams.create_group('upgrade.ordered', 'late', start_at => 'beginning');

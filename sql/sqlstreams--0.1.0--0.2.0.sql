@@ -914,7 +914,7 @@ LANGUAGE c AS 'MODULE_PATHNAME', 'maintain_wrapper'
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;
 
--- maintain() for one stream (src/maintain.rs), so a job can give each stream a transaction.
+-- maintain() for one stream (src/admin/maintain.rs), so a job can give each stream a transaction.
 CREATE FUNCTION sqlstreams.maintain_stream(stream_name text)
 RETURNS TABLE (
     stream text,
@@ -976,7 +976,7 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;
 
 
--- Operations (src/stream.rs, src/group.rs, src/dead_letters.rs, src/seek.rs)
+-- Operations (src/admin/streams.rs, src/admin/groups.rs, src/admin/dead_letters.rs, src/admin/seek.rs)
 CREATE FUNCTION sqlstreams.peek(stream text, after_id bigint DEFAULT 0, max_messages integer DEFAULT 100)
 RETURNS TABLE (message_id bigint, message_key text, produced_at timestamptz, payload jsonb)
 STABLE PARALLEL SAFE

@@ -65,7 +65,7 @@ CREATE TABLE sqlstreams.stream (
 -- No foreign key to stream: pg_dump records no order between the data of an extension's
 -- configuration tables, so a parallel restore (pg_restore -j) loads them in any order, and a
 -- foreign key would refuse a group whose stream comes later. drop_stream deletes a stream's
--- groups and grants with it (src/stream.rs).
+-- groups and grants with it (src/admin/streams.rs).
 CREATE TABLE sqlstreams.consumer_group (
     id                   bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     stream_id            bigint      NOT NULL,
@@ -649,7 +649,7 @@ $function$;
 -- 3. The API: functions of the library (src/), each a thin shim over plain Rust.
 ----------------------------------------------------------------------------------------------
 
--- Streams and groups (src/stream.rs, src/group.rs)
+-- Streams and groups (src/admin/streams.rs, src/admin/groups.rs)
 CREATE FUNCTION sqlstreams.create_stream(
     name text,
     partition_size bigint DEFAULT 1000000,
@@ -943,7 +943,7 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;
 
 
--- Operations (src/stream.rs, src/group.rs, src/dead_letters.rs, src/seek.rs)
+-- Operations (src/admin/streams.rs, src/admin/groups.rs, src/admin/dead_letters.rs, src/admin/seek.rs)
 CREATE FUNCTION sqlstreams.peek(stream text, after_id bigint DEFAULT 0, max_messages integer DEFAULT 100)
 RETURNS TABLE (message_id bigint, message_key text, produced_at timestamptz, payload jsonb)
 STABLE PARALLEL SAFE
@@ -1023,7 +1023,7 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'exception_counts_changed_wrapper'
 SET search_path = pg_catalog, pg_temp;
 
--- Housekeeping (src/maintain.rs)
+-- Housekeeping (src/admin/maintain.rs)
 CREATE FUNCTION sqlstreams.maintain()
 RETURNS TABLE (
     stream text,
@@ -1039,7 +1039,7 @@ LANGUAGE c AS 'MODULE_PATHNAME', 'maintain_wrapper'
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan;
 
--- maintain() for one stream (src/maintain.rs), so a job can give each stream a transaction.
+-- maintain() for one stream (src/admin/maintain.rs), so a job can give each stream a transaction.
 CREATE FUNCTION sqlstreams.maintain_stream(stream_name text)
 RETURNS TABLE (
     stream text,

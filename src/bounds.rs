@@ -132,8 +132,8 @@ const GROUP_NAME: Statement = Statement {
 
 /// Moves the groups of `stream` that hold back partitions out of its bounds past them (only
 /// groups in `groups`, whose locks this transaction holds: a group held by a seek or a drop is
-/// left, and then so is the move). Returns the messages lost, summed over the groups.
-pub fn enforce(client: &SpiClient<'_>, name: &str, stream: &StreamRef, groups: &[i64]) -> Result<i64> {
+/// left, and then so is the move). Returns how many groups it moved.
+pub fn enforce(client: &SpiClient<'_>, name: &str, stream: &StreamRef, groups: &[i64]) -> Result<usize> {
     let bounds = BOUNDS.run(client, 0, &[stream.id.into()])?.first();
     let (max_age, max_bytes): (Option<i64>, Option<i64>) = (bounds.value("max_age")?, bounds.value("max_bytes")?);
     if max_age.is_none() && max_bytes.is_none() {
@@ -194,7 +194,6 @@ pub fn enforce(client: &SpiClient<'_>, name: &str, stream: &StreamRef, groups: &
     if !unsafe { pg_sys::ConditionalLockRelationOid(sequence, pg_sys::ExclusiveLock as pg_sys::LOCKMODE) } {
         return Ok(0);
     }
-    let mut total = 0;
     for &group in &lagging {
         let lost: i64 = LOST.run(client, stream.id, &[group.into(), through.into()])?.first().required("lost")?;
         MOVE.run(client, stream.id, &[group.into(), through.into(), lost.into()])?;
@@ -208,7 +207,6 @@ pub fn enforce(client: &SpiClient<'_>, name: &str, stream: &StreamRef, groups: &
             named(name),
             named(&group_name),
         );
-        total += lost;
     }
-    Ok(total)
+    Ok(lagging.len())
 }

@@ -1,11 +1,9 @@
 //! Streams: what the claim and produce paths know of one, and looking it up by name. Creating,
 //! changing and dropping streams is the operator API's (src/admin/streams.rs).
 //!
-//! A stream's table family is defined in the versioned install script
-//! (`sqlstreams.create_stream_tables`, sql/sqlstreams--<version>.sql), so every schema change is
-//! a new version whose upgrade script migrates every existing stream. Each stream records the
-//! version its tables have (`schema_version`); the library refuses a stream whose tables are
-//! not the ones it was built for, instead of failing half-way through a call.
+//! Each stream records the version its tables have (`schema_version`, src/admin/streams.rs
+//! says where they are defined); a lookup refuses a stream whose tables are not the ones the
+//! library was built for, instead of failing half-way through a call.
 
 use std::ffi::CString;
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Barrier;
 
 use crate::systems;
-use crate::workloads::Bench;
+use crate::workloads::{cpu_us, Bench};
 
 pub const GROUPS: usize = 100;
 const EVERY: Duration = Duration::from_millis(20);
@@ -55,16 +55,6 @@ pub struct Polled {
     pub rounds: usize,
 }
 
-/// Time on a CPU of the processes `pids`, µs (see `Bench::cluster_cpu_us`).
-fn cpu_us(pids: &[u32]) -> u64 {
-    let ns: u64 = pids
-        .iter()
-        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next().and_then(|f| f.parse::<u64>().ok()))
-        .sum();
-    ns / 1000
-}
-
 /// The round with the median CPU per poll.
 pub fn median(mut rounds: Vec<Polled>) -> Option<Polled> {
     rounds.sort_by(|a, b| a.server_cpu_us.total_cmp(&b.server_cpu_us));
@@ -106,7 +96,7 @@ impl Bench {
                     Poll::Lane => vec![pg.prepare("SELECT sqlstreams.lane('k', 1, 16)").await.unwrap()],
                     Poll::Claim => vec![pg.prepare("SELECT * FROM sqlstreams.claim($1, $2, 100)").await.unwrap()],
                     Poll::ClaimNextDue => vec![
-                        // The client's two statements (client/src/sql.rs), with its default batch and lease.
+                        // The client's two statements (client/src/sql.rs), with a batch of 100.
                         pg.prepare(
                             "SELECT message_id, message_key, concurrency, attempt, payload::text, lease_token, run_after,
                              produced_at, headers
@@ -150,9 +140,10 @@ impl Bench {
         while pids.len() < GROUPS {
             pids.push(pid_rx.recv().await.expect("every poller sends its backend's pid"));
         }
-        let (cpu_start, started) = (cpu_us(&pids), Instant::now());
+        let ((cpu_start, read), started) = (cpu_us(&pids), Instant::now());
+        assert_eq!(read, GROUPS, "W11 reads the pollers' backends in /proc: it needs PostgreSQL on this machine");
         barrier.wait().await;
-        let (cpu, seconds) = (cpu_us(&pids) - cpu_start, started.elapsed());
+        let (cpu, seconds) = (cpu_us(&pids).0 - cpu_start, started.elapsed());
         let mut polls = 0;
         for p in pollers {
             polls += p.await.unwrap();

@@ -155,31 +155,25 @@ impl Bench {
     }
 
     /// CPU time of the cluster's processes, in microseconds: the postmaster whose data
-    /// directory is `data_dir` and its children. Read from `/proc/<pid>/schedstat` (time on a
-    /// CPU, in nanoseconds), not `/proc/<pid>/stat`'s ticks: a backend that runs a few
-    /// microseconds per wake-up is charged by tick sampling only when a tick lands in it, which
-    /// miscounts pollers that wake in step with the timer.
+    /// directory is `data_dir` and its children (see `cpu_us`).
     pub fn cluster_cpu_us(&self, data_dir: &str) -> u64 {
         let postmaster: u32 = std::fs::read_to_string(format!("{data_dir}/postmaster.pid"))
             .ok()
             .and_then(|s| s.lines().next().and_then(|l| l.trim().parse().ok()))
             .unwrap_or(0);
-        let mut total_ns = 0u64;
         let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
-        for entry in dir.flatten() {
-            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-            // Fields after the command (which may hold spaces) start after the last ')'.
-            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { continue };
-            // rest: state(0) ppid(1) ...
-            let ppid: u32 = rest.split_whitespace().nth(1).and_then(|f| f.parse().ok()).unwrap_or(0);
-            if pid != postmaster && ppid != postmaster {
-                continue;
-            }
-            let Ok(schedstat) = std::fs::read_to_string(format!("/proc/{pid}/schedstat")) else { continue };
-            total_ns += schedstat.split_whitespace().next().and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
-        }
-        total_ns / 1000
+        let pids: Vec<u32> = dir
+            .flatten()
+            .filter_map(|entry| entry.file_name().to_string_lossy().parse::<u32>().ok())
+            .filter(|&pid| {
+                // Fields after the command (which may hold spaces) start after the last ')':
+                // state, then the parent's pid.
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                let parent = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1));
+                pid == postmaster || parent.and_then(|p| p.parse::<u32>().ok()) == Some(postmaster)
+            })
+            .collect();
+        cpu_us(&pids).0
     }
 
     /// Turns autovacuum off and waits (up to a minute) for its running workers to finish:
@@ -517,4 +511,18 @@ fn order_violations(seen: &[Consumed]) -> usize {
         }
     }
     violations
+}
+
+/// Time on a CPU of the processes `pids`, in microseconds, and how many of them could be read
+/// (a process that ended is not). From `/proc/<pid>/schedstat` (nanoseconds), not
+/// `/proc/<pid>/stat`'s ticks: a backend that runs a few microseconds per wake-up is charged by
+/// tick sampling only when a tick lands in it, which miscounts pollers that wake in step with
+/// the timer.
+pub fn cpu_us(pids: &[u32]) -> (u64, usize) {
+    let read: Vec<u64> = pids
+        .iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next().and_then(|f| f.parse::<u64>().ok()))
+        .collect();
+    (read.iter().sum::<u64>() / 1000, read.len())
 }

@@ -5,7 +5,7 @@
 mod dead_letters;
 mod grants;
 mod groups;
-pub mod maintain;
+mod maintain;
 mod seek;
 mod streams;
 

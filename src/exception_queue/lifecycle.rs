@@ -328,9 +328,12 @@ const SUCCEED_ROWS: Statement = Statement {
 /// Whether group `$1` has any row in flight: one probe of the index of leases.
 const ANY_INFLIGHT: Statement = Statement {
     name: "eq_any_inflight",
-    sql: "SELECT coalesce((SELECT true FROM sqlstreams.exception_queue_@id@
-                           WHERE consumer_group_id = $1 AND status = 'inflight'
-                           ORDER BY lease_expires_at LIMIT 1), false) AS any",
+    sql: concat!(
+        "SELECT coalesce((SELECT true FROM sqlstreams.exception_queue_@id@
+                           WHERE consumer_group_id = $1 AND ",
+        super::in_flight!(),
+        " ORDER BY lease_expires_at LIMIT 1), false) AS any"
+    ),
     params: &[INT8OID],
 };
 

@@ -26,7 +26,7 @@ use crate::error::Result;
 use crate::{sql, Headers};
 
 /// How long a claim's chains may run on the claim loop's task before the rest go to tasks of
-/// their own (see `run`).
+/// their own (see `ClaimLoop::dispatch`).
 pub(super) const INLINE_BUDGET: Duration = Duration::from_millis(1);
 
 /// How a delivery ended, before it is recorded.
@@ -175,7 +175,7 @@ where
         self.leases.finished(token, rows);
         let before = self.outstanding.fetch_sub(rows, Ordering::AcqRel);
         // The claim loop waits for all work to finish, or for room for half a batch (see
-        // `run`): wake it only when one of those is crossed, not for every row.
+        // `ClaimLoop::claim_now`): wake it only when one of those is crossed, not for every row.
         let after = before - rows;
         if after == 0 || (before > self.claim_again_at && after <= self.claim_again_at) {
             self.progress.notify_one();
@@ -361,6 +361,13 @@ where
         self.record(row, outcome).await
     }
 
+    /// An outcome scheduled a retry or a delay, which nothing announces: the claim loop asks
+    /// `next_due` again (see `NextDue`), now if it is idle.
+    fn scheduled(&self) {
+        self.timed_work.store(true, Ordering::Release);
+        self.wake.notify_one();
+    }
+
     /// A plain handler succeeded: its ack goes to the writer.
     fn succeeded(&self, row: &Claimed) {
         self.writer.ack(row.token, row.id);
@@ -379,6 +386,9 @@ where
                 let after = after.max(Duration::from_millis(1));
                 let recorded = self.writer.delay(row.token, row.id, after).await;
                 let event = if recorded { Event::Delayed } else { Event::LeaseLost };
+                if recorded {
+                    self.scheduled();
+                }
                 c.add(event, 1);
                 self.note(&row, event, None);
                 return false;
@@ -402,7 +412,10 @@ where
         let (event, resolved) =
             match self.writer.fail(row.token, row.id, error, permanent, retry_after).await.as_deref() {
                 Some("dead") => (Event::Dead, true),
-                Some(_) => (Event::Failed, false),
+                Some(_) => {
+                    self.scheduled();
+                    (Event::Failed, false)
+                }
                 None => (Event::LeaseLost, false),
             };
         c.add(event, 1);

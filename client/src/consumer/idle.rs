@@ -13,10 +13,12 @@ use crate::sql;
 pub(super) const IDLE_FLOOR: Duration = Duration::from_millis(20);
 
 /// What `sqlstreams.next_due` last said, kept until something may have changed it: a
-/// notification, or a claim that handed out work (whose outcomes may set retries and delays).
-/// An idle consumer that polls again with nothing changed then costs one claim, not two calls.
-/// Timed work another consumer sets (its retry) sends no notification: this consumer sees it
-/// at its next `poll_interval` at the latest, and the consumer that set it sleeps until it.
+/// notification, a claim that handed out work, or a retry or delay this consumer's outcomes
+/// set. An idle consumer that polls again with nothing changed then costs one claim, not two
+/// calls. Timed work that other consumers make sends no notification (their retries, their
+/// leases that run out when they crash): this consumer sees it at its next `poll_interval`
+/// at the latest, as it did before `next_due` existed; the consumer that set a retry sleeps
+/// until it.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum NextDue {
     Unknown,

@@ -4,7 +4,7 @@
 //! its rows run. The claim call and its chains are in claims.rs, running them in executor.rs,
 //! the idle wait in idle.rs; acks and failures are written by the writer (writer.rs).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -63,6 +63,12 @@ pub(super) struct Ctx<T, H> {
     /// The claim loop claims again once no more than this many rows are outstanding (room
     /// for half a batch).
     pub claim_again_at: usize,
+    /// Notifications of the stream (new messages, resolved blockers, freed lanes), and this
+    /// consumer's own retries and delays, which nothing else announces (`timed_work`).
+    pub wake: Arc<Notify>,
+    /// Set when an outcome of this consumer scheduled a retry or a delay: what `next_due` said
+    /// before may be later than it.
+    pub timed_work: AtomicBool,
     /// Set by tests: every delivery's outcome, and stop once nothing is left to claim.
     pub journal: Option<Journal>,
 }
@@ -115,9 +121,11 @@ where
         cancel,
         outstanding: AtomicUsize::new(0),
         progress: Notify::new(),
+        wake,
+        timed_work: AtomicBool::new(false),
         journal,
     });
-    let mut claims = ClaimLoop::new(ctx.clone(), room, wake);
+    let mut claims = ClaimLoop::new(ctx.clone(), room);
     claims.run(&stop).await;
     let fatal = claims.finish().await;
     ctx.writer.flush().await;
@@ -174,8 +182,6 @@ struct ClaimLoop<T, H> {
     chains: JoinSet<()>,
     workers: usize,
     backoff: Backoff,
-    /// Notifications of the stream: new messages, resolved blockers, freed lanes.
-    wake: Arc<Notify>,
     idle_floor: Duration,
     next_due: NextDue,
     /// Until idle (tests): a claim that found nothing after everything before it was written.
@@ -193,14 +199,13 @@ where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
     H: Handle<T>,
 {
-    fn new(ctx: Arc<Ctx<T, H>>, room: usize, wake: Arc<Notify>) -> Self {
+    fn new(ctx: Arc<Ctx<T, H>>, room: usize) -> Self {
         ClaimLoop {
             ctx,
             room,
             chains: JoinSet::new(),
             workers: tokio::runtime::Handle::current().metrics().num_workers().max(1),
             backoff: Backoff::new(),
-            wake,
             idle_floor: IDLE_FLOOR,
             next_due: NextDue::Unknown,
             idle_after_flush: false,
@@ -224,7 +229,10 @@ where
             };
             self.ctx.writer.claiming(false);
             let step = match sent.result {
-                Err(e) => self.refused(e, sent.acks, stop).await,
+                Err(e) => {
+                    drop(sent.permits);
+                    self.refused(e, sent.acks, stop).await
+                }
                 Ok(rows) => {
                     self.backoff.reset();
                     if rows.is_empty() {
@@ -314,6 +322,9 @@ where
             self.idle_after_flush = true;
             return Step::Again;
         }
+        if ctx.timed_work.swap(false, Ordering::AcqRel) {
+            self.next_due = NextDue::Unknown;
+        }
         let idle = idle_wait(ctx, self.idle_floor, &mut self.next_due).await;
         if idle <= self.idle_floor {
             // Due now, yet nothing came: the work waits behind something that notifies.
@@ -321,7 +332,7 @@ where
         }
         tokio::select! {
             // Something changed: what next_due said may no longer hold.
-            _ = self.wake.notified() => self.next_due = NextDue::Unknown,
+            _ = ctx.wake.notified() => self.next_due = NextDue::Unknown,
             _ = tokio::time::sleep(idle) => {}
             _ = stop.cancelled() => return Step::Stop,
         }

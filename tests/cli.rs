@@ -6,11 +6,28 @@ use std::process::Command;
 use serde_json::Value;
 use sqlstreams_tests::*;
 
+fn cli_command() -> Command {
+    let bin = std::env::var("SQLSTREAMS_CLI").expect("SQLSTREAMS_CLI is not set: run `scripts/rig test`");
+    let mut command = Command::new(bin);
+    // No terminal to ask on: a change needs --yes.
+    command.env("DATABASE_URL", database_url()).stdin(std::process::Stdio::null());
+    command
+}
+
+/// Runs the CLI with `args`; returns (exit code, stdout, stderr).
+fn run(args: &[&str]) -> (i32, String, String) {
+    let out = cli_command().args(args).output().expect("run the CLI");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
 /// Runs the CLI with `args`; returns (success, stdout, stderr).
 fn cli(args: &[&str]) -> (bool, String, String) {
-    let bin = std::env::var("SQLSTREAMS_CLI").expect("SQLSTREAMS_CLI is not set: run `scripts/rig test`");
-    let out = Command::new(bin).args(args).env("DATABASE_URL", database_url()).output().expect("run the CLI");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    let (code, out, err) = run(args);
+    (code == 0, out, err)
 }
 
 fn json(args: &[&str]) -> Vec<Value> {
@@ -46,15 +63,17 @@ fn an_operator_inspects_and_repairs_a_group_from_the_command_line() {
         (dead[0]["message_id"].as_i64(), dead[0]["last_error"].as_str()),
         (Some(produced[0]), Some("card declined"))
     );
-    let redriven = json(&[&["dead", "redrive"][..], &target[..], &["--ids", &produced[0].to_string()][..]].concat());
+    let redriven =
+        json(&[&["dead", "redrive", "--yes"][..], &target[..], &["--ids", &produced[0].to_string()][..]].concat());
     assert_eq!(redriven[0]["redriven"], produced[0]);
-    assert!(json(&[&["dead", "purge"][..], &target[..]].concat())[0]["purged"] == 0);
+    assert!(json(&[&["dead", "purge", "--all", "--yes"][..], &target[..]].concat())[0]["purged"] == 0);
 
     assert_eq!(json(&[&["pause"][..], &target[..]].concat())[0]["paused"], true);
     assert!(g.claim(&mut c, 10).is_empty());
     assert_eq!(json(&[&["resume"][..], &target[..]].concat())[0]["resumed"], true);
 
-    assert_eq!(json(&[&["seek"][..], &target[..], &["--to-id", "0"][..]].concat())[0]["position"], 0);
+    let seek = [&["seek", "--force", "--yes"][..], &target[..], &["--to-id", "0"][..]].concat();
+    assert_eq!(json(&seek)[0]["position"], 0);
     assert_eq!(ids(&g.claim(&mut c, 1)), vec![produced[0]], "replayed from the beginning");
 
     let tail = json(&["tail", "--stream", &s.name, "--after", &produced[0].to_string()]);
@@ -89,4 +108,89 @@ fn the_cli_connects_over_tls_and_verifies_the_server() {
     let not_the_ca = std::path::Path::new(&ca).with_file_name("server.crt");
     let (ok, _, err) = cli_tls(&url, not_the_ca.to_str().unwrap(), &["status", "--stream", &s.name]);
     assert!(!ok && err.to_lowercase().contains("certificate"), "{err}");
+}
+
+/// What (group_status) claimed, and the dead messages' ids, of `g`.
+fn state(c: &mut postgres::Client, s: &Stream) -> (i64, Vec<i64>) {
+    let claimed: i64 = c.query_one("SELECT claimed FROM sqlstreams.group_status($1, 'g')", &[&s.name]).unwrap().get(0);
+    let dead = c.query("SELECT message_id FROM sqlstreams.dead_messages($1, 'g') ORDER BY 1", &[&s.name]).unwrap();
+    (claimed, dead.iter().map(|r| r.get(0)).collect())
+}
+
+#[test]
+fn a_change_is_previewed_confirmed_and_bounded_in_time() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "cli-confirm");
+    let g = s.group(&mut c, "g", None);
+    let produced = s.produce_many(&mut c, 2, None);
+    for d in g.claim(&mut c, 10) {
+        g.fail(&mut c, &d, "broken", true, None);
+    }
+    let target = ["--stream", s.name.as_str(), "--group", "g"];
+    fn args_for<'a>(args: &[&'a str], target: &[&'a str]) -> Vec<&'a str> {
+        [args, target].concat()
+    }
+    let with = |args: &[&'static str]| args_for(args, &target);
+    let before = state(&mut c, &s);
+    assert_eq!(before.1, produced);
+
+    // Purging every dead letter is said, not defaulted to.
+    let (code, _, err) = run(&with(&["dead", "purge"]));
+    assert!(code == 2 && err.contains("--older-than"), "{code} {err}");
+
+    // A dry run shows what would change and changes nothing.
+    let preview = json(&with(&["dead", "redrive", "--dry-run"]));
+    let previewed: Vec<i64> = preview.iter().map(|r| r["redriven"].as_i64().unwrap()).collect();
+    assert_eq!(previewed, produced);
+    assert_eq!(state(&mut c, &s), before, "a dry run changes nothing");
+    // Without --yes and without a terminal to ask on: refused, nothing changed.
+    let (code, _, err) = run(&with(&["dead", "redrive"]));
+    assert!(code == 2 && err.contains("--yes"), "{code} {err}");
+    assert_eq!(state(&mut c, &s), before);
+    let purged = json(&with(&["dead", "purge", "--all", "--dry-run"]));
+    assert_eq!(purged[0]["purged"], 2);
+    assert_eq!(state(&mut c, &s), before);
+
+    // Redriven for real, then claimed: a consumer holds an open lease.
+    assert_eq!(json(&with(&["dead", "redrive", "--yes"])).len(), 2);
+    let held = g.claim(&mut c, 10);
+    assert_eq!(ids(&held), produced);
+    let claimed = state(&mut c, &s).0;
+    let (code, _, err) = run(&with(&["seek", "--to-id", "0", "--yes"]));
+    assert!(code == 2 && err.contains("open lease") && err.contains("--force"), "{code} {err}");
+    assert_eq!(json(&with(&["seek", "--to-id", "0", "--force", "--dry-run"]))[0]["position"], 0);
+    assert_eq!(state(&mut c, &s).0, claimed, "the dry run did not move the group");
+
+    // A seek waits for the calls in progress on its group: here a claim whose transaction stays
+    // open. The statement timeout ends the wait instead of hanging.
+    let mut open = connect();
+    let mut tx = open.transaction().unwrap();
+    tx.query("SELECT * FROM sqlstreams.claim($1, 'g', 1)", &[&s.name]).unwrap();
+    let (code, _, err) = run(&with(&["--statement-timeout", "1s", "seek", "--to-id", "0", "--force", "--yes"]));
+    assert!(code == 1 && err.contains("57014"), "{code} {err}");
+    tx.rollback().unwrap();
+    assert_eq!(state(&mut c, &s).0, claimed, "the seek that timed out changed nothing");
+}
+
+#[test]
+fn tail_follow_json_prints_one_object_per_line() {
+    use std::io::{BufRead, BufReader};
+    let mut c = connect();
+    let s = Stream::create(&mut c, "cli-ndjson");
+    let produced = s.produce_many(&mut c, 3, None);
+    let mut follow = cli_command()
+        .args(["--json", "tail", "--stream", &s.name, "--follow", "--limit", "2"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(follow.stdout.take().unwrap()).lines();
+    let read: Vec<i64> = (0..3)
+        .map(|_| {
+            let line = lines.next().expect("a line").unwrap();
+            serde_json::from_str::<Value>(&line).expect("each line is one JSON object")["message_id"].as_i64().unwrap()
+        })
+        .collect();
+    follow.kill().unwrap();
+    let _ = follow.wait();
+    assert_eq!(read, produced, "in order, across two reads of two");
 }

@@ -2,13 +2,20 @@
 //! reads the extension's tables), printed as a table, or as JSON with `--json` for scripts.
 //!
 //! ```text
-//! sqlstreams [--dsn URL] [--json] status [--stream S]
+//! sqlstreams [--dsn URL] [--json] [--statement-timeout 30s] status [--stream S]
 //! sqlstreams lag|blocked --stream S --group G
-//! sqlstreams dead list|redrive|purge --stream S --group G [--ids 1,2] [--older-than '7 days']
-//! sqlstreams seek --stream S --group G (--to-id N | --to-time T)
+//! sqlstreams dead list --stream S --group G
+//! sqlstreams dead redrive --stream S --group G [--ids 1,2] [--dry-run | --yes]
+//! sqlstreams dead purge --stream S --group G (--older-than '7 days' | --all) [--dry-run | --yes]
+//! sqlstreams seek --stream S --group G (--to-id N | --to-time T) [--force] [--dry-run | --yes]
 //! sqlstreams pause|resume --stream S --group G
 //! sqlstreams tail --stream S [--after ID] [--limit N] [--follow]
 //! ```
+//!
+//! What changes messages (redrive, purge, seek) first runs in a transaction that is rolled
+//! back, to show what it would do: `--dry-run` stops there; otherwise the change is made when
+//! `--yes` is given or the operator answers yes on a terminal, and refused (exit 2) when
+//! neither.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -18,15 +25,27 @@ use serde_json::Value;
 use tokio_postgres::types::ToSql;
 
 #[derive(Parser)]
-#[command(name = "sqlstreams", version, about = "Operate sqlstreams streams and consumer groups")]
+#[command(
+    name = "sqlstreams",
+    version,
+    about = "Operate sqlstreams streams and consumer groups",
+    after_help = "Exit status: 0 done; 1 the database refused or could not be reached (its message, \
+                  SQLSTATE and hint on stderr); 2 a usage error, or a change not confirmed (no --yes \
+                  and no terminal to ask on) or refused by the CLI itself (seek of a group with open \
+                  leases without --force)."
+)]
 struct Cli {
     /// Connection string; defaults to DATABASE_URL. `sslmode=require` connects over TLS and
     /// verifies the server against the system's roots and the CA file in PGSSLROOTCERT.
     #[arg(long, env = "DATABASE_URL", global = true, default_value = "postgres://localhost/postgres")]
     dsn: String,
-    /// Print JSON (one array of objects) instead of a table.
+    /// Print JSON (one array of objects; `tail --follow`: one object per line) instead of a table.
     #[arg(long, global = true)]
     json: bool,
+    /// How long any one statement may run (a seek waits for the claims in progress), as
+    /// Postgres reads `statement_timeout`: '30s', '5min', '0' for none.
+    #[arg(long, global = true, default_value = "30s")]
+    statement_timeout: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -37,6 +56,17 @@ struct Target {
     stream: String,
     #[arg(long)]
     group: String,
+}
+
+/// How a change is confirmed.
+#[derive(Args)]
+struct Confirm {
+    /// Show what would change, and change nothing.
+    #[arg(long, conflicts_with = "yes")]
+    dry_run: bool,
+    /// Make the change without asking.
+    #[arg(long, short = 'y')]
+    yes: bool,
 }
 
 #[derive(Subcommand)]
@@ -65,6 +95,11 @@ enum Command {
         /// A timestamp Postgres understands, e.g. '2026-11-30 12:00+00'.
         #[arg(long)]
         to_time: Option<String>,
+        /// Seek although consumers hold open leases (their outcomes will report a lost lease).
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        confirm: Confirm,
     },
     /// Stops a group's claims (outcomes still count).
     Pause(Target),
@@ -94,13 +129,21 @@ enum Dead {
         /// Comma-separated message ids.
         #[arg(long, value_delimiter = ',')]
         ids: Option<Vec<i64>>,
+        #[command(flatten)]
+        confirm: Confirm,
     },
-    /// Removes dead messages that died at least --older-than ago (all by default).
+    /// Removes dead messages that died at least --older-than ago, or with --all every one.
     Purge {
         #[command(flatten)]
         target: Target,
-        #[arg(long, default_value = "0 seconds")]
-        older_than: String,
+        /// An interval Postgres understands, e.g. '7 days'.
+        #[arg(long, required_unless_present = "all")]
+        older_than: Option<String>,
+        /// Every dead message of the group, however recent.
+        #[arg(long, conflicts_with = "older_than")]
+        all: bool,
+        #[command(flatten)]
+        confirm: Confirm,
     },
 }
 
@@ -126,6 +169,56 @@ async fn rows(db: &tokio_postgres::Client, sql: &str, params: &[&(dyn ToSql + Sy
     let wrapped = format!("SELECT to_jsonb(r) FROM ({sql}) r");
     let rows = db.query(&wrapped, params).await.map_err(describe)?;
     Ok(Rows { columns, rows: rows.iter().map(|r| r.get::<_, Value>(0)).collect() })
+}
+
+/// Why the CLI stops: the database said no (exit 1), or the operator did not confirm, or the
+/// CLI refused on its own (exit 2).
+enum Failure {
+    Database(String),
+    Refused(String),
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure::Database(message)
+    }
+}
+
+/// A change to messages: `sql` runs once in a transaction that is rolled back, for what it
+/// would do (`--dry-run` prints that and stops), then, confirmed, for real.
+async fn change(
+    db: &tokio_postgres::Client,
+    what: &str,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+    confirm: &Confirm,
+    json: bool,
+) -> Result<Rows, Failure> {
+    db.batch_execute("BEGIN").await.map_err(describe)?;
+    let preview = rows(db, sql, params).await;
+    db.batch_execute("ROLLBACK").await.map_err(describe)?;
+    let preview = preview?;
+    if confirm.dry_run {
+        eprintln!("sqlstreams: dry run, nothing changed; it would {what}:");
+        return Ok(preview);
+    }
+    if !confirm.yes {
+        use std::io::{BufRead, IsTerminal, Write};
+        if !std::io::stdin().is_terminal() {
+            return Err(Failure::Refused(format!(
+                "not confirmed: pass --yes to {what}, or --dry-run to see what it would do"
+            )));
+        }
+        print(&preview, json);
+        eprint!("sqlstreams: {what}, as above? [y/N] ");
+        let _ = std::io::stderr().flush();
+        let mut answer = String::new();
+        std::io::stdin().lock().read_line(&mut answer).map_err(|e| e.to_string())?;
+        if !matches!(answer.trim(), "y" | "Y" | "yes") {
+            return Err(Failure::Refused("not confirmed: nothing changed".into()));
+        }
+    }
+    Ok(rows(db, sql, params).await?)
 }
 
 /// Prints rows as JSON or as an aligned table, columns in the query's order.
@@ -163,13 +256,16 @@ fn print(out: &Rows, json: bool) {
     }
 }
 
-async fn run(cli: Cli) -> Result<(), String> {
+async fn run(cli: Cli) -> Result<(), Failure> {
     // The client library's connection: TLS when the DSN says sslmode=require, verified against
     // the system's roots and PGSSLROOTCERT.
     let client = sqlstreams_client::Client::with_pool_size(&cli.dsn, 1).map_err(|e| e.to_string())?;
     client.check_extension().await.map_err(|e| e.to_string())?;
     let db = client.pool().get().await.map_err(|e| sqlstreams_client::Error::from(e).to_string())?;
     let db: &tokio_postgres::Client = &db;
+    db.execute("SELECT set_config('statement_timeout', $1, false)", &[&cli.statement_timeout])
+        .await
+        .map_err(describe)?;
     let json = cli.json;
     let out = match cli.command {
         Command::Status { stream } => {
@@ -187,25 +283,29 @@ async fn run(cli: Cli) -> Result<(), String> {
         Command::Dead { action: Dead::List(t) } => {
             rows(db, "SELECT * FROM sqlstreams.dead_messages($1, $2)", &[&t.stream, &t.group]).await?
         }
-        Command::Dead { action: Dead::Redrive { target: t, ids } } => {
-            rows(
-                db,
-                "SELECT unnest(sqlstreams.redrive($1, $2, $3)) AS redriven",
-                &[&t.stream, &t.group, &ids],
-            )
-            .await?
+        Command::Dead { action: Dead::Redrive { target: t, ids, confirm } } => {
+            let sql = "SELECT unnest(sqlstreams.redrive($1, $2, $3)) AS redriven";
+            change(db, "redrive these dead messages", sql, &[&t.stream, &t.group, &ids], &confirm, json).await?
         }
-        Command::Dead { action: Dead::Purge { target: t, older_than } } => {
-            rows(db, "SELECT sqlstreams.purge_dead($1, $2, $3::text::interval) AS purged", &[&t.stream, &t.group, &older_than])
+        Command::Dead { action: Dead::Purge { target: t, older_than, all: _, confirm } } => {
+            // Without --older-than, --all (clap requires one of them).
+            let older_than = older_than.unwrap_or_else(|| "0 seconds".into());
+            let sql = "SELECT sqlstreams.purge_dead($1, $2, $3::text::interval) AS purged";
+            change(db, "purge this many dead messages", sql, &[&t.stream, &t.group, &older_than], &confirm, json).await?
+        }
+        Command::Seek { target: t, to_id, to_time, force, confirm } => {
+            let open = rows(db, "SELECT count(*) AS open FROM sqlstreams.open_leases($1, $2)", &[&t.stream, &t.group]).await?;
+            let open = open.rows.first().and_then(|r| r["open"].as_i64()).unwrap_or(0);
+            if open > 0 && !force {
+                return Err(Failure::Refused(format!(
+                    "group {} has {open} open lease(s): a seek forgets them, and their consumers' outcomes \
+                     report a lost lease; pause the group and let them finish, or pass --force",
+                    t.group
+                )));
+            }
+            let sql = "SELECT sqlstreams.seek($1, $2, $3, $4::text::timestamptz) AS position";
+            change(db, "move the group to this position", sql, &[&t.stream, &t.group, &to_id, &to_time], &confirm, json)
                 .await?
-        }
-        Command::Seek { target: t, to_id, to_time } => {
-            rows(
-                db,
-                "SELECT sqlstreams.seek($1, $2, $3, $4::text::timestamptz) AS position",
-                &[&t.stream, &t.group, &to_id, &to_time],
-            )
-            .await?
         }
         Command::Pause(t) => rows(db, "SELECT sqlstreams.pause_group($1, $2) AS paused", &[&t.stream, &t.group]).await?,
         Command::Resume(t) => rows(db, "SELECT sqlstreams.resume_group($1, $2) AS resumed", &[&t.stream, &t.group]).await?,
@@ -222,7 +322,12 @@ async fn run(cli: Cli) -> Result<(), String> {
             if !follow {
                 break batch;
             }
-            if !batch.rows.is_empty() {
+            if json {
+                // One object per line (NDJSON): each can be read as it comes.
+                for row in &batch.rows {
+                    println!("{row}");
+                }
+            } else if !batch.rows.is_empty() {
                 print(&batch, json);
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -236,9 +341,13 @@ async fn run(cli: Cli) -> Result<(), String> {
 async fn main() -> ExitCode {
     match run(Cli::parse()).await {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
+        Err(Failure::Database(e)) => {
             eprintln!("sqlstreams: {e}");
             ExitCode::FAILURE
+        }
+        Err(Failure::Refused(e)) => {
+            eprintln!("sqlstreams: {e}");
+            ExitCode::from(2)
         }
     }
 }

@@ -19,12 +19,10 @@
 //! dead letters go on. `committed` moves past them too, so it no longer means that every id
 //! below it is resolved; the exception counts still show them.
 //!
-//! Locks: each lagging group's ranges, lanes and cursor row, in the order outcomes and `seek`
-//! take them, only when free (`SKIP LOCKED`); then the log, waiting at most 20 ms
-//! (`sqlstreams.lock_log`), which no claim and no producer is then inside; then the log's
-//! sequence, only if free (`ConditionalLockRelationOid`, EXCLUSIVE): `nextval` holds it until
-//! its transaction ends, so no producer holds an id it has not committed or rolled back, and
-//! every id up to the head is final. Not got: nothing moves, and the next round tries again.
+//! Locks: a bound's steps of the lock order (docs/semantics.md, "One lock order"). The log's
+//! sequence is taken EXCLUSIVE only if free (`ConditionalLockRelationOid`): `nextval` holds it
+//! until its transaction ends, so with it no producer holds an id it has not committed or
+//! rolled back, and every id up to the head is final.
 
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;

@@ -6,7 +6,8 @@
 //! written once, for users and maintainers alike: docs/semantics.md, "One lock order". A change
 //! to any path's locking changes that text in the same commit. The paths take them in
 //! src/claim.rs (claims), src/outcome.rs and src/lease.rs (outcomes), src/produce.rs,
-//! src/retention.rs, src/admin/seek.rs, src/admin/dead_letters.rs and src/admin/maintain.rs.
+//! src/retention.rs, src/bounds.rs, src/admin/seek.rs, src/admin/dead_letters.rs,
+//! src/admin/streams.rs and src/admin/groups.rs (drops) and src/admin/maintain.rs.
 //!
 //! ## Which locks
 //!

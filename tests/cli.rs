@@ -194,3 +194,54 @@ fn tail_follow_json_prints_one_object_per_line() {
     let _ = follow.wait();
     assert_eq!(read, produced, "in order, across two reads of two");
 }
+
+#[test]
+fn an_operator_lists_describes_alters_and_skips_from_the_command_line() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "cli-describe");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let target = ["--stream", s.name.as_str(), "--group", "g"];
+
+    let streams = json(&["streams"]);
+    let listed = streams.iter().find(|r| r["name"] == s.name.as_str()).expect("the stream is listed");
+    assert_eq!(listed["lanes"], 16);
+
+    // Settings change only where given.
+    let altered = json(&["alter-stream", "--stream", &s.name, "--max-age", "30 days"]);
+    assert_eq!(altered[0]["altered"], true);
+    let altered = json(&[&["alter-group"][..], &target[..], &["--max-retries", "5", "--on-dead", "hold"][..]].concat());
+    assert_eq!(altered[0]["altered"], true);
+    // With on_dead = 'hold', a key stops at its dead message.
+    let produced = s.produce_many(&mut c, 2, Some("k"));
+    let first = g.claim(&mut c, 1);
+    g.fail(&mut c, &first[0], "broken", true, None);
+    // describe: the stream, then its groups, one JSON array each.
+    let (ok, out, err) = cli(&["--json", "describe", "--stream", &s.name]);
+    assert!(ok, "{err}");
+    let parts: Vec<Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(parts.len(), 2, "{out}");
+    assert_eq!(parts[0][0]["max_age"], "720:00:00", "30 days, as the bound is stored");
+    assert_eq!((parts[1][0]["group"].as_str(), parts[1][0]["max_retries"].as_i64()), (Some("g"), Some(5)));
+    assert_eq!(parts[1][0]["on_dead"], "hold");
+
+    // The held key's dead message, skipped: previewed first, then for real; the key goes on.
+    let id = produced[0].to_string();
+    let skip = [&["dead", "skip"][..], &target[..], &["--id", &id][..]].concat();
+    assert_eq!(json(&[&skip[..], &["--dry-run"][..]].concat())[0]["skipped"], true);
+    assert_eq!(g.claim(&mut c, 10).len(), 0, "the dry run left the key held");
+    assert_eq!(json(&[&skip[..], &["--yes"][..]].concat())[0]["skipped"], true);
+    assert_eq!(ids(&g.claim(&mut c, 10)), produced[1..], "skipped: the key goes on");
+
+    // A producer that has not committed holds the fence back, and shows.
+    let mut producer = connect();
+    let mut tx = producer.transaction().unwrap();
+    let pid: i32 = tx.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    tx.query_one("SELECT sqlstreams.produce($1, '{}')", &[&s.name]).unwrap();
+    let holders = json(&["fence-holders", "--stream", &s.name]);
+    assert_eq!(holders.iter().map(|h| h["pid"].as_i64().unwrap()).collect::<Vec<_>>(), vec![pid as i64]);
+    tx.rollback().unwrap();
+    assert!(json(&["fence-holders", "--stream", &s.name]).is_empty());
+
+    let (ok, script, _) = cli(&["completions", "bash"]);
+    assert!(ok && script.contains("_sqlstreams") && script.contains("fence-holders"), "a bash completion script");
+}

@@ -3,13 +3,18 @@
 //!
 //! ```text
 //! sqlstreams [--dsn URL] [--json] [--statement-timeout 30s] status [--stream S]
+//! sqlstreams streams | describe --stream S | fence-holders [--stream S]
 //! sqlstreams lag|blocked --stream S --group G
 //! sqlstreams dead list --stream S --group G
 //! sqlstreams dead redrive --stream S --group G [--ids 1,2] [--dry-run | --yes]
 //! sqlstreams dead purge --stream S --group G (--older-than '7 days' | --all) [--dry-run | --yes]
+//! sqlstreams dead skip --stream S --group G --id N [--dry-run | --yes]
+//! sqlstreams alter-stream --stream S [--dead-retention I] [--idempotency-ttl I] [--max-age I] [--max-bytes N]
+//! sqlstreams alter-group --stream S --group G [--max-retries N] [--backoff-base I] ... [--on-dead hold|release]
 //! sqlstreams seek --stream S --group G (--to-id N | --to-time T) [--force] [--dry-run | --yes]
 //! sqlstreams pause|resume --stream S --group G
 //! sqlstreams tail --stream S [--after ID] [--limit N] [--follow]
+//! sqlstreams completions bash|zsh|fish|elvish|powershell
 //! ```
 //!
 //! What changes messages (redrive, purge, seek) first runs in a transaction that is rolled
@@ -76,6 +81,59 @@ enum Command {
         #[arg(long)]
         stream: Option<String>,
     },
+    /// Every stream with its head, lanes, retention and bounds.
+    Streams,
+    /// One stream's settings, then its groups.
+    Describe {
+        #[arg(long)]
+        stream: String,
+    },
+    /// Transactions producing to a stream (or any) that have not ended: claims wait for them.
+    FenceHolders {
+        #[arg(long)]
+        stream: Option<String>,
+    },
+    /// Changes a stream's settings; only those given.
+    AlterStream {
+        #[arg(long)]
+        stream: String,
+        /// How long dead and superseded rows are kept, e.g. '7 days'.
+        #[arg(long)]
+        dead_retention: Option<String>,
+        #[arg(long)]
+        idempotency_ttl: Option<String>,
+        /// The stream's age bound, e.g. '30 days' ('0' removes it).
+        #[arg(long)]
+        max_age: Option<String>,
+        /// The stream's size bound in bytes (0 removes it).
+        #[arg(long)]
+        max_bytes: Option<i64>,
+    },
+    /// Changes a group's settings; only those given.
+    AlterGroup {
+        #[command(flatten)]
+        target: Target,
+        /// parallel, exclusive, ordered, or none to remove the override.
+        #[arg(long)]
+        concurrency_override: Option<String>,
+        #[arg(long)]
+        max_retries: Option<i32>,
+        #[arg(long)]
+        backoff_base: Option<String>,
+        #[arg(long)]
+        backoff_cap: Option<String>,
+        #[arg(long)]
+        backoff_exponent: Option<f64>,
+        #[arg(long)]
+        max_delays: Option<i32>,
+        #[arg(long)]
+        max_reclaims: Option<i32>,
+        /// hold or release.
+        #[arg(long)]
+        on_dead: Option<String>,
+    },
+    /// Prints a shell completion script (e.g. `sqlstreams completions bash > /etc/bash_completion.d/sqlstreams`).
+    Completions { shell: clap_complete::Shell },
     /// One group's cursor, head, lag and exception-queue counts.
     Lag(Target),
     /// Keys waiting in a group's exception queue.
@@ -142,6 +200,15 @@ enum Dead {
         /// Every dead message of the group, however recent.
         #[arg(long, conflicts_with = "older_than")]
         all: bool,
+        #[command(flatten)]
+        confirm: Confirm,
+    },
+    /// Resolves one dead message for good without running it (releases a held ordered key).
+    Skip {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        id: i64,
         #[command(flatten)]
         confirm: Confirm,
     },
@@ -257,6 +324,15 @@ fn print(out: &Rows, json: bool) {
 }
 
 async fn run(cli: Cli) -> Result<(), Failure> {
+    if let Command::Completions { shell } = cli.command {
+        clap_complete::generate(
+            shell,
+            &mut <Cli as clap::CommandFactory>::command(),
+            "sqlstreams",
+            &mut std::io::stdout(),
+        );
+        return Ok(());
+    }
     // The client library's connection: TLS when the DSN says sslmode=require, verified against
     // the system's roots and PGSSLROOTCERT.
     let client = sqlstreams_client::Client::with_pool_size(&cli.dsn, 1).map_err(|e| e.to_string())?;
@@ -278,6 +354,83 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             )
             .await?
         }
+        Command::Streams => {
+            rows(
+                db,
+                "SELECT name, head, lanes, partition_size, idempotency_ttl::text, dead_retention::text,
+                        max_age::text, max_bytes, schema_version FROM sqlstreams.streams ORDER BY name",
+                &[],
+            )
+            .await?
+        }
+        Command::Describe { stream } => {
+            let found = rows(
+                db,
+                "SELECT name, id, head, lanes, partition_size, idempotency_ttl::text, dead_retention::text,
+                        max_age::text, max_bytes, schema_version, channel FROM sqlstreams.streams WHERE name = $1",
+                &[&stream],
+            )
+            .await?;
+            if found.rows.is_empty() {
+                return Err(Failure::Database(format!("stream {stream} does not exist or is not visible to this role")));
+            }
+            print(&found, json);
+            rows(
+                db,
+                "SELECT name AS group, concurrency_override, paused, on_dead, max_retries, backoff_base::text,
+                        backoff_cap::text, max_delays, max_reclaims, claimed, committed, lag, lost, held_back_bytes
+                 FROM sqlstreams.consumer_groups WHERE stream = $1 ORDER BY name",
+                &[&stream],
+            )
+            .await?
+        }
+        Command::FenceHolders { stream } => {
+            rows(
+                db,
+                "SELECT stream, pid, xid::text, age::text, state, usename, application_name, prepared_gid
+                 FROM sqlstreams.fence_holders WHERE $1::text IS NULL OR stream = $1 ORDER BY age DESC",
+                &[&stream],
+            )
+            .await?
+        }
+        Command::AlterStream { stream, dead_retention, idempotency_ttl, max_age, max_bytes } => {
+            rows(
+                db,
+                "SELECT sqlstreams.alter_stream($1, $2::text::interval, $3::text::interval, $4::text::interval, $5) AS altered",
+                &[&stream, &dead_retention, &idempotency_ttl, &max_age, &max_bytes],
+            )
+            .await?
+        }
+        Command::AlterGroup {
+            target: t,
+            concurrency_override,
+            max_retries,
+            backoff_base,
+            backoff_cap,
+            backoff_exponent,
+            max_delays,
+            max_reclaims,
+            on_dead,
+        } => {
+            rows(
+                db,
+                "SELECT sqlstreams.alter_group($1, $2, $3, $4, $5::text::interval, $6::text::interval, $7, $8, $9, $10) AS altered",
+                &[
+                    &t.stream,
+                    &t.group,
+                    &concurrency_override,
+                    &max_retries,
+                    &backoff_base,
+                    &backoff_cap,
+                    &backoff_exponent,
+                    &max_delays,
+                    &max_reclaims,
+                    &on_dead,
+                ],
+            )
+            .await?
+        }
+        Command::Completions { .. } => unreachable!("answered above"),
         Command::Lag(t) => rows(db, "SELECT * FROM sqlstreams.group_status($1, $2)", &[&t.stream, &t.group]).await?,
         Command::Blocked(t) => rows(db, "SELECT * FROM sqlstreams.blocked_keys($1, $2)", &[&t.stream, &t.group]).await?,
         Command::Dead { action: Dead::List(t) } => {
@@ -292,6 +445,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             let older_than = older_than.unwrap_or_else(|| "0 seconds".into());
             let sql = "SELECT sqlstreams.purge_dead($1, $2, $3::text::interval) AS purged";
             change(db, "purge this many dead messages", sql, &[&t.stream, &t.group, &older_than], &confirm, json).await?
+        }
+        Command::Dead { action: Dead::Skip { target: t, id, confirm } } => {
+            let sql = "SELECT sqlstreams.skip($1, $2, $3) AS skipped";
+            change(db, "skip this message", sql, &[&t.stream, &t.group, &id], &confirm, json).await?
         }
         Command::Seek { target: t, to_id, to_time, force, confirm } => {
             let open = rows(db, "SELECT count(*) AS open FROM sqlstreams.open_leases($1, $2)", &[&t.stream, &t.group]).await?;

@@ -116,17 +116,6 @@ fn maintain_stream_maintains_one_stream() {
     assert_eq!(sqlstate(&err), "42704", "{}", describe(&err));
 }
 
-/// Scans of `table` and its indexes by this backend's transaction so far.
-fn scans(tx: &mut postgres::Transaction<'_>, table: &str) -> i64 {
-    tx.query_one(
-        "SELECT sum(pg_stat_get_xact_numscans(r))::int8
-         FROM (SELECT $1::text::regclass AS r UNION ALL SELECT indexrelid FROM pg_index WHERE indrelid = $1::text::regclass) i",
-        &[&table],
-    )
-    .unwrap()
-    .get(0)
-}
-
 /// Scans of the stream's catalog row and of its cursor table by one `maintain_stream`.
 fn maintain_scans(c: &mut Client, s: &Stream) -> (i64, i64) {
     let mut tx = c.transaction().unwrap();

@@ -83,17 +83,6 @@ fn an_ack_on_the_claims_connection_deletes_the_rows_it_put_in_flight() {
     g.assert_counts_exact(&mut c);
 }
 
-/// Scans of `table` and its indexes this backend has not reported yet.
-fn scans(tx: &mut Transaction<'_>, table: &str) -> i64 {
-    tx.query_one(
-        "SELECT sum(pg_stat_get_xact_numscans(r))::int8
-         FROM (SELECT $1::text::regclass AS r UNION ALL SELECT indexrelid FROM pg_index WHERE indrelid = $1::text::regclass) i",
-        &[&table],
-    )
-    .unwrap()
-    .get(0)
-}
-
 /// What an ack made on its connection's backend.
 #[derive(Debug, PartialEq)]
 struct Made {

@@ -103,6 +103,18 @@ pub fn sqlstate(err: &postgres::Error) -> String {
     err.code().map(|c| c.code().to_string()).unwrap_or_else(|| format!("no SQLSTATE: {err}"))
 }
 
+/// Scans of `table` and its indexes by this backend that it has not reported yet: its
+/// transaction's so far, and perhaps earlier ones' (take differences).
+pub fn scans(c: &mut impl postgres::GenericClient, table: &str) -> i64 {
+    c.query_one(
+        "SELECT sum(pg_stat_get_xact_numscans(r))::int8
+         FROM (SELECT $1::text::regclass AS r UNION ALL SELECT indexrelid FROM pg_index WHERE indrelid = $1::text::regclass) i",
+        &[&table],
+    )
+    .unwrap()
+    .get(0)
+}
+
 /// An error from Postgres with its SQLSTATE and message, for assertion messages.
 pub fn describe(err: &postgres::Error) -> String {
     match err.as_db_error() {

@@ -344,6 +344,17 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         .map_err(describe)?;
     let json = cli.json;
     let out = match cli.command {
+        Command::Tail { stream, after, limit, follow } => tail(db, &stream, after, limit, follow, json).await?,
+        command @ (Command::Dead { .. } | Command::Seek { .. }) => operate(db, command, json).await?,
+        command => inspect(db, command, json).await?,
+    };
+    print(&out, json);
+    Ok(())
+}
+
+/// The commands that read, and those that change settings or pause: one call each.
+async fn inspect(db: &tokio_postgres::Client, command: Command, json: bool) -> Result<Rows, Failure> {
+    Ok(match command {
         Command::Status { stream } => {
             rows(
                 db,
@@ -430,9 +441,19 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             )
             .await?
         }
-        Command::Completions { .. } => unreachable!("answered above"),
         Command::Lag(t) => rows(db, "SELECT * FROM sqlstreams.group_status($1, $2)", &[&t.stream, &t.group]).await?,
         Command::Blocked(t) => rows(db, "SELECT * FROM sqlstreams.blocked_keys($1, $2)", &[&t.stream, &t.group]).await?,
+        Command::Pause(t) => rows(db, "SELECT sqlstreams.pause_group($1, $2) AS paused", &[&t.stream, &t.group]).await?,
+        Command::Resume(t) => rows(db, "SELECT sqlstreams.resume_group($1, $2) AS resumed", &[&t.stream, &t.group]).await?,
+        Command::Completions { .. } | Command::Tail { .. } | Command::Dead { .. } | Command::Seek { .. } => {
+            unreachable!("answered by run")
+        }
+    })
+}
+
+/// Dead letters and seeks: what changes messages is previewed and confirmed (`change`).
+async fn operate(db: &tokio_postgres::Client, command: Command, json: bool) -> Result<Rows, Failure> {
+    Ok(match command {
         Command::Dead { action: Dead::List(t) } => {
             rows(db, "SELECT * FROM sqlstreams.dead_messages($1, $2)", &[&t.stream, &t.group]).await?
         }
@@ -444,14 +465,16 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             // Without --older-than, --all (clap requires one of them).
             let older_than = older_than.unwrap_or_else(|| "0 seconds".into());
             let sql = "SELECT sqlstreams.purge_dead($1, $2, $3::text::interval) AS purged";
-            change(db, "purge this many dead messages", sql, &[&t.stream, &t.group, &older_than], &confirm, json).await?
+            change(db, "purge this many dead messages", sql, &[&t.stream, &t.group, &older_than], &confirm, json)
+                .await?
         }
         Command::Dead { action: Dead::Skip { target: t, id, confirm } } => {
             let sql = "SELECT sqlstreams.skip($1, $2, $3) AS skipped";
             change(db, "skip this message", sql, &[&t.stream, &t.group, &id], &confirm, json).await?
         }
         Command::Seek { target: t, to_id, to_time, force, confirm } => {
-            let open = rows(db, "SELECT count(*) AS open FROM sqlstreams.open_leases($1, $2)", &[&t.stream, &t.group]).await?;
+            let open =
+                rows(db, "SELECT count(*) AS open FROM sqlstreams.open_leases($1, $2)", &[&t.stream, &t.group]).await?;
             let open = open.rows.first().and_then(|r| r["open"].as_i64()).unwrap_or(0);
             if open > 0 && !force {
                 return Err(Failure::Refused(format!(
@@ -464,34 +487,42 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             change(db, "move the group to this position", sql, &[&t.stream, &t.group, &to_id, &to_time], &confirm, json)
                 .await?
         }
-        Command::Pause(t) => rows(db, "SELECT sqlstreams.pause_group($1, $2) AS paused", &[&t.stream, &t.group]).await?,
-        Command::Resume(t) => rows(db, "SELECT sqlstreams.resume_group($1, $2) AS resumed", &[&t.stream, &t.group]).await?,
-        Command::Tail { stream, mut after, limit, follow } => loop {
-            let batch = rows(
-                db,
-                "SELECT message_id, message_key, produced_at, payload FROM sqlstreams.peek($1, $2, $3)",
-                &[&stream, &after, &limit],
-            )
-            .await?;
-            if let Some(last) = batch.rows.last().and_then(|r| r.get("message_id")).and_then(Value::as_i64) {
-                after = last;
+        _ => unreachable!("inspect answers the rest"),
+    })
+}
+
+/// `tail`: the stream's messages after `after`; with `follow`, new ones as they come, forever.
+async fn tail(
+    db: &tokio_postgres::Client,
+    stream: &str,
+    mut after: i64,
+    limit: i32,
+    follow: bool,
+    json: bool,
+) -> Result<Rows, Failure> {
+    loop {
+        let batch = rows(
+            db,
+            "SELECT message_id, message_key, produced_at, payload FROM sqlstreams.peek($1, $2, $3)",
+            &[&stream, &after, &limit],
+        )
+        .await?;
+        if let Some(last) = batch.rows.last().and_then(|r| r.get("message_id")).and_then(Value::as_i64) {
+            after = last;
+        }
+        if !follow {
+            return Ok(batch);
+        }
+        if json {
+            // One object per line (NDJSON): each can be read as it comes.
+            for row in &batch.rows {
+                println!("{row}");
             }
-            if !follow {
-                break batch;
-            }
-            if json {
-                // One object per line (NDJSON): each can be read as it comes.
-                for row in &batch.rows {
-                    println!("{row}");
-                }
-            } else if !batch.rows.is_empty() {
-                print(&batch, json);
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        },
-    };
-    print(&out, json);
-    Ok(())
+        } else if !batch.rows.is_empty() {
+            print(&batch, json);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 #[tokio::main(flavor = "current_thread")]

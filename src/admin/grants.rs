@@ -65,18 +65,7 @@ fn grant_stream(
     privilege: Option<&str>,
     group_name: default!(Option<&str>, "NULL"),
 ) -> crate::error::SqlResult<bool> {
-    crate::standby::refuse_writes("grant_stream")?;
-    let stream = crate::names::validate_name("stream", stream)?;
-    let role = crate::names::required("role", role, "such as 'billing_app'")?;
-    let privilege = crate::names::required("privilege", privilege, "'produce' or 'consume'")?;
-    let group = group_name.map(|g| crate::names::validate_name("group", Some(g))).transpose()?;
-    Ok(as_owner(|caller| {
-        Spi::connect_mut(|client| {
-            caller.require_admin(client, "grant access to streams")?;
-            let (stream_id, oid) = grant_args(client, stream, role, privilege, group)?;
-            Ok(!GRANT.run(client, 0, &[stream_id.into(), oid.into(), privilege.into(), group.into()])?.is_empty())
-        })
-    })?)
+    Ok(change_grant("grant_stream", "grant access to streams", &GRANT, stream, role, privilege, group_name)?)
 }
 
 /// Takes back exactly one grant of `grant_stream`. Returns false when there was none. Admins
@@ -88,16 +77,30 @@ fn revoke_stream(
     privilege: Option<&str>,
     group_name: default!(Option<&str>, "NULL"),
 ) -> crate::error::SqlResult<bool> {
-    crate::standby::refuse_writes("revoke_stream")?;
+    Ok(change_grant("revoke_stream", "revoke access to streams", &REVOKE, stream, role, privilege, group_name)?)
+}
+
+/// `grant_stream` or `revoke_stream` (`call`): the arguments checked, then `statement` (`GRANT`
+/// or `REVOKE`) run as the owner for an admin; whether it changed a row.
+fn change_grant(
+    call: &'static str,
+    what: &str,
+    statement: &Statement,
+    stream: Option<&str>,
+    role: Option<&str>,
+    privilege: Option<&str>,
+    group_name: Option<&str>,
+) -> Result<bool> {
+    crate::standby::refuse_writes(call)?;
     let stream = crate::names::validate_name("stream", stream)?;
     let role = crate::names::required("role", role, "such as 'billing_app'")?;
     let privilege = crate::names::required("privilege", privilege, "'produce' or 'consume'")?;
     let group = group_name.map(|g| crate::names::validate_name("group", Some(g))).transpose()?;
-    Ok(as_owner(|caller| {
+    as_owner(|caller| {
         Spi::connect_mut(|client| {
-            caller.require_admin(client, "revoke access to streams")?;
+            caller.require_admin(client, what)?;
             let (stream_id, oid) = grant_args(client, stream, role, privilege, group)?;
-            Ok(!REVOKE.run(client, 0, &[stream_id.into(), oid.into(), privilege.into(), group.into()])?.is_empty())
+            Ok(!statement.run(client, 0, &[stream_id.into(), oid.into(), privilege.into(), group.into()])?.is_empty())
         })
-    })?)
+    })
 }

@@ -245,3 +245,66 @@ fn an_operator_lists_describes_alters_and_skips_from_the_command_line() {
     let (ok, script, _) = cli(&["completions", "bash"]);
     assert!(ok && script.contains("_sqlstreams") && script.contains("fence-holders"), "a bash completion script");
 }
+
+/// Runs the CLI with no connection string: libpq's variables and password file only.
+fn run_env(vars: &[(&str, &str)], args: &[&str]) -> (i32, String) {
+    let out = cli_command().env_remove("DATABASE_URL").envs(vars.iter().copied()).args(args).output().unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into())
+}
+
+#[test]
+fn without_a_connection_string_the_cli_reads_libpqs_environment_and_password_file() {
+    use std::os::unix::fs::PermissionsExt;
+    let mut c = connect();
+    // The rig makes members of this group log in with a password (scripts/rig: start_cluster).
+    c.batch_execute(
+        "DO $$ BEGIN CREATE ROLE sqlstreams_password_login NOLOGIN;
+         EXCEPTION WHEN duplicate_object THEN NULL; END $$",
+    )
+    .unwrap();
+    let password = r"pa:ss\word";
+    let who = role(
+        &mut c,
+        "pgpass",
+        &format!("PASSWORD '{password}' IN ROLE sqlstreams_password_login, sqlstreams_consumer"),
+    );
+    let config: postgres::Config = database_url().parse().unwrap();
+    let (port, db) = (config.get_ports()[0].to_string(), config.get_dbname().unwrap().to_owned());
+    let home = std::env::temp_dir().join(format!("sqlstreams-cli-{who}"));
+    std::fs::create_dir_all(&home).unwrap();
+    let write = |name: &str, secret: &str, mode: u32| {
+        let path = home.join(name);
+        let escaped = secret.replace('\\', r"\\").replace(':', r"\:");
+        std::fs::write(&path, format!("# ours\nelsewhere:*:*:*:nope\n127.0.0.1:{port}:{db}:{who}:{escaped}\n"))
+            .unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let home_str = home.to_str().unwrap().to_owned();
+    let base =
+        [("PGHOST", "127.0.0.1"), ("PGPORT", port.as_str()), ("PGUSER", who.as_str()), ("PGDATABASE", db.as_str())];
+    let with = |extra: &[(&str, &str)]| -> (i32, String) {
+        let mut vars = base.to_vec();
+        vars.extend_from_slice(extra);
+        run_env(&vars, &["streams"])
+    };
+
+    write(".pgpass", password, 0o600);
+    let (code, err) = with(&[("HOME", &home_str)]);
+    assert_eq!(code, 0, "~/.pgpass gives the password: {err}");
+
+    let wrong = write("wrong", "not-it", 0o600);
+    let (code, err) = with(&[("HOME", &home_str), ("PGPASSFILE", &wrong)]);
+    assert!(code == 1 && err.contains("password authentication failed"), "PGPASSFILE is read first: {code} {err}");
+
+    let (code, err) = with(&[("HOME", "/nonexistent"), ("PGPASSWORD", password)]);
+    assert_eq!(code, 0, "PGPASSWORD: {err}");
+
+    let (code, err) = with(&[("HOME", "/nonexistent")]);
+    assert!(code == 1 && err.contains("password"), "no password, no login: {code} {err}");
+
+    write(".pgpass", password, 0o644);
+    let (code, err) = with(&[("HOME", &home_str)]);
+    assert!(code == 1 && err.contains("chmod 0600"), "a file others may read is refused: {code} {err}");
+    std::fs::remove_dir_all(&home).unwrap();
+}

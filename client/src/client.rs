@@ -61,6 +61,22 @@ impl Client {
         })
     }
 
+    /// Like [`Client::connect_with`], completing `url` (or, with `None`, making the whole
+    /// connection) from libpq's environment as `psql` does: `PGHOST`, `PGPORT`, `PGUSER`,
+    /// `PGDATABASE`, `PGPASSWORD`, the password file (`PGPASSFILE` or `~/.pgpass`), `PGSSLMODE`,
+    /// `PGAPPNAME`, `PGOPTIONS`, `PGCONNECT_TIMEOUT`, `PGTARGETSESSIONATTRS`. What `url` sets wins.
+    pub fn connect_env(url: Option<&str>, options: ClientOptions) -> Result<Client> {
+        let config = crate::conninfo::config_from_env(url)?;
+        Ok(Client {
+            pool: Pool::from_config(
+                config,
+                options.pool_size,
+                options.pool_wait_timeout,
+                options.ssl_root_cert.as_deref(),
+            )?,
+        })
+    }
+
     /// A typed handle to the stream called `name`. Nothing is checked until it is used; call
     /// [`Stream::register`] to create it.
     pub fn stream<T>(&self, name: impl Into<String>) -> Stream<T>

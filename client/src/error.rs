@@ -58,9 +58,10 @@ pub enum Error {
     /// A message could not be serialized to JSON.
     #[error("could not encode a message as JSON: {0}")]
     Encode(#[from] serde_json::Error),
-    /// Any other error from Postgres or the connection.
-    #[error(transparent)]
-    Postgres(tokio_postgres::Error),
+    /// Any other error from Postgres or the connection: the server's message and SQLSTATE,
+    /// or what broke the connection.
+    #[error("{}", postgres_message(.0))]
+    Postgres(#[source] tokio_postgres::Error),
     /// No connection could be taken from the pool.
     #[error("connection pool: {0}")]
     Pool(String),
@@ -132,6 +133,21 @@ fn extension_message(installed: Option<&str>, required: &str) -> String {
             "the sqlstreams extension in this database is version {installed}; this client needs \
              {required} or later: install a newer extension and run ALTER EXTENSION sqlstreams UPDATE"
         ),
+    }
+}
+
+/// The server's own words for its error (tokio-postgres' `Display` says only "db error"), or
+/// the connection error with what caused it.
+fn postgres_message(err: &tokio_postgres::Error) -> String {
+    match err.as_db_error() {
+        Some(db) => match db.hint() {
+            Some(hint) => format!("{} (SQLSTATE {}); hint: {hint}", db.message(), db.code().code()),
+            None => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+        },
+        None => match std::error::Error::source(err) {
+            Some(cause) => format!("{err}: {cause}"),
+            None => err.to_string(),
+        },
     }
 }
 

@@ -81,6 +81,7 @@
 
 mod backoff;
 mod client;
+mod conninfo;
 mod consumer;
 mod error;
 mod extension;
@@ -94,6 +95,7 @@ mod tls;
 mod trace_context;
 
 pub use client::{Client, ClientOptions};
+pub use conninfo::config_from_env;
 pub use consumer::{
     Consumer, ConsumerConfig, ConsumerGroup, Delivery, HandlerError, Metrics, RunningConsumer, Shutdown, StartAt, Tx,
 };

@@ -28,8 +28,16 @@ struct Inner {
 
 impl Pool {
     pub fn new(url: &str, size: usize, wait: std::time::Duration, root_cert: Option<&Path>) -> Result<Pool> {
-        let config: tokio_postgres::Config =
-            url.parse().map_err(|e| Error::Config(format!("connection string: {e}")))?;
+        let config = url.parse().map_err(|e| Error::Config(format!("connection string: {e}")))?;
+        Pool::from_config(config, size, wait, root_cert)
+    }
+
+    pub fn from_config(
+        config: tokio_postgres::Config,
+        size: usize,
+        wait: std::time::Duration,
+        root_cert: Option<&Path>,
+    ) -> Result<Pool> {
         let tls = Tls::for_config(&config, root_cert)?;
         let recycling = ManagerConfig { recycling_method: RecyclingMethod::Fast };
         let manager = match &tls {

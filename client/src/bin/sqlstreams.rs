@@ -40,10 +40,12 @@ use tokio_postgres::types::ToSql;
                   leases without --force)."
 )]
 struct Cli {
-    /// Connection string; defaults to DATABASE_URL. `sslmode=require` connects over TLS and
-    /// verifies the server against the system's roots and the CA file in PGSSLROOTCERT.
-    #[arg(long, env = "DATABASE_URL", global = true, default_value = "postgres://localhost/postgres")]
-    dsn: String,
+    /// Connection string (URL or key=value); defaults to DATABASE_URL. What it leaves out comes
+    /// from libpq's PG* variables and the password file (PGPASSFILE or ~/.pgpass), as psql
+    /// reads them. `sslmode=require` (or PGSSLMODE) connects over TLS and verifies the server
+    /// against the system's roots and the CA file in PGSSLROOTCERT.
+    #[arg(long, env = "DATABASE_URL", global = true)]
+    dsn: Option<String>,
     /// Print JSON (one array of objects; `tail --follow`: one object per line) instead of a table.
     #[arg(long, global = true)]
     json: bool,
@@ -333,9 +335,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         );
         return Ok(());
     }
-    // The client library's connection: TLS when the DSN says sslmode=require, verified against
-    // the system's roots and PGSSLROOTCERT.
-    let client = sqlstreams_client::Client::with_pool_size(&cli.dsn, 1).map_err(|e| e.to_string())?;
+    // The client library's connection, completed from libpq's environment: TLS when the DSN
+    // or PGSSLMODE says require, verified against the system's roots and PGSSLROOTCERT.
+    let options = sqlstreams_client::ClientOptions { pool_size: 1, ..Default::default() };
+    let client = sqlstreams_client::Client::connect_env(cli.dsn.as_deref(), options).map_err(|e| e.to_string())?;
     client.check_extension().await.map_err(|e| e.to_string())?;
     let db = client.pool().get().await.map_err(|e| sqlstreams_client::Error::from(e).to_string())?;
     let db: &tokio_postgres::Client = &db;

@@ -6,9 +6,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use opentelemetry::trace::{TraceContextExt, TraceId, TracerProvider};
+use opentelemetry::trace::{SpanKind, TraceContextExt, TraceId, TracerProvider};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::SdkTracerProvider;
+use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use serde::{Deserialize, Serialize};
 use sqlstreams_client::{BatchOptions, Client, ConsumerConfig, Delivery, HandlerError, Headers, ProduceOptions};
 use sqlstreams_tests::{database_url, unique};
@@ -29,7 +29,8 @@ fn trace_of(span: &tracing::Span) -> TraceId {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_continues_the_trace_its_message_was_produced_in() {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    let provider = SdkTracerProvider::builder().build();
+    let spans = InMemorySpanExporter::default();
+    let provider = SdkTracerProvider::builder().with_simple_exporter(spans.clone()).build();
     let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("sqlstreams-test"));
     tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer)).unwrap();
 
@@ -50,7 +51,7 @@ async fn a_handler_continues_the_trace_its_message_was_produced_in() {
     let options = BatchOptions { headers: Some(tenant), ..Default::default() };
     let (a, b) = (Order { n: 2 }, Order { n: 3 });
     let batch = producer.produce_batch([(&a, None), (&b, None)], options).instrument(request.clone()).await.unwrap();
-    // Outside any span: no trace to carry.
+    // Outside any span of the caller's.
     let untraced = producer.produce(&Order { n: 4 }, ProduceOptions::default()).await.unwrap().id().unwrap();
     // A traceparent the caller set wins over the current span's.
     let theirs = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -89,12 +90,61 @@ async fn a_handler_continues_the_trace_its_message_was_produced_in() {
     }
     assert_eq!(seen[&batch[0]].1["tenant"], 7, "the caller's headers are kept");
 
+    // Outside any span, its `send` span starts a trace of its own, which the handler continues.
     let (trace, headers) = &seen[&untraced];
-    assert!(!headers.contains_key("traceparent"), "{headers:?}");
     assert_ne!(*trace, request_trace, "an untraced message starts a trace of its own");
     assert_ne!(*trace, TraceId::INVALID);
+    let parent = headers["traceparent"].as_str().unwrap();
+    assert!(parent.contains(&trace.to_string()), "{parent}");
 
     let (trace, headers) = &seen[&explicit];
     assert_eq!(headers["traceparent"], theirs);
     assert_eq!(trace.to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
+
+    // The spans carry OpenTelemetry's messaging names and attributes.
+    let spans = spans.get_finished_spans().unwrap();
+    let name = stream.name();
+    let named =
+        |prefix: &str| -> Vec<&SpanData> { spans.iter().filter(|s| s.name == format!("{prefix} {name}")).collect() };
+    let (send, receive, process) = (named("send"), named("receive"), named("process"));
+    for (span, kind, operation) in send
+        .iter()
+        .map(|s| (s, SpanKind::Producer, "send"))
+        .chain(receive.iter().map(|s| (s, SpanKind::Consumer, "receive")))
+        .chain(process.iter().map(|s| (s, SpanKind::Consumer, "process")))
+    {
+        assert_eq!(span.span_kind, kind, "{}", span.name);
+        assert_eq!(attribute(span, "messaging.system").as_deref(), Some("sqlstreams"));
+        assert_eq!(attribute(span, "messaging.operation.type").as_deref(), Some(operation));
+        assert_eq!(attribute(span, "messaging.destination.name").as_deref(), Some(name));
+        if kind == SpanKind::Consumer {
+            assert_eq!(attribute(span, "messaging.consumer.group.name").as_deref(), Some("g"));
+        }
+    }
+    let ids = |spans: &[&SpanData]| -> Vec<String> {
+        let mut ids: Vec<String> = spans.iter().filter_map(|s| attribute(s, "messaging.message.id")).collect();
+        ids.sort();
+        ids
+    };
+    let mut all = [single, batch[0], batch[1], untraced, explicit].iter().map(i64::to_string).collect::<Vec<_>>();
+    all.sort();
+    assert_eq!(ids(&process), all, "one process span per message");
+    let singles = [single, untraced, explicit].iter().map(i64::to_string).collect::<std::collections::BTreeSet<_>>();
+    assert_eq!(
+        ids(&send).into_iter().collect::<std::collections::BTreeSet<_>>(),
+        singles,
+        "a single send names its message"
+    );
+    let batches: Vec<String> = send.iter().filter_map(|s| attribute(s, "messaging.batch.message_count")).collect();
+    assert_eq!(batches, ["2"], "the batch send counts its messages");
+    let received: i64 = receive
+        .iter()
+        .filter_map(|s| attribute(s, "messaging.batch.message_count"))
+        .map(|n| n.parse::<i64>().unwrap())
+        .sum();
+    assert_eq!(received, 5, "the claims' counts add up to what was handled");
+}
+
+fn attribute(span: &SpanData, key: &str) -> Option<String> {
+    span.attributes.iter().find(|kv| kv.key.as_str() == key).map(|kv| kv.value.to_string())
 }

@@ -1,15 +1,17 @@
 //! Producing messages: one at a time, in batches (the fast path), or inside your own
 //! transaction (the outbox pattern: the message exists exactly when your write commits).
 
+use std::time::Duration;
+
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio_postgres::GenericClient;
+use tracing::Instrument;
 
 use crate::error::Result;
 use crate::sql;
 use crate::stream::Stream;
-use std::time::Duration;
-
+use crate::trace_context::send_span;
 use crate::{Concurrency, Headers};
 
 /// Options of one produced message. All default to "none".
@@ -91,11 +93,15 @@ where
 
     /// Produces one message in its own transaction.
     pub async fn produce(&self, message: &T, options: ProduceOptions) -> Result<Produced> {
-        let conn = self.stream.pool.conn().await?;
-        let statement = conn.prepare_cached(sql::PRODUCE).await?;
-        let args = ProduceArgs::new(&self.stream.name, message, &options)?;
-        let row = conn.query_one(&statement, &args.params()).await?;
-        Ok(produced(&row))
+        async {
+            let conn = self.stream.pool.conn().await?;
+            let statement = conn.prepare_cached(sql::PRODUCE).await?;
+            let args = ProduceArgs::new(&self.stream.name, message, &options)?;
+            let row = conn.query_one(&statement, &args.params()).await?;
+            Ok(produced(&row))
+        }
+        .instrument(send_span(&self.stream.name, 1))
+        .await
     }
 
     /// Produces one message through `client`: a connection or, for the outbox pattern, your
@@ -108,9 +114,13 @@ where
         message: &T,
         options: ProduceOptions,
     ) -> Result<Produced> {
-        let args = ProduceArgs::new(&self.stream.name, message, &options)?;
-        let row = client.query_one(sql::PRODUCE, &args.params()).await?;
-        Ok(produced(&row))
+        async {
+            let args = ProduceArgs::new(&self.stream.name, message, &options)?;
+            let row = client.query_one(sql::PRODUCE, &args.params()).await?;
+            Ok(produced(&row))
+        }
+        .instrument(send_span(&self.stream.name, 1))
+        .await
     }
 
     /// Produces many messages in one statement; ids follow the input order.
@@ -122,17 +132,22 @@ where
         if payloads.is_empty() {
             return Ok(vec![]);
         }
-        let conn = self.stream.pool.conn().await?;
-        let statement = conn.prepare_cached(sql::PRODUCE_BATCH).await?;
-        let concurrency = options.concurrency.map(Concurrency::as_str);
-        let (headers, deliver_after) = (options.headers(), options.deliver_after());
-        let row = conn
-            .query_one(
-                &statement,
-                &[&self.stream.name, &payloads, &keys, &concurrency, &options.compaction, &headers, &deliver_after],
-            )
-            .await?;
-        Ok(row.get(0))
+        let span = send_span(&self.stream.name, payloads.len());
+        async {
+            let conn = self.stream.pool.conn().await?;
+            let statement = conn.prepare_cached(sql::PRODUCE_BATCH).await?;
+            let concurrency = options.concurrency.map(Concurrency::as_str);
+            let (headers, deliver_after) = (options.headers(), options.deliver_after());
+            let row = conn
+                .query_one(
+                    &statement,
+                    &[&self.stream.name, &payloads, &keys, &concurrency, &options.compaction, &headers, &deliver_after],
+                )
+                .await?;
+            Ok(row.get(0))
+        }
+        .instrument(span)
+        .await
     }
 
     /// Like [`Producer::produce_batch`], through your connection or transaction.
@@ -145,21 +160,26 @@ where
         if payloads.is_empty() {
             return Ok(vec![]);
         }
-        let row = client
-            .query_one(
-                sql::PRODUCE_BATCH,
-                &[
-                    &self.stream.name,
-                    &payloads,
-                    &keys,
-                    &options.concurrency.map(Concurrency::as_str),
-                    &options.compaction,
-                    &options.headers(),
-                    &options.deliver_after(),
-                ],
-            )
-            .await?;
-        Ok(row.get(0))
+        let span = send_span(&self.stream.name, payloads.len());
+        async {
+            let row = client
+                .query_one(
+                    sql::PRODUCE_BATCH,
+                    &[
+                        &self.stream.name,
+                        &payloads,
+                        &keys,
+                        &options.concurrency.map(Concurrency::as_str),
+                        &options.compaction,
+                        &options.headers(),
+                        &options.deliver_after(),
+                    ],
+                )
+                .await?;
+            Ok(row.get(0))
+        }
+        .instrument(span)
+        .await
     }
 }
 
@@ -205,7 +225,10 @@ impl<'a> ProduceArgs<'a> {
 
 fn produced(row: &tokio_postgres::Row) -> Produced {
     match row.get::<_, Option<i64>>(0) {
-        Some(id) => Produced::Message(id),
+        Some(id) => {
+            tracing::Span::current().record("messaging.message.id", id.to_string());
+            Produced::Message(id)
+        }
         None => Produced::Duplicate,
     }
 }

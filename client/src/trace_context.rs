@@ -1,14 +1,61 @@
 //! W3C trace context through message headers (feature `opentelemetry`).
 //!
-//! A producer writes the context of the span it produces in (`traceparent`, `tracestate`) into
-//! the message's headers, through the globally installed OpenTelemetry propagator; the
-//! consumer's `sqlstreams.handler` span continues that trace, so a message's handling shows up
+//! A producer writes the context of its `send` span (a child of the span it produces in, if
+//! any) into the message's headers (`traceparent`, `tracestate`), through the globally
+//! installed OpenTelemetry propagator; the consumer's `process` span continues that trace, so a message's handling shows up
 //! under the request that produced it, however long it waited. Headers the caller set
 //! themselves win: a `traceparent` given in the options is kept as it is. Without the feature,
 //! or with no propagator installed (OpenTelemetry's default is a no-op), nothing is added and
 //! nothing is read.
 
+use tracing::field::Empty;
+use tracing::{info_span, Span};
+
 use crate::Headers;
+
+// The client's spans, named and attributed after OpenTelemetry's messaging conventions
+// (https://opentelemetry.io/docs/specs/semconv/messaging/): `otel.name` and `otel.kind` are
+// tracing-opentelemetry's names for the span's name and kind. The tracing names and the older
+// fields (`stream`, `message_id`, ...) stay for log readers.
+
+/// Producing `count` messages to `stream`: `send <stream>`, a producer span.
+pub(crate) fn send_span(stream: &str, count: usize) -> Span {
+    let span = info_span!("sqlstreams.produce", otel.name = %format_args!("send {stream}"), otel.kind = "producer",
+        messaging.system = "sqlstreams", messaging.operation.type = "send", messaging.operation.name = "produce",
+        messaging.destination.name = stream, messaging.batch.message_count = Empty, messaging.message.id = Empty);
+    if count != 1 {
+        span.record("messaging.batch.message_count", count);
+    }
+    span
+}
+
+/// A group's claim of up to `batch` messages: `receive <stream>`, a consumer span; what came
+/// is recorded in `messaging.batch.message_count`.
+pub(crate) fn receive_span(stream: &str, group: &str, batch: i32) -> Span {
+    info_span!("sqlstreams.claim", stream, group, batch, otel.name = %format_args!("receive {stream}"),
+        otel.kind = "consumer", messaging.system = "sqlstreams", messaging.operation.type = "receive",
+        messaging.operation.name = "claim", messaging.destination.name = stream,
+        messaging.consumer.group.name = group, messaging.batch.message_count = Empty)
+}
+
+/// A handler's run of one message: `process <stream>`, a consumer span continuing the trace
+/// the message was produced in.
+pub(crate) fn process_span(
+    stream: &str,
+    group: &str,
+    id: i64,
+    attempt: u32,
+    key: Option<&str>,
+    headers: Option<&serde_json::Value>,
+) -> Span {
+    let span = info_span!("sqlstreams.handler", message_id = id, attempt, key = ?key,
+        otel.name = %format_args!("process {stream}"), otel.kind = "consumer", messaging.system = "sqlstreams",
+        messaging.operation.type = "process", messaging.operation.name = "handle",
+        messaging.destination.name = stream, messaging.consumer.group.name = group,
+        messaging.message.id = %id, messaging.sqlstreams.message.key = key, messaging.sqlstreams.attempt = attempt);
+    continue_trace(&span, headers);
+    span
+}
 
 /// The header a W3C propagator writes the trace and span ids to.
 #[cfg(feature = "opentelemetry")]
@@ -39,7 +86,7 @@ pub(crate) fn outgoing(headers: Option<&Headers>) -> Option<serde_json::Value> {
 }
 
 /// Makes `span` (a handler's) continue the trace the message was produced in, if it carries one.
-pub(crate) fn continue_trace(span: &tracing::Span, headers: Option<&serde_json::Value>) {
+fn continue_trace(span: &tracing::Span, headers: Option<&serde_json::Value>) {
     #[cfg(feature = "opentelemetry")]
     {
         use opentelemetry::trace::TraceContextExt;

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use tokio::time::Instant;
-use tracing::{debug, info_span, Instrument};
+use tracing::{debug, Instrument};
 use uuid::Uuid;
 
 use super::runner::Ctx;
@@ -38,7 +38,7 @@ pub(super) async fn claim<T, H>(
     batch: i32,
     acks: Option<(Uuid, Vec<i64>)>,
 ) -> Result<Vec<Claimed>> {
-    let span = info_span!("sqlstreams.claim", stream = %ctx.group.stream.name, group = %ctx.group.name, batch);
+    let span = crate::trace_context::receive_span(&ctx.group.stream.name, &ctx.group.name, batch);
     async {
         let started = Instant::now();
         let conn = ctx.group.stream.pool.conn().await?;
@@ -58,6 +58,7 @@ pub(super) async fn claim<T, H>(
             .await?;
         ctx.counters.claimed_in(started.elapsed());
         debug!(claimed = rows.len());
+        tracing::Span::current().record("messaging.batch.message_count", rows.len());
         Ok(rows
             .into_iter()
             .map(|r| Claimed {

@@ -14,7 +14,7 @@ use serde::Serialize;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{info_span, warn, Instrument};
+use tracing::{warn, Instrument};
 use uuid::Uuid;
 
 use super::claims::{Chain, Claimed};
@@ -209,7 +209,7 @@ where
         if !H::TRANSACTIONAL {
             return self.conclude(self.begin(row, started, started + self.config.handler_timeout)).await;
         }
-        let span = handler_span(&row);
+        let span = self.handler_span(&row);
         let tx = match self.begin_transaction().await {
             Ok(tx) => tx,
             Err(e) => {
@@ -223,9 +223,14 @@ where
         self.finish_transaction(begun.row, outcome, tx).instrument(begun.span).await
     }
 
+    fn handler_span(&self, row: &Claimed) -> tracing::Span {
+        let (stream, group) = (&self.group.stream.name, &self.group.name);
+        crate::trace_context::process_span(stream, group, row.id, row.attempt, row.key(), row.headers.as_ref())
+    }
+
     /// Calls the handler of a plain (not transactional) delivery.
     fn begin(&self, row: Claimed, started: Instant, deadline: Instant) -> Begun {
-        let span = handler_span(&row);
+        let span = self.handler_span(&row);
         self.call(row, span, started, deadline, None)
     }
 
@@ -422,12 +427,6 @@ where
         self.note(&row, event, noted.as_deref());
         resolved
     }
-}
-
-fn handler_span(row: &Claimed) -> tracing::Span {
-    let span = info_span!("sqlstreams.handler", message_id = row.id, attempt = row.attempt, key = ?row.key());
-    crate::trace_context::continue_trace(&span, row.headers.as_ref());
-    span
 }
 
 fn ended(result: std::thread::Result<std::result::Result<(), HandlerError>>) -> Outcome {

@@ -94,6 +94,12 @@ impl Client {
         self.pool.conn().await.map(drop)
     }
 
+    /// Typed calls for every operation and inspection function of the extension (the rights
+    /// they need are the SQL functions': most are an admin's).
+    pub fn admin(&self) -> crate::Admin {
+        crate::Admin::new(self.pool.clone())
+    }
+
     /// The underlying pool, for your own queries (and transactions to produce in). Its
     /// connections are not checked for the extension's version until a client call (or
     /// [`Client::check_extension`]) has checked one.

@@ -83,6 +83,7 @@
 
 #![deny(missing_docs)]
 
+mod admin;
 mod backoff;
 mod client;
 mod conninfo;
@@ -98,6 +99,10 @@ pub mod testing;
 mod tls;
 mod trace_context;
 
+pub use admin::{
+    Admin, BlockedKey, DeadMessage, FenceHolder, GroupChanges, GroupInfo, GroupStatus, MaintainReport, OnDead,
+    OpenLease, PeekedMessage, Privilege, SeekTo, StreamChanges, StreamInfo,
+};
 pub use client::{Client, ClientOptions};
 pub use conninfo::config_from_env;
 pub use consumer::{

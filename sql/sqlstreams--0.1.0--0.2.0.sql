@@ -37,6 +37,7 @@ ALTER TABLE sqlstreams.stream ADD COLUMN max_age interval CHECK (max_age > '0'),
 ALTER TABLE sqlstreams.consumer_group DROP CONSTRAINT consumer_group_stream_id_fkey;
 ALTER TABLE sqlstreams.consumer_group ADD COLUMN paused boolean NOT NULL DEFAULT false;
 ALTER TABLE sqlstreams.consumer_group ADD COLUMN on_dead text NOT NULL DEFAULT 'release' CHECK (on_dead IN ('release', 'hold'));
+ALTER TABLE sqlstreams.consumer_group ADD COLUMN max_inflight int CHECK (max_inflight > 0);
 
 -- The lane of a message: every message of a key lands in one lane (Postgres' own text hash,
 -- as hashtext computes it); messages without a key go round in blocks of 64 ids, so a claim's
@@ -1002,7 +1003,8 @@ CREATE FUNCTION sqlstreams.alter_group(
     backoff_exponent double precision DEFAULT NULL,
     max_delays integer DEFAULT NULL,
     max_reclaims integer DEFAULT NULL,
-    on_dead text DEFAULT NULL
+    on_dead text DEFAULT NULL,
+    max_inflight integer DEFAULT NULL
 ) RETURNS boolean
 VOLATILE PARALLEL UNSAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'alter_group_wrapper'
@@ -1093,7 +1095,7 @@ SELECT g.id, g.stream_id, s.name AS stream, g.name, g.concurrency_override, g.ma
        g.backoff_base, g.backoff_cap, g.backoff_exponent, g.max_delays, g.max_reclaims, g.created_at,
        p.claimed, p.committed, p.head, p.lag, p.open_ranges, p.ready, p.inflight, p.deferred, p.dead,
        p.superseded, g.paused, g.on_dead, p.oldest_unresolved_at,
-       now() - p.oldest_unresolved_at AS oldest_unresolved_age, p.lost, p.held_back_bytes
+       now() - p.oldest_unresolved_at AS oldest_unresolved_age, p.lost, p.held_back_bytes, g.max_inflight
 FROM sqlstreams.consumer_group g
 JOIN sqlstreams.stream s ON s.id = g.stream_id
 CROSS JOIN LATERAL sqlstreams.group_status(s.name, g.name) p
@@ -1247,9 +1249,9 @@ COMMENT ON FUNCTION sqlstreams.group_status(text, text) IS
 COMMENT ON FUNCTION sqlstreams.alter_stream(text, interval, interval, interval, bigint) IS
     'Changes a stream''s dead_retention, idempotency_ttl or bounds (max_age, max_bytes; 0 removes a bound); '
     'NULL keeps the current value. Admins only.';
-COMMENT ON FUNCTION sqlstreams.alter_group(text, text, text, integer, interval, interval, double precision, integer, integer, text) IS
+COMMENT ON FUNCTION sqlstreams.alter_group(text, text, text, integer, interval, interval, double precision, integer, integer, text, integer) IS
     'Changes only the settings given (NULL keeps the current value; concurrency_override => ''none'' removes it), '
-    'including on_dead (''release'' or ''hold''). Admins only.';
+    'including on_dead (''release'' or ''hold'') and max_inflight (0 removes the cap). Admins only.';
 COMMENT ON FUNCTION sqlstreams.pause_group(text, text) IS
     'Pauses a group: its claims hand out nothing until resume_group; outcomes still count. Admins only.';
 COMMENT ON FUNCTION sqlstreams.resume_group(text, text) IS 'Resumes a paused group. Admins only.';

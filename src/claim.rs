@@ -166,12 +166,16 @@ pub fn claim(
         // transaction may go on to record outcomes that wait for rows a claim holds). The clock
         // is read after it.
         let log = Log::open(&group.stream)?;
+        // A capped group's claims, one at a time (src/inflight_cap.rs); before the carried acks
+        // take row locks, after the log's lock.
+        crate::inflight_cap::lock(group);
         let released = match carried {
             Some(acks) => outcome::ack_in(client, group, acks.token, &acks.ids, Signal::Later)?.released_lanes,
             None => vec![],
         };
         let stream_id = group.stream.id;
-        if group.paused {
+        let batch = if group.paused { 0 } else { crate::inflight_cap::room(client, group, batch)? };
+        if batch == 0 {
             signal_left(client, stream_id, &released, &[])?;
             return Ok(vec![]);
         }

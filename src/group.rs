@@ -27,6 +27,8 @@ pub struct GroupRef {
     pub paused: bool,
     /// An ordered key stops at its dead message (`on_dead = 'hold'`) instead of going on.
     pub hold_on_dead: bool,
+    /// At most this many messages under unexpired leases at once (src/inflight_cap.rs).
+    pub max_inflight: Option<i32>,
 }
 
 impl GroupRef {
@@ -42,7 +44,7 @@ macro_rules! settings_columns {
         "g.concurrency_override, g.max_retries,
          (extract(epoch FROM g.backoff_base) * 1e6)::int8 AS backoff_base,
          (extract(epoch FROM g.backoff_cap) * 1e6)::int8 AS backoff_cap,
-         g.backoff_exponent, g.max_delays, g.max_reclaims, g.paused, g.on_dead"
+         g.backoff_exponent, g.max_delays, g.max_reclaims, g.paused, g.on_dead, g.max_inflight"
     };
 }
 pub(crate) use settings_columns;
@@ -141,6 +143,7 @@ pub(crate) fn group_from<R: Columns>(row: &R, stream: StreamRef, id: i64) -> Res
         max_reclaims: row.required("max_reclaims")?,
         paused: row.required("paused")?,
         hold_on_dead: row.required::<String>("on_dead")? == "hold",
+        max_inflight: row.value("max_inflight")?,
     })
 }
 

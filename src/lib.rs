@@ -32,6 +32,7 @@ mod error;
 mod exception_queue;
 mod fence;
 mod group;
+mod inflight_cap;
 mod inspect;
 mod key_gate;
 mod lanes;

@@ -5,7 +5,7 @@
 //! The order in which every path takes these locks, and why no cycle of waits can form, is
 //! written once, for users and maintainers alike: docs/semantics.md, "One lock order". A change
 //! to any path's locking changes that text in the same commit. The paths take them in
-//! src/claim.rs (claims), src/outcome.rs and src/lease.rs (outcomes), src/produce.rs,
+//! src/claim.rs and src/inflight_cap.rs (claims), src/outcome.rs and src/lease.rs (outcomes), src/produce.rs,
 //! src/retention.rs, src/bounds.rs, src/admin/seek.rs, src/admin/dead_letters.rs,
 //! src/admin/streams.rs and src/admin/groups.rs (drops) and src/admin/maintain.rs.
 //!
@@ -30,6 +30,9 @@ pub const STREAM_CLASS: u16 = 0x5353; // 'SS'
 pub const GROUP_CLASS: u16 = 0x5347; // 'SG'
 /// The per-stream lock of a retention step run from a claim (one session at a time).
 pub const RETENTION_CLASS: u16 = 0x5352; // 'SR'
+/// The per-group lock that serializes the claims of a group with `max_inflight`
+/// (src/inflight_cap.rs).
+pub const INFLIGHT_CLASS: u16 = 0x5349; // 'SI'
 
 extern "C-unwind" {
     /// Postgres' own byte hash (`hash_any`, the hash behind `hashtext`): stable across
@@ -202,6 +205,13 @@ pub fn try_group_shared(stream: &str, group: &str) -> bool {
 fn release(tag: &pg_sys::LOCKTAG, mode: u32) {
     // SAFETY: a transaction-scoped lock this call took and has not used yet.
     unsafe { pg_sys::LockRelease(tag, mode as pg_sys::LOCKMODE, false) };
+}
+
+/// The claims of a capped group, one at a time (src/inflight_cap.rs): exclusive, waits, held
+/// to the end of the claim's transaction.
+pub fn inflight_cap(group_id: i64) {
+    let (high, low) = split(group_id);
+    acquire(&tag(INFLIGHT_CLASS, high, low), pg_sys::ExclusiveLock, true);
 }
 
 /// A claim's retention step for `stream_id` (src/retention.rs): exclusive, never waiting.

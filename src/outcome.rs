@@ -58,7 +58,8 @@ pub(crate) fn settle(
 ) -> Result<Vec<i32>> {
     exception_queue::after_resolution(client, group, keys, now, Waker::Outcome)?;
     let released = lanes::release(client, group, token)?;
-    if !released.is_empty() && signal == Signal::Now {
+    // In a capped group every outcome may make room for a consumer the cap left idle.
+    if (!released.is_empty() || group.max_inflight.is_some()) && signal == Signal::Now {
         notify::signal(client, group.stream.id)?;
     }
     Ok(released)

@@ -20,7 +20,12 @@ fn an_operator_inspects_and_repairs_a_group_through_the_client() {
     let client = Client::connect(&database_url()).unwrap();
     let admin = client.admin();
 
-    let hold = GroupChanges { on_dead: Some(OnDead::Hold), max_retries: Some(5), ..Default::default() };
+    let hold = GroupChanges {
+        on_dead: Some(OnDead::Hold),
+        max_retries: Some(5),
+        max_inflight: Some(50),
+        ..Default::default()
+    };
     assert!(block_on(admin.alter_group(&s.name, "billing", hold)).unwrap());
     let first = g.claim(&mut c, 10);
     let find = |ds: &[Delivery], id: i64| ds.iter().find(|d| d.message_id == id).cloned().expect("claimed");
@@ -39,6 +44,7 @@ fn an_operator_inspects_and_repairs_a_group_through_the_client() {
     let group = &groups[0];
     assert_eq!((group.name.as_str(), group.concurrency_override), ("billing", Some(Concurrency::Ordered)));
     assert_eq!((group.max_retries, group.on_dead.as_str(), group.paused), (5, "hold", false));
+    assert_eq!(group.max_inflight, Some(50));
     let status = block_on(admin.group_status(&s.name, "billing")).unwrap();
     assert_eq!(status, group.status, "the view and the function agree");
     assert_eq!((status.head, status.dead, status.lag), (5, 1, 5 - status.committed));

@@ -209,7 +209,10 @@ fn an_operator_lists_describes_alters_and_skips_from_the_command_line() {
     // Settings change only where given.
     let altered = json(&["alter-stream", "--stream", &s.name, "--max-age", "30 days"]);
     assert_eq!(altered[0]["altered"], true);
-    let altered = json(&[&["alter-group"][..], &target[..], &["--max-retries", "5", "--on-dead", "hold"][..]].concat());
+    let altered = json(
+        &[&["alter-group"][..], &target[..], &["--max-retries", "5", "--on-dead", "hold", "--max-inflight", "100"][..]]
+            .concat(),
+    );
     assert_eq!(altered[0]["altered"], true);
     // With on_dead = 'hold', a key stops at its dead message.
     let produced = s.produce_many(&mut c, 2, Some("k"));
@@ -223,6 +226,7 @@ fn an_operator_lists_describes_alters_and_skips_from_the_command_line() {
     assert_eq!(parts[0][0]["max_age"], "720:00:00", "30 days, as the bound is stored");
     assert_eq!((parts[1][0]["group"].as_str(), parts[1][0]["max_retries"].as_i64()), (Some("g"), Some(5)));
     assert_eq!(parts[1][0]["on_dead"], "hold");
+    assert_eq!(parts[1][0]["max_inflight"], 100);
 
     // The held key's dead message, skipped: previewed first, then for real; the key goes on.
     let id = produced[0].to_string();

@@ -260,9 +260,9 @@ const ALTER: Statement = Statement {
     sql: "UPDATE sqlstreams.consumer_group g SET
               concurrency_override = $2, max_retries = $3,
               backoff_base = make_interval(secs => $4 / 1e6), backoff_cap = make_interval(secs => $5 / 1e6),
-              backoff_exponent = $6, max_delays = $7, max_reclaims = $8, on_dead = $9
+              backoff_exponent = $6, max_delays = $7, max_reclaims = $8, on_dead = $9, max_inflight = $10
           WHERE g.id = $1",
-    params: &[INT8OID, TEXTOID, INT4OID, INT8OID, INT8OID, FLOAT8OID, INT4OID, INT4OID, TEXTOID],
+    params: &[INT8OID, TEXTOID, INT4OID, INT8OID, INT8OID, FLOAT8OID, INT4OID, INT4OID, TEXTOID, INT4OID],
 };
 
 /// Keys of a group's dead ordered messages (those a hold kept waiting).
@@ -280,7 +280,8 @@ const SET_PAUSED: Statement = Statement {
 };
 
 /// Changes a group's settings: each argument that is not NULL replaces the current value
-/// (`concurrency_override => 'none'` removes the override). `create_group` re-declares a group
+/// (`concurrency_override => 'none'` removes the override, `max_inflight => 0` the cap).
+/// `create_group` re-declares a group
 /// with every setting; this changes only what it is told to. Returns true. Admins only.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 #[allow(clippy::too_many_arguments)]
@@ -295,8 +296,16 @@ fn alter_group(
     max_delays: default!(Option<i32>, "NULL"),
     max_reclaims: default!(Option<i32>, "NULL"),
     on_dead: default!(Option<&str>, "NULL"),
+    max_inflight: default!(Option<i32>, "NULL"),
 ) -> SqlResult<bool> {
     crate::standby::refuse_writes("alter_group")?;
+    if let Some(cap) = max_inflight.filter(|cap| *cap < 0) {
+        return Err(StreamError::invalid(
+            format!("max_inflight {cap} is negative"),
+            "Pass the most messages the group may have in flight at once, or 0 to remove the cap.",
+        )
+        .into());
+    }
     let stream = validate_name("stream", stream)?;
     let group_name = validate_name("group", group_name)?;
     let on_dead = match on_dead {
@@ -330,11 +339,9 @@ fn alter_group(
             Some(max_reclaims.unwrap_or(g.max_reclaims)),
         )?;
         let on_dead = on_dead.unwrap_or(if g.hold_on_dead { "hold" } else { "release" });
-        ALTER.run(
-            client,
-            0,
-            &std::iter::once(g.id.into()).chain(merged.args()).chain([on_dead.into()]).collect::<Vec<_>>(),
-        )?;
+        let cap = max_inflight.map_or(g.max_inflight, |cap| Some(cap).filter(|cap| *cap > 0));
+        let args = std::iter::once(g.id.into()).chain(merged.args()).chain([on_dead.into(), cap.into()]);
+        ALTER.run(client, 0, &args.collect::<Vec<_>>())?;
         if g.hold_on_dead && on_dead == "release" {
             // Keys held at a dead message go on now: wake what waits behind them.
             let keys: Vec<Option<String>> = HELD_KEYS

@@ -54,6 +54,8 @@ pub struct GroupInfo {
     pub paused: bool,
     /// `"release"` or `"hold"`.
     pub on_dead: String,
+    /// The most messages in flight across its consumers, if capped.
+    pub max_inflight: Option<i32>,
     /// Its position and queue, as `group_status` reports them.
     pub status: GroupStatus,
 }
@@ -279,6 +281,7 @@ impl Admin {
                     max_retries: r.get("max_retries"),
                     paused: r.get("paused"),
                     on_dead: r.get("on_dead"),
+                    max_inflight: r.get("max_inflight"),
                     status: GroupStatus::from_row(r),
                 })
             })

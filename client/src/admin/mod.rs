@@ -84,6 +84,8 @@ pub struct GroupChanges {
     pub max_reclaims: Option<i32>,
     /// What a dead letter does to its key's later messages.
     pub on_dead: Option<OnDead>,
+    /// The most messages in flight across the group's consumers; 0 removes the cap.
+    pub max_inflight: Option<i32>,
 }
 
 fn secs(d: Option<Duration>) -> Option<f64> {
@@ -134,14 +136,15 @@ impl Admin {
     pub async fn alter_group(&self, stream: &str, group: &str, changes: GroupChanges) -> Result<bool> {
         let sql = "SELECT sqlstreams.alter_group($1, $2, concurrency_override => $3, max_retries => $4,
                      backoff_base => $5::float8 * interval '1 second', backoff_cap => $6::float8 * interval '1 second',
-                     backoff_exponent => $7, max_delays => $8, max_reclaims => $9, on_dead => $10)";
+                     backoff_exponent => $7, max_delays => $8, max_reclaims => $9, on_dead => $10,
+                     max_inflight => $11)";
         let policy = changes.concurrency_override.map(|p| p.map_or("none", Concurrency::as_str));
         let on_dead = changes.on_dead.map(|o| match o {
             OnDead::Release => "release",
             OnDead::Hold => "hold",
         });
         let (base, cap) = (secs(changes.backoff_base), secs(changes.backoff_cap));
-        let params: [&(dyn ToSql + Sync); 10] = [
+        let params: [&(dyn ToSql + Sync); 11] = [
             &stream,
             &group,
             &policy,
@@ -152,6 +155,7 @@ impl Admin {
             &changes.max_delays,
             &changes.max_reclaims,
             &on_dead,
+            &changes.max_inflight,
         ];
         self.one(sql, &params).await
     }

@@ -10,7 +10,7 @@
 //! sqlstreams dead purge --stream S --group G (--older-than '7 days' | --all) [--dry-run | --yes]
 //! sqlstreams dead skip --stream S --group G --id N [--dry-run | --yes]
 //! sqlstreams alter-stream --stream S [--dead-retention I] [--idempotency-ttl I] [--max-age I] [--max-bytes N]
-//! sqlstreams alter-group --stream S --group G [--max-retries N] [--backoff-base I] ... [--on-dead hold|release]
+//! sqlstreams alter-group --stream S --group G [--max-retries N] ... [--on-dead hold|release] [--max-inflight N]
 //! sqlstreams seek --stream S --group G (--to-id N | --to-time T) [--force] [--dry-run | --yes]
 //! sqlstreams pause|resume --stream S --group G
 //! sqlstreams tail --stream S [--after ID] [--limit N] [--follow]
@@ -133,6 +133,9 @@ enum Command {
         /// hold or release.
         #[arg(long)]
         on_dead: Option<String>,
+        /// The most messages in flight across the group's consumers (0 removes the cap).
+        #[arg(long)]
+        max_inflight: Option<i32>,
     },
     /// Prints a shell completion script (e.g. `sqlstreams completions bash > /etc/bash_completion.d/sqlstreams`).
     Completions { shell: clap_complete::Shell },
@@ -392,7 +395,8 @@ async fn inspect(db: &tokio_postgres::Client, command: Command, json: bool) -> R
             rows(
                 db,
                 "SELECT name AS group, concurrency_override, paused, on_dead, max_retries, backoff_base::text,
-                        backoff_cap::text, max_delays, max_reclaims, claimed, committed, lag, lost, held_back_bytes
+                        backoff_cap::text, max_delays, max_reclaims, max_inflight, claimed, committed, lag, lost,
+                        held_back_bytes
                  FROM sqlstreams.consumer_groups WHERE stream = $1 ORDER BY name",
                 &[&stream],
             )
@@ -425,10 +429,12 @@ async fn inspect(db: &tokio_postgres::Client, command: Command, json: bool) -> R
             max_delays,
             max_reclaims,
             on_dead,
+            max_inflight,
         } => {
             rows(
                 db,
-                "SELECT sqlstreams.alter_group($1, $2, $3, $4, $5::text::interval, $6::text::interval, $7, $8, $9, $10) AS altered",
+                "SELECT sqlstreams.alter_group($1, $2, $3, $4, $5::text::interval, $6::text::interval, $7, $8, $9, $10,
+                                               max_inflight => $11) AS altered",
                 &[
                     &t.stream,
                     &t.group,
@@ -440,6 +446,7 @@ async fn inspect(db: &tokio_postgres::Client, command: Command, json: bool) -> R
                     &max_delays,
                     &max_reclaims,
                     &on_dead,
+                    &max_inflight,
                 ],
             )
             .await?

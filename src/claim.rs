@@ -20,9 +20,10 @@
 //! nothing but its own lanes and rows.
 //!
 //! A claim never waits for a row or key lock (src/locks.rs): lanes, rows and key locks are all
-//! taken only when free. Its one wait of its own, for the log's lock while retention drops
-//! partitions, comes first, before it holds anything or reads the clock. So the fence and the clock it reads are never older than
-//! what it claims against, and no outcome that waits for a claim can be waited for in turn.
+//! taken only when free. Its waits of its own, for a capped group's turn and for the log's lock
+//! while retention drops partitions, come first, before it holds anything or reads the clock. So
+//! the fence and the clock it reads are never older than what it claims against, and no outcome
+//! that waits for a claim can be waited for in turn.
 
 use std::collections::HashMap;
 
@@ -161,20 +162,27 @@ pub fn claim(
         });
     }
     crate::commit::consumer_call(stream_name, group_name, |client, group| {
-        // The log's lock first, while the claim holds nothing: it is the claim's one wait (a
-        // retention step dropping partitions holds the log until its transaction ends, and that
-        // transaction may go on to record outcomes that wait for rows a claim holds). The clock
-        // is read after it.
+        // A capped group's claims take turns (src/inflight_cap.rs), first, while the claim holds
+        // nothing but the stream's and group's locks; none runs in a transaction block, where
+        // its turn would last as long as the caller keeps the transaction open.
+        crate::inflight_cap::lock(group, in_transaction_block())?;
+        // The log's lock, while the claim holds nothing of its own: a retention step dropping
+        // partitions holds the log until its transaction ends, and that transaction may go on to
+        // record outcomes that wait for rows a claim holds. The clock is read after it.
         let log = Log::open(&group.stream)?;
-        // A capped group's claims, one at a time (src/inflight_cap.rs); before the carried acks
-        // take row locks, after the log's lock.
-        crate::inflight_cap::lock(group);
-        let released = match carried {
-            Some(acks) => outcome::ack_in(client, group, acks.token, &acks.ids, Signal::Later)?.released_lanes,
-            None => vec![],
+        let (released, acked) = match carried {
+            Some(acks) => {
+                let acked = outcome::ack_in(client, group, acks.token, &acks.ids, Signal::Later)?;
+                (acked.released_lanes, !acked.recorded.is_empty())
+            }
+            None => (vec![], false),
         };
         let stream_id = group.stream.id;
-        let batch = if group.paused { 0 } else { crate::inflight_cap::room(client, group, batch)? };
+        let room = if group.paused { 0 } else { crate::inflight_cap::room(client, group, batch)? };
+        // Room the carried acks made and this claim leaves: other consumers of a capped group
+        // may be idle for want of it.
+        let room_left = |handed: usize| acked && group.max_inflight.is_some() && (handed as i32) < room;
+        let batch = room;
         if batch == 0 {
             signal_left(client, stream_id, &released, &[])?;
             return Ok(vec![]);
@@ -208,6 +216,9 @@ pub fn claim(
         };
         let (deliveries, taken) = claim.run(client, fence.safe, candidates, head)?;
         signal_left(client, stream_id, &released, &taken)?;
+        if room_left(deliveries.len()) {
+            notify::signal(client, stream_id)?;
+        }
         Ok(deliveries)
     })
 }

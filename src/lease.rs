@@ -35,31 +35,49 @@ const LOCK_HELD: Statement = Statement {
     params: &[INT8OID, UUIDOID],
 };
 
+/// Sets the expiry of what `$2` holds to `$3`; with `$4`, only of what has not expired by `$4`.
 const EXTEND: Statement = Statement {
     name: "lease_extend",
     sql: "WITH r AS (UPDATE sqlstreams.range_lease_@id@ SET lease_expires_at = $3
-                     WHERE consumer_group_id = $1 AND lease_token = $2 RETURNING 1),
+                     WHERE consumer_group_id = $1 AND lease_token = $2
+                       AND ($4::timestamptz IS NULL OR lease_expires_at > $4) RETURNING 1),
                e AS (UPDATE sqlstreams.exception_queue_@id@ SET lease_expires_at = $3
-                     WHERE consumer_group_id = $1 AND lease_token = $2 AND status = 'inflight' RETURNING 1),
+                     WHERE consumer_group_id = $1 AND lease_token = $2 AND status = 'inflight'
+                       AND ($4::timestamptz IS NULL OR lease_expires_at > $4) RETURNING 1),
                k AS (UPDATE sqlstreams.lane_@id@ SET held_until = $3
-                     WHERE consumer_group_id = $1 AND held_by = $2 RETURNING 1)
+                     WHERE consumer_group_id = $1 AND held_by = $2
+                       AND ($4::timestamptz IS NULL OR held_until > $4) RETURNING 1)
           SELECT (SELECT count(*) FROM r) + (SELECT count(*) FROM e) + (SELECT count(*) FROM k) AS held",
-    params: &[INT8OID, UUIDOID, TIMESTAMPTZOID],
+    params: &[INT8OID, UUIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID],
 };
 
-/// Moves every expiry under `token` to now + `lease`; false when nothing is held any more.
+/// Moves every expiry under `token` to now + `lease`; false when nothing is held any more. In a
+/// capped group, what expired is lost: another claim may have been given its room
+/// (src/inflight_cap.rs).
 pub fn extend(stream: &str, group_name: &str, token: pgrx::Uuid, lease_micros: i64) -> Result<bool> {
-    consumer_call(stream, group_name, |client, group| set_expiry(client, group, token, lease_micros))
+    consumer_call(stream, group_name, |client, group| {
+        set_expiry(client, group, token, lease_micros, group.max_inflight.is_some())
+    })
 }
 
-fn set_expiry(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid, lease_micros: i64) -> Result<bool> {
+fn set_expiry(
+    client: &SpiClient<'_>,
+    group: &GroupRef,
+    token: pgrx::Uuid,
+    lease_micros: i64,
+    unexpired_only: bool,
+) -> Result<bool> {
     locks::token(token);
     LOCK_HELD.run(client, group.stream.id, &[group.id.into(), token.into()])?;
-    let expires = clock::now().saturating_add(lease_micros);
-    let held: i64 = EXTEND
-        .run(client, group.stream.id, &[group.id.into(), token.into(), statement::timestamptz(expires)])?
-        .first()
-        .required("held")?;
+    let now = clock::now();
+    let expires = now.saturating_add(lease_micros);
+    let args = [
+        group.id.into(),
+        token.into(),
+        statement::timestamptz(expires),
+        statement::timestamptz_opt(unexpired_only.then_some(now)),
+    ];
+    let held: i64 = EXTEND.run(client, group.stream.id, &args)?.first().required("held")?;
     Ok(held > 0)
 }
 
@@ -70,7 +88,7 @@ pub fn break_now(stream: &str, group_name: &str, token: pgrx::Uuid) -> Result<bo
         Spi::connect_mut(|client| {
             caller.require_admin(client, "break leases")?;
             let group = group::lookup(client, stream, group_name, Access::Write)?;
-            let broken = set_expiry(client, &group, token, 0)?;
+            let broken = set_expiry(client, &group, token, 0, false)?;
             if broken {
                 notify::signal(client, group.stream.id)?;
             }

@@ -256,7 +256,9 @@ mod tests {
     #[test]
     fn classes_are_out_of_reach_of_sql_advisory_locks() {
         // pg_advisory_lock(bigint) uses class 1, pg_advisory_lock(int, int) class 2.
-        for class in [PRODUCER_CLASS, KEY_CLASS, TOKEN_CLASS, RETENTION_CLASS, STREAM_CLASS, GROUP_CLASS] {
+        for class in
+            [PRODUCER_CLASS, KEY_CLASS, TOKEN_CLASS, RETENTION_CLASS, STREAM_CLASS, GROUP_CLASS, INFLIGHT_CLASS]
+        {
             assert!(class > 2);
         }
         assert_eq!(split(-1), (u32::MAX, u32::MAX));

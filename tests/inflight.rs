@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use sqlstreams_tests::postgres::fallible_iterator::FallibleIterator;
 use sqlstreams_tests::*;
 
 fn cap(c: &mut postgres::Client, s: &Stream, group: &str, max: i32) {
@@ -60,6 +61,70 @@ fn a_capped_group_hands_out_no_more_than_its_cap() {
     cap(&mut c, &s, "g", 0);
     assert_eq!(shown_cap(&mut c, &s), None);
     assert!(g.claim(&mut c, 100).len() > 3, "uncapped");
+}
+
+#[test]
+fn in_a_capped_group_an_expired_lease_is_lost_and_a_claim_needs_its_own_transaction() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "cap-lost");
+    let g = s.group(&mut c, "g", None);
+    s.produce_many(&mut c, 4, None);
+    let extend = |c: &mut postgres::Client, d: &Delivery| -> bool {
+        c.query_one("SELECT sqlstreams.extend_lease($1, 'g', $2)", &[&s.name, &d.lease_token]).unwrap().get(0)
+    };
+    // Uncapped, an expired lease not taken over yet is renewed by its holder.
+    let first = g.claim(&mut c, 1);
+    g.expire_leases(&mut c);
+    assert!(extend(&mut c, &first[0]), "uncapped: renewed");
+    // Capped, its room may have gone to another claim: it is lost.
+    cap(&mut c, &s, "g", 2);
+    g.expire_leases(&mut c);
+    assert!(!extend(&mut c, &first[0]), "capped: an expired lease is lost");
+    let second = g.claim(&mut c, 1);
+    assert!(extend(&mut c, &second[0]), "capped: a running lease is renewed");
+
+    // A claim of a capped group in a transaction block is refused before anything changed (the
+    // acks it carries are not recorded).
+    let mut tx = c.transaction().unwrap();
+    let err = tx
+        .query(
+            "SELECT * FROM sqlstreams.claim($1, 'g', 10, '30 seconds', $2, $3)",
+            &[&s.name, &second[0].lease_token, &vec![second[0].message_id]],
+        )
+        .unwrap_err();
+    assert_eq!(sqlstate(&err), "25000", "{}", describe(&err));
+    assert!(describe(&err).contains("max_inflight"), "{}", describe(&err));
+    tx.rollback().unwrap();
+    assert!(g.ack(&mut c, &second[0]), "the refused claim recorded nothing");
+}
+
+#[test]
+fn in_a_capped_group_an_ack_wakes_idle_consumers() {
+    use std::time::Duration;
+    let mut c = connect();
+    let s = Stream::create(&mut c, "cap-wake");
+    let g = s.group(&mut c, "g", None);
+    s.produce_many(&mut c, 6, None);
+    let channel: String =
+        c.query_one("SELECT channel FROM sqlstreams.streams WHERE name = $1", &[&s.name]).unwrap().get(0);
+    let mut listener = connect();
+    listener.batch_execute(&format!("LISTEN \"{channel}\"")).unwrap();
+    // What has arrived by the end of a round trip (a committed NOTIFY was signalled before it).
+    let arrived = |listener: &mut postgres::Client| {
+        listener.batch_execute("SELECT 1").unwrap();
+        listener.notifications().iter().count().unwrap()
+    };
+    // One ack of a range that keeps its lane sends nothing in an uncapped group...
+    let claimed = g.claim(&mut c, 3);
+    arrived(&mut listener);
+    g.ack(&mut c, &claimed[0]);
+    assert_eq!(arrived(&mut listener), 0, "uncapped: nothing to wake for");
+    // ...and wakes the stream's consumers in a capped one, where it made room.
+    cap(&mut c, &s, "g", 3);
+    arrived(&mut listener);
+    g.ack(&mut c, &claimed[1]);
+    let woken = listener.notifications().timeout_iter(Duration::from_secs(30)).next().unwrap();
+    assert!(woken.is_some(), "capped: the ack made room");
 }
 
 /// Six consumers of a group capped at four: what they hold at once (counted by the consumers,

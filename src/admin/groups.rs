@@ -342,6 +342,10 @@ fn alter_group(
         let cap = max_inflight.map_or(g.max_inflight, |cap| Some(cap).filter(|cap| *cap > 0));
         let args = std::iter::once(g.id.into()).chain(merged.args()).chain([on_dead.into(), cap.into()]);
         ALTER.run(client, 0, &args.collect::<Vec<_>>())?;
+        if g.max_inflight.is_some_and(|old| cap.is_none_or(|new| new > old)) {
+            // More room, or no cap: consumers the cap left idle may claim now.
+            crate::notify::signal(client, g.stream.id)?;
+        }
         if g.hold_on_dead && on_dead == "release" {
             // Keys held at a dead message go on now: wake what waits behind them.
             let keys: Vec<Option<String>> = HELD_KEYS

@@ -90,7 +90,7 @@ async fn a_handler_continues_the_trace_its_message_was_produced_in() {
     }
     assert_eq!(seen[&batch[0]].1["tenant"], 7, "the caller's headers are kept");
 
-    // Outside any span, its `send` span starts a trace of its own, which the handler continues.
+    // Outside any span, its `produce` span starts a trace of its own, which the handler continues.
     let (trace, headers) = &seen[&untraced];
     assert_ne!(*trace, request_trace, "an untraced message starts a trace of its own");
     assert_ne!(*trace, TraceId::INVALID);
@@ -106,18 +106,23 @@ async fn a_handler_continues_the_trace_its_message_was_produced_in() {
     let name = stream.name();
     let named =
         |prefix: &str| -> Vec<&SpanData> { spans.iter().filter(|s| s.name == format!("{prefix} {name}")).collect() };
-    let (send, receive, process) = (named("send"), named("receive"), named("process"));
-    for (span, kind, operation) in send
+    let (send, receive, process) = (named("produce"), named("claim"), named("process"));
+    for (span, kind, operation, operation_name) in send
         .iter()
-        .map(|s| (s, SpanKind::Producer, "send"))
-        .chain(receive.iter().map(|s| (s, SpanKind::Consumer, "receive")))
-        .chain(process.iter().map(|s| (s, SpanKind::Consumer, "process")))
+        .map(|s| (s, SpanKind::Producer, "send", "produce"))
+        .chain(receive.iter().map(|s| (s, SpanKind::Client, "receive", "claim")))
+        .chain(process.iter().map(|s| (s, SpanKind::Consumer, "process", "process")))
     {
         assert_eq!(span.span_kind, kind, "{}", span.name);
         assert_eq!(attribute(span, "messaging.system").as_deref(), Some("sqlstreams"));
         assert_eq!(attribute(span, "messaging.operation.type").as_deref(), Some(operation));
+        assert_eq!(
+            attribute(span, "messaging.operation.name").as_deref(),
+            Some(operation_name),
+            "the span's name begins with it"
+        );
         assert_eq!(attribute(span, "messaging.destination.name").as_deref(), Some(name));
-        if kind == SpanKind::Consumer {
+        if operation != "send" {
             assert_eq!(attribute(span, "messaging.consumer.group.name").as_deref(), Some("g"));
         }
     }

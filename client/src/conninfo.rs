@@ -34,15 +34,23 @@ pub(crate) fn resolve(dsn: Option<&str>, env: &dyn Fn(&str) -> Option<String>) -
     };
     let bad = |name: &str, value: &str, what: &str| Error::Config(format!("{name}={value}: {what}"));
     if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
+        let addrs = env("PGHOSTADDR");
         match env("PGHOST") {
             Some(hosts) => hosts.split(',').for_each(|h| host(&mut config, h)),
+            // An address alone is enough: libpq then matches the password file against it.
+            None if addrs.is_some() => {}
             None if Path::new(SOCKET_DIR).is_dir() => host(&mut config, SOCKET_DIR),
             None => host(&mut config, "localhost"),
         }
-        if let Some(addrs) = env("PGHOSTADDR") {
+        if let Some(addrs) = addrs {
             for addr in addrs.split(',') {
                 config.hostaddr(addr.trim().parse().map_err(|_| bad("PGHOSTADDR", &addrs, "not an IP address"))?);
             }
+        }
+    }
+    for unsupported in ["PGSERVICE", "PGSSLCERT", "PGSSLKEY", "PGREQUIREAUTH", "PGSSLCRL"] {
+        if env(unsupported).is_some() {
+            tracing::warn!("{unsupported} is set, and this client does not support it: ignored");
         }
     }
     if config.get_ports().is_empty() {
@@ -74,10 +82,10 @@ pub(crate) fn resolve(dsn: Option<&str>, env: &dyn Fn(&str) -> Option<String>) -
     }
     if config.get_connect_timeout().is_none() {
         if let Some(secs) = env("PGCONNECT_TIMEOUT") {
-            let secs: u64 = secs.trim().parse().map_err(|_| bad("PGCONNECT_TIMEOUT", &secs, "not whole seconds"))?;
-            // libpq: 0 waits for ever, and a timeout under 2 seconds is taken as 2.
+            let secs: i64 = secs.trim().parse().map_err(|_| bad("PGCONNECT_TIMEOUT", &secs, "not whole seconds"))?;
+            // libpq: 0 or less waits for ever, and a timeout under 2 seconds is taken as 2.
             if secs > 0 {
-                config.connect_timeout(Duration::from_secs(secs.max(2)));
+                config.connect_timeout(Duration::from_secs(secs.max(2) as u64));
             }
         }
     }
@@ -94,7 +102,11 @@ pub(crate) fn resolve(dsn: Option<&str>, env: &dyn Fn(&str) -> Option<String>) -
                 "any" => TargetSessionAttrs::Any,
                 "read-write" => TargetSessionAttrs::ReadWrite,
                 "read-only" => TargetSessionAttrs::ReadOnly,
-                _ => return Err(bad("PGTARGETSESSIONATTRS", &attrs, "not any, read-write or read-only")),
+                _ => {
+                    let what = "not any, read-write or read-only (libpq's primary, standby and prefer-standby \
+                                are not supported by this client)";
+                    return Err(bad("PGTARGETSESSIONATTRS", &attrs, what));
+                }
             });
         }
     }
@@ -144,27 +156,21 @@ fn names_key(dsn: &str, key: &str) -> bool {
 }
 
 /// The password file's password for this connection, as libpq finds it: the first line whose
-/// host, port, database and user match (`*` matches anything; a socket connection matches
-/// `localhost`). A missing file is no password; a file others may read is refused, where libpq
-/// warns and ignores it: a connection that silently lacks its password is harder to explain.
+/// host, port, database and user match (`*` matches anything; a connection through the default
+/// socket directory matches `localhost`, one through another directory its path). A missing or
+/// unreadable file is no password; so is a file others may read, with a warning, as libpq does.
 fn password_file(path: &Path, config: &Config) -> Result<Option<String>> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Error::Config(format!("password file {}: {e}", path.display()))),
-    };
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(None) };
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(path)
-            .map_err(|e| Error::Config(format!("{}: {e}", path.display())))?
-            .permissions()
-            .mode();
+        let mode = std::fs::metadata(path).map(|m| m.permissions().mode()).unwrap_or(0o077);
         if mode & 0o077 != 0 {
-            return Err(Error::Config(format!(
-                "password file {} has group or world access; run chmod 0600 on it",
+            tracing::warn!(
+                "password file {} has group or world access and is ignored; permissions should be u=rw (0600) or less",
                 path.display()
-            )));
+            );
+            return Ok(None);
         }
     }
     let user = config.get_user().unwrap_or_default();
@@ -177,7 +183,9 @@ fn password_file(path: &Path, config: &Config) -> Result<Option<String>> {
             .map(|h| match h {
                 Host::Tcp(name) => name.clone(),
                 #[cfg(unix)]
-                Host::Unix(_) => "localhost".to_owned(),
+                Host::Unix(dir) if dir == Path::new(SOCKET_DIR) => "localhost".to_owned(),
+                #[cfg(unix)]
+                Host::Unix(dir) => dir.display().to_string(),
             })
             .collect(),
     };
@@ -186,26 +194,53 @@ fn password_file(path: &Path, config: &Config) -> Result<Option<String>> {
             continue;
         }
         let fields = split_fields(line);
-        let [h, p, d, u, password] = fields.as_slice() else { continue };
-        let matches = |pattern: &str, value: &str| pattern == "*" || pattern == value;
-        if hosts.iter().any(|host| matches(h, host)) && matches(p, &port) && matches(d, dbname) && matches(u, user) {
-            return Ok(Some(password.clone()));
+        let [h, p, d, u, password, ..] = fields.as_slice() else { continue };
+        if hosts.iter().any(|host| h.matches(host)) && p.matches(&port) && d.matches(dbname) && u.matches(user) {
+            return Ok(Some(password.text.clone()));
         }
     }
     Ok(None)
 }
 
-/// A password file line's five fields: `:` separates them, `\:` and `\\` escape.
-fn split_fields(line: &str) -> Vec<String> {
-    let mut fields = vec![String::new()];
+/// One field of a password file line: its text with escapes removed, and whether it was a bare
+/// `*` (an escaped `\*` is a literal star).
+struct Field {
+    text: String,
+    any: bool,
+}
+
+impl Field {
+    fn matches(&self, value: &str) -> bool {
+        self.any || self.text == value
+    }
+}
+
+/// A password file line's fields: `:` separates them, `\:` and `\\` escape. The password is the
+/// fifth; anything after it is ignored.
+fn split_fields(line: &str) -> Vec<Field> {
+    let mut fields = Vec::new();
+    let (mut text, mut raw) = (String::new(), String::new());
     let mut chars = line.chars();
     while let Some(c) = chars.next() {
         match c {
-            '\\' => fields.last_mut().unwrap().extend(chars.next()),
-            ':' if fields.len() < 5 => fields.push(String::new()),
-            c => fields.last_mut().unwrap().push(c),
+            '\\' => {
+                raw.push(c);
+                if let Some(next) = chars.next() {
+                    text.push(next);
+                    raw.push(next);
+                }
+            }
+            ':' => {
+                fields.push(Field { any: raw == "*", text: std::mem::take(&mut text) });
+                raw.clear();
+            }
+            c => {
+                text.push(c);
+                raw.push(c);
+            }
         }
     }
+    fields.push(Field { any: raw == "*", text });
     fields
 }
 
@@ -273,11 +308,21 @@ mod tests {
         assert_eq!(resolve(None, &env(&vars)).unwrap().get_password(), Some(&b"fallback"[..]));
         let vars = [("PGPASSWORD", "given"), ("PGPASSFILE", path)];
         assert_eq!(resolve(None, &env(&vars)).unwrap().get_password(), Some(&b"given"[..]));
+        // A literal star, and a password that ends at the next unescaped colon.
+        std::fs::write(&file, "h\\*:*:*:app:star:extra\n*:*:*:app:other\n").unwrap();
+        let vars = [("PGHOST", "h*"), ("PGUSER", "app"), ("PGPASSFILE", path)];
+        assert_eq!(resolve(None, &env(&vars)).unwrap().get_password(), Some(&b"star"[..]));
+        let vars = [("PGHOST", "hx"), ("PGUSER", "app"), ("PGPASSFILE", path)];
+        assert_eq!(resolve(None, &env(&vars)).unwrap().get_password(), Some(&b"other"[..]), "\\* is no wildcard");
+        // Another socket directory matches its path, not localhost.
+        std::fs::write(&file, "localhost:*:*:app:local\n/tmp/sock:*:*:app:sock\n").unwrap();
+        let vars = [("PGHOST", "/tmp/sock"), ("PGUSER", "app"), ("PGPASSFILE", path)];
+        assert_eq!(resolve(None, &env(&vars)).unwrap().get_password(), Some(&b"sock"[..]));
         #[cfg(unix)]
         {
             std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
-            let err = resolve(None, &env(&[("PGPASSFILE", path)])).unwrap_err().to_string();
-            assert!(err.contains("chmod 0600"), "{err}");
+            let config = resolve(None, &env(&[("PGPASSFILE", path)])).unwrap();
+            assert_eq!(config.get_password(), None, "a file others may read is ignored, as libpq does");
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }

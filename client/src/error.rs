@@ -140,10 +140,16 @@ fn extension_message(installed: Option<&str>, required: &str) -> String {
 /// the connection error with what caused it.
 fn postgres_message(err: &tokio_postgres::Error) -> String {
     match err.as_db_error() {
-        Some(db) => match db.hint() {
-            Some(hint) => format!("{} (SQLSTATE {}); hint: {hint}", db.message(), db.code().code()),
-            None => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
-        },
+        Some(db) => {
+            let mut text = format!("{} (SQLSTATE {})", db.message(), db.code().code());
+            if let Some(detail) = db.detail() {
+                text.push_str(&format!("; detail: {detail}"));
+            }
+            if let Some(hint) = db.hint() {
+                text.push_str(&format!("; hint: {hint}"));
+            }
+            text
+        }
         None => match std::error::Error::source(err) {
             Some(cause) => format!("{err}: {cause}"),
             None => err.to_string(),

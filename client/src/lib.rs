@@ -73,13 +73,15 @@
 //! an `Exclusive` key runs one delivery at a time. Same-key messages of one claim run in one
 //! task, in order, so a hot key stays serial whatever `message_concurrency` is.
 
-//! The client's spans follow OpenTelemetry's messaging conventions: `send <stream>` (producer),
-//! `receive <stream>` (a claim) and `process <stream>` (a handler's run), with `messaging.system
-//! = "sqlstreams"`, `messaging.destination.name`, `messaging.consumer.group.name`,
-//! `messaging.message.id` and `messaging.batch.message_count`. With the `opentelemetry` feature,
-//! a message carries the trace context of its `send` span (a W3C `traceparent` header), and its
-//! `process` span continues that trace; install a global propagator (`TraceContextPropagator`)
-//! and a `tracing-opentelemetry` layer.
+//! The client's spans follow OpenTelemetry's messaging conventions: `produce <stream>` (a
+//! producer span, operation type `send`), `claim <stream>` (a client span, `receive`) and
+//! `process <stream>` (a consumer span, `process`), with `messaging.system = "sqlstreams"`,
+//! `messaging.destination.name`, `messaging.consumer.group.name`, `messaging.message.id` and
+//! `messaging.batch.message_count`. With the `opentelemetry` feature, a message carries the
+//! trace context of its `produce` span (a W3C `traceparent` header), and its `process` span
+//! continues that trace as its parent (the conventions allow a link or a parent; a parent shows
+//! the handling under the request that produced it); install a global propagator
+//! (`TraceContextPropagator`) and a `tracing-opentelemetry` layer.
 
 #![deny(missing_docs)]
 

@@ -100,7 +100,7 @@ where
             let row = conn.query_one(&statement, &args.params()).await?;
             Ok(produced(&row))
         }
-        .instrument(send_span(&self.stream.name, 1))
+        .instrument(send_span(&self.stream.name, None))
         .await
     }
 
@@ -119,7 +119,7 @@ where
             let row = client.query_one(sql::PRODUCE, &args.params()).await?;
             Ok(produced(&row))
         }
-        .instrument(send_span(&self.stream.name, 1))
+        .instrument(send_span(&self.stream.name, None))
         .await
     }
 
@@ -132,7 +132,7 @@ where
         if payloads.is_empty() {
             return Ok(vec![]);
         }
-        let span = send_span(&self.stream.name, payloads.len());
+        let span = send_span(&self.stream.name, Some(payloads.len()));
         async {
             let conn = self.stream.pool.conn().await?;
             let statement = conn.prepare_cached(sql::PRODUCE_BATCH).await?;
@@ -160,7 +160,7 @@ where
         if payloads.is_empty() {
             return Ok(vec![]);
         }
-        let span = send_span(&self.stream.name, payloads.len());
+        let span = send_span(&self.stream.name, Some(payloads.len()));
         async {
             let row = client
                 .query_one(

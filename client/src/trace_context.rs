@@ -1,6 +1,6 @@
 //! W3C trace context through message headers (feature `opentelemetry`).
 //!
-//! A producer writes the context of its `send` span (a child of the span it produces in, if
+//! A producer writes the context of its `produce` span (a child of the span it produces in, if
 //! any) into the message's headers (`traceparent`, `tracestate`), through the globally
 //! installed OpenTelemetry propagator; the consumer's `process` span continues that trace, so a message's handling shows up
 //! under the request that produced it, however long it waited. Headers the caller set
@@ -18,22 +18,23 @@ use crate::Headers;
 // tracing-opentelemetry's names for the span's name and kind. The tracing names and the older
 // fields (`stream`, `message_id`, ...) stay for log readers.
 
-/// Producing `count` messages to `stream`: `send <stream>`, a producer span.
-pub(crate) fn send_span(stream: &str, count: usize) -> Span {
-    let span = info_span!("sqlstreams.produce", otel.name = %format_args!("send {stream}"), otel.kind = "producer",
+/// Producing to `stream`: `produce <stream>`, a producer span; `batch` is the size of a
+/// `produce_batch` (a batch of one included), none for `produce`.
+pub(crate) fn send_span(stream: &str, batch: Option<usize>) -> Span {
+    let span = info_span!("sqlstreams.produce", otel.name = %format_args!("produce {stream}"), otel.kind = "producer",
         messaging.system = "sqlstreams", messaging.operation.type = "send", messaging.operation.name = "produce",
         messaging.destination.name = stream, messaging.batch.message_count = Empty, messaging.message.id = Empty);
-    if count != 1 {
+    if let Some(count) = batch {
         span.record("messaging.batch.message_count", count);
     }
     span
 }
 
-/// A group's claim of up to `batch` messages: `receive <stream>`, a consumer span; what came
-/// is recorded in `messaging.batch.message_count`.
+/// A group's claim of up to `batch` messages: `claim <stream>`, a client span (the consumer
+/// pulls); what came is recorded in `messaging.batch.message_count`.
 pub(crate) fn receive_span(stream: &str, group: &str, batch: i32) -> Span {
-    info_span!("sqlstreams.claim", stream, group, batch, otel.name = %format_args!("receive {stream}"),
-        otel.kind = "consumer", messaging.system = "sqlstreams", messaging.operation.type = "receive",
+    info_span!("sqlstreams.claim", stream, group, batch, otel.name = %format_args!("claim {stream}"),
+        otel.kind = "client", messaging.system = "sqlstreams", messaging.operation.type = "receive",
         messaging.operation.name = "claim", messaging.destination.name = stream,
         messaging.consumer.group.name = group, messaging.batch.message_count = Empty)
 }
@@ -50,7 +51,7 @@ pub(crate) fn process_span(
 ) -> Span {
     let span = info_span!("sqlstreams.handler", message_id = id, attempt, key = ?key,
         otel.name = %format_args!("process {stream}"), otel.kind = "consumer", messaging.system = "sqlstreams",
-        messaging.operation.type = "process", messaging.operation.name = "handle",
+        messaging.operation.type = "process", messaging.operation.name = "process",
         messaging.destination.name = stream, messaging.consumer.group.name = group,
         messaging.message.id = %id, messaging.sqlstreams.message.key = key, messaging.sqlstreams.attempt = attempt);
     continue_trace(&span, headers);

@@ -329,9 +329,6 @@ fn without_a_connection_string_the_cli_reads_libpqs_environment_and_password_fil
 
     write(".pgpass", password, 0o644);
     let (code, err) = with(&[("HOME", &home_str)]);
-    assert!(
-        code == 1 && err.contains("password missing"),
-        "a file others may read is ignored: {code} {err}"
-    );
+    assert!(code == 1 && err.contains("password missing"), "a file others may read is ignored: {code} {err}");
     std::fs::remove_dir_all(&home).unwrap();
 }

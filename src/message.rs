@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use pgrx::datum::TimestampWithTimeZone;
 use pgrx::pg_sys::BuiltinOid::*;
-use pgrx::spi::{SpiClient, SpiHeapTupleData, SpiTupleTable};
+use pgrx::spi::SpiClient;
 use pgrx::{FromDatum, IntoDatum};
 
 use crate::concurrency::{self, Concurrency};
@@ -14,7 +14,7 @@ use crate::group::GroupRef;
 use crate::key_gate::Candidate;
 use crate::partition::{self, Log};
 use crate::payload::RawJsonb;
-use crate::statement::{Access, Columns, Part, Statement};
+use crate::statement::{Access, Columns, Deformed, Part, Row, Statement};
 use crate::stream::StreamRef;
 
 /// The columns a message is read with (`messages`), in the order of `Column`.
@@ -40,11 +40,11 @@ enum Column {
 }
 
 /// A message row's value at `column`.
-fn at<T: FromDatum + IntoDatum>(row: &SpiHeapTupleData<'_>, column: Column) -> Result<Option<T>> {
-    Ok(row.get(column as usize)?)
+fn at<T: FromDatum + IntoDatum>(row: &Row<'_>, column: Column) -> Result<Option<T>> {
+    row.get(column as usize)
 }
 
-fn required_at<T: FromDatum + IntoDatum>(row: &SpiHeapTupleData<'_>, column: Column) -> Result<T> {
+fn required_at<T: FromDatum + IntoDatum>(row: &Row<'_>, column: Column) -> Result<T> {
     at(row, column)?
         .ok_or_else(|| StreamError::Internal(format!("message column {} is unexpectedly NULL", column as usize)))
 }
@@ -106,7 +106,7 @@ fn micros(t: TimestampWithTimeZone) -> i64 {
     t.into_inner()
 }
 
-fn candidate(row: &SpiHeapTupleData<'_>, group: &GroupRef) -> Result<Candidate> {
+fn candidate(row: &Row<'_>, group: &GroupRef) -> Result<Candidate> {
     let key: Option<String> = at(row, Column::Key)?;
     let requested = at::<String>(row, Column::Concurrency)?.map(|c| Concurrency::from_stored(&c)).transpose()?;
     Ok(Candidate {
@@ -118,19 +118,18 @@ fn candidate(row: &SpiHeapTupleData<'_>, group: &GroupRef) -> Result<Candidate> 
     })
 }
 
-fn messages(rows: SpiTupleTable<'_>, group: &GroupRef) -> Result<Vec<Message>> {
+fn messages(rows: Deformed<'_>, group: &GroupRef) -> Result<Vec<Message>> {
     rows.map(|row| {
         Ok(Message {
-            candidate: candidate(&row, group)?,
-            payload: required_at(&row, Column::Payload)?,
+            candidate: candidate(row, group)?,
+            payload: required_at(row, Column::Payload)?,
             meta: Meta {
-                produced_at: micros(required_at(&row, Column::ProducedAt)?),
-                headers: at(&row, Column::Headers)?,
+                produced_at: micros(required_at(row, Column::ProducedAt)?),
+                headers: at(row, Column::Headers)?,
             },
-            deliver_at: at::<TimestampWithTimeZone>(&row, Column::DeliverAt)?.map(micros),
+            deliver_at: at::<TimestampWithTimeZone>(row, Column::DeliverAt)?.map(micros),
         })
     })
-    .collect()
 }
 
 /// The messages `ids` (those that exist), in id order, with their payloads: from the
@@ -158,7 +157,7 @@ pub fn read_by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64], access:
             unknown.push((part, ids));
             continue;
         }
-        let read = messages(IN_PART.exec_in(client, stream.id, part, &[ids.clone().into()], access)?, group)?;
+        let read = messages(IN_PART.exec_in_deformed(client, stream.id, part, &[ids.clone().into()], access)?, group)?;
         if read.len() < ids.len() {
             let read: HashSet<i64> = read.iter().map(|m| m.candidate.message_id).collect();
             missing.extend(ids.into_iter().filter(|id| !read.contains(id)));
@@ -166,7 +165,7 @@ pub fn read_by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64], access:
         found.extend(read);
     }
     if !missing.is_empty() {
-        let archived = messages(ARCHIVED.exec(client, stream.id, &[missing.into()], access)?, group)?;
+        let archived = messages(ARCHIVED.exec_deformed(client, stream.id, &[missing.into()], access)?, group)?;
         let in_archive: HashSet<i64> = archived.iter().map(|m| m.candidate.message_id).collect();
         found.extend(archived);
         // Neither in the cache's partitions nor in the archive: a partition this backend has
@@ -174,7 +173,10 @@ pub fn read_by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64], access:
         for (part, ids) in unknown {
             let ids: Vec<i64> = ids.into_iter().filter(|id| !in_archive.contains(id)).collect();
             if !ids.is_empty() && log.exists(client, part)? {
-                found.extend(messages(IN_PART.exec_in(client, stream.id, part, &[ids.into()], access)?, group)?);
+                found.extend(messages(
+                    IN_PART.exec_in_deformed(client, stream.id, part, &[ids.into()], access)?,
+                    group,
+                )?);
             }
         }
     }
@@ -202,7 +204,7 @@ pub fn after(
         let part = part?;
         let room = limit - found.len() as i32;
         let args = [after.into(), upto.into(), room.into(), lane.into()];
-        found.extend(messages(AFTER.exec_in(client, group.stream.id, part, &args, Access::Write)?, group)?);
+        found.extend(messages(AFTER.exec_in_deformed(client, group.stream.id, part, &args, Access::Write)?, group)?);
         if found.len() as i32 == limit {
             break;
         }

@@ -6,8 +6,8 @@
 //! (`SPI_keepplan`); later executions reuse it. A plan whose tables are dropped is re-planned by
 //! Postgres' plan cache, so a recreated stream with a reused id still works.
 //!
-//! Rows are read by column name (`Columns`); a claim reads its messages by position
-//! (src/message.rs), as many as a hundred rows of nine columns per call.
+//! Rows are read by column name (`Columns`); a claim reads its messages by position, each row
+//! deformed once (`Deformed`, src/message.rs), as many as a hundred rows of nine columns per call.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -16,7 +16,7 @@ use std::rc::Rc;
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::{self, PgBuiltInOids, PgOid};
 use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiHeapTupleData, SpiResult, SpiTupleTable};
-use pgrx::{FromDatum, IntoDatum};
+use pgrx::{FromDatum, IntoDatum, PgMemoryContexts};
 
 use crate::error::{Result, StreamError};
 
@@ -144,6 +144,33 @@ impl Statement {
             Access::Read => self.read(client, stream_id, args),
             Access::Write => self.run(client, stream_id, args),
         }
+    }
+
+    /// `exec`, its rows read through `Deformed`.
+    pub fn exec_deformed<'conn>(
+        &self,
+        client: &SpiClient<'conn>,
+        stream_id: StreamId,
+        args: &[DatumWithOid<'_>],
+        access: Access,
+    ) -> SpiResult<Deformed<'conn>> {
+        let table = self.exec(client, stream_id, args, access)?;
+        // SAFETY: `table` is the result SPI just returned; no SPI call ran since.
+        Ok(unsafe { Deformed::new(table) })
+    }
+
+    /// `exec_in`, its rows read through `Deformed`.
+    pub fn exec_in_deformed<'conn>(
+        &self,
+        client: &SpiClient<'conn>,
+        stream_id: StreamId,
+        part: Part,
+        args: &[DatumWithOid<'_>],
+        access: Access,
+    ) -> SpiResult<Deformed<'conn>> {
+        let table = self.exec_in(client, stream_id, part, args, access)?;
+        // SAFETY: `table` is the result SPI just returned; no SPI call ran since.
+        Ok(unsafe { Deformed::new(table) })
     }
 
     fn plan(
@@ -281,6 +308,88 @@ impl Statement {
             pg_sys::SPI_freetuptable(table);
             Ok(rows)
         }
+    }
+}
+
+/// A result's rows, each deformed in one pass (`heap_deform_tuple`), for the rows a claim reads
+/// by the hundred. pgrx reads a row with two guarded FFI calls per column (`SPI_getbinval`,
+/// `SPI_gettypeid`), and `SPI_getbinval` walks the tuple from its start for every column after a
+/// NULL or a variable-length value: for a message row that cost as much as running its query.
+pub struct Deformed<'conn> {
+    /// Owns the rows (SPI frees them with its connection).
+    table: SpiTupleTable<'conn>,
+    tupdesc: pg_sys::TupleDesc,
+    tuples: *mut pg_sys::HeapTuple,
+    types: Vec<pg_sys::Oid>,
+    /// Where values that outlive the SPI connection are copied: its caller's context, as pgrx
+    /// does for the rows it reads.
+    caller: pg_sys::MemoryContext,
+}
+
+impl<'conn> Deformed<'conn> {
+    /// # Safety
+    /// `table` must be the result SPI returned last (`SPI_tuptable`).
+    unsafe fn new(table: SpiTupleTable<'conn>) -> Deformed<'conn> {
+        // SAFETY: the caller's promise; a statement that returns no rows leaves no table.
+        let (tupdesc, tuples) = unsafe {
+            match pg_sys::SPI_tuptable.as_ref() {
+                Some(t) if !table.is_empty() => {
+                    debug_assert_eq!(t.numvals as usize, table.len(), "the table SPI returned last");
+                    (t.tupdesc, t.vals)
+                }
+                _ => (std::ptr::null_mut(), std::ptr::null_mut()),
+            }
+        };
+        let types = if tupdesc.is_null() {
+            vec![]
+        } else {
+            // SAFETY: a valid tuple descriptor; attributes are 1-based for SPI.
+            unsafe { (1..=(*tupdesc).natts).map(|i| pg_sys::SPI_gettypeid(tupdesc, i)).collect() }
+        };
+        let caller =
+            PgMemoryContexts::CurrentMemoryContext.parent().expect("SPI runs in a context of its caller").value();
+        Deformed { table, tupdesc, tuples, types, caller }
+    }
+
+    /// `f` of every row, in order.
+    pub fn map<T>(self, mut f: impl FnMut(&Row<'_>) -> Result<T>) -> Result<Vec<T>> {
+        let len = self.table.len();
+        let mut out = Vec::with_capacity(len);
+        let mut values = vec![pg_sys::Datum::from(0); self.types.len()];
+        let mut nulls = vec![true; self.types.len()];
+        for i in 0..len {
+            // SAFETY: `i` is below the table's row count; the buffers hold one entry per column.
+            unsafe {
+                pg_sys::heap_deform_tuple(*self.tuples.add(i), self.tupdesc, values.as_mut_ptr(), nulls.as_mut_ptr())
+            };
+            out.push(f(&Row { values: &values, nulls: &nulls, types: &self.types, caller: self.caller })?);
+        }
+        Ok(out)
+    }
+}
+
+/// One row of a `Deformed` result.
+pub struct Row<'a> {
+    values: &'a [pg_sys::Datum],
+    nulls: &'a [bool],
+    types: &'a [pg_sys::Oid],
+    caller: pg_sys::MemoryContext,
+}
+
+impl Row<'_> {
+    /// The value at `ordinal` (1-based); `None` for SQL NULL.
+    pub fn get<T: FromDatum + IntoDatum>(&self, ordinal: usize) -> Result<Option<T>> {
+        let i = ordinal - 1;
+        // SAFETY: the datum and its null flag come from the row, with the column's type.
+        let value = unsafe {
+            T::try_from_datum_in_memory_context(
+                PgMemoryContexts::For(self.caller),
+                self.values[i],
+                self.nulls[i],
+                self.types[i],
+            )
+        };
+        Ok(value.map_err(pgrx::spi::Error::DatumError)?)
     }
 }
 

@@ -77,10 +77,17 @@ pub fn ack_in(
     let stream_id = group.stream.id;
     let mut done = exception_queue::succeed(client, group, token, ids)?;
     if done.len() < ids.len() {
-        let rest: Vec<i64> = ids.iter().copied().filter(|id| !done.iter().any(|(d, _)| d == id)).collect();
-        let mut ranges = range::for_token(client, stream_id, group.id, token, &rest)?;
-        done.extend(ranges.remove(&rest));
-        ranges.store(client, stream_id, group.id)?;
+        let mut rest: Vec<i64> = ids.iter().copied().filter(|id| !done.iter().any(|(d, _)| d == id)).collect();
+        if range::may_cover(token, &rest) {
+            let covered = range::resolve_covered(client, stream_id, group.id, token, &rest)?;
+            done.extend(covered.resolved);
+            rest.retain(|id| !covered.answered.contains(id));
+        }
+        if !rest.is_empty() {
+            let mut ranges = range::for_token(client, stream_id, group.id, token, &rest)?;
+            done.extend(ranges.remove(&rest));
+            ranges.store(client, stream_id, group.id)?;
+        }
     }
     let keys = exception_queue::distinct_keys(done.iter().map(|(_, k)| k));
     let released_lanes =

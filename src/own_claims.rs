@@ -1,8 +1,10 @@
 //! What this backend's own committed claims handed out, by lease token: whether a claim held a
-//! lane, and whether it put an exception row in flight. A consumer that acks with its next claim
-//! (or on the connection it claimed on) then skips the two statements an ack runs for those,
-//! which find nothing for most claims: the release of the lanes the token holds, and the delete
-//! of its rows in flight.
+//! lane, whether it put an exception row in flight, and how many messages it handed out from
+//! ranges. A consumer that acks with its next claim (or on the connection it claimed on) then
+//! skips the two statements an ack runs for the first two, which find nothing for most claims:
+//! the release of the lanes the token holds, and the delete of its rows in flight. An ack of as
+//! many messages as the claim's ranges held deletes them whole in one statement (src/range.rs,
+//! `resolve_covered`).
 //!
 //! Both facts are final once the claim commits: only the claim that made a token holds a lane
 //! or puts a row in flight under it (a claim handing out an expired row or range again does so
@@ -23,6 +25,8 @@ pub struct Facts {
     pub held_lanes: bool,
     /// It handed out an exception row (a retry, a delayed or woken row, an expired delivery).
     pub rows_in_flight: bool,
+    /// How many messages it handed out from ranges (src/range.rs, `may_cover`).
+    pub range_messages: usize,
 }
 
 thread_local! {
@@ -73,7 +77,7 @@ mod tests {
         pgrx::Uuid::from_bytes([n; 16])
     }
 
-    const NOTHING: Facts = Facts { held_lanes: false, rows_in_flight: false };
+    const NOTHING: Facts = Facts { held_lanes: false, rows_in_flight: false, range_messages: 0 };
 
     #[test]
     fn a_claim_counts_once_committed() {

@@ -18,7 +18,7 @@ use std::collections::HashSet;
 
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::SpiClient;
-use pgrx::IntoDatum;
+use pgrx::{pg_sys, IntoDatum};
 
 use crate::error::Result;
 use crate::statement::{self, Columns, Statement};
@@ -187,6 +187,23 @@ const DELETE: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
+/// The ranges under token `$2` whose every pending message is among `$3`, deleted with the
+/// outcomes stored under the token for them, which it returns (`resolve_covered`). It locks the
+/// token's rows in the token index's order, not `FOR_TOKEN`'s: only outcomes of the same token
+/// wait for them (claims and bounds skip locked rows, a seek holds the group), and the token's
+/// lock runs those one at a time.
+const DELETE_COVERED: Statement = Statement {
+    name: "range_delete_covered",
+    sql: "WITH r AS (DELETE FROM sqlstreams.range_lease_@id@
+                     WHERE consumer_group_id = $1 AND lease_token = $2 AND pending <@ $3::int8[]
+                     RETURNING pending, pending_keys),
+               d AS (DELETE FROM sqlstreams.range_done_@id@ d USING r
+                     WHERE d.consumer_group_id = $1 AND d.lease_token = $2 AND d.message_id = ANY(r.pending)
+                     RETURNING d.message_id)
+          SELECT pending, pending_keys, ARRAY(SELECT message_id FROM d) AS done FROM r",
+    params: &[INT8OID, UUIDOID, INT8ARRAYOID],
+};
+
 /// Outcomes no open range refers to any more: left by a transaction whose snapshot did not see
 /// them when it deleted their range (REPEATABLE READ). They are never read (their token leases
 /// nothing any more); `maintain()` deletes them.
@@ -300,6 +317,51 @@ fn locked(client: &SpiClient<'_>, stream_id: i64, group_id: i64, token: pgrx::Uu
         .map(|row| Ok(from_row(&row)?.1))
         .collect::<Result<_>>()?;
     Ok(Ranges { token, ranges: without_done(client, stream_id, group_id, token, ranges)? })
+}
+
+/// What `resolve_covered` resolved.
+pub struct Covered {
+    /// The messages resolved now, with their keys.
+    pub resolved: Vec<(i64, Option<String>)>,
+    /// Every message of the ranges deleted: those resolved now, and those an earlier outcome
+    /// under the token had resolved (whose outcome now is "lease lost").
+    pub answered: HashSet<i64>,
+}
+
+/// Resolves whole the ranges under `token` that `ids` cover, in one statement: an ack carrying
+/// every message its claim handed out from ranges (the common case) deletes their rows
+/// instead of reading, locking and deleting them in three.
+///
+/// Only under READ COMMITTED, with the token's lock held (`locks::token`): every earlier
+/// outcome under the token has then committed before the statement's snapshot is taken, so
+/// the outcomes it stored are seen and deleted with their ranges (the module documentation says
+/// why the general path reads them apart). A range another claim handed out again meanwhile
+/// has another token when its row's lock is granted, and is left alone.
+pub fn resolve_covered(
+    client: &SpiClient<'_>,
+    stream_id: i64,
+    group_id: i64,
+    token: pgrx::Uuid,
+    ids: &[i64],
+) -> Result<Covered> {
+    let mut covered = Covered { resolved: vec![], answered: HashSet::new() };
+    for row in DELETE_COVERED.run(client, stream_id, &[group_id.into(), token.into(), ids.to_vec().into()])? {
+        let pending: Vec<i64> = row.required("pending")?;
+        let keys: Vec<Option<String>> = row.required("pending_keys")?;
+        let done: HashSet<i64> = row.required::<Vec<i64>>("done")?.into_iter().collect();
+        covered.answered.extend(&pending);
+        covered.resolved.extend(pending.into_iter().zip(keys).filter(|(id, _)| !done.contains(id)));
+    }
+    Ok(covered)
+}
+
+/// Whether `resolve_covered` may run for an outcome of `ids` under `token`: READ COMMITTED, and
+/// `ids` are as many as the messages this backend's claim of `token` handed out from ranges
+/// (src/own_claims.rs), so an ack of part of a claim costs no statement that finds nothing.
+pub fn may_cover(token: pgrx::Uuid, ids: &[i64]) -> bool {
+    // SAFETY: reading a backend-local setting.
+    let read_committed = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
+    read_committed && crate::own_claims::facts(token).is_some_and(|f| f.range_messages == ids.len())
 }
 
 /// The lane's oldest range whose lease has expired, locked (skipping one an outcome is

@@ -1,7 +1,9 @@
 //! An ack skips the statements that would find nothing: the release of lanes a token never held
 //! and the delete of rows it never put in flight, when the ack runs on the connection whose
 //! claim made the token (src/own_claims.rs), or when the group has no row in flight at all
-//! (src/exception_queue/lifecycle.rs). What an ack must still do, it does, on any connection.
+//! (src/exception_queue/lifecycle.rs). An ack of every message its claim handed out there deletes
+//! the claim's ranges with their stored outcomes in one statement (src/range.rs,
+//! `resolve_covered`). What an ack must still do, it does, on any connection.
 
 use postgres::{Client, Transaction};
 use sqlstreams_tests::*;
@@ -90,17 +92,20 @@ struct Made {
     trigger_calls: i64,
     lane_scans: i64,
     queue_scans: i64,
+    /// Scans of the outcomes stored under open ranges' tokens (`range_done`).
+    done_scans: i64,
 }
 
 /// Acks `ds` on `c` in a transaction that counts what the ack does.
 fn ack_measured(c: &mut Client, s: &Stream, g: &Group, ds: &[Delivery]) -> Made {
-    let (lane, queue) = (s.table("lane"), s.table("exception_queue"));
+    let (lane, queue, done) = (s.table("lane"), s.table("exception_queue"), s.table("range_done"));
     let mut tx = c.transaction().unwrap();
     tx.batch_execute("SET LOCAL track_functions = 'all'").unwrap();
     let measure = |tx: &mut Transaction<'_>| Made {
         trigger_calls: count_trigger_calls(tx, s),
         lane_scans: scans(tx, &lane),
         queue_scans: scans(tx, &queue),
+        done_scans: scans(tx, &done),
     };
     let before = measure(&mut tx);
     let ids: Vec<i64> = ds.iter().map(|d| d.message_id).collect();
@@ -115,6 +120,7 @@ fn ack_measured(c: &mut Client, s: &Stream, g: &Group, ds: &[Delivery]) -> Made 
         trigger_calls: after.trigger_calls - before.trigger_calls,
         lane_scans: after.lane_scans - before.lane_scans,
         queue_scans: after.queue_scans - before.queue_scans,
+        done_scans: after.done_scans - before.done_scans,
     }
 }
 
@@ -139,4 +145,50 @@ fn an_ack_on_the_claims_connection_skips_what_its_claim_did_not_do() {
     assert!(theirs.lane_scans > 0, "another connection looks for the lanes the token holds");
     assert!(theirs.queue_scans > 0, "and for its rows in flight");
     assert_eq!(g.drain(&mut c), Vec::<i64>::new(), "everything was acked");
+}
+
+#[test]
+fn an_ack_of_a_whole_claim_on_its_connection_deletes_its_range_in_one_statement() {
+    let mut c = connect();
+    let mut other = connect();
+    let s = Stream::create(&mut c, "own-whole");
+    let g = s.group(&mut c, "g", None);
+    s.produce_many(&mut c, 6, None);
+    let mine = g.claim(&mut c, 3);
+    let theirs = g.claim(&mut c, 3);
+    assert_eq!((mine.len(), theirs.len()), (3, 3));
+    assert_eq!(
+        ack_measured(&mut c, &s, &g, &mine).done_scans,
+        1,
+        "the claim's connection deletes the range and its stored outcomes in one statement"
+    );
+    assert_eq!(
+        ack_measured(&mut other, &s, &g, &theirs).done_scans,
+        2,
+        "another connection reads the range's stored outcomes, then deletes them with the range"
+    );
+    assert_eq!(g.drain(&mut c), Vec::<i64>::new(), "everything was acked");
+}
+
+#[test]
+fn a_whole_claim_acked_after_one_of_its_messages_records_only_the_rest() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "own-again");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    s.produce_many(&mut c, 4, Some("k"));
+    let batch = g.claim(&mut c, 10);
+    assert_eq!(batch.len(), 4);
+    assert!(g.ack(&mut c, &batch[1]), "one message acked alone: an outcome stored under the token");
+    let count = |c: &mut Client, family: &str| -> i64 {
+        c.query_one(&format!("SELECT count(*) FROM {} WHERE consumer_group_id = $1", s.table(family)), &[&g.id])
+            .unwrap()
+            .get(0)
+    };
+    assert_eq!((count(&mut c, "range_lease"), count(&mut c, "range_done")), (1, 1));
+    let mut rest = ids(&batch);
+    rest.remove(1);
+    assert_eq!(g.ack_batch(&mut c, &batch), rest, "the message acked before is not recorded twice");
+    assert_eq!((count(&mut c, "range_lease"), count(&mut c, "range_done")), (0, 0), "range and outcome gone");
+    assert!(held_by(&mut c, &s, &g).is_empty(), "the lane is free");
+    assert_eq!(g.drain(&mut c), Vec::<i64>::new(), "nothing comes back");
 }

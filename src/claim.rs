@@ -335,11 +335,8 @@ impl Claim<'_> {
         let (deliveries, pending, holding) = self.record(verdicts);
         own_claims::made(
             self.token,
-            own_claims::Facts {
-                held_lanes: !holding.is_empty(),
-                rows_in_flight: self.work_in_flight,
-                range_messages: pending.len(),
-            },
+            own_claims::Facts { held_lanes: !holding.is_empty(), rows_in_flight: self.work_in_flight },
+            pending.iter().map(|(id, ..)| *id).collect(),
         );
         exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;
         for mut range in std::mem::take(&mut self.ranges) {

@@ -79,7 +79,7 @@ pub fn ack_in(
     if done.len() < ids.len() {
         let mut rest: Vec<i64> = ids.iter().copied().filter(|id| !done.iter().any(|(d, _)| d == id)).collect();
         if range::may_cover(token, &rest) {
-            let covered = range::resolve_covered(client, stream_id, group.id, token, &rest)?;
+            let covered = range::resolve_covered(client, stream_id, group.id, token, group.may_park())?;
             done.extend(covered.resolved);
             rest.retain(|id| !covered.answered.contains(id));
         }

@@ -1,16 +1,18 @@
 //! What this backend's own committed claims handed out, by lease token: whether a claim held a
-//! lane, whether it put an exception row in flight, and how many messages it handed out from
+//! lane, whether it put an exception row in flight, and which messages it handed out from
 //! ranges. A consumer that acks with its next claim (or on the connection it claimed on) then
 //! skips the two statements an ack runs for the first two, which find nothing for most claims:
-//! the release of the lanes the token holds, and the delete of its rows in flight. An ack of as
-//! many messages as the claim's ranges held deletes them whole in one statement (src/range.rs,
-//! `resolve_covered`).
+//! the release of the lanes the token holds, and the delete of its rows in flight. An ack that
+//! names every message the claim handed out from ranges deletes the token's ranges whole, in
+//! one statement (src/range.rs, `resolve_covered`).
 //!
-//! Both facts are final once the claim commits: only the claim that made a token holds a lane
+//! The facts are final once the claim commits: only the claim that made a token holds a lane
 //! or puts a row in flight under it (a claim handing out an expired row or range again does so
-//! under its own new token). A claim's facts count once its transaction commits, and go with it
-//! when it rolls back or is prepared. A token this backend does not know (a claim made on
-//! another connection, or forgotten) gets both statements, as before.
+//! under its own new token), and a range row under the token only ever lists messages the claim
+//! handed out (a range split off keeps a part of them; one handed out again gets a new token).
+//! A claim's facts count once its transaction commits, and go with it when it rolls back or is
+//! prepared. A token this backend does not know (a claim made on another connection, or
+//! forgotten) gets every statement, as before.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -25,25 +27,44 @@ pub struct Facts {
     pub held_lanes: bool,
     /// It handed out an exception row (a retry, a delayed or woken row, an expired delivery).
     pub rows_in_flight: bool,
-    /// How many messages it handed out from ranges (src/range.rs, `may_cover`).
-    pub range_messages: usize,
 }
+
+/// A claim's facts, and the messages it handed out from ranges, in id order.
+type Claim = (pgrx::Uuid, Facts, Box<[i64]>);
 
 thread_local! {
     /// Claims of the transaction in progress.
-    static MADE: RefCell<Vec<(pgrx::Uuid, Facts)>> = const { RefCell::new(Vec::new()) };
+    static MADE: RefCell<Vec<Claim>> = const { RefCell::new(Vec::new()) };
     /// Claims committed, newest last.
-    static KNOWN: RefCell<VecDeque<(pgrx::Uuid, Facts)>> = const { RefCell::new(VecDeque::new()) };
+    static KNOWN: RefCell<VecDeque<Claim>> = const { RefCell::new(VecDeque::new()) };
 }
 
-/// A claim of the transaction in progress handed out work under `token`.
-pub fn made(token: pgrx::Uuid, facts: Facts) {
-    MADE.with(|made| made.borrow_mut().push((token, facts)));
+/// A claim of the transaction in progress handed out work under `token`, and `range_ids` from
+/// ranges.
+pub fn made(token: pgrx::Uuid, facts: Facts, mut range_ids: Vec<i64>) {
+    range_ids.sort_unstable();
+    MADE.with(|made| made.borrow_mut().push((token, facts, range_ids.into_boxed_slice())));
 }
 
 /// What the committed claim of `token` handed out, if this backend made it.
 pub fn facts(token: pgrx::Uuid) -> Option<Facts> {
-    KNOWN.with(|known| known.borrow().iter().rev().find(|(t, _)| *t == token).map(|(_, f)| *f))
+    KNOWN.with(|known| known.borrow().iter().rev().find(|(t, ..)| *t == token).map(|(_, f, _)| *f))
+}
+
+/// Whether `ids` name every message this backend's committed claim of `token` handed out from
+/// ranges (and it handed out some): then every range row under the token lists only messages
+/// of `ids`.
+pub fn covers(token: pgrx::Uuid, ids: &[i64]) -> bool {
+    KNOWN.with(|known| {
+        let known = known.borrow();
+        let Some((_, _, range_ids)) = known.iter().rev().find(|(t, ..)| *t == token) else { return false };
+        if range_ids.is_empty() || ids.len() < range_ids.len() {
+            return false;
+        }
+        let mut ids = ids.to_vec();
+        ids.sort_unstable();
+        range_ids.iter().all(|id| ids.binary_search(id).is_ok())
+    })
 }
 
 /// The transaction committed: its claims count from now on.
@@ -77,11 +98,11 @@ mod tests {
         pgrx::Uuid::from_bytes([n; 16])
     }
 
-    const NOTHING: Facts = Facts { held_lanes: false, rows_in_flight: false, range_messages: 0 };
+    const NOTHING: Facts = Facts { held_lanes: false, rows_in_flight: false };
 
     #[test]
     fn a_claim_counts_once_committed() {
-        made(token(1), NOTHING);
+        made(token(1), NOTHING, vec![]);
         assert_eq!(facts(token(1)), None, "not before the commit");
         committed();
         assert_eq!(facts(token(1)), Some(NOTHING));
@@ -89,7 +110,7 @@ mod tests {
 
     #[test]
     fn a_rolled_back_claim_is_not_known() {
-        made(token(2), NOTHING);
+        made(token(2), NOTHING, vec![]);
         rolled_back();
         committed();
         assert_eq!(facts(token(2)), None);
@@ -98,10 +119,25 @@ mod tests {
     #[test]
     fn the_oldest_claims_are_forgotten() {
         for n in 10..10 + KEPT as u8 + 1 {
-            made(token(n), NOTHING);
+            made(token(n), NOTHING, vec![]);
         }
         committed();
         assert_eq!(facts(token(10)), None);
         assert_eq!(facts(token(11)), Some(NOTHING));
+    }
+
+    #[test]
+    fn an_ack_covers_a_claim_when_it_names_every_message_of_its_ranges() {
+        made(token(100), NOTHING, vec![7, 5, 6]);
+        assert!(!covers(token(100), &[5, 6, 7]), "not before the commit");
+        committed();
+        assert!(covers(token(100), &[7, 6, 5]), "in any order");
+        assert!(covers(token(100), &[4, 5, 6, 7]), "with more besides");
+        assert!(!covers(token(100), &[5, 6]), "not a part");
+        assert!(!covers(token(100), &[5, 6, 6]), "not a part, named twice");
+        assert!(!covers(token(101), &[5, 6, 7]), "not an unknown token");
+        made(token(102), NOTHING, vec![]);
+        committed();
+        assert!(!covers(token(102), &[1]), "not a claim that handed out no range");
     }
 }

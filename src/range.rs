@@ -21,7 +21,7 @@ use pgrx::spi::SpiClient;
 use pgrx::{pg_sys, IntoDatum};
 
 use crate::error::Result;
-use crate::statement::{self, Columns, Statement};
+use crate::statement::{self, Access, Columns, Statement};
 
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RangeLease {
@@ -187,21 +187,19 @@ const DELETE: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
-/// The ranges under token `$2` whose every pending message is among `$3`, deleted with the
-/// outcomes stored under the token for them, which it returns (`resolve_covered`). It locks the
-/// token's rows in the token index's order, not `FOR_TOKEN`'s: only outcomes of the same token
-/// wait for them (claims and bounds skip locked rows, a seek holds the group), and the token's
-/// lock runs those one at a time.
-const DELETE_COVERED: Statement = Statement {
-    name: "range_delete_covered",
-    sql: "WITH r AS (DELETE FROM sqlstreams.range_lease_@id@
-                     WHERE consumer_group_id = $1 AND lease_token = $2 AND pending <@ $3::int8[]
+/// Every range under token `$2`, deleted with the outcomes stored under the token for them,
+/// which it returns (`resolve_covered`). It locks the token's rows in the token index's order,
+/// not `FOR_TOKEN`'s: only outcomes of the same token wait for them (claims and bounds skip
+/// locked rows, a seek holds the group), and the token's lock runs those one at a time.
+const DELETE_TOKEN: Statement = Statement {
+    name: "range_delete_token",
+    sql: "WITH r AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1 AND lease_token = $2
                      RETURNING pending, pending_keys),
                d AS (DELETE FROM sqlstreams.range_done_@id@ d USING r
                      WHERE d.consumer_group_id = $1 AND d.lease_token = $2 AND d.message_id = ANY(r.pending)
                      RETURNING d.message_id)
           SELECT pending, pending_keys, ARRAY(SELECT message_id FROM d) AS done FROM r",
-    params: &[INT8OID, UUIDOID, INT8ARRAYOID],
+    params: &[INT8OID, UUIDOID],
 };
 
 /// Outcomes no open range refers to any more: left by a transaction whose snapshot did not see
@@ -328,40 +326,45 @@ pub struct Covered {
     pub answered: HashSet<i64>,
 }
 
-/// Resolves whole the ranges under `token` that `ids` cover, in one statement: an ack carrying
-/// every message its claim handed out from ranges (the common case) deletes their rows
-/// instead of reading, locking and deleting them in three.
+/// Resolves the ranges under `token` whole, in one statement, for an outcome of `ids` that
+/// covers them (`may_cover`): an ack carrying every message its claim handed out from ranges
+/// (the common case) deletes their rows instead of locking, reading and deleting them in three.
 ///
 /// Only under READ COMMITTED, with the token's lock held (`locks::token`): every earlier
 /// outcome under the token has then committed before the statement's snapshot is taken, so
 /// the outcomes it stored are seen and deleted with their ranges (the module documentation says
 /// why the general path reads them apart). A range another claim handed out again meanwhile
-/// has another token when its row's lock is granted, and is left alone.
+/// has another token when its row's lock is granted, and is left alone. The resolved messages'
+/// keys are read `with_keys` only: a group that parks nothing wakes nothing by key.
 pub fn resolve_covered(
     client: &SpiClient<'_>,
     stream_id: i64,
     group_id: i64,
     token: pgrx::Uuid,
-    ids: &[i64],
+    with_keys: bool,
 ) -> Result<Covered> {
     let mut covered = Covered { resolved: vec![], answered: HashSet::new() };
-    for row in DELETE_COVERED.run(client, stream_id, &[group_id.into(), token.into(), ids.to_vec().into()])? {
-        let pending: Vec<i64> = row.required("pending")?;
-        let keys: Vec<Option<String>> = row.required("pending_keys")?;
-        let done: HashSet<i64> = row.required::<Vec<i64>>("done")?.into_iter().collect();
+    let rows = DELETE_TOKEN.exec_deformed(client, stream_id, &[group_id.into(), token.into()], Access::Write)?;
+    for (pending, keys, done) in rows.map(|row| {
+        let keys: Option<Vec<Option<String>>> = if with_keys { row.get(2)? } else { None };
+        Ok((row.get::<Vec<i64>>(1)?.unwrap_or_default(), keys, row.get::<Vec<i64>>(3)?.unwrap_or_default()))
+    })? {
         covered.answered.extend(&pending);
+        let keys = keys.unwrap_or_else(|| vec![None; pending.len()]);
         covered.resolved.extend(pending.into_iter().zip(keys).filter(|(id, _)| !done.contains(id)));
     }
     Ok(covered)
 }
 
-/// Whether `resolve_covered` may run for an outcome of `ids` under `token`: READ COMMITTED, and
-/// `ids` are as many as the messages this backend's claim of `token` handed out from ranges
-/// (src/own_claims.rs), so an ack of part of a claim costs no statement that finds nothing.
+/// Whether `resolve_covered` may run for an outcome of `ids` under `token`: under READ
+/// COMMITTED, when `ids` name every message this backend's claim of `token` handed out from
+/// ranges (src/own_claims.rs). A range row under the token lists only messages the claim
+/// handed out, so the outcome then resolves every range of the token; an ack of a part of a
+/// claim, or of a claim made on another connection, takes the general path.
 pub fn may_cover(token: pgrx::Uuid, ids: &[i64]) -> bool {
     // SAFETY: reading a backend-local setting.
     let read_committed = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
-    read_committed && crate::own_claims::facts(token).is_some_and(|f| f.range_messages == ids.len())
+    read_committed && crate::own_claims::covers(token, ids)
 }
 
 /// The lane's oldest range whose lease has expired, locked (skipping one an outcome is

@@ -69,6 +69,21 @@ impl Results {
                     ratio(ours.consume_rate, floor.consume_rate)
                 ));
             }
+            // The issue's W1 targets, each against its bound.
+            lines.push(format!(
+                "W1 sqlstreams ({label}) consumed / produced: {} (target ≥ 0.97×)",
+                ratio(ours.consume_rate, ours.produce_rate)
+            ));
+            if let Some(pgq) = pgq {
+                lines.push(format!(
+                    "W1 sqlstreams ({label}) / PgQ: produced/s {} (target ≥ 0.95×), e2e p50 {} (target ≤ 2.00×), \
+                     server CPU per message {} (target ≤ 1.00×), WAL bytes per message {} (target ≤ 1.10×)",
+                    ratio(ours.produce_rate, pgq.produce_rate),
+                    ratio(ours.e2e_p50_ms, pgq.e2e_p50_ms),
+                    ratio(ours.server_cpu_us_per_message, pgq.server_cpu_us_per_message),
+                    ratio(ours.wal_bytes_per_message, pgq.wal_bytes_per_message)
+                ));
+            }
         }
         // The client against the SQL it wraps (issue 13: within 5%), W1 and each W2 case.
         if let (Some(sql), Some(client)) = (sql, client) {
@@ -142,7 +157,9 @@ impl Results {
         }
         let _ = writeln!(
             md,
-            "\n## W1 throughput\n\n2 producers in 100-message transactions (~200-byte JSON), 1 consumer in batches of 100.\n\n\
+            "\n## W1 throughput\n\n2 producers in 100-message transactions (~200-byte JSON), 1 consumer in batches of 100. \
+             Server CPU is every process of the cluster (from `/proc`) from the consumer's start to its last message, \
+             per message produced; WAL likewise.\n\n\
              ![throughput](throughput.svg)\n\n{}",
             throughput_table(&self.w1)
         );
@@ -374,12 +391,12 @@ fn scaling_plot(path: &Path, runs: &[Scaling]) -> Result<(), Box<dyn std::error:
 
 fn throughput_table(rows: &[Throughput]) -> String {
     let mut t = String::from(
-        "| system | keys | produced | produced/s | consumed/s | e2e p50 ms | e2e p99 ms | missing | duplicates | order violations | WAL bytes/msg |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| system | keys | produced | produced/s | consumed/s | e2e p50 ms | e2e p99 ms | missing | duplicates | order violations | WAL bytes/msg | server CPU µs/msg |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let _ = writeln!(
             t,
-            "| {} | {} | {} | {:.0} | {:.0} | {:.1} | {:.1} | {} | {} | {} | {:.0} |",
+            "| {} | {} | {} | {:.0} | {:.0} | {:.1} | {:.1} | {} | {} | {} | {:.0} | {:.1} |",
             name(r.system),
             r.label,
             r.produced,
@@ -390,7 +407,8 @@ fn throughput_table(rows: &[Throughput]) -> String {
             r.missing,
             r.duplicates,
             r.order_violations,
-            r.wal_bytes_per_message
+            r.wal_bytes_per_message,
+            r.server_cpu_us_per_message
         );
     }
     t

@@ -78,6 +78,9 @@ pub struct Throughput {
     pub duplicates: usize,
     pub order_violations: usize,
     pub wal_bytes_per_message: f64,
+    /// CPU of every process of the cluster over the run (producers, consumer, ticker, WAL
+    /// writer, ...), per message produced.
+    pub server_cpu_us_per_message: f64,
     /// Function statistics during the run: (function, calls, total milliseconds).
     pub functions: Vec<(String, i64, f64)>,
 }
@@ -173,7 +176,7 @@ impl Bench {
                 pid == postmaster || parent.and_then(|p| p.parse::<u32>().ok()) == Some(postmaster)
             })
             .collect();
-        cpu_us(&pids).0
+        cpu_us(&pids).0 + reaped_children_cpu_us(postmaster)
     }
 
     /// Turns autovacuum off and waits (up to a minute) for its running workers to finish:
@@ -238,7 +241,9 @@ impl Bench {
         // A client of its own: its connections close at the end and flush their statistics.
         let client = sqlstreams_client::Client::connect(&self.url).unwrap();
         self.db.execute("SELECT pg_stat_reset()", &[]).await.unwrap();
+        let data_dir: String = self.db.query_one("SHOW data_directory", &[]).await.unwrap().get(0);
         let wal_start = self.wal_position().await;
+        let cpu_start = self.cluster_cpu_us(&data_dir);
         let stop_ticker = CancellationToken::new();
         let ticker = (system == System::Pgq).then(|| systems::spawn_ticker(self.url.clone(), stop_ticker.clone()));
         let (sink, mut seen_rx) = mpsc::unbounded_channel();
@@ -259,6 +264,7 @@ impl Bench {
                 last_needed = started.elapsed();
             }
         }
+        let cpu = self.cluster_cpu_us(&data_dir).saturating_sub(cpu_start);
         consumer.stop().await;
         stop_ticker.cancel();
         if let Some(t) = ticker {
@@ -285,6 +291,7 @@ impl Bench {
             duplicates: seen.len() - unique.len(),
             order_violations: if matches!(keys, Keys::Ordered(_)) { order_violations(&seen) } else { 0 },
             wal_bytes_per_message: wal / expected.len().max(1) as f64,
+            server_cpu_us_per_message: cpu as f64 / expected.len().max(1) as f64,
             functions: self.function_stats().await,
         }
     }
@@ -518,6 +525,19 @@ fn order_violations(seen: &[Consumed]) -> usize {
 /// `/proc/<pid>/stat`'s ticks: a backend that runs a few microseconds per wake-up is charged by
 /// tick sampling only when a tick lands in it, which miscounts pollers that wake in step with
 /// the timer.
+/// CPU of the children `pid` has reaped (`cutime` + `cstime` of /proc/<pid>/stat, in clock
+/// ticks of 10 ms on Linux): the backends that ended during a run, such as producers that
+/// disconnected, are no longer in /proc but their CPU counts.
+fn reaped_children_cpu_us(pid: u32) -> u64 {
+    const TICK_US: u64 = 10_000; // sysconf(_SC_CLK_TCK) is 100 on Linux
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command: state is field 3, cutime and cstime are fields 16 and 17.
+    let fields: Vec<&str> =
+        stat.rsplit_once(')').map(|(_, rest)| rest.split_whitespace().collect()).unwrap_or_default();
+    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+    (field(16) + field(17)) * TICK_US
+}
+
 pub fn cpu_us(pids: &[u32]) -> (u64, usize) {
     let read: Vec<u64> = pids
         .iter()

@@ -20,6 +20,10 @@ use std::collections::VecDeque;
 /// Claims remembered per backend: a consumer pipelining its claims has a few open at once.
 const KEPT: usize = 64;
 
+/// A claim that handed out more messages from ranges than this is remembered without them (its
+/// ack takes the general path): at most `KEPT` times this many ids per backend.
+const RANGE_IDS_KEPT: usize = 1_000;
+
 /// What one claim handed out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Facts {
@@ -42,8 +46,18 @@ thread_local! {
 /// A claim of the transaction in progress handed out work under `token`, and `range_ids` from
 /// ranges.
 pub fn made(token: pgrx::Uuid, facts: Facts, mut range_ids: Vec<i64>) {
+    if range_ids.len() > RANGE_IDS_KEPT {
+        range_ids = vec![];
+    }
     range_ids.sort_unstable();
-    MADE.with(|made| made.borrow_mut().push((token, facts, range_ids.into_boxed_slice())));
+    MADE.with(|made| {
+        let mut made = made.borrow_mut();
+        // A transaction that claims many times (a loop in a DO block) counts its last claims only.
+        if made.len() == KEPT {
+            made.remove(0);
+        }
+        made.push((token, facts, range_ids.into_boxed_slice()))
+    });
 }
 
 /// What the committed claim of `token` handed out, if this backend made it.

@@ -3,9 +3,9 @@
 //! pgrx's `JsonB` parses every value into `serde_json::Value` and prints it back, which would
 //! cost more than the rest of `produce` and `claim` together. The extension never looks inside a
 //! payload, so these types carry the datum as Postgres made it: an argument is handed to SPI as
-//! is, and a value read through SPI is detoasted and copied once into the caller's memory
-//! context (SPI's caller's, which outlives the call's rows: `claim` puts them into its
-//! tuplestore, src/srf.rs).
+//! is, and a value read through SPI is detoasted and copied once into the parent of SPI's
+//! memory context (the transaction's, for pgrx's atomic connections), which outlives the call's
+//! rows: `claim` puts them into its tuplestore (src/srf.rs).
 
 use pgrx::callconv::{Arg, ArgAbi, BoxRet, FcInfo};
 use pgrx::datum::Datum;

@@ -12,7 +12,9 @@
 //!
 //! Which messages are resolved is read after the range's row is locked, with the newest
 //! snapshot: every outcome that held that lock has committed by then, and its rows are seen
-//! whatever the caller's isolation level (an outcome may run under REPEATABLE READ).
+//! whatever the caller's isolation level (an outcome may run under REPEATABLE READ). The one
+//! exception, an ack of a whole claim under READ COMMITTED (`resolve_covered`), reads them in
+//! its statement's snapshot, taken after the token's lock.
 
 use std::collections::HashSet;
 
@@ -347,7 +349,8 @@ pub fn resolve_covered(
     let rows = DELETE_TOKEN.exec_deformed(client, stream_id, &[group_id.into(), token.into()], Access::Write)?;
     for (pending, keys, done) in rows.map(|row| {
         let keys: Option<Vec<Option<String>>> = if with_keys { row.get(2)? } else { None };
-        Ok((row.get::<Vec<i64>>(1)?.unwrap_or_default(), keys, row.get::<Vec<i64>>(3)?.unwrap_or_default()))
+        let done: HashSet<i64> = row.get::<Vec<i64>>(3)?.unwrap_or_default().into_iter().collect();
+        Ok((row.get::<Vec<i64>>(1)?.unwrap_or_default(), keys, done))
     })? {
         covered.answered.extend(&pending);
         let keys = keys.unwrap_or_else(|| vec![None; pending.len()]);

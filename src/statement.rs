@@ -316,13 +316,15 @@ impl Statement {
 /// `SPI_gettypeid`), and `SPI_getbinval` walks the tuple from its start for every column after a
 /// NULL or a variable-length value: for a message row that cost as much as running its query.
 pub struct Deformed<'conn> {
-    /// Owns the rows (SPI frees them with its connection).
-    table: SpiTupleTable<'conn>,
+    /// Ties the rows to the SPI connection, which frees them when it ends.
+    _table: SpiTupleTable<'conn>,
     tupdesc: pg_sys::TupleDesc,
     tuples: *mut pg_sys::HeapTuple,
+    /// How many rows `tuples` holds: 0 for a statement that returned no table.
+    len: usize,
     types: Vec<pg_sys::Oid>,
-    /// Where values that outlive the SPI connection are copied: its caller's context, as pgrx
-    /// does for the rows it reads.
+    /// Where values that outlive the SPI connection are copied: the parent of SPI's context
+    /// (the transaction's, for pgrx's atomic connections), as pgrx does for the rows it reads.
     caller: pg_sys::MemoryContext,
 }
 
@@ -330,14 +332,15 @@ impl<'conn> Deformed<'conn> {
     /// # Safety
     /// `table` must be the result SPI returned last (`SPI_tuptable`).
     unsafe fn new(table: SpiTupleTable<'conn>) -> Deformed<'conn> {
-        // SAFETY: the caller's promise; a statement that returns no rows leaves no table.
-        let (tupdesc, tuples) = unsafe {
+        // SAFETY: the caller's promise. A statement that returns no rows (an INSERT without
+        // RETURNING) leaves no table, though `table.len()` then counts the rows it processed.
+        let (tupdesc, tuples, len) = unsafe {
             match pg_sys::SPI_tuptable.as_ref() {
-                Some(t) if !table.is_empty() => {
+                Some(t) if !t.tupdesc.is_null() && !t.vals.is_null() => {
                     debug_assert_eq!(t.numvals as usize, table.len(), "the table SPI returned last");
-                    (t.tupdesc, t.vals)
+                    (t.tupdesc, t.vals, t.numvals as usize)
                 }
-                _ => (std::ptr::null_mut(), std::ptr::null_mut()),
+                _ => (std::ptr::null_mut(), std::ptr::null_mut(), 0),
             }
         };
         let types = if tupdesc.is_null() {
@@ -348,12 +351,12 @@ impl<'conn> Deformed<'conn> {
         };
         let caller =
             PgMemoryContexts::CurrentMemoryContext.parent().expect("SPI runs in a context of its caller").value();
-        Deformed { table, tupdesc, tuples, types, caller }
+        Deformed { _table: table, tupdesc, tuples, len, types, caller }
     }
 
     /// `f` of every row, in order.
     pub fn map<T>(self, mut f: impl FnMut(&Row<'_>) -> Result<T>) -> Result<Vec<T>> {
-        let len = self.table.len();
+        let len = self.len;
         let mut out = Vec::with_capacity(len);
         let mut values = vec![pg_sys::Datum::from(0); self.types.len()];
         let mut nulls = vec![true; self.types.len()];

@@ -192,3 +192,58 @@ fn a_whole_claim_acked_after_one_of_its_messages_records_only_the_rest() {
     assert!(held_by(&mut c, &s, &g).is_empty(), "the lane is free");
     assert_eq!(g.drain(&mut c), Vec::<i64>::new(), "nothing comes back");
 }
+
+#[test]
+fn a_claim_carrying_a_whole_claims_acks_deletes_its_range_in_one_statement() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "own-carried");
+    let g = s.group(&mut c, "g", None);
+    s.produce_many(&mut c, 6, None);
+    let first = g.claim(&mut c, 3);
+    assert_eq!(first.len(), 3);
+    let done = s.table("range_done");
+    let mut tx = c.transaction().unwrap();
+    let before = scans(&mut tx, &done);
+    let rows = tx
+        .query(
+            "SELECT message_id, lease_token FROM sqlstreams.claim($1, $2, 3, '30 seconds', $3, $4)",
+            &[&s.name, &g.name, &first[0].lease_token, &ids(&first)],
+        )
+        .unwrap();
+    assert_eq!(scans(&mut tx, &done) - before, 1, "the carried acks delete the range in one statement");
+    tx.commit().unwrap();
+    let next: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(next.len(), 3, "and the claim hands out the next three");
+    let token: uuid::Uuid = rows[0].get(1);
+    let acked: Vec<i64> =
+        c.query_one("SELECT sqlstreams.ack_batch($1, $2, $3, $4)", &[&s.name, &g.name, &token, &next]).unwrap().get(0);
+    assert_eq!(acked, next);
+    assert_eq!(g.drain(&mut c), Vec::<i64>::new(), "the first three were acked with the claim");
+}
+
+#[test]
+fn an_ack_under_repeatable_read_reads_the_stored_outcomes_apart() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "own-rr");
+    let g = s.group(&mut c, "g", None);
+    s.produce_many(&mut c, 3, None);
+    let batch = g.claim(&mut c, 3);
+    let done = s.table("range_done");
+    let mut tx = c.build_transaction().isolation_level(postgres::IsolationLevel::RepeatableRead).start().unwrap();
+    let before = scans(&mut tx, &done);
+    let acked: Vec<i64> = tx
+        .query_one(
+            "SELECT sqlstreams.ack_batch($1, $2, $3, $4)",
+            &[&s.name, &g.name, &batch[0].lease_token, &ids(&batch)],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(acked, ids(&batch));
+    assert_eq!(
+        scans(&mut tx, &done) - before,
+        2,
+        "its snapshot may be older than an outcome stored under the token: the general path"
+    );
+    tx.commit().unwrap();
+    assert_eq!(g.drain(&mut c), Vec::<i64>::new());
+}

@@ -27,7 +27,9 @@
 //! on the key has committed (the claim's second look sees it) and every later one waits for the
 //! claim to commit (its wake-up sees the parked rows). If an outcome holds the lock right now,
 //! the claim does not wait (a claim never waits): it leaves the row due instead of parked, and
-//! the next claim looks again.
+//! the next claim looks again. An outcome that holds, locked and still held by its token, the
+//! lane of a key needs no lock of the key: no claim can have parked its rows since, or park
+//! them before the outcome commits (src/exception_queue/lifecycle.rs, `Waker::HeldLanes`).
 
 use std::collections::HashMap;
 

@@ -596,6 +596,13 @@ pub fn release(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid) -> R
     rows.map(|row| row.required("lane")).collect()
 }
 
+/// Whether an ack that resolves every range of `token` (`range::resolve_covered`) ends the
+/// token's lane holds in the same statement: the token is this backend's claim, which held a
+/// lane and put no row in flight, so its ranges were all it left unresolved.
+pub fn release_folds(group: &GroupRef, token: pgrx::Uuid) -> bool {
+    holds(group) && own_claims::facts(token).is_some_and(|f| f.held_lanes && !f.rows_in_flight)
+}
+
 /// A new group's lanes, every one at position `claimed`.
 pub fn create(client: &SpiClient<'_>, stream_id: i64, group_id: i64, lanes: i32, claimed: i64) -> Result<()> {
     CREATE.run(client, stream_id, &[group_id.into(), lanes.into(), claimed.into()])?;

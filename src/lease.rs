@@ -109,7 +109,7 @@ pub fn release(stream: &str, group_name: &str, token: pgrx::Uuid, ids: &[i64]) -
         let given = exception_queue::give_back(client, group, token, ids, &mut ranges, now)?;
         ranges.store(client, stream_id, group.id)?;
         let keys = exception_queue::distinct_keys(given.iter().map(|(_, k)| k));
-        outcome::settle(client, group, token, &keys, now, outcome::Signal::Now)?;
+        outcome::settle(client, group, token, &keys, now, outcome::Signal::Now, None)?;
         let mut ids: Vec<i64> = given.into_iter().map(|(id, _)| id).collect();
         ids.sort_unstable();
         Ok(ids)

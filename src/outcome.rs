@@ -47,7 +47,8 @@ pub enum Signal {
 }
 
 /// What every outcome does once its rows are recorded: wakes the rows parked behind the keys it
-/// resolved, and frees the token's lanes whose work is all resolved. Returns the lanes freed.
+/// resolved, and frees the token's lanes whose work is all resolved (unless the outcome freed
+/// them already: `released`). Returns the lanes freed.
 pub(crate) fn settle(
     client: &SpiClient<'_>,
     group: &GroupRef,
@@ -55,9 +56,17 @@ pub(crate) fn settle(
     keys: &[String],
     now: i64,
     signal: Signal,
+    released: Option<range::Released>,
 ) -> Result<Vec<i32>> {
-    exception_queue::after_resolution(client, group, keys, now, Waker::Outcome)?;
-    let released = lanes::release(client, group, token)?;
+    let waker = match &released {
+        Some(r) if !r.keys.is_empty() => Waker::HeldLanes(&r.keys),
+        _ => Waker::Outcome,
+    };
+    exception_queue::after_resolution(client, group, keys, now, waker)?;
+    let released = match released {
+        Some(r) => r.lanes,
+        None => lanes::release(client, group, token)?,
+    };
     // In a capped group every outcome may make room for a consumer the cap left idle.
     if (!released.is_empty() || group.max_inflight.is_some()) && signal == Signal::Now {
         notify::signal(client, group.stream.id)?;
@@ -76,12 +85,15 @@ pub fn ack_in(
     locks::token(token);
     let stream_id = group.stream.id;
     let mut done = exception_queue::succeed(client, group, token, ids)?;
+    let mut released = None;
     if done.len() < ids.len() {
         let mut rest: Vec<i64> = ids.iter().copied().filter(|id| !done.iter().any(|(d, _)| d == id)).collect();
         if range::may_cover(token, &rest) {
-            let covered = range::resolve_covered(client, stream_id, group.id, token, group.may_park())?;
+            let release = lanes::release_folds(group, token);
+            let covered = range::resolve_covered(client, stream_id, group.id, token, group.may_park(), release)?;
             done.extend(covered.resolved);
             rest.retain(|id| !covered.answered.contains(id));
+            released = covered.released;
         }
         if !rest.is_empty() {
             let mut ranges = range::for_token(client, stream_id, group.id, token, &rest)?;
@@ -90,8 +102,12 @@ pub fn ack_in(
         }
     }
     let keys = exception_queue::distinct_keys(done.iter().map(|(_, k)| k));
-    let released_lanes =
-        if done.is_empty() { vec![] } else { settle(client, group, token, &keys, clock::now(), signal)? };
+    // Lanes the ranges' statement freed are settled (signalled) even when nothing was resolved.
+    let released_lanes = if done.is_empty() && released.as_ref().is_none_or(|r| r.lanes.is_empty()) {
+        vec![]
+    } else {
+        settle(client, group, token, &keys, clock::now(), signal, released)?
+    };
     let mut recorded: Vec<i64> = done.into_iter().map(|(id, _)| id).collect();
     recorded.sort_unstable();
     Ok(Acked { recorded, released_lanes })
@@ -155,7 +171,7 @@ fn record_setback(
             exception_queue::defer_chain(client, group, token, key, id, until, &mut ranges, now)?;
         }
         ranges.store(client, stream_id, group.id)?;
-        settle(client, group, token, &exception_queue::distinct_keys([&key]), now, Signal::Now)?;
+        settle(client, group, token, &exception_queue::distinct_keys([&key]), now, Signal::Now, None)?;
         Ok(Some(setback.status()))
     })
 }

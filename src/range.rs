@@ -193,14 +193,38 @@ const DELETE: Statement = Statement {
 /// which it returns (`resolve_covered`). It locks the token's rows in the token index's order,
 /// not `FOR_TOKEN`'s: only outcomes of the same token wait for them (claims and bounds skip
 /// locked rows, a seek holds the group), and the token's lock runs those one at a time.
-const DELETE_TOKEN: Statement = Statement {
-    name: "range_delete_token",
-    sql: "WITH r AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1 AND lease_token = $2
-                     RETURNING pending, pending_keys),
-               d AS (DELETE FROM sqlstreams.range_done_@id@ d USING r
-                     WHERE d.consumer_group_id = $1 AND d.lease_token = $2 AND d.message_id = ANY(r.pending)
-                     RETURNING d.message_id)
-          SELECT pending, pending_keys, ARRAY(SELECT message_id FROM d) AS done FROM r",
+/// `$lanes`: a further part of the statement, and the column that returns what it did.
+macro_rules! delete_token {
+    ($lanes:literal, $lanes_column:literal) => {
+        concat!(
+            "WITH r AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1 AND lease_token = $2
+                        RETURNING pending, pending_keys, lane),
+                  d AS (DELETE FROM sqlstreams.range_done_@id@ d USING r
+                        WHERE d.consumer_group_id = $1 AND d.lease_token = $2 AND d.message_id = ANY(r.pending)
+                        RETURNING d.message_id)",
+            $lanes,
+            "
+             SELECT r.pending, r.pending_keys, ARRAY(SELECT message_id FROM d) AS done, ",
+            $lanes_column,
+            " AS lanes, r.lane FROM (SELECT) AS one LEFT JOIN r ON true"
+        )
+    };
+}
+
+const DELETE_TOKEN: Statement =
+    Statement { name: "range_delete_token", sql: delete_token!("", "NULL::int4[]"), params: &[INT8OID, UUIDOID] };
+
+/// `DELETE_TOKEN`, and the holds of the lanes the token holds end (`lanes::release`) in the same
+/// statement: for a claim that put no row in flight, the token's ranges were all its work.
+const DELETE_TOKEN_RELEASE: Statement = Statement {
+    name: "range_delete_token_release",
+    sql: delete_token!(
+        ",
+                  l AS (UPDATE sqlstreams.lane_@id@ l SET held_by = NULL, held_until = NULL
+                        WHERE l.consumer_group_id = $1 AND l.held_by = $2
+                        RETURNING l.lane)",
+        "ARRAY(SELECT lane FROM l)"
+    ),
     params: &[INT8OID, UUIDOID],
 };
 
@@ -326,6 +350,16 @@ pub struct Covered {
     /// Every message of the ranges deleted: those resolved now, and those an earlier outcome
     /// under the token had resolved (whose outcome now is "lease lost").
     pub answered: HashSet<i64>,
+    /// The lane holds the statement ended, when it was asked to (`release_lanes`).
+    pub released: Option<Released>,
+}
+
+/// Lane holds an outcome ended while deleting its token's ranges.
+pub struct Released {
+    pub lanes: Vec<i32>,
+    /// The keys of the messages resolved now in those lanes, sorted: no claim can park rows of
+    /// them before this transaction ends (`exception_queue::Waker::HeldLanes`).
+    pub keys: Vec<String>,
 }
 
 /// Resolves the ranges under `token` whole, in one statement, for an outcome of `ids` that
@@ -338,24 +372,47 @@ pub struct Covered {
 /// why the general path reads them apart). A range another claim handed out again meanwhile
 /// has another token when its row's lock is granted, and is left alone. The resolved messages'
 /// keys are read `with_keys` only: a group that parks nothing wakes nothing by key.
+///
+/// `release_lanes` (`lanes::release_folds`): the token's claim put no row in flight, so once
+/// its ranges are gone nothing of it is left unresolved, and the same statement ends the holds
+/// of its lanes. A lane another claim took over meanwhile has another holder when its row's
+/// lock is granted, and is left alone.
 pub fn resolve_covered(
     client: &SpiClient<'_>,
     stream_id: i64,
     group_id: i64,
     token: pgrx::Uuid,
     with_keys: bool,
+    release_lanes: bool,
 ) -> Result<Covered> {
-    let mut covered = Covered { resolved: vec![], answered: HashSet::new() };
-    let rows = DELETE_TOKEN.exec_deformed(client, stream_id, &[group_id.into(), token.into()], Access::Write)?;
-    for (pending, keys, done) in rows.map(|row| {
+    let mut covered = Covered { resolved: vec![], answered: HashSet::new(), released: None };
+    let statement = if release_lanes { &DELETE_TOKEN_RELEASE } else { &DELETE_TOKEN };
+    let rows = statement.exec_deformed(client, stream_id, &[group_id.into(), token.into()], Access::Write)?;
+    let mut lane_of_key = Vec::new();
+    let mut released_lanes = None;
+    for (pending, keys, done, lanes, lane) in rows.map(|row| {
         let keys: Option<Vec<Option<String>>> = if with_keys { row.get(2)? } else { None };
         let done: HashSet<i64> = row.get::<Vec<i64>>(3)?.unwrap_or_default().into_iter().collect();
-        Ok((row.get::<Vec<i64>>(1)?.unwrap_or_default(), keys, done))
+        Ok((row.get::<Vec<i64>>(1)?.unwrap_or_default(), keys, done, row.get::<Vec<i32>>(4)?, row.get::<i32>(5)?))
     })? {
+        // Every row carries the lanes (and one row comes when no range was left).
+        released_lanes = released_lanes.or(lanes);
         covered.answered.extend(&pending);
         let keys = keys.unwrap_or_else(|| vec![None; pending.len()]);
-        covered.resolved.extend(pending.into_iter().zip(keys).filter(|(id, _)| !done.contains(id)));
+        for (id, key) in pending.into_iter().zip(keys).filter(|(id, _)| !done.contains(id)) {
+            if let (Some(key), Some(lane)) = (&key, lane) {
+                lane_of_key.push((lane, key.clone()));
+            }
+            covered.resolved.push((id, key));
+        }
     }
+    covered.released = released_lanes.map(|lanes| {
+        let mut keys: Vec<String> =
+            lane_of_key.into_iter().filter(|(lane, _)| lanes.contains(lane)).map(|(_, key)| key).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        Released { lanes, keys }
+    });
     Ok(covered)
 }
 

@@ -5,6 +5,7 @@
 //! the claim's ranges with their stored outcomes in one statement (src/range.rs,
 //! `resolve_covered`). What an ack must still do, it does, on any connection.
 
+use postgres::fallible_iterator::FallibleIterator;
 use postgres::{Client, Transaction};
 use sqlstreams_tests::*;
 
@@ -94,18 +95,33 @@ struct Made {
     queue_scans: i64,
     /// Scans of the outcomes stored under open ranges' tokens (`range_done`).
     done_scans: i64,
+    /// Scans of the range leases.
+    range_scans: i64,
+    /// Key locks (src/locks.rs, `KEY_CLASS`) the ack's transaction holds.
+    key_locks: i64,
 }
 
 /// Acks `ds` on `c` in a transaction that counts what the ack does.
 fn ack_measured(c: &mut Client, s: &Stream, g: &Group, ds: &[Delivery]) -> Made {
-    let (lane, queue, done) = (s.table("lane"), s.table("exception_queue"), s.table("range_done"));
+    let (lane, queue, done, range) =
+        (s.table("lane"), s.table("exception_queue"), s.table("range_done"), s.table("range_lease"));
     let mut tx = c.transaction().unwrap();
     tx.batch_execute("SET LOCAL track_functions = 'all'").unwrap();
-    let measure = |tx: &mut Transaction<'_>| Made {
+    let measure = |tx: &mut Transaction<'_>| {
+        Made {
         trigger_calls: count_trigger_calls(tx, s),
         lane_scans: scans(tx, &lane),
         queue_scans: scans(tx, &queue),
         done_scans: scans(tx, &done),
+        range_scans: scans(tx, &range),
+        key_locks: tx
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 21323 AND pid = pg_backend_pid()",
+                &[],
+            )
+            .unwrap()
+            .get(0),
+    }
     };
     let before = measure(&mut tx);
     let ids: Vec<i64> = ds.iter().map(|d| d.message_id).collect();
@@ -121,6 +137,8 @@ fn ack_measured(c: &mut Client, s: &Stream, g: &Group, ds: &[Delivery]) -> Made 
         lane_scans: after.lane_scans - before.lane_scans,
         queue_scans: after.queue_scans - before.queue_scans,
         done_scans: after.done_scans - before.done_scans,
+        range_scans: after.range_scans - before.range_scans,
+        key_locks: after.key_locks - before.key_locks,
     }
 }
 
@@ -167,6 +185,47 @@ fn an_ack_of_a_whole_claim_on_its_connection_deletes_its_range_in_one_statement(
         2,
         "another connection reads the range's stored outcomes, then deletes them with the range"
     );
+    assert_eq!(g.drain(&mut c), Vec::<i64>::new(), "everything was acked");
+}
+
+#[test]
+fn an_ack_of_a_whole_ordered_claim_ends_its_lane_holds_with_its_ranges() {
+    let mut c = connect();
+    let mut other = connect();
+    let s = Stream::create(&mut c, "own-whole-lanes");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    for i in 0..24 {
+        s.produce(&mut c, serde_json::json!({ "i": i }), Some(&format!("k{}", i % 8)));
+    }
+    let channel: String =
+        c.query_one("SELECT channel FROM sqlstreams.streams WHERE name = $1", &[&s.name]).unwrap().get(0);
+    let mut listener = connect();
+    listener.batch_execute(&format!("LISTEN \"{channel}\"")).unwrap();
+    // What has arrived by the end of a round trip (a committed NOTIFY was signalled before it).
+    let arrived = |listener: &mut Client| {
+        listener.batch_execute("SELECT 1").unwrap();
+        listener.notifications().iter().count().unwrap()
+    };
+    for on_claims_connection in [true, false] {
+        let name = if on_claims_connection { "the claim's connection" } else { "another connection" };
+        let claimed = g.claim(&mut c, 12);
+        assert_eq!(claimed.len(), 12, "{name}");
+        let held = held_by(&mut c, &s, &g);
+        assert!(held.len() > 1, "{name}: the claim holds the lanes of its keys: {held:?}");
+        assert!(held.iter().all(|t| *t == Some(claimed[0].lease_token)), "{name}");
+        arrived(&mut listener);
+        let made = ack_measured(if on_claims_connection { &mut c } else { &mut other }, &s, &g, &claimed);
+        if on_claims_connection {
+            assert_eq!(made.range_scans, 1, "{name}: one statement deletes the ranges and ends the holds");
+            assert_eq!(made.key_locks, 0, "{name}: the lanes' locked rows keep claims off the keys");
+        } else {
+            assert!(made.range_scans >= 2, "{name}: the ranges are read, then the lanes released: {made:?}");
+            let keys: std::collections::HashSet<_> = claimed.iter().map(|d| d.message_key.clone()).collect();
+            assert_eq!(made.key_locks, keys.len() as i64, "{name}: each key resolved is locked before wake-ups");
+        }
+        assert!(held_by(&mut c, &s, &g).is_empty(), "{name}: the ack freed every lane");
+        assert!(arrived(&mut listener) >= 1, "{name}: the freed lanes woke the stream's consumers");
+    }
     assert_eq!(g.drain(&mut c), Vec::<i64>::new(), "everything was acked");
 }
 

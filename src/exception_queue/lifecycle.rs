@@ -418,9 +418,17 @@ pub const WAKE_PER_KEY: i32 = 1000;
 
 /// Who wakes parked rows, and so how it takes the keys' locks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Waker {
+pub enum Waker<'a> {
     /// An outcome: waits for a claim that is parking one of the keys to commit.
     Outcome,
+    /// An outcome that ended its token's holds of the lanes of these keys (sorted) in an
+    /// update it has not committed (`range::resolve_covered`): it takes no lock of them. A
+    /// claim parks rows only of lanes it took, and takes a lane only by writing its row. That
+    /// the update found the lane still held by the token proves that no claim took the lane
+    /// since the token's claim committed, so every parking of these keys has committed (and
+    /// the wake-up sees it); until this transaction ends, claims skip the locked row. Other
+    /// keys are locked as by `Outcome`.
+    HeldLanes(&'a [String]),
     /// A claim, which never waits: a key another claim is parking right now is left alone. That
     /// claim's rows of the key are parked until their blocker could clear on its own (an
     /// expired lease: at once), so the next claim looks at them again.
@@ -434,7 +442,7 @@ pub fn after_resolution(
     group: &GroupRef,
     keys: &[String],
     now: i64,
-    waker: Waker,
+    waker: Waker<'_>,
 ) -> Result<()> {
     if keys.is_empty() || !group.may_park() {
         return Ok(());
@@ -444,6 +452,11 @@ pub fn after_resolution(
     let keys = match waker {
         Waker::Outcome => {
             locks::keys_shared(group.id, keys);
+            keys.to_vec()
+        }
+        Waker::HeldLanes(held) => {
+            let unheld: Vec<String> = keys.iter().filter(|k| held.binary_search(k).is_err()).cloned().collect();
+            locks::keys_shared(group.id, &unheld);
             keys.to_vec()
         }
         Waker::Claim => locks::try_keys_shared(group.id, keys),

@@ -48,6 +48,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         w7: vec![],
         w8: vec![],
         w10: vec![],
+        w10_rounds: vec![],
         w11: vec![],
         w6: vec![],
     };
@@ -124,10 +125,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if run("w10") {
         // Rounds of every case, interleaved, and each case's median round: the machine's noise
         // moves single runs by more than the differences measured.
-        let rounds = if bench.quick { 1 } else { 3 };
+        // Every other round runs the cases in reverse order, so that the machine's drift over a
+        // round weighs on both sides of a ratio alike (src/drain.rs, `paired_ratio`).
+        let rounds = if bench.quick { 1 } else { 5 };
         let mut runs: Vec<Vec<drain::Drain>> = vec![vec![]; drain::CASES.len()];
         for round in 1..=rounds {
-            for (i, (system, keys)) in drain::CASES.into_iter().enumerate() {
+            let mut order: Vec<usize> = (0..drain::CASES.len()).collect();
+            if round % 2 == 0 {
+                order.reverse();
+            }
+            for i in order {
+                let (system, keys) = drain::CASES[i];
                 let d = bench.drain(system, keys).await;
                 println!(
                     "W10 round {round} {:<20} {:<20} {:>8.0}/s, server CPU {:>5.1} µs/msg, WAL {:>4.0} B/msg, claim {:>6.0} µs, missing {} duplicates {}",
@@ -136,6 +144,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 runs[i].push(d);
             }
         }
+        results.w10_rounds = runs.clone();
         results.w10 = runs.into_iter().filter_map(drain::median).collect();
     }
     if run("w11") {

@@ -19,6 +19,8 @@ pub struct Results {
     pub w7: Vec<Scaling>,
     pub w8: Vec<crate::soak::Sample>,
     pub w10: Vec<crate::drain::Drain>,
+    /// Every W10 round of every case, in `drain::CASES` order, for the paired ratios.
+    pub w10_rounds: Vec<Vec<crate::drain::Drain>>,
     pub w11: Vec<crate::poll::Polled>,
     pub w6: Vec<crate::cost::Cost>,
 }
@@ -523,32 +525,45 @@ impl Results {
         self.w10.iter().find(|d| d.system == Some(system) && d.label == label)
     }
 
-    /// W10's ratios, each next to its target.
+    /// The W10 rounds of a case.
+    fn drain_rounds(&self, system: System, label: &str) -> &[crate::drain::Drain] {
+        self.w10_rounds
+            .iter()
+            .find(|r| r.first().is_some_and(|d| d.system == Some(system) && d.label == label))
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// W10's ratios, each next to its target: the median of the ratios of each round's two runs
+    /// (`drain::paired_ratio`).
     fn drain_ratios(&self) -> Vec<String> {
         let mut lines = Vec::new();
         let none = "no keys";
-        let rate = |s, l| self.drain(s, l).map_or(f64::NAN, |d| d.rate);
         if self.w10.is_empty() {
             return lines;
         }
+        let rate = |d: &crate::drain::Drain| d.rate;
+        let paired = |(sa, la): (System, &str), (sb, lb): (System, &str)| {
+            let r = crate::drain::paired_ratio(self.drain_rounds(sa, la), self.drain_rounds(sb, lb), rate);
+            ratio(r, 1.0)
+        };
         lines.push(format!(
             "W10 drain, sqlstreams parallel (SQL) / floor: {} (target ≥ 1.00×); PgQ / floor: {}",
-            ratio(rate(System::Sql, none), rate(System::Floor, none)),
-            ratio(rate(System::Pgq, none), rate(System::Floor, none))
+            paired((System::Sql, none), (System::Floor, none)),
+            paired((System::Pgq, none), (System::Floor, none))
         ));
         lines.push(format!(
             "W10 drain, client / SQL: {} (target ≥ 0.95×)",
-            ratio(rate(System::Client, none), rate(System::Sql, none))
+            paired((System::Client, none), (System::Sql, none))
         ));
         for label in ["ordered, 1024 keys", "exclusive, 1024 keys"] {
             lines.push(format!(
                 "W10 drain (SQL), {label} / parallel: {} (target ≥ 0.90×)",
-                ratio(rate(System::Sql, label), rate(System::Sql, none))
+                paired((System::Sql, label), (System::Sql, none))
             ));
         }
         lines.push(format!(
             "W10 drain (client), ordered, 1024 keys / parallel: {}",
-            ratio(rate(System::Client, "ordered, 1024 keys"), rate(System::Client, none))
+            paired((System::Client, "ordered, 1024 keys"), (System::Client, none))
         ));
         let cpu = |s| self.drain(s, none).map_or(f64::NAN, |d| d.server_cpu_us_per_message);
         lines.push(format!(
@@ -563,8 +578,10 @@ impl Results {
         let mut md = String::from(
             "## W10 drain\n\nA consumer's capacity: a backlog (2 producers in 100-message transactions, keys as in W2) is \
              produced first, then one consumer drains it in batches of 100 with nothing else running (PgQ in its tick \
-             batches, its ticker running). Every case runs in rounds, interleaved; each row is the case's median \
-             round (missing and duplicates: all rounds). Server CPU is every process of the cluster, from `/proc`; claim µs is \
+             batches, its ticker running). Every case runs in rounds, interleaved, every other round in reverse \
+             order; each row is the case's median round (missing and duplicates: all rounds), and each ratio \
+             printed above is the median of its two cases' ratio within each round, so that the machine's \
+             drift between rounds cancels. Server CPU is every process of the cluster, from `/proc`; claim µs is \
              `track_functions`' time per claim call.\n\n\
              | system | keys | messages | seconds | drained/s | server CPU µs/msg | WAL bytes/msg | claims | µs per claim | missing | duplicates |\n\
              |---|---|---|---|---|---|---|---|---|---|---|\n",

@@ -339,18 +339,29 @@ impl Claim<'_> {
             pending.iter().map(|(id, ..)| *id).collect(),
         );
         exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;
+        // Hold a lane while a key it handed out may need it: ordered and exclusive deliveries.
+        let hold_of = |lane: i32| holding.contains(&lane).then_some((self.token, self.expires));
+        let taken: Vec<i32> = self.lanes.iter().map(|l| l.lane).collect();
+        let mut lanes = std::mem::take(&mut self.lanes);
         for mut range in std::mem::take(&mut self.ranges) {
             (range.pending, range.pending_keys) = pending
                 .iter()
                 .filter(|(_, _, first)| *first == range.first_id)
                 .map(|(id, k, _)| (*id, k.clone()))
                 .unzip();
+            // A new range and its lane's position go in one statement (the usual claim).
+            if let Some(i) = lanes.iter().position(|l| l.lane == range.lane) {
+                let hold = lanes::hold_of(self.group, hold_of(range.lane));
+                let lease = (&range, self.token, self.expires);
+                if range::lease_new_with_lane(client, stream_id, self.group.id, lease, lanes[i].claimed, hold)? {
+                    lanes.swap_remove(i);
+                    continue;
+                }
+            }
             range::lease(client, stream_id, self.group.id, &range, self.token, self.expires)?;
         }
-        // Hold a lane while a key it handed out may need it: ordered and exclusive deliveries.
-        let taken: Vec<i32> = self.lanes.iter().map(|l| l.lane).collect();
-        for lane in std::mem::take(&mut self.lanes) {
-            let hold = holding.contains(&lane.lane).then_some((self.token, self.expires));
+        for lane in lanes {
+            let hold = hold_of(lane.lane);
             lanes::store(client, self.group, lane, hold)?;
         }
         let keys = exception_queue::distinct_keys(&self.resolved_keys);

@@ -567,7 +567,7 @@ pub fn take(client: &SpiClient<'_>, group: &GroupRef, lane: i32, now: i64) -> Re
 /// it handed out ordered or exclusive work and the group holds lanes, `None` to leave it free.
 /// A lane that did not move and is not held, before or after, is not written.
 pub fn store(client: &SpiClient<'_>, group: &GroupRef, lane: Lane, hold: Option<(pgrx::Uuid, i64)>) -> Result<()> {
-    let hold = hold.filter(|_| holds(group));
+    let hold = hold_of(group, hold);
     if hold.is_none() && !lane.was_held && lane.claimed == lane.taken_at {
         return Ok(());
     }
@@ -583,6 +583,11 @@ pub fn store(client: &SpiClient<'_>, group: &GroupRef, lane: Lane, hold: Option<
         ],
     )?;
     Ok(())
+}
+
+/// The hold a lane is stored with: none in a group that holds no lanes.
+pub fn hold_of(group: &GroupRef, hold: Option<(pgrx::Uuid, i64)>) -> Option<(pgrx::Uuid, i64)> {
+    hold.filter(|_| holds(group))
 }
 
 /// After outcomes under `token`: frees each lane it holds once everything it handed out there

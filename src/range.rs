@@ -162,14 +162,48 @@ const SPLIT: Statement = Statement {
     params: &[INT8OID, INT8OID, INT8OID, INT8ARRAYOID, TEXTARRAYOID],
 };
 
+/// Inserts a range handed out for the first time (`$1` … `$9` as `LEASE_NEW`'s).
+macro_rules! insert_new {
+    () => {
+        "INSERT INTO sqlstreams.range_lease_@id@
+             (consumer_group_id, first_id, last_id, lease_token, lease_expires_at, reclaims, pending, pending_keys, lane)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+    };
+}
+
 /// A range handed out for the first time: no row of it exists (its messages lie past the lane's
 /// position, past every range of the lane), so it is inserted without `LEASE`'s look for one.
 const LEASE_NEW: Statement = Statement {
     name: "range_lease_new",
-    sql: "INSERT INTO sqlstreams.range_lease_@id@
-              (consumer_group_id, first_id, last_id, lease_token, lease_expires_at, reclaims, pending, pending_keys, lane)
-          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+    sql: insert_new!(),
     params: &[INT8OID, INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID, INT4OID, INT8ARRAYOID, TEXTARRAYOID, INT4OID],
+};
+
+/// `LEASE_NEW`, and its lane's new position and hold (`lanes::store`: `$10` the position, `$11`
+/// and `$12` the hold) in the same statement: what most claims write.
+const LEASE_NEW_WITH_LANE: Statement = Statement {
+    name: "range_lease_new_with_lane",
+    sql: concat!(
+        "WITH r AS (",
+        insert_new!(),
+        ")
+         UPDATE sqlstreams.lane_@id@ SET claimed = $10, held_by = $11, held_until = $12
+         WHERE consumer_group_id = $1 AND lane = $9"
+    ),
+    params: &[
+        INT8OID,
+        INT8OID,
+        INT8OID,
+        UUIDOID,
+        TIMESTAMPTZOID,
+        INT4OID,
+        INT8ARRAYOID,
+        TEXTARRAYOID,
+        INT4OID,
+        INT8OID,
+        UUIDOID,
+        TIMESTAMPTZOID,
+    ],
 };
 
 /// Outcomes of messages `$3`, delivered under token `$2`.
@@ -476,6 +510,42 @@ pub fn lease(
         ],
     )?;
     Ok(())
+}
+
+/// Leases a range handed out for the first time, as `lease`, and stores its lane (`lane`, at
+/// position `claimed`, with `hold`) as `lanes::store` would, in one statement. Returns false,
+/// writing nothing, for any other range: the caller then runs both.
+pub fn lease_new_with_lane(
+    client: &SpiClient<'_>,
+    stream_id: i64,
+    group_id: i64,
+    lease: (&RangeLease, pgrx::Uuid, i64),
+    claimed: i64,
+    hold: Option<(pgrx::Uuid, i64)>,
+) -> Result<bool> {
+    let (range, token, expires) = lease;
+    if range.reclaims != 0 || range.pending.is_empty() {
+        return Ok(false);
+    }
+    LEASE_NEW_WITH_LANE.run(
+        client,
+        stream_id,
+        &[
+            group_id.into(),
+            range.first_id.into(),
+            range.last_id.into(),
+            token.into(),
+            statement::timestamptz(expires),
+            range.reclaims.into(),
+            range.pending.clone().into(),
+            range.pending_keys.clone().into(),
+            range.lane.into(),
+            claimed.into(),
+            hold.map(|(token, _)| token).into(),
+            statement::timestamptz_opt(hold.map(|(_, until)| until)),
+        ],
+    )?;
+    Ok(true)
 }
 
 /// Stores `rest`, split off range `first_id` (see `RangeLease::split_off`).

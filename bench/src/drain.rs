@@ -58,23 +58,6 @@ pub fn median(mut rounds: Vec<Drain>) -> Option<Drain> {
     Some(median)
 }
 
-/// The median over rounds of `value(a) / value(b)` within each round: `a` and `b` are two cases'
-/// rounds, in round order. Runs of one round are minutes apart at most, while this machine's
-/// speed drifts by more than the differences measured between rounds; pairing them cancels it.
-pub fn paired_ratio(a: &[Drain], b: &[Drain], value: impl Fn(&Drain) -> f64) -> f64 {
-    let mut ratios: Vec<f64> = a.iter().zip(b).map(|(a, b)| value(a) / value(b)).filter(|r| r.is_finite()).collect();
-    if ratios.is_empty() {
-        return f64::NAN;
-    }
-    ratios.sort_by(f64::total_cmp);
-    let n = ratios.len();
-    if n % 2 == 1 {
-        ratios[n / 2]
-    } else {
-        (ratios[n / 2 - 1] + ratios[n / 2]) / 2.0
-    }
-}
-
 impl Bench {
     /// W10: one consumer drains a backlog of `messages`.
     pub async fn drain(&self, system: System, keys: Keys) -> Drain {
@@ -150,28 +133,5 @@ impl Bench {
             duplicates: seen.len() - unique.len(),
             rounds: 1,
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn rounds(rates: &[f64]) -> Vec<Drain> {
-        rates.iter().map(|&rate| Drain { rate, ..Drain::default() }).collect()
-    }
-
-    #[test]
-    fn a_paired_ratio_cancels_the_drift_between_rounds() {
-        // The machine speeds up round after round; b is always 0.9 times a.
-        let a = rounds(&[100.0, 150.0, 120.0, 200.0, 90.0]);
-        let b = rounds(&[90.0, 135.0, 108.0, 180.0, 81.0]);
-        assert!((paired_ratio(&a, &b, |d| d.rate) - 1.0 / 0.9).abs() < 1e-9);
-        // Median rounds taken apart would compare different rounds: 120 / 108 here by chance,
-        // but a slow round of one side alone moves them.
-        let slow_b = rounds(&[90.0, 135.0, 50.0, 180.0, 81.0]);
-        assert!((paired_ratio(&a, &slow_b, |d| d.rate) - 1.0 / 0.9).abs() < 1e-9);
-        assert!(paired_ratio(&a, &rounds(&[]), |d| d.rate).is_nan());
-        assert_eq!(paired_ratio(&rounds(&[2.0, 4.0]), &rounds(&[1.0, 1.0]), |d| d.rate), 3.0);
     }
 }

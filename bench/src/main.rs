@@ -41,6 +41,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut results = Results {
         machine: machine(&bench).await,
         w1: vec![],
+        w1_rounds: vec![],
         w2: vec![],
         w3: vec![],
         w4: vec![],
@@ -57,12 +58,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     if run("w1") {
-        for system in SYSTEMS {
-            let t = bench.throughput(system, Keys::None).await;
-            println!("W1 {:<20} consumed {:>8.0}/s produced {:>8.0}/s e2e p50 {:>7.1} ms p99 {:>7.1} ms missing {} duplicates {}",
-                system.name(), t.consume_rate, t.produce_rate, t.e2e_p50_ms, t.e2e_p99_ms, t.missing, t.duplicates);
-            results.w1.push(t);
-        }
+        // Rounds, as W10's: the ratios to PgQ pair each round's runs (report.rs).
+        let rounds = if bench.quick { 1 } else { 3 };
+        let runs = stats::in_rounds(SYSTEMS.len(), rounds, |round, i| {
+            let bench = &bench;
+            async move {
+                let t = bench.throughput(SYSTEMS[i], Keys::None).await;
+                println!("W1 round {round} {:<20} consumed {:>8.0}/s produced {:>8.0}/s e2e p50 {:>7.1} ms p99 {:>7.1} ms missing {} duplicates {}",
+                    SYSTEMS[i].name(), t.consume_rate, t.produce_rate, t.e2e_p50_ms, t.e2e_p99_ms, t.missing, t.duplicates);
+                t
+            }
+        })
+        .await;
+        results.w1_rounds = runs.clone();
+        results.w1 = runs.into_iter().filter_map(workloads::median_round).collect();
     }
     if run("w2") {
         for system in [System::Sql, System::Client] {
@@ -125,25 +134,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if run("w10") {
         // Rounds of every case, interleaved, and each case's median round: the machine's noise
         // moves single runs by more than the differences measured.
-        // Every other round runs the cases in reverse order, so that the machine's drift over a
-        // round weighs on both sides of a ratio alike (src/drain.rs, `paired_ratio`).
         let rounds = if bench.quick { 1 } else { 5 };
-        let mut runs: Vec<Vec<drain::Drain>> = vec![vec![]; drain::CASES.len()];
-        for round in 1..=rounds {
-            let mut order: Vec<usize> = (0..drain::CASES.len()).collect();
-            if round % 2 == 0 {
-                order.reverse();
-            }
-            for i in order {
-                let (system, keys) = drain::CASES[i];
+        let runs = stats::in_rounds(drain::CASES.len(), rounds, |round, i| {
+            let (system, keys) = drain::CASES[i];
+            let bench = &bench;
+            async move {
                 let d = bench.drain(system, keys).await;
                 println!(
                     "W10 round {round} {:<20} {:<20} {:>8.0}/s, server CPU {:>5.1} µs/msg, WAL {:>4.0} B/msg, claim {:>6.0} µs, missing {} duplicates {}",
                     system.name(), d.label, d.rate, d.server_cpu_us_per_message, d.wal_bytes_per_message, d.claim_us, d.missing, d.duplicates
                 );
-                runs[i].push(d);
+                d
             }
-        }
+        })
+        .await;
         results.w10_rounds = runs.clone();
         results.w10 = runs.into_iter().filter_map(drain::median).collect();
     }

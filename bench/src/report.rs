@@ -12,6 +12,8 @@ use crate::workloads::{Idle, Latency, Throughput};
 pub struct Results {
     pub machine: Vec<(String, String)>,
     pub w1: Vec<Throughput>,
+    /// Every W1 round of every system, in `SYSTEMS` order, for the paired ratios.
+    pub w1_rounds: Vec<Vec<Throughput>>,
     pub w2: Vec<Throughput>,
     pub w3: Vec<Latency>,
     pub w4: Vec<Latency>,
@@ -54,42 +56,54 @@ impl Results {
         let mut lines = Vec::new();
         let sql = find(&self.w1, System::Sql);
         let client = find(&self.w1, System::Client);
-        let pgq = find(&self.w1, System::Pgq);
-        let floor = find(&self.w1, System::Floor);
-        for (label, ours) in [("SQL", sql), ("client", client)] {
-            let Some(ours) = ours else { continue };
-            if let Some(pgq) = pgq {
+        // W1's rounds of a system, and the median over rounds of a ratio within each round.
+        let rounds = |system| {
+            self.w1_rounds
+                .iter()
+                .find(|r| r.first().is_some_and(|t| t.system == Some(system)))
+                .map_or(&[][..], Vec::as_slice)
+        };
+        let paired =
+            |a, b, value: fn(&Throughput) -> f64| ratio(crate::stats::paired_ratio(rounds(a), rounds(b), value), 1.0);
+        let has = |system| !rounds(system).is_empty();
+        for (label, ours) in [("SQL", System::Sql), ("client", System::Client)] {
+            if !has(ours) {
+                continue;
+            }
+            if has(System::Pgq) {
                 lines.push(format!(
                     "W1 consumed/s, sqlstreams ({label}) / PgQ: {}   e2e p50, sqlstreams / PgQ: {}",
-                    ratio(ours.consume_rate, pgq.consume_rate),
-                    ratio(ours.e2e_p50_ms, pgq.e2e_p50_ms)
+                    paired(ours, System::Pgq, |t| t.consume_rate),
+                    paired(ours, System::Pgq, |t| t.e2e_p50_ms)
                 ));
             }
-            if let Some(floor) = floor {
+            if has(System::Floor) {
                 lines.push(format!(
                     "W1 consumed/s, sqlstreams ({label}) / floor: {}",
-                    ratio(ours.consume_rate, floor.consume_rate)
+                    paired(ours, System::Floor, |t| t.consume_rate)
                 ));
             }
             // The issue's W1 targets, each against its bound.
-            lines.push(format!(
-                "W1 sqlstreams ({label}) consumed / produced: {} (target ≥ 0.97×)",
-                ratio(ours.consume_rate, ours.produce_rate)
-            ));
-            if let Some(pgq) = pgq {
+            let kept_up = crate::stats::median(rounds(ours).iter().map(|t| t.consume_rate / t.produce_rate).collect());
+            lines
+                .push(format!("W1 sqlstreams ({label}) consumed / produced: {} (target ≥ 0.97×)", ratio(kept_up, 1.0)));
+            if has(System::Pgq) {
                 lines.push(format!(
                     "W1 sqlstreams ({label}) / PgQ: produced/s {} (target ≥ 0.95×), e2e p50 {} (target ≤ 2.00×), \
                      server CPU per message {} (target ≤ 1.00×), WAL bytes per message {} (target ≤ 1.10×)",
-                    ratio(ours.produce_rate, pgq.produce_rate),
-                    ratio(ours.e2e_p50_ms, pgq.e2e_p50_ms),
-                    ratio(ours.server_cpu_us_per_message, pgq.server_cpu_us_per_message),
-                    ratio(ours.wal_bytes_per_message, pgq.wal_bytes_per_message)
+                    paired(ours, System::Pgq, |t| t.produce_rate),
+                    paired(ours, System::Pgq, |t| t.e2e_p50_ms),
+                    paired(ours, System::Pgq, |t| t.server_cpu_us_per_message),
+                    paired(ours, System::Pgq, |t| t.wal_bytes_per_message)
                 ));
             }
         }
         // The client against the SQL it wraps (issue 13: within 5%), W1 and each W2 case.
-        if let (Some(sql), Some(client)) = (sql, client) {
-            lines.push(format!("W1 consumed/s, client / SQL: {}", ratio(client.consume_rate, sql.consume_rate)));
+        if has(System::Sql) && has(System::Client) {
+            lines.push(format!(
+                "W1 consumed/s, client / SQL: {}",
+                paired(System::Client, System::Sql, |t| t.consume_rate)
+            ));
         }
         for t in self.w2.iter().filter(|t| t.system == Some(System::Client)) {
             let sql = self.w2.iter().find(|s| s.system == Some(System::Sql) && s.label == t.label);
@@ -161,7 +175,9 @@ impl Results {
             md,
             "\n## W1 throughput\n\n2 producers in 100-message transactions (~200-byte JSON), 1 consumer in batches of 100. \
              Server CPU is every process of the cluster (from `/proc`) from the consumer's start to its last message, \
-             per message produced; WAL likewise.\n\n\
+             per message produced; WAL likewise. Each system runs in three rounds, interleaved, every other round in \
+             reverse order: each row is its median round (missing, duplicates: all rounds), and each ratio to PgQ above \
+             is the median of the two systems' ratio within each round.\n\n\
              ![throughput](throughput.svg)\n\n{}",
             throughput_table(&self.w1)
         );
@@ -534,7 +550,7 @@ impl Results {
     }
 
     /// W10's ratios, each next to its target: the median of the ratios of each round's two runs
-    /// (`drain::paired_ratio`).
+    /// (`stats::paired_ratio`).
     fn drain_ratios(&self) -> Vec<String> {
         let mut lines = Vec::new();
         let none = "no keys";
@@ -543,7 +559,7 @@ impl Results {
         }
         let rate = |d: &crate::drain::Drain| d.rate;
         let paired = |(sa, la): (System, &str), (sb, lb): (System, &str)| {
-            let r = crate::drain::paired_ratio(self.drain_rounds(sa, la), self.drain_rounds(sb, lb), rate);
+            let r = crate::stats::paired_ratio(self.drain_rounds(sa, la), self.drain_rounds(sb, lb), rate);
             ratio(r, 1.0)
         };
         lines.push(format!(

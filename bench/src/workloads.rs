@@ -85,6 +85,19 @@ pub struct Throughput {
     pub functions: Vec<(String, i64, f64)>,
 }
 
+/// The round with the median consumed/s, with every round's missing, duplicate and out-of-order
+/// messages added up.
+pub fn median_round(mut rounds: Vec<Throughput>) -> Option<Throughput> {
+    let sum = |f: fn(&Throughput) -> usize, rounds: &[Throughput]| rounds.iter().map(f).sum::<usize>();
+    let (missing, duplicates, order_violations) =
+        (sum(|t| t.missing, &rounds), sum(|t| t.duplicates, &rounds), sum(|t| t.order_violations, &rounds));
+    rounds.sort_by(|a, b| a.consume_rate.total_cmp(&b.consume_rate));
+    let n = rounds.len();
+    let mut median = rounds.into_iter().nth(n / 2)?;
+    (median.missing, median.duplicates, median.order_violations) = (missing, duplicates, order_violations);
+    Some(median)
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct Latency {
     pub system: Option<System>,

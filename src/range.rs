@@ -18,6 +18,7 @@
 
 use std::collections::HashSet;
 
+use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::SpiClient;
 use pgrx::{pg_sys, IntoDatum};
@@ -494,22 +495,23 @@ pub fn lease(
         return if range.reclaims > 0 { delete(client, stream_id, group_id, range.first_id) } else { Ok(()) };
     }
     let statement = if range.reclaims == 0 { &LEASE_NEW } else { &LEASE };
-    statement.run(
-        client,
-        stream_id,
-        &[
-            group_id.into(),
-            range.first_id.into(),
-            range.last_id.into(),
-            token.into(),
-            statement::timestamptz(expires),
-            range.reclaims.into(),
-            range.pending.clone().into(),
-            range.pending_keys.clone().into(),
-            range.lane.into(),
-        ],
-    )?;
+    statement.run(client, stream_id, &lease_args(group_id, range, token, expires))?;
     Ok(())
+}
+
+/// The nine parameters of `LEASE`, `LEASE_NEW` and the first nine of `LEASE_NEW_WITH_LANE`.
+fn lease_args(group_id: i64, range: &RangeLease, token: pgrx::Uuid, expires: i64) -> Vec<DatumWithOid<'static>> {
+    vec![
+        group_id.into(),
+        range.first_id.into(),
+        range.last_id.into(),
+        token.into(),
+        statement::timestamptz(expires),
+        range.reclaims.into(),
+        range.pending.clone().into(),
+        range.pending_keys.clone().into(),
+        range.lane.into(),
+    ]
 }
 
 /// Leases a range handed out for the first time, as `lease`, and stores its lane (`lane`, at
@@ -527,24 +529,13 @@ pub fn lease_new_with_lane(
     if range.reclaims != 0 || range.pending.is_empty() {
         return Ok(false);
     }
-    LEASE_NEW_WITH_LANE.run(
-        client,
-        stream_id,
-        &[
-            group_id.into(),
-            range.first_id.into(),
-            range.last_id.into(),
-            token.into(),
-            statement::timestamptz(expires),
-            range.reclaims.into(),
-            range.pending.clone().into(),
-            range.pending_keys.clone().into(),
-            range.lane.into(),
-            claimed.into(),
-            hold.map(|(token, _)| token).into(),
-            statement::timestamptz_opt(hold.map(|(_, until)| until)),
-        ],
-    )?;
+    let mut args = lease_args(group_id, range, token, expires);
+    args.extend([
+        claimed.into(),
+        hold.map(|(token, _)| token).into(),
+        statement::timestamptz_opt(hold.map(|(_, until)| until)),
+    ]);
+    LEASE_NEW_WITH_LANE.run(client, stream_id, &args)?;
     Ok(true)
 }
 

@@ -47,11 +47,10 @@ pub const CASES: [(System, Keys); 7] = [
 ];
 
 /// The round with the median rate, with every round's missing and duplicate messages added up.
-pub fn median(mut rounds: Vec<Drain>) -> Option<Drain> {
+pub fn median(rounds: Vec<Drain>) -> Option<Drain> {
     let (missing, duplicates) = rounds.iter().fold((0, 0), |(m, d), r| (m + r.missing, d + r.duplicates));
-    rounds.sort_by(|a, b| a.rate.total_cmp(&b.rate));
     let n = rounds.len();
-    let mut median = rounds.into_iter().nth(n / 2)?;
+    let mut median = crate::stats::median_by(rounds, |d| d.rate)?;
     median.rounds = n;
     median.missing = missing;
     median.duplicates = duplicates;

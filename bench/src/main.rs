@@ -59,7 +59,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     if run("w1") {
         // Rounds, as W10's: the ratios to PgQ pair each round's runs (report.rs).
-        let rounds = if bench.quick { 1 } else { 3 };
+        let rounds = if bench.quick { 1 } else { 4 };
         let runs = stats::in_rounds(SYSTEMS.len(), rounds, |round, i| {
             let bench = &bench;
             async move {
@@ -133,8 +133,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if run("w10") {
         // Rounds of every case, interleaved, and each case's median round: the machine's noise
-        // moves single runs by more than the differences measured.
-        let rounds = if bench.quick { 1 } else { 5 };
+        // moves single runs by more than the differences measured. An even count: the ratios
+        // join each forward round with the reversed one after it (stats::paired_ratio).
+        let rounds = if bench.quick { 1 } else { 6 };
         let runs = stats::in_rounds(drain::CASES.len(), rounds, |round, i| {
             let (system, keys) = drain::CASES[i];
             let bench = &bench;

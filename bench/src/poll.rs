@@ -56,10 +56,9 @@ pub struct Polled {
 }
 
 /// The round with the median CPU per poll.
-pub fn median(mut rounds: Vec<Polled>) -> Option<Polled> {
-    rounds.sort_by(|a, b| a.server_cpu_us.total_cmp(&b.server_cpu_us));
+pub fn median(rounds: Vec<Polled>) -> Option<Polled> {
     let n = rounds.len();
-    let mut median = rounds.into_iter().nth(n / 2)?;
+    let mut median = crate::stats::median_by(rounds, |p| p.server_cpu_us)?;
     median.rounds = n;
     Some(median)
 }

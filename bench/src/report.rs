@@ -175,11 +175,22 @@ impl Results {
             md,
             "\n## W1 throughput\n\n2 producers in 100-message transactions (~200-byte JSON), 1 consumer in batches of 100. \
              Server CPU is every process of the cluster (from `/proc`) from the consumer's start to its last message, \
-             per message produced; WAL likewise. Each system runs in three rounds, interleaved, every other round in \
-             reverse order: each row is its median round (missing, duplicates: all rounds), and each ratio to PgQ above \
-             is the median of the two systems' ratio within each round.\n\n\
-             ![throughput](throughput.svg)\n\n{}",
-            throughput_table(&self.w1)
+             per message produced; WAL likewise. Each system runs in {} rounds, interleaved, every other round in \
+             reverse order: each row is its median round (missing, duplicates: all rounds). Each ratio to PgQ above \
+             joins the two systems' ratio within each round with the next round's (their geometric mean: the two \
+             rounds ran in opposite orders) and takes the median (`stats::paired_ratio`); the rounds are below the \
+             table.\n\n\
+             ![throughput](throughput.svg)\n\n{}\n{}",
+            self.w1_rounds.iter().map(Vec::len).max().unwrap_or(0),
+            throughput_table(&self.w1),
+            rounds_table(
+                &self.w1_rounds,
+                |t| format!("{} {}", name(t.system), t.label),
+                &[
+                    ("consumed/s", |t: &Throughput| format!("{:.0}", t.consume_rate)),
+                    ("server CPU µs/msg", |t: &Throughput| format!("{:.1}", t.server_cpu_us_per_message)),
+                ]
+            )
         );
         let _ = writeln!(md, "## W2 keyed throughput\n\nW1 with message keys (sqlstreams only: PgQ and the floor have no per-key delivery).\n\n![keyed](keyed.svg)\n\n{}", throughput_table(&self.w2));
         if !self.w10.is_empty() {
@@ -537,10 +548,6 @@ fn bars(path: &Path, title: &str, values: &[(String, f64)]) -> Result<(), Box<dy
 }
 
 impl Results {
-    fn drain(&self, system: System, label: &str) -> Option<&crate::drain::Drain> {
-        self.w10.iter().find(|d| d.system == Some(system) && d.label == label)
-    }
-
     /// The W10 rounds of a case.
     fn drain_rounds(&self, system: System, label: &str) -> &[crate::drain::Drain] {
         self.w10_rounds
@@ -581,11 +588,16 @@ impl Results {
             "W10 drain (client), ordered, 1024 keys / parallel: {}",
             paired((System::Client, "ordered, 1024 keys"), (System::Client, none))
         ));
-        let cpu = |s| self.drain(s, none).map_or(f64::NAN, |d| d.server_cpu_us_per_message);
+        let cpu = |a: System, b: System| {
+            let r = crate::stats::paired_ratio(self.drain_rounds(a, none), self.drain_rounds(b, none), |d| {
+                d.server_cpu_us_per_message
+            });
+            ratio(r, 1.0)
+        };
         lines.push(format!(
             "W10 drain, server CPU per message, sqlstreams (SQL) / PgQ: {}; / floor: {}",
-            ratio(cpu(System::Sql), cpu(System::Pgq)),
-            ratio(cpu(System::Sql), cpu(System::Floor))
+            cpu(System::Sql, System::Pgq),
+            cpu(System::Sql, System::Floor)
         ));
         lines
     }
@@ -595,9 +607,10 @@ impl Results {
             "## W10 drain\n\nA consumer's capacity: a backlog (2 producers in 100-message transactions, keys as in W2) is \
              produced first, then one consumer drains it in batches of 100 with nothing else running (PgQ in its tick \
              batches, its ticker running). Every case runs in rounds, interleaved, every other round in reverse \
-             order; each row is the case's median round (missing and duplicates: all rounds), and each ratio \
-             printed above is the median of its two cases' ratio within each round, so that the machine's \
-             drift between rounds cancels. Server CPU is every process of the cluster, from `/proc`; claim µs is \
+             order; each row is the case's median round (missing and duplicates: all rounds). Each ratio printed \
+             above joins its two cases' ratio within each round with the next round's (their geometric mean: the \
+             two rounds ran in opposite orders) and takes the median (`stats::paired_ratio`), so that the \
+             machine's drift between rounds and within one cancels; the rounds are below the table. Server CPU is every process of the cluster, from `/proc`; claim µs is \
              `track_functions`' time per claim call.\n\n\
              | system | keys | messages | seconds | drained/s | server CPU µs/msg | WAL bytes/msg | claims | µs per claim | missing | duplicates |\n\
              |---|---|---|---|---|---|---|---|---|---|---|\n",
@@ -619,8 +632,40 @@ impl Results {
                 d.duplicates
             );
         }
+        md.push('\n');
+        md.push_str(&rounds_table(
+            &self.w10_rounds,
+            |d| format!("{} {}", name(d.system), d.label),
+            &[
+                ("drained/s", |d: &crate::drain::Drain| format!("{:.0}", d.rate)),
+                ("server CPU µs/msg", |d: &crate::drain::Drain| format!("{:.1}", d.server_cpu_us_per_message)),
+            ],
+        ));
         md
     }
+}
+
+/// Every round of every case, in run order: one row per case and measure, one column per round.
+fn rounds_table<T>(cases: &[Vec<T>], case: impl Fn(&T) -> String, measures: &[(&str, fn(&T) -> String)]) -> String {
+    let rounds = cases.iter().map(Vec::len).max().unwrap_or(0);
+    if rounds < 2 {
+        return String::new();
+    }
+    let mut t = String::from("| case | measure |");
+    for round in 1..=rounds {
+        let _ = write!(t, " round {round}{} |", if round % 2 == 0 { " (reversed)" } else { "" });
+    }
+    let _ = writeln!(t, "\n|---|---|{}", "---|".repeat(rounds));
+    for runs in cases.iter().filter(|r| !r.is_empty()) {
+        for (measure, value) in measures {
+            let _ = write!(t, "| {} | {measure} |", case(&runs[0]));
+            for run in runs {
+                let _ = write!(t, " {} |", value(run));
+            }
+            t.push('\n');
+        }
+    }
+    t
 }
 
 impl Results {
@@ -700,5 +745,23 @@ impl Results {
             );
         }
         md
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rounds_table_has_a_row_per_case_and_measure_and_a_column_per_round() {
+        let cases = vec![vec![(1, 10.0), (1, 11.0), (1, 12.0)], vec![(2, 20.0), (2, 21.0), (2, 22.0)]];
+        let t = rounds_table(&cases, |c| format!("case {}", c.0), &[("rate", |c: &(i32, f64)| format!("{:.0}", c.1))]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines[0], "| case | measure | round 1 | round 2 (reversed) | round 3 |");
+        assert_eq!(lines[2], "| case 1 | rate | 10 | 11 | 12 |");
+        assert_eq!(lines[3], "| case 2 | rate | 20 | 21 | 22 |");
+        assert_eq!(lines.len(), 4);
+        // One round has nothing to compare.
+        assert_eq!(rounds_table(&[vec![(1, 1.0)]], |c| c.0.to_string(), &[]), "");
     }
 }

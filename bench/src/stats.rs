@@ -10,12 +10,24 @@ pub fn quantile(samples: &mut [f64], q: f64) -> f64 {
     samples[rank - 1]
 }
 
-/// The median over rounds of `value(a) / value(b)` within each round: `a` and `b` are two cases'
-/// runs, in round order. Runs of one round are minutes apart at most, while this machine's speed
-/// drifts between rounds by more than the differences measured; pairing them cancels it. NaN
-/// when no round has both.
+/// How `a` compares with `b` over rounds run by `in_rounds`: each round's ratio
+/// `value(a) / value(b)`, each forward round's joined with the reversed round after it by their
+/// geometric mean, and the median of those pairs. The runs of one round are minutes apart at most,
+/// while this machine's speed drifts between rounds by more than the differences measured: the
+/// ratio within a round cancels the drift between rounds. The two rounds of a pair run the cases in
+/// opposite orders, so joining them also cancels a drift within a round, which would favour
+/// whichever case ran later. A last round without its pair counts alone; NaN when no round has
+/// both cases.
 pub fn paired_ratio<T>(a: &[T], b: &[T], value: impl Fn(&T) -> f64) -> f64 {
-    median(a.iter().zip(b).map(|(a, b)| value(a) / value(b)).collect())
+    let rounds: Vec<f64> = a.iter().zip(b).map(|(a, b)| value(a) / value(b)).collect();
+    median(rounds.chunks(2).map(|pair| pair.iter().product::<f64>().powf(1.0 / pair.len() as f64)).collect())
+}
+
+/// The run with the median `key` (the upper one of an even count); None when there is none.
+pub fn median_by<T>(mut runs: Vec<T>, key: impl Fn(&T) -> f64) -> Option<T> {
+    runs.sort_by(|a, b| key(a).total_cmp(&key(b)));
+    let n = runs.len();
+    runs.into_iter().nth(n / 2)
 }
 
 /// The median of the finite `values`; NaN when there is none.
@@ -75,20 +87,42 @@ mod tests {
     #[test]
     fn a_paired_ratio_cancels_the_drift_between_rounds() {
         // The machine speeds up and slows down from round to round; b is always 0.9 times a.
-        let a = [100.0, 150.0, 120.0, 200.0, 90.0];
-        let b = [90.0, 135.0, 108.0, 180.0, 81.0];
+        let a = [100.0, 150.0, 120.0, 200.0, 90.0, 130.0];
+        let b = [90.0, 135.0, 108.0, 180.0, 81.0, 117.0];
         assert!((paired_ratio(&a, &b, |x| *x) - 1.0 / 0.9).abs() < 1e-9);
-        // One slow run of one side moves one round's ratio, not the median.
-        let slow_b = [90.0, 135.0, 50.0, 180.0, 81.0];
+        // One slow run of one side moves one pair, not the median.
+        let slow_b = [90.0, 135.0, 50.0, 180.0, 81.0, 117.0];
         assert!((paired_ratio(&a, &slow_b, |x| *x) - 1.0 / 0.9).abs() < 1e-9);
         assert!(paired_ratio(&a, &[], |x| *x).is_nan());
-        assert_eq!(paired_ratio(&[2.0, 4.0], &[1.0, 1.0], |x| *x), 3.0);
+        assert_eq!(paired_ratio(&[2.0], &[1.0], |x| *x), 2.0);
+        // A last round without its pair counts alone: pairs 2 and 3, median 2.5.
+        assert_eq!(paired_ratio(&[2.0, 2.0, 3.0], &[1.0, 1.0, 1.0], |x| *x), 2.5);
+    }
+
+    #[test]
+    fn a_paired_ratio_cancels_the_drift_within_a_round() {
+        // a and b are equal, but whichever runs second in a round runs 10% faster: a runs first
+        // in the forward rounds (1, 3, 5), second in the reversed ones.
+        let a = [100.0, 110.0, 100.0, 110.0, 100.0, 110.0];
+        let b = [110.0, 100.0, 110.0, 100.0, 110.0, 100.0];
+        assert!((paired_ratio(&a, &b, |x| *x) - 1.0).abs() < 1e-9);
+        // The median of the rounds' own ratios would be off by half the drift.
+        let own = median(a.iter().zip(&b).map(|(a, b)| a / b).collect());
+        assert!((own - 1.0).abs() > 0.004);
+    }
+
+    #[test]
+    fn the_median_run() {
+        let runs = vec![(3, 30.0), (1, 10.0), (2, 20.0), (4, 40.0)];
+        assert_eq!(median_by(runs.clone(), |r| r.1), Some((3, 30.0)));
+        assert_eq!(median_by(runs[..3].to_vec(), |r| r.1), Some((2, 20.0)));
+        assert_eq!(median_by(Vec::<(i32, f64)>::new(), |r| r.1), None);
     }
 
     #[test]
     fn rounds_alternate_their_order() {
         let mut seen = vec![];
-        let runs = futures_executor_lite(in_rounds(3, 2, |round, i| {
+        let runs = block_on(in_rounds(3, 2, |round, i| {
             seen.push((round, i));
             std::future::ready(round * 10 + i)
         }));
@@ -97,7 +131,7 @@ mod tests {
     }
 
     /// Runs a future that never waits.
-    fn futures_executor_lite<F: std::future::Future>(f: F) -> F::Output {
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
         tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(f)
     }
 }

@@ -87,13 +87,11 @@ pub struct Throughput {
 
 /// The round with the median consumed/s, with every round's missing, duplicate and out-of-order
 /// messages added up.
-pub fn median_round(mut rounds: Vec<Throughput>) -> Option<Throughput> {
+pub fn median_round(rounds: Vec<Throughput>) -> Option<Throughput> {
     let sum = |f: fn(&Throughput) -> usize, rounds: &[Throughput]| rounds.iter().map(f).sum::<usize>();
     let (missing, duplicates, order_violations) =
         (sum(|t| t.missing, &rounds), sum(|t| t.duplicates, &rounds), sum(|t| t.order_violations, &rounds));
-    rounds.sort_by(|a, b| a.consume_rate.total_cmp(&b.consume_rate));
-    let n = rounds.len();
-    let mut median = rounds.into_iter().nth(n / 2)?;
+    let mut median = crate::stats::median_by(rounds, |t| t.consume_rate)?;
     (median.missing, median.duplicates, median.order_violations) = (missing, duplicates, order_violations);
     Some(median)
 }

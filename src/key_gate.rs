@@ -29,7 +29,8 @@
 //! the claim does not wait (a claim never waits): it leaves the row due instead of parked, and
 //! the next claim looks again. An outcome that holds, locked and still held by its token, the
 //! lane of a key needs no lock of the key: no claim can have parked its rows since, or park
-//! them before the outcome commits (src/exception_queue/lifecycle.rs, `Waker::HeldLanes`).
+//! them before the outcome commits (`Waker::HeldLanes` in src/exception_queue/lifecycle.rs; the
+//! proof is in docs/semantics.md, "One lock order", outcome step 4).
 
 use std::collections::HashMap;
 

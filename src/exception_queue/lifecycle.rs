@@ -422,12 +422,10 @@ pub enum Waker<'a> {
     /// An outcome: waits for a claim that is parking one of the keys to commit.
     Outcome,
     /// An outcome that ended its token's holds of the lanes of these keys (sorted) in an
-    /// update it has not committed (`range::resolve_covered`): it takes no lock of them. A
-    /// claim parks rows only of lanes it took, and takes a lane only by writing its row. That
-    /// the update found the lane still held by the token proves that no claim took the lane
-    /// since the token's claim committed, so every parking of these keys has committed (and
-    /// the wake-up sees it); until this transaction ends, claims skip the locked row. Other
-    /// keys are locked as by `Outcome`.
+    /// update it has not committed (`range::resolve_covered`): it takes no lock of them, since
+    /// no claim can have parked their rows since the token's claim, nor park them before this
+    /// transaction ends (why: docs/semantics.md, "One lock order", outcome step 4). Other keys
+    /// are locked as by `Outcome`.
     HeldLanes(&'a [String]),
     /// A claim, which never waits: a key another claim is parking right now is left alone. That
     /// claim's rows of the key are parked until their blocker could clear on its own (an

@@ -340,7 +340,7 @@ impl Claim<'_> {
         );
         exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;
         // Hold a lane while a key it handed out may need it: ordered and exclusive deliveries.
-        let hold_of = |lane: i32| holding.contains(&lane).then_some((self.token, self.expires));
+        let hold_for = |lane: i32| holding.contains(&lane).then_some((self.token, self.expires));
         let taken: Vec<i32> = self.lanes.iter().map(|l| l.lane).collect();
         let mut lanes = std::mem::take(&mut self.lanes);
         for mut range in std::mem::take(&mut self.ranges) {
@@ -351,9 +351,9 @@ impl Claim<'_> {
                 .unzip();
             // A new range and its lane's position go in one statement (the usual claim).
             if let Some(i) = lanes.iter().position(|l| l.lane == range.lane) {
-                let hold = lanes::hold_of(self.group, hold_of(range.lane));
-                let lease = (&range, self.token, self.expires);
-                if range::lease_new_with_lane(client, stream_id, self.group.id, lease, lanes[i].claimed, hold)? {
+                let (token, expires, claimed, hold) =
+                    (self.token, self.expires, lanes[i].claimed, hold_for(range.lane));
+                if lanes::store_with_new_range(client, self.group, &range, token, expires, claimed, hold)? {
                     lanes.swap_remove(i);
                     continue;
                 }
@@ -361,7 +361,7 @@ impl Claim<'_> {
             range::lease(client, stream_id, self.group.id, &range, self.token, self.expires)?;
         }
         for lane in lanes {
-            let hold = hold_of(lane.lane);
+            let hold = hold_for(lane.lane);
             lanes::store(client, self.group, lane, hold)?;
         }
         let keys = exception_queue::distinct_keys(&self.resolved_keys);

@@ -27,6 +27,7 @@ use crate::error::Result;
 use crate::group::GroupRef;
 use crate::own_claims;
 use crate::partition::{self, Log};
+use crate::range::{self, RangeLease};
 use crate::statement::{self, Access, Columns, Part, Statement};
 use crate::stream::StreamRef;
 
@@ -240,11 +241,67 @@ const TAKE: Statement = Statement {
     params: &[INT8OID, TIMESTAMPTZOID, BOOLOID, INT4OID],
 };
 
+/// Stores group `$1`'s lane (the parameter named `$lane`) at position `$claimed` with the hold
+/// (`$held_by`, `$held_until`): `STORE`, and `STORE_WITH_NEW_RANGE` with a range's row.
+macro_rules! store_sql {
+    ($lane:literal, $claimed:literal, $held_by:literal, $held_until:literal) => {
+        concat!(
+            "UPDATE sqlstreams.lane_@id@ SET claimed = ",
+            $claimed,
+            ", held_by = ",
+            $held_by,
+            ", held_until = ",
+            $held_until,
+            " WHERE consumer_group_id = $1 AND lane = ",
+            $lane
+        )
+    };
+}
+
+/// Ends group `$1`'s holds under token `$2` (the lanes as `l`): `RELEASE`, which adds its
+/// conditions, and `END_HOLDS_WITH_RANGES`, with the deletion of the token's ranges.
+macro_rules! end_holds {
+    () => {
+        "UPDATE sqlstreams.lane_@id@ l SET held_by = NULL, held_until = NULL
+          WHERE l.consumer_group_id = $1 AND l.held_by = $2"
+    };
+}
+
 const STORE: Statement = Statement {
     name: "lanes_store",
-    sql: "UPDATE sqlstreams.lane_@id@ SET claimed = $3, held_by = $4, held_until = $5
-          WHERE consumer_group_id = $1 AND lane = $2",
+    sql: store_sql!("$2", "$3", "$4", "$5"),
     params: &[INT8OID, INT4OID, INT8OID, UUIDOID, TIMESTAMPTZOID],
+};
+
+/// A range handed out for the first time (`range::LEASE_NEW`, `$1` … `$9`), and its lane's new
+/// position and hold (`STORE`: `$10` the position, `$11` and `$12` the hold) in one statement:
+/// what most claims write.
+const STORE_WITH_NEW_RANGE: Statement = Statement {
+    name: "lanes_store_with_new_range",
+    sql: concat!("WITH r AS (", range::insert_new!(), ") ", store_sql!("$9", "$10", "$11", "$12")),
+    params: &[
+        INT8OID,
+        INT8OID,
+        INT8OID,
+        UUIDOID,
+        TIMESTAMPTZOID,
+        INT4OID,
+        INT8ARRAYOID,
+        TEXTARRAYOID,
+        INT4OID,
+        INT8OID,
+        UUIDOID,
+        TIMESTAMPTZOID,
+    ],
+};
+
+/// Every range under token `$2` deleted (`range::DELETE_TOKEN`), and the token's lane holds
+/// ended (as `RELEASE`) in the same statement: for a claim that put no row in flight, the
+/// token's ranges were all its work (`release_folds`; run by `range::resolve_covered`).
+pub const END_HOLDS_WITH_RANGES: Statement = Statement {
+    name: "lanes_end_holds_with_ranges",
+    sql: range::delete_token!(concat!(", l AS (", end_holds!(), " RETURNING l.lane)"), "ARRAY(SELECT lane FROM l)"),
+    params: &[INT8OID, UUIDOID],
 };
 
 /// Frees each lane token `$2` holds once nothing it handed out from that lane is unresolved.
@@ -254,15 +311,17 @@ const STORE: Statement = Statement {
 /// lease runs out.
 const RELEASE: Statement = Statement {
     name: "lanes_release",
-    sql: "UPDATE sqlstreams.lane_@id@ l SET held_by = NULL, held_until = NULL
-          WHERE l.consumer_group_id = $1 AND l.held_by = $2
+    sql: concat!(
+        end_holds!(),
+        "
             AND NOT EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@ r
                             WHERE r.consumer_group_id = $1 AND r.lease_token = $2
                               AND r.lane = l.lane)
             AND NOT EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
                             WHERE e.consumer_group_id = $1 AND e.lease_token = $2 AND e.status = 'inflight'
                               AND e.lane = l.lane)
-          RETURNING l.lane",
+          RETURNING l.lane"
+    ),
     params: &[INT8OID, UUIDOID],
 };
 
@@ -583,6 +642,32 @@ pub fn store(client: &SpiClient<'_>, group: &GroupRef, lane: Lane, hold: Option<
         ],
     )?;
     Ok(())
+}
+
+/// Leases a range handed out for the first time, as `range::lease`, and stores its lane (at
+/// position `claimed`, with `hold`) as `store` would, in one statement. Returns false, writing
+/// nothing, for any other range: the caller then runs both.
+pub fn store_with_new_range(
+    client: &SpiClient<'_>,
+    group: &GroupRef,
+    range: &RangeLease,
+    token: pgrx::Uuid,
+    expires: i64,
+    claimed: i64,
+    hold: Option<(pgrx::Uuid, i64)>,
+) -> Result<bool> {
+    if range.reclaims != 0 || range.pending.is_empty() {
+        return Ok(false);
+    }
+    let hold = hold_of(group, hold);
+    let mut args = range::lease_args(group.id, range, token, expires);
+    args.extend([
+        claimed.into(),
+        hold.map(|(token, _)| token).into(),
+        statement::timestamptz_opt(hold.map(|(_, until)| until)),
+    ]);
+    STORE_WITH_NEW_RANGE.run(client, group.stream.id, &args)?;
+    Ok(true)
 }
 
 /// The hold a lane is stored with: none in a group that holds no lanes.

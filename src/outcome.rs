@@ -29,7 +29,8 @@ use crate::range;
 pub struct Acked {
     /// The ids recorded, in order (an id whose lease was lost is left out).
     pub recorded: Vec<i64>,
-    /// The lanes the token held where these acks resolved the last of its work.
+    /// The lanes whose hold by the token ended here: nothing the token handed out from them is
+    /// left unresolved.
     pub released_lanes: Vec<i32>,
 }
 
@@ -89,8 +90,8 @@ pub fn ack_in(
     if done.len() < ids.len() {
         let mut rest: Vec<i64> = ids.iter().copied().filter(|id| !done.iter().any(|(d, _)| d == id)).collect();
         if range::may_cover(token, &rest) {
-            let release = lanes::release_folds(group, token);
-            let covered = range::resolve_covered(client, stream_id, group.id, token, group.may_park(), release)?;
+            let end_holds = lanes::release_folds(group, token).then_some(&lanes::END_HOLDS_WITH_RANGES);
+            let covered = range::resolve_covered(client, stream_id, group.id, token, group.may_park(), end_holds)?;
             done.extend(covered.resolved);
             rest.retain(|id| !covered.answered.contains(id));
             released = covered.released;

@@ -171,6 +171,7 @@ macro_rules! insert_new {
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
     };
 }
+pub(crate) use insert_new;
 
 /// A range handed out for the first time: no row of it exists (its messages lie past the lane's
 /// position, past every range of the lane), so it is inserted without `LEASE`'s look for one.
@@ -178,33 +179,6 @@ const LEASE_NEW: Statement = Statement {
     name: "range_lease_new",
     sql: insert_new!(),
     params: &[INT8OID, INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID, INT4OID, INT8ARRAYOID, TEXTARRAYOID, INT4OID],
-};
-
-/// `LEASE_NEW`, and its lane's new position and hold (`lanes::store`: `$10` the position, `$11`
-/// and `$12` the hold) in the same statement: what most claims write.
-const LEASE_NEW_WITH_LANE: Statement = Statement {
-    name: "range_lease_new_with_lane",
-    sql: concat!(
-        "WITH r AS (",
-        insert_new!(),
-        ")
-         UPDATE sqlstreams.lane_@id@ SET claimed = $10, held_by = $11, held_until = $12
-         WHERE consumer_group_id = $1 AND lane = $9"
-    ),
-    params: &[
-        INT8OID,
-        INT8OID,
-        INT8OID,
-        UUIDOID,
-        TIMESTAMPTZOID,
-        INT4OID,
-        INT8ARRAYOID,
-        TEXTARRAYOID,
-        INT4OID,
-        INT8OID,
-        UUIDOID,
-        TIMESTAMPTZOID,
-    ],
 };
 
 /// Outcomes of messages `$3`, delivered under token `$2`.
@@ -224,13 +198,10 @@ const DELETE: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
-/// Every range under token `$2`, deleted with the outcomes stored under the token for them,
-/// which it returns (`resolve_covered`). It locks the token's rows in the token index's order,
-/// not `FOR_TOKEN`'s: only outcomes of the same token wait for them (claims and bounds skip
-/// locked rows, a seek holds the group), and the token's lock runs those one at a time.
-/// `$lanes`: a further part of the statement, and the column that returns what it did.
+/// `DELETE_TOKEN`'s text, with `$lanes`, a further part of the statement, and `$lanes_column`,
+/// the column that returns what it did (`lanes::END_HOLDS_WITH_RANGES`).
 macro_rules! delete_token {
-    ($lanes:literal, $lanes_column:literal) => {
+    ($lanes:expr, $lanes_column:literal) => {
         concat!(
             "WITH r AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1 AND lease_token = $2
                         RETURNING pending, pending_keys, lane),
@@ -245,23 +216,14 @@ macro_rules! delete_token {
         )
     };
 }
+pub(crate) use delete_token;
 
+/// Every range under token `$2`, deleted with the outcomes stored under the token for them,
+/// which it returns (`resolve_covered`). It locks the token's rows in the token index's order,
+/// not `FOR_TOKEN`'s: only outcomes of the same token wait for them (claims and bounds skip
+/// locked rows, a seek holds the group), and the token's lock runs those one at a time.
 const DELETE_TOKEN: Statement =
     Statement { name: "range_delete_token", sql: delete_token!("", "NULL::int4[]"), params: &[INT8OID, UUIDOID] };
-
-/// `DELETE_TOKEN`, and the holds of the lanes the token holds end (`lanes::release`) in the same
-/// statement: for a claim that put no row in flight, the token's ranges were all its work.
-const DELETE_TOKEN_RELEASE: Statement = Statement {
-    name: "range_delete_token_release",
-    sql: delete_token!(
-        ",
-                  l AS (UPDATE sqlstreams.lane_@id@ l SET held_by = NULL, held_until = NULL
-                        WHERE l.consumer_group_id = $1 AND l.held_by = $2
-                        RETURNING l.lane)",
-        "ARRAY(SELECT lane FROM l)"
-    ),
-    params: &[INT8OID, UUIDOID],
-};
 
 /// Outcomes no open range refers to any more: left by a transaction whose snapshot did not see
 /// them when it deleted their range (REPEATABLE READ). They are never read (their token leases
@@ -385,7 +347,7 @@ pub struct Covered {
     /// Every message of the ranges deleted: those resolved now, and those an earlier outcome
     /// under the token had resolved (whose outcome now is "lease lost").
     pub answered: HashSet<i64>,
-    /// The lane holds the statement ended, when it was asked to (`release_lanes`).
+    /// The lane holds the statement ended, when it was asked to (`end_holds`).
     pub released: Option<Released>,
 }
 
@@ -408,20 +370,21 @@ pub struct Released {
 /// has another token when its row's lock is granted, and is left alone. The resolved messages'
 /// keys are read `with_keys` only: a group that parks nothing wakes nothing by key.
 ///
-/// `release_lanes` (`lanes::release_folds`): the token's claim put no row in flight, so once
-/// its ranges are gone nothing of it is left unresolved, and the same statement ends the holds
-/// of its lanes. A lane another claim took over meanwhile has another holder when its row's
-/// lock is granted, and is left alone.
+/// `end_holds` (`lanes::END_HOLDS_WITH_RANGES`, when `lanes::release_folds`): the token's claim
+/// put no row in flight, so once its ranges are gone nothing of it is left unresolved, and that
+/// statement, run instead of `DELETE_TOKEN`, also ends the holds of its lanes. A lane another claim took over meanwhile has another holder when its row's
+/// lock is granted, and is left alone. The keys resolved in the lanes it did end take no lock
+/// before their wake-up (`Released`; docs/semantics.md, "One lock order", outcome step 4).
 pub fn resolve_covered(
     client: &SpiClient<'_>,
     stream_id: i64,
     group_id: i64,
     token: pgrx::Uuid,
     with_keys: bool,
-    release_lanes: bool,
+    end_holds: Option<&Statement>,
 ) -> Result<Covered> {
     let mut covered = Covered { resolved: vec![], answered: HashSet::new(), released: None };
-    let statement = if release_lanes { &DELETE_TOKEN_RELEASE } else { &DELETE_TOKEN };
+    let statement = end_holds.unwrap_or(&DELETE_TOKEN);
     let rows = statement.exec_deformed(client, stream_id, &[group_id.into(), token.into()], Access::Write)?;
     let mut lane_of_key = Vec::new();
     let mut released_lanes = None;
@@ -499,8 +462,14 @@ pub fn lease(
     Ok(())
 }
 
-/// The nine parameters of `LEASE`, `LEASE_NEW` and the first nine of `LEASE_NEW_WITH_LANE`.
-fn lease_args(group_id: i64, range: &RangeLease, token: pgrx::Uuid, expires: i64) -> Vec<DatumWithOid<'static>> {
+/// The nine parameters of `LEASE`, `LEASE_NEW` and the first nine of
+/// `lanes::STORE_WITH_NEW_RANGE`.
+pub(crate) fn lease_args(
+    group_id: i64,
+    range: &RangeLease,
+    token: pgrx::Uuid,
+    expires: i64,
+) -> Vec<DatumWithOid<'static>> {
     vec![
         group_id.into(),
         range.first_id.into(),
@@ -512,31 +481,6 @@ fn lease_args(group_id: i64, range: &RangeLease, token: pgrx::Uuid, expires: i64
         range.pending_keys.clone().into(),
         range.lane.into(),
     ]
-}
-
-/// Leases a range handed out for the first time, as `lease`, and stores its lane (`lane`, at
-/// position `claimed`, with `hold`) as `lanes::store` would, in one statement. Returns false,
-/// writing nothing, for any other range: the caller then runs both.
-pub fn lease_new_with_lane(
-    client: &SpiClient<'_>,
-    stream_id: i64,
-    group_id: i64,
-    lease: (&RangeLease, pgrx::Uuid, i64),
-    claimed: i64,
-    hold: Option<(pgrx::Uuid, i64)>,
-) -> Result<bool> {
-    let (range, token, expires) = lease;
-    if range.reclaims != 0 || range.pending.is_empty() {
-        return Ok(false);
-    }
-    let mut args = lease_args(group_id, range, token, expires);
-    args.extend([
-        claimed.into(),
-        hold.map(|(token, _)| token).into(),
-        statement::timestamptz_opt(hold.map(|(_, until)| until)),
-    ]);
-    LEASE_NEW_WITH_LANE.run(client, stream_id, &args)?;
-    Ok(true)
 }
 
 /// Stores `rest`, split off range `first_id` (see `RangeLease::split_off`).

@@ -109,19 +109,21 @@ fn ack_measured(c: &mut Client, s: &Stream, g: &Group, ds: &[Delivery]) -> Made 
     tx.batch_execute("SET LOCAL track_functions = 'all'").unwrap();
     let measure = |tx: &mut Transaction<'_>| {
         Made {
-        trigger_calls: count_trigger_calls(tx, s),
-        lane_scans: scans(tx, &lane),
-        queue_scans: scans(tx, &queue),
-        done_scans: scans(tx, &done),
-        range_scans: scans(tx, &range),
-        key_locks: tx
-            .query_one(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 21323 AND pid = pg_backend_pid()",
-                &[],
-            )
-            .unwrap()
-            .get(0),
-    }
+            trigger_calls: count_trigger_calls(tx, s),
+            lane_scans: scans(tx, &lane),
+            queue_scans: scans(tx, &queue),
+            done_scans: scans(tx, &done),
+            range_scans: scans(tx, &range),
+            key_locks: tx
+                .query_one(
+                    // Key locks: advisory locks of class 'SK' (src/locks.rs, KEY_CLASS).
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = x'534B'::int
+                   AND pid = pg_backend_pid()",
+                    &[],
+                )
+                .unwrap()
+                .get(0),
+        }
     };
     let before = measure(&mut tx);
     let ids: Vec<i64> = ds.iter().map(|d| d.message_id).collect();

@@ -645,8 +645,11 @@ impl Results {
     }
 }
 
+/// A measure of a run, by name, as the table shows it.
+type Measure<'a, T> = (&'a str, fn(&T) -> String);
+
 /// Every round of every case, in run order: one row per case and measure, one column per round.
-fn rounds_table<T>(cases: &[Vec<T>], case: impl Fn(&T) -> String, measures: &[(&str, fn(&T) -> String)]) -> String {
+fn rounds_table<T>(cases: &[Vec<T>], case: impl Fn(&T) -> String, measures: &[Measure<'_, T>]) -> String {
     let rounds = cases.iter().map(Vec::len).max().unwrap_or(0);
     if rounds < 2 {
         return String::new();

@@ -298,9 +298,21 @@ const STORE_WITH_NEW_RANGE: Statement = Statement {
 /// Every range under token `$2` deleted (`range::DELETE_TOKEN`), and the token's lane holds
 /// ended (as `RELEASE`) in the same statement: for a claim that put no row in flight, the
 /// token's ranges were all its work (`release_folds`; run by `range::resolve_covered`).
+///
+/// A range whose lane it found still held by the token returns no keys when the group has no
+/// parked row: no claim parked a row of those keys since the token's claim (docs/semantics.md,
+/// "One lock order", outcome step 4), and every earlier parking has committed and would be seen
+/// here, so there is nothing to wake, and the ack skips reading, sorting and probing its keys.
 pub const END_HOLDS_WITH_RANGES: Statement = Statement {
     name: "lanes_end_holds_with_ranges",
-    sql: range::delete_token!(concat!(", l AS (", end_holds!(), " RETURNING l.lane)"), "ARRAY(SELECT lane FROM l)"),
+    sql: range::delete_token!(
+        concat!(", l AS (", end_holds!(), " RETURNING l.lane)"),
+        "CASE WHEN r.lane = ANY(ARRAY(SELECT lane FROM l))
+                   AND NOT EXISTS (SELECT FROM sqlstreams.exception_queue_@id@ q
+                                   WHERE q.consumer_group_id = $1 AND q.parked)
+              THEN NULL ELSE r.pending_keys END",
+        "ARRAY(SELECT lane FROM l)"
+    ),
     params: &[INT8OID, UUIDOID],
 };
 

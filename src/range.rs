@@ -198,10 +198,11 @@ const DELETE: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
-/// `DELETE_TOKEN`'s text, with `$lanes`, a further part of the statement, and `$lanes_column`,
-/// the column that returns what it did (`lanes::END_HOLDS_WITH_RANGES`).
+/// `DELETE_TOKEN`'s text, with `$lanes`, a further part of the statement, `$keys_column`, the
+/// keys it returns for a range `r`, and `$lanes_column`, the column that returns what the further
+/// part did (`lanes::END_HOLDS_WITH_RANGES`).
 macro_rules! delete_token {
-    ($lanes:expr, $lanes_column:literal) => {
+    ($lanes:expr, $keys_column:expr, $lanes_column:literal) => {
         concat!(
             "WITH r AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1 AND lease_token = $2
                         RETURNING pending, pending_keys, lane),
@@ -210,7 +211,9 @@ macro_rules! delete_token {
                         RETURNING d.message_id)",
             $lanes,
             "
-             SELECT r.pending, r.pending_keys, ARRAY(SELECT message_id FROM d) AS done, ",
+             SELECT r.pending, ",
+            $keys_column,
+            " AS pending_keys, ARRAY(SELECT message_id FROM d) AS done, ",
             $lanes_column,
             " AS lanes, r.lane FROM (SELECT) AS one LEFT JOIN r ON true"
         )
@@ -222,8 +225,11 @@ pub(crate) use delete_token;
 /// which it returns (`resolve_covered`). It locks the token's rows in the token index's order,
 /// not `FOR_TOKEN`'s: only outcomes of the same token wait for them (claims and bounds skip
 /// locked rows, a seek holds the group), and the token's lock runs those one at a time.
-const DELETE_TOKEN: Statement =
-    Statement { name: "range_delete_token", sql: delete_token!("", "NULL::int4[]"), params: &[INT8OID, UUIDOID] };
+const DELETE_TOKEN: Statement = Statement {
+    name: "range_delete_token",
+    sql: delete_token!("", "r.pending_keys", "NULL::int4[]"),
+    params: &[INT8OID, UUIDOID],
+};
 
 /// Outcomes no open range refers to any more: left by a transaction whose snapshot did not see
 /// them when it deleted their range (REPEATABLE READ). They are never read (their token leases

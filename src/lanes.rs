@@ -25,14 +25,15 @@ use pgrx::spi::SpiClient;
 
 use crate::error::Result;
 use crate::group::GroupRef;
-use crate::own_claims;
 use crate::partition::{self, Log};
-use crate::range::{self, RangeLease};
 use crate::statement::{self, Access, Columns, Part, Statement};
 use crate::stream::StreamRef;
 
 mod empty;
+mod holds;
 mod next;
+
+pub use holds::{release, release_folds, store, store_with_new_range, END_HOLDS_WITH_RANGES};
 
 /// The transaction committed: what its probes learned of lanes counts from now on
 /// (src/lanes/empty.rs, src/lanes/next.rs).
@@ -239,102 +240,6 @@ const TAKE: Statement = Statement {
           WHERE consumer_group_id = $1 AND lane = $4 AND (NOT $3 OR held_until IS NULL OR held_until <= $2)
           FOR UPDATE SKIP LOCKED",
     params: &[INT8OID, TIMESTAMPTZOID, BOOLOID, INT4OID],
-};
-
-/// Stores group `$1`'s lane (the parameter named `$lane`) at position `$claimed` with the hold
-/// (`$held_by`, `$held_until`): `STORE`, and `STORE_WITH_NEW_RANGE` with a range's row.
-macro_rules! store_sql {
-    ($lane:literal, $claimed:literal, $held_by:literal, $held_until:literal) => {
-        concat!(
-            "UPDATE sqlstreams.lane_@id@ SET claimed = ",
-            $claimed,
-            ", held_by = ",
-            $held_by,
-            ", held_until = ",
-            $held_until,
-            " WHERE consumer_group_id = $1 AND lane = ",
-            $lane
-        )
-    };
-}
-
-/// Ends group `$1`'s holds under token `$2` (the lanes as `l`): `RELEASE`, which adds its
-/// conditions, and `END_HOLDS_WITH_RANGES`, with the deletion of the token's ranges.
-macro_rules! end_holds {
-    () => {
-        "UPDATE sqlstreams.lane_@id@ l SET held_by = NULL, held_until = NULL
-          WHERE l.consumer_group_id = $1 AND l.held_by = $2"
-    };
-}
-
-const STORE: Statement = Statement {
-    name: "lanes_store",
-    sql: store_sql!("$2", "$3", "$4", "$5"),
-    params: &[INT8OID, INT4OID, INT8OID, UUIDOID, TIMESTAMPTZOID],
-};
-
-/// A range handed out for the first time (`range::LEASE_NEW`, `$1` … `$9`), and its lane's new
-/// position and hold (`STORE`: `$10` the position, `$11` and `$12` the hold) in one statement:
-/// what most claims write.
-const STORE_WITH_NEW_RANGE: Statement = Statement {
-    name: "lanes_store_with_new_range",
-    sql: concat!("WITH r AS (", range::insert_new!(), ") ", store_sql!("$9", "$10", "$11", "$12")),
-    params: &[
-        INT8OID,
-        INT8OID,
-        INT8OID,
-        UUIDOID,
-        TIMESTAMPTZOID,
-        INT4OID,
-        INT8ARRAYOID,
-        TEXTARRAYOID,
-        INT4OID,
-        INT8OID,
-        UUIDOID,
-        TIMESTAMPTZOID,
-    ],
-};
-
-/// Every range under token `$2` deleted (`range::DELETE_TOKEN`), and the token's lane holds
-/// ended (as `RELEASE`) in the same statement: for a claim that put no row in flight, the
-/// token's ranges were all its work (`release_folds`; run by `range::resolve_covered`).
-///
-/// A range whose lane it found still held by the token returns no keys when the group has no
-/// parked row: no claim parked a row of those keys since the token's claim (docs/semantics.md,
-/// "One lock order", outcome step 4), and every earlier parking has committed and would be seen
-/// here, so there is nothing to wake, and the ack skips reading, sorting and probing its keys.
-pub const END_HOLDS_WITH_RANGES: Statement = Statement {
-    name: "lanes_end_holds_with_ranges",
-    sql: range::delete_token!(
-        concat!(", l AS (", end_holds!(), " RETURNING l.lane)"),
-        "CASE WHEN r.lane = ANY(ARRAY(SELECT lane FROM l))
-                   AND NOT EXISTS (SELECT FROM sqlstreams.exception_queue_@id@ q
-                                   WHERE q.consumer_group_id = $1 AND q.parked)
-              THEN NULL ELSE r.pending_keys END",
-        "ARRAY(SELECT lane FROM l)"
-    ),
-    params: &[INT8OID, UUIDOID],
-};
-
-/// Frees each lane token `$2` holds once nothing it handed out from that lane is unresolved.
-/// It waits for a lane row another transaction has locked, never skips it: a claim that read
-/// the lane free in an older snapshot keeps the row locked to the end of its (short)
-/// transaction although it did not take it, and skipping would leave the hold until its
-/// lease runs out.
-const RELEASE: Statement = Statement {
-    name: "lanes_release",
-    sql: concat!(
-        end_holds!(),
-        "
-            AND NOT EXISTS (SELECT 1 FROM sqlstreams.range_lease_@id@ r
-                            WHERE r.consumer_group_id = $1 AND r.lease_token = $2
-                              AND r.lane = l.lane)
-            AND NOT EXISTS (SELECT 1 FROM sqlstreams.exception_queue_@id@ e
-                            WHERE e.consumer_group_id = $1 AND e.lease_token = $2 AND e.status = 'inflight'
-                              AND e.lane = l.lane)
-          RETURNING l.lane"
-    ),
-    params: &[INT8OID, UUIDOID],
 };
 
 const CREATE: Statement = Statement {
@@ -632,77 +537,6 @@ pub fn take(client: &SpiClient<'_>, group: &GroupRef, lane: i32, now: i64) -> Re
     }
     let claimed = row.required("claimed")?;
     Ok(Some(Lane { lane: row.required("lane")?, claimed, taken_at: claimed, was_held: row.required("was_held")? }))
-}
-
-/// Stores the lane's new position and who holds it: `hold` is the claim's (token, expiry) when
-/// it handed out ordered or exclusive work and the group holds lanes, `None` to leave it free.
-/// A lane that did not move and is not held, before or after, is not written.
-pub fn store(client: &SpiClient<'_>, group: &GroupRef, lane: Lane, hold: Option<(pgrx::Uuid, i64)>) -> Result<()> {
-    let hold = hold_of(group, hold);
-    if hold.is_none() && !lane.was_held && lane.claimed == lane.taken_at {
-        return Ok(());
-    }
-    STORE.run(
-        client,
-        group.stream.id,
-        &[
-            group.id.into(),
-            lane.lane.into(),
-            lane.claimed.into(),
-            hold.map(|(token, _)| token).into(),
-            statement::timestamptz_opt(hold.map(|(_, until)| until)),
-        ],
-    )?;
-    Ok(())
-}
-
-/// Leases a range handed out for the first time, as `range::lease`, and stores its lane (at
-/// position `claimed`, with `hold`) as `store` would, in one statement. Returns false, writing
-/// nothing, for any other range: the caller then runs both.
-pub fn store_with_new_range(
-    client: &SpiClient<'_>,
-    group: &GroupRef,
-    range: &RangeLease,
-    token: pgrx::Uuid,
-    expires: i64,
-    claimed: i64,
-    hold: Option<(pgrx::Uuid, i64)>,
-) -> Result<bool> {
-    if range.reclaims != 0 || range.pending.is_empty() {
-        return Ok(false);
-    }
-    let hold = hold_of(group, hold);
-    let mut args = range::lease_args(group.id, range, token, expires);
-    args.extend([
-        claimed.into(),
-        hold.map(|(token, _)| token).into(),
-        statement::timestamptz_opt(hold.map(|(_, until)| until)),
-    ]);
-    STORE_WITH_NEW_RANGE.run(client, group.stream.id, &args)?;
-    Ok(true)
-}
-
-/// The hold a lane is stored with: none in a group that holds no lanes.
-pub fn hold_of(group: &GroupRef, hold: Option<(pgrx::Uuid, i64)>) -> Option<(pgrx::Uuid, i64)> {
-    hold.filter(|_| holds(group))
-}
-
-/// After outcomes under `token`: frees each lane it holds once everything it handed out there
-/// is resolved. Returns the lanes freed. A token whose claim this backend made and which held
-/// no lane holds none (src/own_claims.rs).
-pub fn release(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid) -> Result<Vec<i32>> {
-    if !holds(group) || own_claims::facts(token).is_some_and(|f| !f.held_lanes) {
-        return Ok(vec![]);
-    }
-    let rows = RELEASE.run(client, group.stream.id, &[group.id.into(), token.into()])?;
-    rows.map(|row| row.required("lane")).collect()
-}
-
-/// Whether an ack that resolves every range of `token` (`range::resolve_covered`) ends the
-/// token's lane holds in the same statement: the token is this backend's claim, which held a
-/// lane and put no row in flight, so its ranges were all it left unresolved.
-pub fn release_folds(group: &GroupRef, token: pgrx::Uuid) -> bool {
-    holds(group) && own_claims::facts(token).is_some_and(|f| f.held_lanes && !f.rows_in_flight)
 }
 
 /// A new group's lanes, every one at position `claimed`.

@@ -58,7 +58,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     if run("w1") {
-        // Rounds, as W10's: the ratios to PgQ pair each round's runs (report.rs).
+        // Rounds, as W10's: an even count, since the ratios to PgQ pair each forward round with
+        // the reversed one after it (stats::paired_ratio).
         let rounds = if bench.quick { 1 } else { 4 };
         let runs = stats::in_rounds(SYSTEMS.len(), rounds, |round, i| {
             let bench = &bench;

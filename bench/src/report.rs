@@ -9,6 +9,9 @@ use crate::scaling::{Policy, Scaling, CONSUMERS, HANDLER_US};
 use crate::systems::System;
 use crate::workloads::{Idle, Latency, Throughput};
 
+mod rounds;
+use rounds::rounds_table;
+
 pub struct Results {
     pub machine: Vec<(String, String)>,
     pub w1: Vec<Throughput>,
@@ -56,7 +59,7 @@ impl Results {
         let mut lines = Vec::new();
         let sql = find(&self.w1, System::Sql);
         let client = find(&self.w1, System::Client);
-        // W1's rounds of a system, and the median over rounds of a ratio within each round.
+        // W1's rounds of a system, and a ratio over them (`stats::paired_ratio`).
         let rounds = |system| {
             self.w1_rounds
                 .iter()
@@ -176,10 +179,11 @@ impl Results {
             "\n## W1 throughput\n\n2 producers in 100-message transactions (~200-byte JSON), 1 consumer in batches of 100. \
              Server CPU is every process of the cluster (from `/proc`) from the consumer's start to its last message, \
              per message produced; WAL likewise. Each system runs in {} rounds, interleaved, every other round in \
-             reverse order: each row is its median round (missing, duplicates: all rounds). Each ratio to PgQ above \
-             joins the two systems' ratio within each round with the next round's (their geometric mean: the two \
-             rounds ran in opposite orders) and takes the median (`stats::paired_ratio`); the rounds are below the \
-             table.\n\n\
+             reverse order: each row is its median round by consumed/s, the upper of the two middle ones (missing, \
+             duplicates: all rounds). Each ratio to PgQ above takes the two systems' ratio within each round, joins \
+             each forward (odd) round's with the reversed round's after it (their geometric mean), and takes the \
+             median of those pairs on a log scale, which for two pairs is their geometric mean \
+             (`stats::paired_ratio`). Every round is in the table below the first.\n\n\
              ![throughput](throughput.svg)\n\n{}\n{}",
             self.w1_rounds.iter().map(Vec::len).max().unwrap_or(0),
             throughput_table(&self.w1),
@@ -556,8 +560,7 @@ impl Results {
             .map_or(&[], Vec::as_slice)
     }
 
-    /// W10's ratios, each next to its target: the median of the ratios of each round's two runs
-    /// (`stats::paired_ratio`).
+    /// W10's ratios, each next to its target, over the rounds (`stats::paired_ratio`).
     fn drain_ratios(&self) -> Vec<String> {
         let mut lines = Vec::new();
         let none = "no keys";
@@ -607,10 +610,11 @@ impl Results {
             "## W10 drain\n\nA consumer's capacity: a backlog (2 producers in 100-message transactions, keys as in W2) is \
              produced first, then one consumer drains it in batches of 100 with nothing else running (PgQ in its tick \
              batches, its ticker running). Every case runs in rounds, interleaved, every other round in reverse \
-             order; each row is the case's median round (missing and duplicates: all rounds). Each ratio printed \
-             above joins its two cases' ratio within each round with the next round's (their geometric mean: the \
-             two rounds ran in opposite orders) and takes the median (`stats::paired_ratio`), so that the \
-             machine's drift between rounds and within one cancels; the rounds are below the table. Server CPU is every process of the cluster, from `/proc`; claim µs is \
+             order; each row is the case's median round by drained/s, the upper of the two middle ones (missing \
+             and duplicates: all rounds). Each ratio printed above takes its two cases' ratio within each round, \
+             joins each forward (odd) round's with the reversed round's after it (their geometric mean), and takes \
+             the median of those pairs on a log scale (`stats::paired_ratio`), so that the machine's drift between \
+             rounds and within one cancels. Every round is in the table below the first. Server CPU is every process of the cluster, from `/proc`; claim µs is \
              `track_functions`' time per claim call.\n\n\
              | system | keys | messages | seconds | drained/s | server CPU µs/msg | WAL bytes/msg | claims | µs per claim | missing | duplicates |\n\
              |---|---|---|---|---|---|---|---|---|---|---|\n",
@@ -643,32 +647,6 @@ impl Results {
         ));
         md
     }
-}
-
-/// A measure of a run, by name, as the table shows it.
-type Measure<'a, T> = (&'a str, fn(&T) -> String);
-
-/// Every round of every case, in run order: one row per case and measure, one column per round.
-fn rounds_table<T>(cases: &[Vec<T>], case: impl Fn(&T) -> String, measures: &[Measure<'_, T>]) -> String {
-    let rounds = cases.iter().map(Vec::len).max().unwrap_or(0);
-    if rounds < 2 {
-        return String::new();
-    }
-    let mut t = String::from("| case | measure |");
-    for round in 1..=rounds {
-        let _ = write!(t, " round {round}{} |", if round % 2 == 0 { " (reversed)" } else { "" });
-    }
-    let _ = writeln!(t, "\n|---|---|{}", "---|".repeat(rounds));
-    for runs in cases.iter().filter(|r| !r.is_empty()) {
-        for (measure, value) in measures {
-            let _ = write!(t, "| {} | {measure} |", case(&runs[0]));
-            for run in runs {
-                let _ = write!(t, " {} |", value(run));
-            }
-            t.push('\n');
-        }
-    }
-    t
 }
 
 impl Results {
@@ -748,23 +726,5 @@ impl Results {
             );
         }
         md
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_rounds_table_has_a_row_per_case_and_measure_and_a_column_per_round() {
-        let cases = vec![vec![(1, 10.0), (1, 11.0), (1, 12.0)], vec![(2, 20.0), (2, 21.0), (2, 22.0)]];
-        let t = rounds_table(&cases, |c| format!("case {}", c.0), &[("rate", |c: &(i32, f64)| format!("{:.0}", c.1))]);
-        let lines: Vec<&str> = t.lines().collect();
-        assert_eq!(lines[0], "| case | measure | round 1 | round 2 (reversed) | round 3 |");
-        assert_eq!(lines[2], "| case 1 | rate | 10 | 11 | 12 |");
-        assert_eq!(lines[3], "| case 2 | rate | 20 | 21 | 22 |");
-        assert_eq!(lines.len(), 4);
-        // One round has nothing to compare.
-        assert_eq!(rounds_table(&[vec![(1, 1.0)]], |c| c.0.to_string(), &[]), "");
     }
 }

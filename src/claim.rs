@@ -340,7 +340,7 @@ impl Claim<'_> {
         );
         exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;
         // Hold a lane while a key it handed out may need it: ordered and exclusive deliveries.
-        let hold_for = |lane: i32| holding.contains(&lane).then_some((self.token, self.expires));
+        let claim_hold = |lane: i32| holding.contains(&lane).then_some((self.token, self.expires));
         let taken: Vec<i32> = self.lanes.iter().map(|l| l.lane).collect();
         let mut lanes = std::mem::take(&mut self.lanes);
         for mut range in std::mem::take(&mut self.ranges) {
@@ -351,9 +351,8 @@ impl Claim<'_> {
                 .unzip();
             // A new range and its lane's position go in one statement (the usual claim).
             if let Some(i) = lanes.iter().position(|l| l.lane == range.lane) {
-                let (token, expires, claimed, hold) =
-                    (self.token, self.expires, lanes[i].claimed, hold_for(range.lane));
-                if lanes::store_with_new_range(client, self.group, &range, token, expires, claimed, hold)? {
+                let (claimed, hold) = (lanes[i].claimed, claim_hold(range.lane));
+                if lanes::store_with_new_range(client, self.group, &range, self.token, self.expires, claimed, hold)? {
                     lanes.swap_remove(i);
                     continue;
                 }
@@ -361,7 +360,7 @@ impl Claim<'_> {
             range::lease(client, stream_id, self.group.id, &range, self.token, self.expires)?;
         }
         for lane in lanes {
-            let hold = hold_for(lane.lane);
+            let hold = claim_hold(lane.lane);
             lanes::store(client, self.group, lane, hold)?;
         }
         let keys = exception_queue::distinct_keys(&self.resolved_keys);

@@ -33,7 +33,7 @@ mod empty;
 mod holds;
 mod next;
 
-pub use holds::{release, release_folds, store, store_with_new_range, END_HOLDS_WITH_RANGES};
+pub use holds::{end_holds_with_ranges, release, store, store_with_new_range};
 
 /// The transaction committed: what its probes learned of lanes counts from now on
 /// (src/lanes/empty.rs, src/lanes/next.rs).

@@ -90,7 +90,7 @@ pub fn ack_in(
     if done.len() < ids.len() {
         let mut rest: Vec<i64> = ids.iter().copied().filter(|id| !done.iter().any(|(d, _)| d == id)).collect();
         if range::may_cover(token, &rest) {
-            let end_holds = lanes::release_folds(group, token).then_some(&lanes::END_HOLDS_WITH_RANGES);
+            let end_holds = lanes::end_holds_with_ranges(group, token);
             let covered = range::resolve_covered(client, stream_id, group.id, token, group.may_park(), end_holds)?;
             done.extend(covered.resolved);
             rest.retain(|id| !covered.answered.contains(id));

@@ -200,7 +200,7 @@ const DELETE: Statement = Statement {
 
 /// `DELETE_TOKEN`'s text, with `$lanes`, a further part of the statement, `$keys_column`, the
 /// keys it returns for a range `r`, and `$lanes_column`, the column that returns what the further
-/// part did (`lanes::END_HOLDS_WITH_RANGES`).
+/// part did (`END_HOLDS_WITH_RANGES` in src/lanes/holds.rs).
 macro_rules! delete_token {
     ($lanes:expr, $keys_column:expr, $lanes_column:literal) => {
         concat!(
@@ -348,7 +348,8 @@ fn locked(client: &SpiClient<'_>, stream_id: i64, group_id: i64, token: pgrx::Uu
 
 /// What `resolve_covered` resolved.
 pub struct Covered {
-    /// The messages resolved now, with their keys.
+    /// The messages resolved now, with their keys when the statement returned them (not for a
+    /// lane whose hold it ended while the group had no parked row: see `Released`).
     pub resolved: Vec<(i64, Option<String>)>,
     /// Every message of the ranges deleted: those resolved now, and those an earlier outcome
     /// under the token had resolved (whose outcome now is "lease lost").
@@ -361,7 +362,8 @@ pub struct Covered {
 pub struct Released {
     pub lanes: Vec<i32>,
     /// The keys of the messages resolved now in those lanes, sorted: no claim can park rows of
-    /// them before this transaction ends (`exception_queue::Waker::HeldLanes`).
+    /// them before this transaction ends (`exception_queue::Waker::HeldLanes`). Empty when the
+    /// statement found no parked row in the group: then none of them has a row to wake.
     pub keys: Vec<String>,
 }
 
@@ -376,9 +378,10 @@ pub struct Released {
 /// has another token when its row's lock is granted, and is left alone. The resolved messages'
 /// keys are read `with_keys` only: a group that parks nothing wakes nothing by key.
 ///
-/// `end_holds` (`lanes::END_HOLDS_WITH_RANGES`, when `lanes::release_folds`): the token's claim
-/// put no row in flight, so once its ranges are gone nothing of it is left unresolved, and that
-/// statement, run instead of `DELETE_TOKEN`, also ends the holds of its lanes. A lane another claim took over meanwhile has another holder when its row's
+/// `end_holds` (`lanes::end_holds_with_ranges`), when the token's claim put no row in flight:
+/// once its ranges are gone nothing of it is left unresolved, and that statement, run instead
+/// of `DELETE_TOKEN` and returning the same columns, also ends the holds of its lanes (in its
+/// `lanes` column). A lane another claim took over meanwhile has another holder when its row's
 /// lock is granted, and is left alone. The keys resolved in the lanes it did end take no lock
 /// before their wake-up (`Released`; docs/semantics.md, "One lock order", outcome step 4).
 pub fn resolve_covered(

@@ -231,6 +231,37 @@ fn an_ack_of_a_whole_ordered_claim_ends_its_lane_holds_with_its_ranges() {
     assert_eq!(g.drain(&mut c), Vec::<i64>::new(), "everything was acked");
 }
 
+/// A row the claim itself parked: an ordered message of key k waits behind a parallel one of k
+/// that the same claim handed out, and the claim holds the lane for an ordered message of
+/// another key there. The whole ack finds the lane still held by its token, yet must wake the
+/// row: the statement returns the keys because the group has a parked row (src/lanes/holds.rs,
+/// `END_HOLDS_WITH_RANGES`). Without that, the row would wait out its park time.
+#[test]
+fn a_whole_ack_wakes_the_row_its_own_claim_parked() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "own-parked-self");
+    let g = s.group(&mut c, "g", None);
+    let lane = s.lane(&mut c, "k");
+    let j = (0..).map(|i| format!("j{i}")).find(|j| s.lane(&mut c, j) == lane).expect("a key in k's lane");
+    let mut produce = |key: &str, concurrency: &str| {
+        s.produce_with(&mut c, serde_json::json!({ "key": key }), Some(key), Some(concurrency), false)
+            .expect("produce")
+            .expect("an id")
+    };
+    let parallel_k = produce("k", "parallel");
+    let ordered_k = produce("k", "ordered");
+    let ordered_j = produce(&j, "ordered");
+    let claimed = g.claim(&mut c, 10);
+    assert_eq!(ids(&claimed), vec![parallel_k, ordered_j], "k's ordered message waits behind its parallel one");
+    let parked: i64 =
+        c.query_one(&format!("SELECT count(*) FROM {} WHERE parked", s.table("exception_queue")), &[]).unwrap().get(0);
+    assert_eq!(parked, 1, "the claim parked it");
+    assert_eq!(held_by(&mut c, &s, &g), vec![Some(claimed[0].lease_token)], "the claim holds the lane");
+    let made = ack_measured(&mut c, &s, &g, &claimed);
+    assert_eq!(made.range_scans, 1, "the whole ack, in one statement");
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![ordered_k], "the ack woke the row its own claim parked");
+}
+
 #[test]
 fn a_whole_claim_acked_after_one_of_its_messages_records_only_the_rest() {
     let mut c = connect();

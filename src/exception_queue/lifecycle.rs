@@ -405,13 +405,8 @@ const WAKE: Statement = Statement {
 /// Whether group `$1` has any parked row, read after the keys' locks as `WAKE` would read it: a
 /// group with none (as a rule, while it keeps up) updates nothing, and no statement fires the
 /// queue's count triggers.
-const ANY_PARKED: Statement = Statement {
-    name: "eq_any_parked",
-    sql: "SELECT coalesce((SELECT true FROM sqlstreams.exception_queue_@id@
-                           WHERE consumer_group_id = $1 AND parked
-                           ORDER BY message_key, message_id LIMIT 1), false) AS any",
-    params: &[INT8OID],
-};
+const ANY_PARKED: Statement =
+    Statement { name: "eq_any_parked", sql: concat!("SELECT ", super::any_parked!(), " AS any"), params: &[INT8OID] };
 
 /// Rows one claim can chain per key; also the wake batch.
 pub const WAKE_PER_KEY: i32 = 1000;

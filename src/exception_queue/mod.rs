@@ -41,6 +41,17 @@ macro_rules! waiting {
 }
 pub(crate) use waiting;
 
+/// Whether group `$1` has any parked row, as a SQL expression: one probe of the `_parked` index
+/// (a scalar subquery ordered by the index's columns, as `src/lanes.rs` explains, not EXISTS).
+macro_rules! any_parked {
+    () => {
+        "coalesce((SELECT true FROM sqlstreams.exception_queue_@id@
+                   WHERE consumer_group_id = $1 AND parked
+                   ORDER BY message_key, message_id LIMIT 1), false)"
+    };
+}
+pub(crate) use any_parked;
+
 /// Rows handed out under a lease that may expire. The `_inflight` and `_expiry_any` indexes'
 /// predicate; `in_flight!("e")` for alias `e`.
 macro_rules! in_flight {

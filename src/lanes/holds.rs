@@ -1,7 +1,8 @@
-//! What a claim writes to a lane it took, its position and its hold, and how outcomes end
-//! holds (see src/lanes.rs for what a hold is). The statements that write a lane together with
-//! the token's ranges live here too: the lane's writes have one home.
+//! What a claim writes to a lane it took, its position and its hold, and how outcomes end holds
+//! (src/lanes.rs says what a hold is), with the statements that write them together with the
+//! token's ranges.
 
+use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::SpiClient;
 
@@ -12,8 +13,9 @@ use crate::own_claims;
 use crate::range::{self, RangeLease};
 use crate::statement::{self, Columns, Statement};
 
-/// Stores group `$1`'s lane (the parameter named `$lane`) at position `$claimed` with the hold
-/// (`$held_by`, `$held_until`): `STORE`, and `STORE_WITH_NEW_RANGE` with a range's row.
+/// The statement storing a lane of group `$1`: each argument is the SQL parameter (such as
+/// `"$2"`) that holds the lane, its position, and its hold (token and expiry). For `STORE`, and
+/// `STORE_WITH_NEW_RANGE` with a range's row.
 macro_rules! store_sql {
     ($lane:literal, $claimed:literal, $held_by:literal, $held_until:literal) => {
         concat!(
@@ -66,22 +68,24 @@ const STORE_WITH_NEW_RANGE: Statement = Statement {
     ],
 };
 
-/// Every range under token `$2` deleted (`range::DELETE_TOKEN`), and the token's lane holds
-/// ended (as `RELEASE`) in the same statement: for a claim that put no row in flight, the
-/// token's ranges were all its work (`release_folds`; run by `range::resolve_covered`).
+/// Every range under token `$2` deleted (`range::DELETE_TOKEN`, with its columns), and the
+/// token's lane holds ended (as `RELEASE`) in the same statement: for a claim that put no row in
+/// flight, the token's ranges were all its work (`end_holds_with_ranges`).
 ///
-/// A range whose lane it found still held by the token returns no keys when the group has no
-/// parked row: no claim parked a row of those keys since the token's claim (docs/semantics.md,
-/// "One lock order", outcome step 4), and every earlier parking has committed and would be seen
-/// here, so there is nothing to wake, and the ack skips reading, sorting and probing its keys.
-pub const END_HOLDS_WITH_RANGES: Statement = Statement {
+/// A range whose lane it found still held by the token returns no keys while the group has no
+/// parked row. No claim can have parked a row of those keys since the token's claim
+/// (docs/semantics.md, "One lock order", outcome step 4), and every earlier parking, the token's
+/// own claim's included, has committed and would be found by the probe: so there is nothing to
+/// wake, and the ack skips reading, sorting and probing its keys.
+const END_HOLDS_WITH_RANGES: Statement = Statement {
     name: "lanes_end_holds_with_ranges",
     sql: range::delete_token!(
         concat!(", l AS (", end_holds!(), " RETURNING l.lane)"),
-        "CASE WHEN r.lane = ANY(ARRAY(SELECT lane FROM l))
-                   AND NOT EXISTS (SELECT FROM sqlstreams.exception_queue_@id@ q
-                                   WHERE q.consumer_group_id = $1 AND q.parked)
-              THEN NULL ELSE r.pending_keys END",
+        concat!(
+            "CASE WHEN r.lane = ANY(ARRAY(SELECT lane FROM l)) AND NOT ",
+            crate::exception_queue::any_parked!(),
+            " THEN NULL ELSE r.pending_keys END"
+        ),
         "ARRAY(SELECT lane FROM l)"
     ),
     params: &[INT8OID, UUIDOID],
@@ -119,13 +123,7 @@ pub fn store(client: &SpiClient<'_>, group: &GroupRef, lane: Lane, hold: Option<
     STORE.run(
         client,
         group.stream.id,
-        &[
-            group.id.into(),
-            lane.lane.into(),
-            lane.claimed.into(),
-            hold.map(|(token, _)| token).into(),
-            statement::timestamptz_opt(hold.map(|(_, until)| until)),
-        ],
+        &[group.id.into(), lane.lane.into(), lane.claimed.into(), hold_token(hold), hold_until(hold)],
     )?;
     Ok(())
 }
@@ -147,13 +145,18 @@ pub fn store_with_new_range(
     }
     let hold = hold_of(group, hold);
     let mut args = range::lease_args(group.id, range, token, expires);
-    args.extend([
-        claimed.into(),
-        hold.map(|(token, _)| token).into(),
-        statement::timestamptz_opt(hold.map(|(_, until)| until)),
-    ]);
+    args.extend([claimed.into(), hold_token(hold), hold_until(hold)]);
     STORE_WITH_NEW_RANGE.run(client, group.stream.id, &args)?;
     Ok(true)
+}
+
+/// A hold's token and expiry, as the parameters of `store_sql!`.
+fn hold_token(hold: Option<(pgrx::Uuid, i64)>) -> DatumWithOid<'static> {
+    hold.map(|(token, _)| token).into()
+}
+
+fn hold_until(hold: Option<(pgrx::Uuid, i64)>) -> DatumWithOid<'static> {
+    statement::timestamptz_opt(hold.map(|(_, until)| until))
 }
 
 /// The hold a lane is stored with: none in a group that holds no lanes.
@@ -172,9 +175,11 @@ pub fn release(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid) -> R
     rows.map(|row| row.required("lane")).collect()
 }
 
-/// Whether an ack that resolves every range of `token` (`range::resolve_covered`) ends the
-/// token's lane holds in the same statement: the token is this backend's claim, which held a
-/// lane and put no row in flight, so its ranges were all it left unresolved.
-pub fn release_folds(group: &GroupRef, token: pgrx::Uuid) -> bool {
-    holds(group) && own_claims::facts(token).is_some_and(|f| f.held_lanes && !f.rows_in_flight)
+/// The statement an ack that resolves every range of `token` (`range::resolve_covered`) runs to
+/// end the token's lane holds with them, `END_HOLDS_WITH_RANGES`: when the token is this
+/// backend's claim, which held a lane and put no row in flight, so that its ranges were all it
+/// left unresolved. None otherwise (`release` then runs after the outcome).
+pub fn end_holds_with_ranges(group: &GroupRef, token: pgrx::Uuid) -> Option<&'static Statement> {
+    let folds = holds(group) && own_claims::facts(token).is_some_and(|f| f.held_lanes && !f.rows_in_flight);
+    folds.then_some(&END_HOLDS_WITH_RANGES)
 }

@@ -117,6 +117,7 @@ impl Bench {
                 .unwrap();
             (row.get(0), row.get(1))
         };
+        systems::teardown(&self.db, &target).await;
         let n = expected.len().max(1) as f64;
         Drain {
             system: Some(system),

@@ -168,6 +168,9 @@ impl Results {
              (its `missing` column counts them when it happens). sqlstreams' fence waits for them instead.\n\
              - **PgQ** is consumed in its own batches (everything between two 50 ms ticks); sqlstreams in claims of \
              100 messages, as W1 prescribes.\n\
+             - **Each run starts clean**: a run drops its stream, queue or table once it is measured, so no run \
+             shares the cluster with earlier runs' tables (their autovacuum), and PgQ's ticker ticks only the \
+             queue of the run in progress.\n\
              - One 2-core machine runs the producers, the consumer and Postgres: numbers move by 10-20% between runs."
         );
         let _ = writeln!(md, "\n## Ratios\n");

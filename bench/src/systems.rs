@@ -127,6 +127,25 @@ pub async fn setup(db: &Pg, system: System, run: &str, policy: Option<&str>) -> 
     target
 }
 
+/// Drops what `setup` created for `target`, once its run is measured: a run shares the cluster
+/// with no earlier run's tables (their autovacuum and checkpoints) nor, for PgQ, with queues
+/// its ticker would go on ticking.
+pub async fn teardown(db: &Pg, target: &Target) {
+    match target.system {
+        System::Client | System::Sql => {
+            db.execute("SELECT sqlstreams.drop_stream($1)", &[&target.stream]).await.unwrap();
+        }
+        // Forced: with its consumers still registered.
+        System::Pgq => {
+            db.execute("SELECT pgq.drop_queue($1, true)", &[&target.stream]).await.unwrap();
+        }
+        System::Floor => {
+            let (t, c) = (floor_table(target), floor_cursor(target));
+            db.batch_execute(&format!("DROP TABLE {t}; DROP TABLE {c};")).await.unwrap();
+        }
+    }
+}
+
 /// Registers another PgQ consumer on `target`'s queue.
 pub async fn pgq_consumer(db: &Pg, target: &Target, name: &str) -> Target {
     db.execute("SELECT pgq.register_consumer($1, $2)", &[&target.stream, &name]).await.unwrap();

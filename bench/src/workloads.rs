@@ -290,7 +290,7 @@ impl Bench {
 
         let unique: HashSet<(u32, u64)> = seen.iter().map(|c| (c.producer, c.seq)).collect();
         let mut latencies: Vec<f64> = seen.iter().map(|c| (c.handled_us - c.produced_us) as f64 / 1000.0).collect();
-        Throughput {
+        let throughput = Throughput {
             system: Some(system),
             label: keys.label(),
             produced: expected.len(),
@@ -304,7 +304,9 @@ impl Bench {
             wal_bytes_per_message: wal / expected.len().max(1) as f64,
             server_cpu_us_per_message: cpu as f64 / expected.len().max(1) as f64,
             functions: self.function_stats().await,
-        }
+        };
+        systems::teardown(&self.db, &target).await;
+        throughput
     }
 
     /// W3: one message every 5 ms (200/s) in its own transaction, for a while; the time from
@@ -353,6 +355,7 @@ impl Bench {
         if let Some(t) = ticker {
             let _stopped = t.await;
         }
+        systems::teardown(&self.db, &target).await;
         let unique: HashSet<u64> = seen.iter().map(|c| c.seq).collect();
         let mut latencies: Vec<f64> = seen.iter().map(|c| (c.handled_us - c.produced_us) as f64 / 1000.0).collect();
         Latency {
@@ -410,6 +413,7 @@ impl Bench {
             samples.push((started - done) as f64 / 1000.0);
         }
         running.shutdown(Duration::from_secs(10)).await;
+        systems::teardown(&self.db, &target).await;
         latency("through the client (same claim, chained)", System::Client, samples)
     }
 
@@ -455,6 +459,7 @@ impl Bench {
             pg.execute("SELECT sqlstreams.ack($1, $2, $3, $4)", &[s, g, &token, &ids[1]]).await.unwrap();
             samples.push((started - resolved) as f64 / 1000.0);
         }
+        systems::teardown(&self.db, &target).await;
         latency("through SQL (ack, then the next claim)", System::Sql, samples)
     }
 
@@ -492,6 +497,7 @@ impl Bench {
         if let Some(t) = ticker {
             let _stopped = t.await;
         }
+        systems::teardown(&self.db, &target).await;
         // Minus the measuring statement itself (one transaction and one xid per reading).
         let statements = after.get::<_, i64>(0) - before.get::<_, i64>(0) - 1;
         let xids = after.get::<_, i64>(1) - before.get::<_, i64>(1) - 1;

@@ -215,11 +215,12 @@ const CHECK: Statement = Statement {
             AND u.message_key = ANY($6)
             AND NOT EXISTS (SELECT 1 FROM sqlstreams.range_done_@id@ d
                             WHERE d.consumer_group_id = $1 AND d.lease_token = r.lease_token AND d.message_id = u.id)
-            -- Once: a consumer alone, whose acks went with its claim, has no other open range.
-            -- (An index scan, which learns which entries are dead; a bitmap scan of the group's
-            -- ranges reads every range a busy consumer wrote since the last vacuum.)
+            -- Once: a consumer alone, whose acks went with its claim, has no other open range
+            -- in its lanes. (An index scan, which learns which entries are dead; a bitmap scan
+            -- of the group's ranges reads every range a busy consumer wrote since the last
+            -- vacuum.)
             AND coalesce((SELECT true FROM sqlstreams.range_lease_@id@ o
-                          WHERE o.consumer_group_id = $1 AND o.first_id <> ALL($5)
+                          WHERE o.consumer_group_id = $1 AND o.first_id <> ALL($5) AND o.lane = ANY($7)
                           ORDER BY o.first_id LIMIT 1), false)
           GROUP BY u.message_key
           UNION ALL
@@ -243,7 +244,9 @@ const CHECK: Statement = Statement {
 
 /// Whether `CHECK` can find anything at all, in a statement much smaller than `CHECK` (whose
 /// plan costs more to set up than a group keeping up needs): any unresolved exception row of
-/// group `$1`, any range of it but this claim's (`$2`). Both in one statement, so in one
+/// group `$1`, any range of it but this claim's (`$2`) in a lane the claim took (`$3`), the only
+/// ranges `CHECK` looks at (a key is in one lane). So other consumers' ranges, always open
+/// beside a consumer's claims, cost its claims nothing. Both in one statement, so in one
 /// snapshot, as `CHECK` reads them.
 const ANY_BLOCKER: Statement = Statement {
     name: "gate_any_blocker",
@@ -251,9 +254,9 @@ const ANY_BLOCKER: Statement = Statement {
                            WHERE u.consumer_group_id = $1 AND u.status IN ('ready', 'inflight', 'deferred')
                            ORDER BY u.message_id LIMIT 1), false)
               OR coalesce((SELECT true FROM sqlstreams.range_lease_@id@ o
-                           WHERE o.consumer_group_id = $1 AND o.first_id <> ALL($2)
+                           WHERE o.consumer_group_id = $1 AND o.first_id <> ALL($2) AND o.lane = ANY($3)
                            ORDER BY o.first_id LIMIT 1), false) AS any",
-    params: &[INT8OID, INT8ARRAYOID],
+    params: &[INT8OID, INT8ARRAYOID, INT4ARRAYOID],
 };
 
 const COMPACTION_HEADS: Statement = Statement {
@@ -292,12 +295,12 @@ pub struct GatherInput<'a> {
 }
 
 /// Whether anything could block a key: with `on_dead = 'hold'` a dead row could; otherwise only
-/// an unresolved exception row or another range (`ANY_BLOCKER`).
+/// an unresolved exception row or another range in the claim's lanes (`ANY_BLOCKER`).
 fn may_block(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<bool> {
     if input.hold_on_dead {
         return Ok(true);
     }
-    let args = [input.group_id.into(), input.own_ranges.clone().into()];
+    let args = [input.group_id.into(), input.own_ranges.clone().into(), input.lanes.clone().into()];
     ANY_BLOCKER.run(client, input.stream_id, &args)?.first().required("any")
 }
 

@@ -315,3 +315,42 @@ fn lanes_probed_as_claims_reach_them_move_up_and_lose_nothing() {
     expected.sort();
     assert_eq!(delivered, expected);
 }
+
+/// One claim on `c` in a transaction of its own: the ids it handed out, its lease token, and how
+/// often it scanned the stream's open ranges (the table or an index of it).
+fn claim_counting_range_scans(c: &mut Client, s: &Stream, g: &Group) -> (Vec<i64>, uuid::Uuid, i64) {
+    let range = s.table("range_lease");
+    let mut tx = c.transaction().unwrap();
+    let before = scans(&mut tx, &range);
+    let rows =
+        tx.query("SELECT message_id, lease_token FROM sqlstreams.claim($1, $2, 10)", &[&s.name, &g.name]).unwrap();
+    let after = scans(&mut tx, &range);
+    tx.commit().unwrap();
+    (rows.iter().map(|r| r.get(0)).collect(), rows[0].get(1), after - before)
+}
+
+/// The key gate looks for a key's messages pending in other claims' ranges only in the lanes the
+/// claim took, where a key's messages are: another consumer's open range in another lane, there
+/// beside every claim of a busy group, costs an ordered claim no look at the ranges.
+#[test]
+fn an_ordered_claim_beside_another_lanes_open_range_reads_the_ranges_as_if_alone() {
+    let mut c = connect();
+    let mut other = connect();
+    let s = Stream::create(&mut c, "gate-lanes");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let keys = one_key_per_lane(&mut c, &s);
+    let (a, b) = (keys[0].as_str(), keys[1].as_str());
+
+    let first = s.produce_many(&mut c, 1, Some(b));
+    let (got, token, alone) = claim_counting_range_scans(&mut c, &s, &g);
+    assert_eq!(got, first);
+    c.execute("SELECT sqlstreams.ack_batch($1, $2, $3, $4)", &[&s.name, &g.name, &token, &got]).unwrap();
+
+    // Another consumer holds lane a, with its range open.
+    let theirs = s.produce_many(&mut c, 1, Some(a));
+    assert_eq!(ids(&g.claim(&mut other, 10)), theirs);
+    let second = s.produce_many(&mut c, 1, Some(b));
+    let (got, _, beside) = claim_counting_range_scans(&mut c, &s, &g);
+    assert_eq!(got, second, "key b's next message runs: nothing of b is open elsewhere");
+    assert_eq!(beside, alone, "the claim read the open ranges as often as when no other range was open");
+}

@@ -11,7 +11,6 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::systems::{self, ConsumerOpts, System};
@@ -25,6 +24,9 @@ pub struct Drain {
     pub seconds: f64,
     pub rate: f64,
     pub server_cpu_us_per_message: f64,
+    /// This process's CPU: the consumer (the client library, or the SQL loop), and what the
+    /// bench does with every message it hands over (the same for every system).
+    pub consumer_cpu_us_per_message: f64,
     pub wal_bytes_per_message: f64,
     /// sqlstreams: claims and their server time (`track_functions`), µs per claim.
     pub claims: i64,
@@ -76,23 +78,25 @@ impl Bench {
         self.db.execute("CHECKPOINT", &[]).await.unwrap();
         self.db.execute("SELECT pg_stat_reset()", &[]).await.unwrap();
 
-        let (sink, mut seen_rx) = mpsc::unbounded_channel();
+        let sink = systems::Sink::default();
         let opts = ConsumerOpts { batch: 100, idle_poll: Duration::from_millis(10), policy: keys.policy() };
         let wal_start = self.wal_position().await;
         let cpu_start = self.cluster_cpu_us(&data_dir);
+        let own_cpu_start = crate::workloads::own_cpu_us();
         let started = Instant::now();
-        let consumer = systems::start_consumer(&self.url, &client, &target, opts, sink).await;
+        let consumer = systems::start_consumer(&self.url, &client, &target, opts, sink.clone()).await;
         let mut seen = Vec::with_capacity(expected.len());
         let deadline = Instant::now() + Duration::from_secs(300);
         let mut unique = HashSet::new();
         while unique.len() < expected.len() && Instant::now() < deadline {
-            if let Ok(Some(c)) = tokio::time::timeout(Duration::from_secs(1), seen_rx.recv()).await {
+            for c in sink.next().await {
                 unique.insert((c.producer, c.seq));
                 seen.push(c);
             }
         }
         let elapsed = started.elapsed();
         let cpu = self.cluster_cpu_us(&data_dir).saturating_sub(cpu_start);
+        let own_cpu = crate::workloads::own_cpu_us().saturating_sub(own_cpu_start);
         let wal = self.wal_since(&wal_start).await;
         consumer.stop().await;
         stop_ticker.cancel();
@@ -100,7 +104,7 @@ impl Bench {
             let _stopped = t.await;
         }
         drop(client);
-        while let Ok(c) = seen_rx.try_recv() {
+        for c in sink.take() {
             unique.insert((c.producer, c.seq));
             seen.push(c);
         }
@@ -126,6 +130,7 @@ impl Bench {
             seconds: elapsed.as_secs_f64(),
             rate: unique.len() as f64 / elapsed.as_secs_f64(),
             server_cpu_us_per_message: cpu as f64 / n,
+            consumer_cpu_us_per_message: own_cpu as f64 / n,
             wal_bytes_per_message: wal / n,
             claims,
             claim_us: if claims > 0 { claim_ms * 1000.0 / claims as f64 } else { f64::NAN },

@@ -143,8 +143,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             async move {
                 let d = bench.drain(system, keys).await;
                 println!(
-                    "W10 round {round} {:<20} {:<20} {:>8.0}/s, server CPU {:>5.1} µs/msg, WAL {:>4.0} B/msg, claim {:>6.0} µs, missing {} duplicates {}",
-                    system.name(), d.label, d.rate, d.server_cpu_us_per_message, d.wal_bytes_per_message, d.claim_us, d.missing, d.duplicates
+                    "W10 round {round} {:<20} {:<20} {:>8.0}/s, server CPU {:>5.1} µs/msg, consumer CPU {:>5.1} µs/msg, WAL {:>4.0} B/msg, claim {:>6.0} µs, missing {} duplicates {}",
+                    system.name(), d.label, d.rate, d.server_cpu_us_per_message, d.consumer_cpu_us_per_message, d.wal_bytes_per_message, d.claim_us, d.missing, d.duplicates
                 );
                 d
             }

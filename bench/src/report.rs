@@ -617,21 +617,23 @@ impl Results {
              and duplicates: all rounds). Each ratio printed above takes its two cases' ratio within each round, \
              joins each forward (odd) round's with the reversed round's after it (their geometric mean), and takes \
              the median of those pairs on a log scale (`stats::paired_ratio`), so that the machine's drift between \
-             rounds and within one cancels. Every round is in the table below the first. Server CPU is every process of the cluster, from `/proc`; claim µs is \
-             `track_functions`' time per claim call.\n\n\
-             | system | keys | messages | seconds | drained/s | server CPU µs/msg | WAL bytes/msg | claims | µs per claim | missing | duplicates |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|\n",
+             rounds and within one cancels. Every round is in the table below the first. Server CPU is every process of the cluster, from `/proc`; consumer CPU is the bench's own process \
+             (the client library or the SQL loop, and the bench's handling of each message, the same for every \
+             system); claim µs is `track_functions`' time per claim call.\n\n\
+             | system | keys | messages | seconds | drained/s | server CPU µs/msg | consumer CPU µs/msg | WAL bytes/msg | claims | µs per claim | missing | duplicates |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         for d in &self.w10 {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {:.2} | {:.0} | {:.1} | {:.0} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {:.2} | {:.0} | {:.1} | {:.1} | {:.0} | {} | {} | {} | {} |",
                 name(d.system),
                 d.label,
                 d.messages,
                 d.seconds,
                 d.rate,
                 d.server_cpu_us_per_message,
+                d.consumer_cpu_us_per_message,
                 d.wal_bytes_per_message,
                 d.claims,
                 if d.claim_us.is_finite() { format!("{:.0}", d.claim_us) } else { "n/a".into() },
@@ -646,6 +648,7 @@ impl Results {
             &[
                 ("drained/s", |d: &crate::drain::Drain| format!("{:.0}", d.rate)),
                 ("server CPU µs/msg", |d: &crate::drain::Drain| format!("{:.1}", d.server_cpu_us_per_message)),
+                ("consumer CPU µs/msg", |d: &crate::drain::Drain| format!("{:.1}", d.consumer_cpu_us_per_message)),
             ],
         ));
         md

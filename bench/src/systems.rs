@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::Notify;
 use tokio_postgres::{AsyncMessage, NoTls};
 use tokio_util::sync::CancellationToken;
 
@@ -79,6 +79,34 @@ impl Consumed {
             id,
             key: event.key,
         }
+    }
+}
+
+/// Where a consumer's handler puts what it saw: appended under a lock, waking nobody; the bench
+/// collects it every millisecond (`take`). A channel would wake the bench's loop for each
+/// message that a handler sends on its own: a cost of the harness, a thread wake-up per message,
+/// that a consumer calling its handler message by message pays and one handing over a batch at
+/// once does not.
+#[derive(Clone, Default)]
+pub struct Sink(Arc<std::sync::Mutex<Vec<Consumed>>>);
+
+impl Sink {
+    pub fn send(&self, consumed: Consumed) {
+        self.0.lock().unwrap().push(consumed);
+    }
+
+    /// What was put since the last call.
+    pub fn take(&self) -> Vec<Consumed> {
+        std::mem::take(&mut *self.0.lock().unwrap())
+    }
+
+    /// What was put since the last call, after waiting a millisecond when nothing was.
+    pub async fn next(&self) -> Vec<Consumed> {
+        let taken = self.take();
+        if taken.is_empty() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        taken
     }
 }
 
@@ -239,7 +267,7 @@ pub async fn start_consumer(
     client: &sqlstreams_client::Client,
     target: &Target,
     opts: ConsumerOpts,
-    sink: mpsc::UnboundedSender<Consumed>,
+    sink: Sink,
 ) -> Running {
     if target.system == System::Client {
         let config = sqlstreams_client::ConsumerConfig {
@@ -257,7 +285,7 @@ pub async fn start_consumer(
             .await
             .unwrap();
         return Running::Client(consumer.start(move |d: sqlstreams_client::Delivery<Event>| {
-            let _sent = sink.send(Consumed::of(d.message, d.id));
+            sink.send(Consumed::of(d.message, d.id));
             async { Ok(()) }
         }));
     }
@@ -347,7 +375,7 @@ async fn consume_sql(
     t: &Target,
     batch: i32,
     acks: &mut Option<(uuid::Uuid, Vec<i64>)>,
-    sink: &mpsc::UnboundedSender<Consumed>,
+    sink: &Sink,
 ) -> usize {
     let (token, ids) = acks.take().unzip();
     let rows = pg.query(&st.first, &[&t.stream, &t.group, &batch, &token, &ids]).await.unwrap();
@@ -358,38 +386,32 @@ async fn consume_sql(
     for r in &rows {
         let event: Event = serde_json::from_str(r.get(1)).unwrap();
         ids.push(r.get::<_, i64>(0));
-        let _sent = sink.send(Consumed::of(event, r.get(0)));
+        sink.send(Consumed::of(event, r.get(0)));
     }
     *acks = Some((rows[0].get(2), ids));
     rows.len()
 }
 
-async fn consume_pgq(pg: &Pg, st: &Statements, t: &Target, sink: &mpsc::UnboundedSender<Consumed>) -> usize {
+async fn consume_pgq(pg: &Pg, st: &Statements, t: &Target, sink: &Sink) -> usize {
     let batch: Option<i64> = pg.query_one(&st.first, &[&t.stream, &t.group]).await.unwrap().get(0);
     let Some(batch) = batch else { return 0 };
     let rows = pg.query(&st.second, &[&batch]).await.unwrap();
     for r in &rows {
         let event: Event = serde_json::from_str(r.get(0)).unwrap();
-        let _sent = sink.send(Consumed::of(event, 0));
+        sink.send(Consumed::of(event, 0));
     }
     pg.execute(st.third.as_ref().expect("finish_batch"), &[&batch]).await.unwrap();
     rows.len().max(1) // an empty batch still moved the consumer on
 }
 
-async fn consume_floor(
-    pg: &Pg,
-    st: &Statements,
-    batch: i32,
-    pos: &mut i64,
-    sink: &mpsc::UnboundedSender<Consumed>,
-) -> usize {
+async fn consume_floor(pg: &Pg, st: &Statements, batch: i32, pos: &mut i64, sink: &Sink) -> usize {
     let rows = pg.query(&st.first, &[&*pos, &(batch as i64)]).await.unwrap();
     if rows.is_empty() {
         return 0;
     }
     for r in &rows {
         let event: Event = serde_json::from_str(r.get(1)).unwrap();
-        let _sent = sink.send(Consumed::of(event, 0));
+        sink.send(Consumed::of(event, 0));
     }
     *pos = rows.last().unwrap().get(0);
     pg.execute(&st.second, &[&*pos]).await.unwrap();

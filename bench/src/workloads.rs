@@ -257,9 +257,9 @@ impl Bench {
         let cpu_start = self.cluster_cpu_us(&data_dir);
         let stop_ticker = CancellationToken::new();
         let ticker = (system == System::Pgq).then(|| systems::spawn_ticker(self.url.clone(), stop_ticker.clone()));
-        let (sink, mut seen_rx) = mpsc::unbounded_channel();
+        let sink = systems::Sink::default();
         let opts = ConsumerOpts { batch: 100, idle_poll: Duration::from_millis(10), policy: keys.policy() };
-        let consumer = systems::start_consumer(&self.url, &client, &target, opts, sink).await;
+        let consumer = systems::start_consumer(&self.url, &client, &target, opts, sink.clone()).await;
 
         let duration = self.seconds(10, 3);
         let started = Instant::now();
@@ -270,8 +270,9 @@ impl Bench {
         let deadline = Instant::now() + Duration::from_secs(180);
         let mut last_needed = started.elapsed();
         while seen.len() < expected.len() && Instant::now() < deadline {
-            if let Ok(Some(c)) = tokio::time::timeout(Duration::from_secs(1), seen_rx.recv()).await {
-                seen.push(c);
+            let got = sink.next().await;
+            if !got.is_empty() {
+                seen.extend(got);
                 last_needed = started.elapsed();
             }
         }
@@ -282,9 +283,7 @@ impl Bench {
             let _stopped = t.await;
         }
         drop(client);
-        while let Ok(c) = seen_rx.try_recv() {
-            seen.push(c);
-        }
+        seen.extend(sink.take());
         tokio::time::sleep(Duration::from_millis(500)).await; // closed backends flush statistics
         let wal = self.wal_since(&wal_start).await;
 
@@ -322,13 +321,13 @@ impl Bench {
             System::Pgq => Duration::from_millis(10),
             System::Floor => Duration::from_millis(5),
         };
-        let (sink, mut seen_rx) = mpsc::unbounded_channel();
+        let sink = systems::Sink::default();
         let consumer = systems::start_consumer(
             &self.url,
             &client,
             &target,
             ConsumerOpts { batch: 100, idle_poll, policy: None },
-            sink,
+            sink.clone(),
         )
         .await;
         tokio::time::sleep(Duration::from_millis(500)).await; // idle, listening
@@ -346,9 +345,7 @@ impl Bench {
         let mut seen = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(30);
         while seen.len() < sent as usize && Instant::now() < deadline {
-            if let Ok(Some(c)) = tokio::time::timeout(Duration::from_secs(1), seen_rx.recv()).await {
-                seen.push(c);
-            }
+            seen.extend(sink.next().await);
         }
         consumer.stop().await;
         stop_ticker.cancel();
@@ -472,7 +469,7 @@ impl Bench {
         let ticker = (system == System::Pgq).then(|| systems::spawn_ticker(self.url.clone(), stop_ticker.clone()));
         let mut running = Vec::new();
         for i in 0..consumers {
-            let (sink, _unused) = mpsc::unbounded_channel();
+            let sink = systems::Sink::default();
             let opts = ConsumerOpts { batch: 100, idle_poll: Duration::from_secs(1), policy: None };
             // PgQ batches belong to one consumer name: ten consumers are ten registrations.
             let target = match system {
@@ -553,6 +550,17 @@ fn reaped_children_cpu_us(pid: u32) -> u64 {
         stat.rsplit_once(')').map(|(_, rest)| rest.split_whitespace().collect()).unwrap_or_default();
     let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
     (field(16) + field(17)) * TICK_US
+}
+
+/// CPU time of this process (every thread alive now), in µs: the consumer's side of a run.
+pub fn own_cpu_us() -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0 };
+    let tids: Vec<u32> = tasks.flatten().filter_map(|t| t.file_name().to_string_lossy().parse::<u32>().ok()).collect();
+    tids.iter()
+        .filter_map(|tid| std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next().and_then(|f| f.parse::<u64>().ok()))
+        .sum::<u64>()
+        / 1000
 }
 
 pub fn cpu_us(pids: &[u32]) -> (u64, usize) {

@@ -53,6 +53,7 @@ mod srf;
 mod standby;
 mod statement;
 mod stream;
+mod transient;
 mod version;
 mod worker;
 

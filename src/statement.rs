@@ -101,6 +101,7 @@ impl Statement {
         args: &[DatumWithOid<'_>],
     ) -> SpiResult<SpiTupleTable<'conn>> {
         let plan = self.plan(client, stream_id, None, false)?;
+        let _planned = crate::transient::guide(self.name);
         client.select(&*plan, None, args)
     }
 
@@ -117,6 +118,7 @@ impl Statement {
         access: Access,
     ) -> SpiResult<SpiTupleTable<'conn>> {
         let plan = self.plan(client, stream_id, Some(part), access == Access::Read)?;
+        let _planned = crate::transient::guide(self.name);
         client.select(&*plan, None, args)
     }
 
@@ -129,6 +131,7 @@ impl Statement {
         args: &[DatumWithOid<'_>],
     ) -> SpiResult<SpiTupleTable<'conn>> {
         let plan = self.plan(client, stream_id, None, true)?;
+        let _planned = crate::transient::guide(self.name);
         client.select(&*plan, None, args)
     }
 
@@ -274,6 +277,7 @@ impl Statement {
         })?;
         let mut values = args.to_vec();
         let nulls = vec![b' ' as std::ffi::c_char; args.len()];
+        let _planned = crate::transient::guide(self.name);
         // SAFETY: runs a kept plan with its arguments in the caller's SPI connection, read-only,
         // with the newest snapshot (SPI pushes it for the statement); then reads and frees the
         // result table, whose columns are int8.

@@ -354,3 +354,59 @@ fn an_ordered_claim_beside_another_lanes_open_range_reads_the_ranges_as_if_alone
     assert_eq!(got, second, "key b's next message runs: nothing of b is open elsewhere");
     assert_eq!(beside, alone, "the claim read the open ranges as often as when no other range was open");
 }
+
+/// Sequential scans of `table` in the current transaction.
+fn seq_scans(c: &mut impl postgres::GenericClient, table: &str) -> i64 {
+    c.query_one("SELECT pg_stat_get_xact_numscans($1::text::regclass)", &[&table]).unwrap().get(0)
+}
+
+/// A claim reads its group's ranges and exception rows through their indexes even when its
+/// backend planned it right after a `VACUUM` found those tables empty, which the planner then
+/// trusts: a sequential scan would read every page the dead ranges of earlier claims fill, on
+/// every claim, until Postgres planned it again (src/transient.rs).
+#[test]
+fn claims_read_ranges_by_index_though_planned_after_a_vacuum_found_none() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "vacuumed-ranges");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let keys = one_key_per_lane(&mut c, &s);
+    let mut produced = Vec::new();
+    for round in 0..4 {
+        for key in &keys {
+            produced.extend(s.produce_many(&mut c, 2, Some(&format!("{key}-{round}"))));
+        }
+    }
+    let transient = [s.table("range_lease"), s.table("exception_queue")];
+    for table in &transient {
+        c.batch_execute(&format!("VACUUM {table}")).unwrap();
+    }
+
+    // A new backend: every plan of its claims is made from here on.
+    let mut consumer = connect();
+    let (mut token, mut acks): (Option<uuid::Uuid>, Option<Vec<i64>>) = (None, None);
+    let mut delivered: Vec<i64> = Vec::new();
+    let mut sequential = 0;
+    for _ in 0..100 {
+        if delivered.len() == produced.len() {
+            break;
+        }
+        let mut tx = consumer.transaction().unwrap();
+        let before: i64 = transient.iter().map(|t| seq_scans(&mut tx, t)).sum();
+        let rows = tx
+            .query(
+                "SELECT message_id, lease_token FROM sqlstreams.claim($1, $2, 10, '30 seconds', $3, $4)",
+                &[&s.name, &g.name, &token, &acks],
+            )
+            .unwrap();
+        sequential += transient.iter().map(|t| seq_scans(&mut tx, t)).sum::<i64>() - before;
+        tx.commit().unwrap();
+        let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+        token = rows.first().map(|r| r.get(1));
+        delivered.extend(&ids);
+        acks = Some(ids);
+    }
+    delivered.sort_unstable();
+    produced.sort_unstable();
+    assert_eq!(delivered, produced, "the claims delivered the backlog once");
+    assert_eq!(sequential, 0, "claims scanned the ranges or exception rows sequentially");
+}

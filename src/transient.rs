@@ -14,8 +14,9 @@
 //!
 //! So the statements listed below run with sequential and bitmap scans off, and so are planned
 //! that way (inside their first execution, and again after an invalidation). Each is answered
-//! by a plain scan of one index per table it reads. `claim_due_rows` is not: it reads a lane's
-//! due retries and expired leases, two partial indexes that only a bitmap scan combines.
+//! by a plain scan of one index per table it reads. `claim_due_rows` and `claim_due_isolated`
+//! are not listed: they read a lane's due retries and expired leases, an `OR` of two partial
+//! indexes' conditions that only a bitmap scan combines (src/claim.rs).
 
 use pgrx::pg_sys;
 
@@ -37,7 +38,6 @@ const BY_INDEX: &[&str] = &[
     "lease_lock_held",
     "lease_extend",
     "due_next",
-    "claim_due_isolated",
     "eq_update",
     "eq_inflight",
     "eq_succeed_rows",

@@ -410,3 +410,30 @@ fn claims_read_ranges_by_index_though_planned_after_a_vacuum_found_none() {
     assert_eq!(delivered, produced, "the claims delivered the backlog once");
     assert_eq!(sequential, 0, "claims scanned the ranges or exception rows sequentially");
 }
+
+/// A claim hands out a lane's due retries past the oldest one when another transaction holds
+/// that one locked (a late outcome under an expired lease, say), as `SKIP LOCKED` promises.
+#[test]
+fn a_claim_takes_the_next_due_retry_when_the_oldest_is_locked() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "locked-retry");
+    let g = s.group(&mut c, "g", None);
+    let produced = s.produce_many(&mut c, 3, Some("one-lane"));
+    let claim = "SELECT message_id, lease_token FROM sqlstreams.claim($1, $2, $3, '30 seconds')";
+    for row in c.query(claim, &[&s.name, &g.name, &3i32]).unwrap() {
+        let (id, token): (i64, uuid::Uuid) = (row.get(0), row.get(1));
+        c.execute(
+            "SELECT sqlstreams.fail($1, $2, $3, $4, 'boom', false, '0 seconds')",
+            &[&s.name, &g.name, &token, &id],
+        )
+        .unwrap();
+    }
+
+    let mut locker = connect();
+    let mut held = locker.transaction().unwrap();
+    let table = s.table("exception_queue");
+    held.execute(&format!("SELECT 1 FROM {table} WHERE message_id = $1 FOR UPDATE"), &[&produced[0]]).unwrap();
+    let got: Vec<i64> = c.query(claim, &[&s.name, &g.name, &1i32]).unwrap().iter().map(|r| r.get(0)).collect();
+    assert_eq!(got, vec![produced[1]], "the next due retry, past the locked one");
+    held.rollback().unwrap();
+}

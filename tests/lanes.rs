@@ -419,21 +419,15 @@ fn a_claim_takes_the_next_due_retry_when_the_oldest_is_locked() {
     let s = Stream::create(&mut c, "locked-retry");
     let g = s.group(&mut c, "g", None);
     let produced = s.produce_many(&mut c, 3, Some("one-lane"));
-    let claim = "SELECT message_id, lease_token FROM sqlstreams.claim($1, $2, $3, '30 seconds')";
-    for row in c.query(claim, &[&s.name, &g.name, &3i32]).unwrap() {
-        let (id, token): (i64, uuid::Uuid) = (row.get(0), row.get(1));
-        c.execute(
-            "SELECT sqlstreams.fail($1, $2, $3, $4, 'boom', false, '0 seconds')",
-            &[&s.name, &g.name, &token, &id],
-        )
-        .unwrap();
+    for d in g.claim(&mut c, 3) {
+        assert_eq!(g.fail(&mut c, &d, "boom", false, Some("0 seconds")).as_deref(), Some("ready"));
     }
 
     let mut locker = connect();
     let mut held = locker.transaction().unwrap();
     let table = s.table("exception_queue");
     held.execute(&format!("SELECT 1 FROM {table} WHERE message_id = $1 FOR UPDATE"), &[&produced[0]]).unwrap();
-    let got: Vec<i64> = c.query(claim, &[&s.name, &g.name, &1i32]).unwrap().iter().map(|r| r.get(0)).collect();
+    let got = ids(&g.claim(&mut c, 1));
     assert_eq!(got, vec![produced[1]], "the next due retry, past the locked one");
     held.rollback().unwrap();
 }

@@ -66,6 +66,7 @@ pub extern "C-unwind" fn _PG_init() {
     catalog::init();
     commit::init();
     settings::init();
+    transient::init();
     worker::init();
 }
 

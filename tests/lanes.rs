@@ -355,9 +355,9 @@ fn an_ordered_claim_beside_another_lanes_open_range_reads_the_ranges_as_if_alone
     assert_eq!(beside, alone, "the claim read the open ranges as often as when no other range was open");
 }
 
-/// Sequential scans of `table` in the current transaction.
-fn seq_scans(c: &mut impl postgres::GenericClient, table: &str) -> i64 {
-    c.query_one("SELECT pg_stat_get_xact_numscans($1::text::regclass)", &[&table]).unwrap().get(0)
+/// Scans of `relation` in the transaction so far: sequential ones of a table, or of an index.
+fn scans(c: &mut impl postgres::GenericClient, relation: &str) -> i64 {
+    c.query_one("SELECT pg_stat_get_xact_numscans($1::text::regclass)", &[&relation]).unwrap().get(0)
 }
 
 /// A claim reads its group's ranges and exception rows through their indexes even when its
@@ -391,14 +391,14 @@ fn claims_read_ranges_by_index_though_planned_after_a_vacuum_found_none() {
             break;
         }
         let mut tx = consumer.transaction().unwrap();
-        let before: i64 = transient.iter().map(|t| seq_scans(&mut tx, t)).sum();
+        let before: i64 = transient.iter().map(|t| scans(&mut tx, t)).sum();
         let rows = tx
             .query(
                 "SELECT message_id, lease_token FROM sqlstreams.claim($1, $2, 10, '30 seconds', $3, $4)",
                 &[&s.name, &g.name, &token, &acks],
             )
             .unwrap();
-        sequential += transient.iter().map(|t| seq_scans(&mut tx, t)).sum::<i64>() - before;
+        sequential += transient.iter().map(|t| scans(&mut tx, t)).sum::<i64>() - before;
         tx.commit().unwrap();
         let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
         token = rows.first().map(|r| r.get(1));
@@ -409,6 +409,56 @@ fn claims_read_ranges_by_index_though_planned_after_a_vacuum_found_none() {
     produced.sort_unstable();
     assert_eq!(delivered, produced, "the claims delivered the backlog once");
     assert_eq!(sequential, 0, "claims scanned the ranges or exception rows sequentially");
+}
+
+/// An ack finds its claim's ranges through the token's index even when its backend planned it
+/// right after a `VACUUM` found the ranges' table empty. Every index of that table leads with
+/// the group, and on a table taken for a page the planner costs them all alike; through the
+/// expiry index the ack read every range of the group that earlier claims had deleted
+/// (src/transient.rs, `assume_a_size`).
+#[test]
+fn acks_find_their_ranges_by_token_though_planned_after_a_vacuum_found_none() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "vacuumed-tokens");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let mut produced = 0;
+    for _ in 0..4 {
+        for key in one_key_per_lane(&mut c, &s) {
+            produced += s.produce_many(&mut c, 2, Some(&key)).len();
+        }
+    }
+    let ranges = s.table("range_lease");
+    for table in [&ranges, &s.table("range_done"), &s.table("exception_queue")] {
+        c.batch_execute(&format!("VACUUM {table}")).unwrap();
+    }
+    let by_token = format!("{ranges}_token_idx");
+
+    // A new backend: every plan of its claims and acks is made from here on.
+    let mut consumer = connect();
+    let (mut token, mut acks): (Option<uuid::Uuid>, Option<Vec<i64>>) = (None, None);
+    let (mut delivered, mut carried, mut token_scans) = (0, 0, 0);
+    while delivered < produced {
+        let mut tx = consumer.transaction().unwrap();
+        let before = scans(&mut tx, &by_token);
+        let rows = tx
+            .query(
+                "SELECT message_id, lease_token FROM sqlstreams.claim($1, $2, 10, '30 seconds', $3, $4)",
+                &[&s.name, &g.name, &token, &acks],
+            )
+            .unwrap();
+        token_scans += scans(&mut tx, &by_token) - before;
+        tx.commit().unwrap();
+        assert!(!rows.is_empty(), "the backlog ran dry after {delivered} of {produced}");
+        carried += usize::from(acks.is_some());
+        delivered += rows.len();
+        token = Some(rows[0].get(1));
+        acks = Some(rows.iter().map(|r| r.get(0)).collect());
+    }
+    assert!(carried > 5, "{carried} claims carried acks");
+    assert!(
+        token_scans >= carried as i64,
+        "{carried} claims carried acks; the token's index was scanned {token_scans} times"
+    );
 }
 
 /// A claim hands out a lane's due retries past the oldest one when another transaction holds

@@ -14,18 +14,18 @@
 //!
 //! So the statements listed below run with sequential and bitmap scans off, and so are planned
 //! that way (inside their first execution, and again after an invalidation). Each is answered
-//! by a plain scan of one index per table it reads. `claim_due_rows` and `claim_due_isolated`
-//! are not listed: they read a lane's due retries and expired leases, an `OR` of two partial
-//! indexes' conditions that only a bitmap scan combines (src/claim.rs).
+//! by a plain scan of one index per table it reads, joined by nested loops (hash and merge
+//! joins are off too: either would read a whole side). `claim_due_rows` and
+//! `claim_due_isolated` are not listed: they read a lane's due retries and expired leases, an
+//! `OR` of two partial indexes' conditions that only a bitmap scan combines (src/claim.rs).
 //!
-//! Which index is the other half. Every index of these tables leads with the group, and on a
-//! table the planner takes for a page or two it estimates one row whatever the condition, so
-//! all of them cost the same: an ack's lookup of its token's ranges went through the expiry
-//! index, reading every range of the group the last few hundred claims deleted, where the
-//! token's index reads its own. While a listed statement is planned, a table smaller than
-//! `ASSUMED_PAGES` is costed as that many pages of `ASSUMED_ROWS` rows, as Postgres itself
-//! assumes 10 pages of a table never vacuumed: then a condition on more of an index's columns
-//! selects fewer rows, and that index wins.
+//! And by which index: every index of these tables leads with the group, and on a table the
+//! planner takes for a page or two each is costed at one row, so they tie, and the one that
+//! wins may walk every entry of the group (an ack looking its token up through the expiry
+//! index reads all the ranges deleted since the last vacuum). While a listed statement is
+//! planned, a table under `ASSUMED_PAGES` pages is costed as `ASSUMED_PAGES` pages of at least
+//! `ASSUMED_ROWS` rows (Postgres assumes 10 pages of a table never vacuumed), so that the
+//! index matching more of the condition selects fewer rows and wins.
 
 use std::cell::Cell;
 
@@ -62,10 +62,10 @@ const BY_INDEX: &[&str] = &[
     "inflight_count",
 ];
 
-/// The size a listed statement's plan assumes of a table the planner finds smaller: with it,
-/// a condition on the group alone selects 5 rows (Postgres' default selectivity of an equality
-/// without statistics is 1/200), and one on the group and a token or an expiry selects one.
+/// The size a listed statement's plan assumes of a table the planner finds smaller.
 const ASSUMED_PAGES: pg_sys::BlockNumber = 10;
+/// The rows it assumes at least: without statistics an equality selects 1/200 of them, so the
+/// group alone 5 and the group and a token 1.
 const ASSUMED_ROWS: f64 = 1000.0;
 
 thread_local! {
@@ -85,9 +85,10 @@ pub fn init() {
     }
 }
 
-/// While a listed statement is planned, sizes a table smaller than `ASSUMED_PAGES` as
-/// `ASSUMED_PAGES` pages of `ASSUMED_ROWS` rows, with its indexes (those without a predicate:
-/// a partial index's rows are its own estimate).
+/// While a listed statement is planned, sizes a table under `ASSUMED_PAGES` pages as
+/// `ASSUMED_PAGES` pages of at least `ASSUMED_ROWS` rows, and each of its indexes as holding
+/// them all (a partial index too: the planner applies its predicate's selectivity itself). An
+/// inheritance parent is left as it is: its size is its children's.
 #[pg_guard]
 unsafe extern "C-unwind" fn assume_a_size(
     root: *mut pg_sys::PlannerInfo,
@@ -95,32 +96,33 @@ unsafe extern "C-unwind" fn assume_a_size(
     inherited: bool,
     rel: *mut pg_sys::RelOptInfo,
 ) {
-    // SAFETY: the hook's contract: `rel` is the relation being planned, filled in by Postgres.
+    // SAFETY: the hook's contract: `rel` is the relation being planned, filled in by Postgres;
+    // the previous hook is C and may raise an error, so it is called behind pgrx's guard.
     unsafe {
         if let Some(previous) = PREVIOUS_HOOK {
-            previous(root, relation, inherited, rel);
+            pg_sys::ffi::pg_guard_ffi_boundary(|| previous(root, relation, inherited, rel));
         }
-        if !GUIDED.get() || (*rel).pages >= ASSUMED_PAGES {
+        if !GUIDED.get() || inherited || (*rel).pages >= ASSUMED_PAGES {
             return;
         }
         (*rel).pages = ASSUMED_PAGES;
         (*rel).tuples = (*rel).tuples.max(ASSUMED_ROWS);
         for index in PgList::<pg_sys::IndexOptInfo>::from_pg((*rel).indexlist).iter_ptr() {
-            if (*index).indpred.is_null() {
-                (*index).tuples = (*rel).tuples;
-            }
+            (*index).tuples = (*rel).tuples;
         }
     }
 }
 
-/// The planner's `enable_seqscan` and `enable_bitmapscan`, and whether a listed statement ran,
-/// as they were before a statement that reads by index; put back when dropped, also when the
+/// The planner's settings a listed statement turns off, and whether a listed statement ran, as
+/// they were before a statement that reads by index; put back when dropped, also when the
 /// statement raised an error (pgrx turns it into a panic that unwinds through this frame,
 /// `panic = "unwind"` in Cargo.toml, before it re-raises it).
 #[must_use]
 pub struct ByIndex {
     seqscan: bool,
     bitmapscan: bool,
+    hashjoin: bool,
+    mergejoin: bool,
     guided: bool,
 }
 
@@ -130,18 +132,21 @@ impl Drop for ByIndex {
         unsafe {
             pg_sys::enable_seqscan = self.seqscan;
             pg_sys::enable_bitmapscan = self.bitmapscan;
+            pg_sys::enable_hashjoin = self.hashjoin;
+            pg_sys::enable_mergejoin = self.mergejoin;
         }
         GUIDED.set(self.guided);
     }
 }
 
-/// For a statement in `BY_INDEX`: turns sequential and bitmap scans off, and small tables' sizes
-/// up (`assume_a_size`), until the returned guard is dropped. These are the planner's variables themselves, set without the GUC machinery: the
-/// consumer functions already run under a nesting level of their own (their `SET` clauses), and
-/// a second one per statement would cost more than the planner ever reads them. While the
-/// statement runs, `SHOW` and the plans of the triggers it fires (the exception counts' on
-/// `exception_queue`, which read only their transition tables) see them off too, and those
-/// plans assume the same sizes.
+/// For a statement in `BY_INDEX`: turns sequential and bitmap scans, hash and merge joins off,
+/// and small tables' sizes up (`assume_a_size`), until the returned guard is dropped. These
+/// are the planner's variables themselves, set without the GUC machinery: the consumer
+/// functions already run under a nesting level of their own (their `SET` clauses), and a
+/// second one per statement would cost more than the planner ever reads them. While the
+/// statement runs, `SHOW` sees them off too, and whatever it fires is planned the same way: the
+/// exception counts' triggers on `exception_queue` (which read only their transition tables),
+/// and a user's own trigger on a stream's tables.
 #[must_use]
 pub fn guide(name: &str) -> Option<ByIndex> {
     if !BY_INDEX.contains(&name) {
@@ -149,10 +154,17 @@ pub fn guide(name: &str) -> Option<ByIndex> {
     }
     // SAFETY: reads and writes the planner's settings; `ByIndex` restores them.
     unsafe {
-        let guard =
-            ByIndex { seqscan: pg_sys::enable_seqscan, bitmapscan: pg_sys::enable_bitmapscan, guided: GUIDED.get() };
+        let guard = ByIndex {
+            seqscan: pg_sys::enable_seqscan,
+            bitmapscan: pg_sys::enable_bitmapscan,
+            hashjoin: pg_sys::enable_hashjoin,
+            mergejoin: pg_sys::enable_mergejoin,
+            guided: GUIDED.get(),
+        };
         pg_sys::enable_seqscan = false;
         pg_sys::enable_bitmapscan = false;
+        pg_sys::enable_hashjoin = false;
+        pg_sys::enable_mergejoin = false;
         GUIDED.set(true);
         Some(guard)
     }

@@ -413,8 +413,8 @@ fn claims_read_ranges_by_index_though_planned_after_a_vacuum_found_none() {
 
 /// An ack finds its claim's ranges through the token's index even when its backend planned it
 /// right after a `VACUUM` found the ranges' table empty. Every index of that table leads with
-/// the group, and on a table taken for a page the planner costs them all alike; through the
-/// expiry index the ack read every range of the group that earlier claims had deleted
+/// the group, and on a table taken for a page the planner costs them all alike; through
+/// another index the ack would read every range of the group deleted since the last vacuum
 /// (src/transient.rs, `assume_a_size`).
 #[test]
 fn acks_find_their_ranges_by_token_though_planned_after_a_vacuum_found_none() {

@@ -355,8 +355,9 @@ fn an_ordered_claim_beside_another_lanes_open_range_reads_the_ranges_as_if_alone
     assert_eq!(beside, alone, "the claim read the open ranges as often as when no other range was open");
 }
 
-/// Scans of `relation` in the transaction so far: sequential ones of a table, or of an index.
-fn scans(c: &mut impl postgres::GenericClient, relation: &str) -> i64 {
+/// Scans of `relation` itself in the transaction so far: a table's sequential scans, or an
+/// index's scans (`scans` counts a table's and its indexes' together).
+fn own_scans(c: &mut impl postgres::GenericClient, relation: &str) -> i64 {
     c.query_one("SELECT pg_stat_get_xact_numscans($1::text::regclass)", &[&relation]).unwrap().get(0)
 }
 
@@ -391,14 +392,14 @@ fn claims_read_ranges_by_index_though_planned_after_a_vacuum_found_none() {
             break;
         }
         let mut tx = consumer.transaction().unwrap();
-        let before: i64 = transient.iter().map(|t| scans(&mut tx, t)).sum();
+        let before: i64 = transient.iter().map(|t| own_scans(&mut tx, t)).sum();
         let rows = tx
             .query(
                 "SELECT message_id, lease_token FROM sqlstreams.claim($1, $2, 10, '30 seconds', $3, $4)",
                 &[&s.name, &g.name, &token, &acks],
             )
             .unwrap();
-        sequential += transient.iter().map(|t| scans(&mut tx, t)).sum::<i64>() - before;
+        sequential += transient.iter().map(|t| own_scans(&mut tx, t)).sum::<i64>() - before;
         tx.commit().unwrap();
         let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
         token = rows.first().map(|r| r.get(1));
@@ -439,14 +440,14 @@ fn acks_find_their_ranges_by_token_though_planned_after_a_vacuum_found_none() {
     let (mut delivered, mut carried, mut token_scans) = (0, 0, 0);
     while delivered < produced {
         let mut tx = consumer.transaction().unwrap();
-        let before = scans(&mut tx, &by_token);
+        let before = own_scans(&mut tx, &by_token);
         let rows = tx
             .query(
                 "SELECT message_id, lease_token FROM sqlstreams.claim($1, $2, 10, '30 seconds', $3, $4)",
                 &[&s.name, &g.name, &token, &acks],
             )
             .unwrap();
-        token_scans += scans(&mut tx, &by_token) - before;
+        token_scans += own_scans(&mut tx, &by_token) - before;
         tx.commit().unwrap();
         assert!(!rows.is_empty(), "the backlog ran dry after {delivered} of {produced}");
         carried += usize::from(acks.is_some());
@@ -458,6 +459,45 @@ fn acks_find_their_ranges_by_token_though_planned_after_a_vacuum_found_none() {
     assert!(
         token_scans >= carried as i64,
         "{carried} claims carried acks; the token's index was scanned {token_scans} times"
+    );
+}
+
+/// Outcomes recorded on another connection than the claim's, which looks up what the claim's
+/// own backend remembers (src/own_claims.rs), also find the token's ranges through its index
+/// when that connection planned them right after a `VACUUM` found the ranges' table empty.
+#[test]
+fn outcomes_on_another_connection_find_their_ranges_by_token_though_planned_after_a_vacuum_found_none() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "vacuumed-outcomes");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    for key in one_key_per_lane(&mut c, &s) {
+        s.produce_many(&mut c, 2, Some(&key));
+    }
+    let ranges = s.table("range_lease");
+    for table in [&ranges, &s.table("range_done"), &s.table("exception_queue")] {
+        c.batch_execute(&format!("VACUUM {table}")).unwrap();
+    }
+    let by_token = format!("{ranges}_token_idx");
+    let claimed = g.claim(&mut c, 32);
+    assert!(claimed.len() > 2, "claimed {}", claimed.len());
+
+    // A new backend: the outcomes' plans are made from here on.
+    let mut other = connect();
+    let mut token_scans = |outcome: &dyn Fn(&mut Client)| {
+        other.batch_execute("BEGIN").unwrap();
+        let before = own_scans(&mut other, &by_token);
+        outcome(&mut other);
+        let scans = own_scans(&mut other, &by_token) - before;
+        other.batch_execute("COMMIT").unwrap();
+        scans
+    };
+    let last = claimed.len() - 1;
+    let acked = token_scans(&|c| assert!(g.ack(c, &claimed[0])));
+    let batch = token_scans(&|c| assert_eq!(g.ack_batch(c, &claimed[1..last]).len(), last - 1));
+    let failed = token_scans(&|c| assert_eq!(g.fail(c, &claimed[last], "boom", false, None).as_deref(), Some("ready")));
+    assert!(
+        failed >= 1 && acked >= 1 && batch >= 1,
+        "the token's index was scanned {acked} times by an ack, {batch} by an ack_batch, {failed} by a fail"
     );
 }
 

@@ -355,6 +355,16 @@ fn an_ordered_claim_beside_another_lanes_open_range_reads_the_ranges_as_if_alone
     assert_eq!(beside, alone, "the claim read the open ranges as often as when no other range was open");
 }
 
+/// `VACUUM`s the stream's tables of transient rows (ranges, outcomes, exception rows), which
+/// then record what they hold now; returns their names.
+fn vacuum_transient(c: &mut Client, s: &Stream) -> [String; 3] {
+    let transient = [s.table("range_lease"), s.table("range_done"), s.table("exception_queue")];
+    for table in &transient {
+        c.batch_execute(&format!("VACUUM {table}")).unwrap();
+    }
+    transient
+}
+
 /// Scans of `relation` itself in the transaction so far: a table's sequential scans, or an
 /// index's scans (`scans` counts a table's and its indexes' together).
 fn own_scans(c: &mut impl postgres::GenericClient, relation: &str) -> i64 {
@@ -377,10 +387,7 @@ fn claims_read_ranges_by_index_though_planned_after_a_vacuum_found_none() {
             produced.extend(s.produce_many(&mut c, 2, Some(&key)));
         }
     }
-    let transient = [s.table("range_lease"), s.table("range_done"), s.table("exception_queue")];
-    for table in &transient {
-        c.batch_execute(&format!("VACUUM {table}")).unwrap();
-    }
+    let transient = vacuum_transient(&mut c, &s);
 
     // A new backend: every plan of its claims is made from here on.
     let mut consumer = connect();
@@ -428,10 +435,7 @@ fn acks_find_their_ranges_by_token_though_planned_after_a_vacuum_found_none() {
             produced += s.produce_many(&mut c, 2, Some(&key)).len();
         }
     }
-    let ranges = s.table("range_lease");
-    for table in [&ranges, &s.table("range_done"), &s.table("exception_queue")] {
-        c.batch_execute(&format!("VACUUM {table}")).unwrap();
-    }
+    let [ranges, ..] = vacuum_transient(&mut c, &s);
     let by_token = format!("{ranges}_token_idx");
 
     // A new backend: every plan of its claims and acks is made from here on.
@@ -473,10 +477,7 @@ fn outcomes_on_another_connection_find_their_ranges_by_token_though_planned_afte
     for key in one_key_per_lane(&mut c, &s) {
         s.produce_many(&mut c, 2, Some(&key));
     }
-    let ranges = s.table("range_lease");
-    for table in [&ranges, &s.table("range_done"), &s.table("exception_queue")] {
-        c.batch_execute(&format!("VACUUM {table}")).unwrap();
-    }
+    let [ranges, ..] = vacuum_transient(&mut c, &s);
     let by_token = format!("{ranges}_token_idx");
     let claimed = g.claim(&mut c, 32);
     assert!(claimed.len() > 2, "claimed {}", claimed.len());

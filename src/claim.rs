@@ -46,6 +46,7 @@ use crate::outcome::{self, Signal};
 use crate::own_claims;
 use crate::partition::{self, Log};
 use crate::payload::RawJsonb;
+use crate::quiet;
 use crate::range::{self, RangeLease};
 use crate::retention;
 use crate::statement::{self, Columns, Statement};
@@ -162,6 +163,11 @@ pub fn claim(
         });
     }
     crate::commit::consumer_call(stream_name, group_name, |client, group| {
+        // What this backend learned may say the claim finds nothing (src/quiet.rs); read
+        // before any statement of the claim.
+        let Ok(watch) = quiet::Watch::start(group.id, group.stream.id, carried.is_some(), clock::now()) else {
+            return Ok(vec![]);
+        };
         // A capped group's claims take turns (src/inflight_cap.rs), first, while the claim holds
         // nothing but the stream's and group's locks; none runs in a transaction block, where
         // its turn would last as long as the caller keeps the transaction open.
@@ -197,6 +203,11 @@ pub fn claim(
         }
         if candidates.is_empty() {
             signal_left(client, stream_id, &released, &[])?;
+            // Nothing stored, and no id handed out left to prove: only a transaction that
+            // changes the stream, or the clock, can give the next claim anything.
+            if fence == stored && fence.safe == head {
+                watch.found_nothing(|| crate::due::until(client, stream_id, group.id))?;
+            }
             return Ok(vec![]);
         }
         let claim = Claim {

@@ -105,6 +105,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
         | XACT_EVENT_PARALLEL_COMMIT
         | XACT_EVENT_PARALLEL_ABORT => {
             BRACKET.set(Bracket::default());
+            crate::quiet::ended(event == XACT_EVENT_PREPARE);
             crate::notify::forget();
             counts::forget();
             if event == XACT_EVENT_COMMIT {

@@ -6,9 +6,10 @@
 use pgrx::datum::TimestampWithTimeZone;
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
 
 use crate::access;
-use crate::error::SqlResult;
+use crate::error::{Result, SqlResult};
 use crate::inspect::resolve;
 use crate::statement::{Access, Columns, Statement};
 
@@ -34,6 +35,35 @@ const NEXT_DUE: Statement = Statement {
     ),
     params: &[INT8OID],
 };
+
+/// `NEXT_DUE` for a quiet claim (src/quiet.rs): also a lane hold whose claim took nothing, and
+/// no paused group's case (a paused group's claim never asks).
+const UNTIL: Statement = Statement {
+    name: "due_until",
+    sql: concat!(
+        "SELECT least(
+              (SELECT e.can_run_after FROM sqlstreams.exception_queue_@id@ e
+               WHERE e.consumer_group_id = $1 AND ",
+        crate::exception_queue::waiting!("e"),
+        " ORDER BY e.can_run_after LIMIT 1),
+              (SELECT e.lease_expires_at FROM sqlstreams.exception_queue_@id@ e
+               WHERE e.consumer_group_id = $1 AND ",
+        crate::exception_queue::in_flight!("e"),
+        " ORDER BY e.lease_expires_at LIMIT 1),
+              (SELECT r.lease_expires_at FROM sqlstreams.range_lease_@id@ r
+               WHERE r.consumer_group_id = $1 ORDER BY r.lease_expires_at LIMIT 1),
+              (SELECT min(l.held_until) FROM sqlstreams.lane_@id@ l WHERE l.consumer_group_id = $1)) AS until"
+    ),
+    params: &[INT8OID],
+};
+
+/// The earliest time anything of group `group_id` falls due without a transaction changing it,
+/// for a claim that found nothing; `i64::MAX` when nothing waits for a time.
+pub fn until(client: &SpiClient<'_>, stream_id: i64, group_id: i64) -> Result<i64> {
+    let due: Option<TimestampWithTimeZone> =
+        UNTIL.run(client, stream_id, &[group_id.into()])?.first().value("until")?;
+    Ok(due.map_or(i64::MAX, i64::from))
+}
 
 /// The earliest time something of the group waits for: a retry or delayed row (`ready`,
 /// `deferred`), an expiring lease or lane hold; NULL when nothing waits for a time (or the group

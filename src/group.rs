@@ -82,6 +82,7 @@ pub fn lookup(client: &SpiClient<'_>, stream: &str, group: &str, access: Access)
             let key = (stream.to_string(), group.to_string());
             if let Some(found) = FOUND.with(|memo| memo.get(&key, generation)) {
                 crate::stream::confirm(stream, found.stream.id)?;
+                crate::quiet::touch(found.stream.id);
                 return Ok(found);
             }
             let found = find(client, stream, group, access)?;
@@ -118,6 +119,10 @@ pub(crate) fn find(client: &SpiClient<'_>, stream: &str, group: &str, access: Ac
         lanes: row.required("lanes")?,
     };
     crate::stream::confirm(stream, stream_ref.id)?;
+    if access == Access::Write {
+        // Before anything of the stream is changed or locked (src/quiet.rs).
+        crate::quiet::touch(stream_ref.id);
+    }
     let Some(id) = row.value::<i64>("group_id")? else {
         return Err(StreamError::UnknownGroup { stream: stream.to_string(), group: group.to_string() });
     };

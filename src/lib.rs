@@ -46,6 +46,7 @@ mod own_claims;
 mod partition;
 mod payload;
 mod produce;
+mod quiet;
 mod range;
 mod retention;
 mod settings;
@@ -67,6 +68,7 @@ pub extern "C-unwind" fn _PG_init() {
     commit::init();
     settings::init();
     transient::init();
+    quiet::init();
     worker::init();
 }
 

@@ -58,8 +58,13 @@ pub(crate) fn find(client: &SpiClient<'_>, name: &str, access: Access) -> Result
         return Err(StreamError::UnknownStream(name.to_string()));
     }
     crate::version::check_stream(name, &row.required::<String>("schema_version")?)?;
+    let id = row.required("id")?;
+    if access == Access::Write {
+        // Before anything of the stream is changed or locked (src/quiet.rs).
+        crate::quiet::touch(id);
+    }
     Ok(StreamRef {
-        id: row.required("id")?,
+        id,
         partition_size: row.required("partition_size")?,
         partitions_through: row.required("partitions_through")?,
         lanes: row.required("lanes")?,

@@ -112,6 +112,7 @@ pub fn create(name: &str, partition_size: i64, idempotency_ttl_micros: i64, lane
                 SET_TTL.run(client, 0, &[existing.id.into(), idempotency_ttl_micros.into()])?;
                 return Ok(existing.id);
             };
+            crate::quiet::touch(id);
             CREATE_TABLES.run(client, 0, &[id.into()])?;
             Ok(id)
         })

@@ -48,9 +48,19 @@ static EPOCHS: PgAtomic<[AtomicU64; SLOTS]> = unsafe { PgAtomic::new(c"sqlstream
 struct Quiet {
     stream_id: StreamId,
     epoch: u64,
+    /// The catalog's generation (src/catalog.rs): a change of a stream, group or grant row, by
+    /// hand too, makes claims look again.
+    catalog: u64,
     /// Nothing falls due before this time (`i64::MAX`: nothing waits for a time); `None`
     /// until a second claim at the same epoch asks.
     until: Option<i64>,
+}
+
+impl Quiet {
+    /// Whether nothing changed since: the same stream, epoch and catalog.
+    fn seen(&self, stream_id: StreamId, epoch: u64, catalog: u64) -> bool {
+        self.stream_id == stream_id && self.epoch == epoch && self.catalog == catalog
+    }
 }
 
 thread_local! {
@@ -119,8 +129,9 @@ fn move_all() {
 pub struct Watch {
     group_id: i64,
     stream_id: StreamId,
-    /// The stream's epoch, read before the claim's statements; `None`: not watched.
-    epoch: Option<u64>,
+    /// The stream's epoch and the catalog's generation, read before the claim's statements;
+    /// `None`: not watched.
+    seen: Option<(u64, u64)>,
 }
 
 impl Watch {
@@ -132,28 +143,27 @@ impl Watch {
         // Only a transaction that changed nothing else so far: its own changes are not in any
         // epoch yet.
         let alone = TOUCHED.with(|touched| touched.borrow().as_slice() == [stream_id]);
-        if !ENABLED.get() || !alone || carries {
-            return Ok(Watch { group_id, stream_id, epoch: None });
-        }
+        let watched = ENABLED.get() && alone && !carries;
+        let Some(catalog) = crate::catalog::generation().filter(|_| watched) else {
+            return Ok(Watch { group_id, stream_id, seen: None });
+        };
         let epoch = slot(stream_id).load(Ordering::SeqCst);
         let quiet = QUIET.with(|q| q.borrow().get(&group_id).copied());
-        if quiet
-            .is_some_and(|q| q.stream_id == stream_id && q.epoch == epoch && q.until.is_some_and(|until| now < until))
-        {
+        if quiet.is_some_and(|q| q.seen(stream_id, epoch, catalog) && q.until.is_some_and(|until| now < until)) {
             take_back(stream_id);
             return Err(());
         }
-        Ok(Watch { group_id, stream_id, epoch: Some(epoch) })
+        Ok(Watch { group_id, stream_id, seen: Some((epoch, catalog)) })
     }
 
     /// The claim found nothing, wrote nothing and left nothing pending: remembered, and its
     /// mark taken back. The second such claim at the same epoch asks `until` when anything
     /// falls due (`i64::MAX`: nothing waits for a time).
     pub fn found_nothing(self, until: impl FnOnce() -> Result<i64>) -> Result<()> {
-        let Some(epoch) = self.epoch else { return Ok(()) };
+        let Some((epoch, catalog)) = self.seen else { return Ok(()) };
         let known = QUIET.with(|q| q.borrow().get(&self.group_id).copied());
         let until = match known {
-            Some(q) if q.stream_id == self.stream_id && q.epoch == epoch => Some(until()?),
+            Some(q) if q.seen(self.stream_id, epoch, catalog) => Some(until()?),
             _ => None,
         };
         QUIET.with(|q| {
@@ -161,7 +171,7 @@ impl Watch {
             if q.len() >= MAX_QUIET {
                 q.clear();
             }
-            q.insert(self.group_id, Quiet { stream_id: self.stream_id, epoch, until });
+            q.insert(self.group_id, Quiet { stream_id: self.stream_id, epoch, catalog, until });
         });
         take_back(self.stream_id);
         Ok(())

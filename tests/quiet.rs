@@ -110,6 +110,21 @@ fn a_lease_broken_in_a_prepared_transaction_is_claimed_once_it_is_committed_else
 
 #[test]
 #[ignore = "needs a cluster that preloads sqlstreams: scripts/rig test runs it so"]
+fn a_groups_row_changed_by_hand_makes_the_next_claim_look_again() {
+    let mut a = preloaded();
+    let mut b = preloaded();
+    let s = Stream::create(&mut a, "quiet-by-hand");
+    let g = s.group(&mut a, "g", None);
+    make_quiet(&mut b, &g);
+    // What docs/semantics.md promises of the catalog's rows ("What a backend remembers").
+    a.execute("UPDATE sqlstreams.consumer_group SET paused = paused WHERE id = $1", &[&g.id]).unwrap();
+    let (claimed, read) = claim_counting(&mut b, &g, 10, "30 seconds");
+    assert!(claimed.is_empty());
+    assert!(read > 0, "the catalog changed: the claim looked again");
+}
+
+#[test]
+#[ignore = "needs a cluster that preloads sqlstreams: scripts/rig test runs it so"]
 fn a_seek_back_elsewhere_is_claimed_next() {
     let mut a = preloaded();
     let mut b = preloaded();

@@ -227,9 +227,9 @@ unsafe extern "C-unwind" fn on_utility(
     destination: *mut pg_sys::DestReceiver,
     completion: *mut pg_sys::QueryCompletion,
 ) {
-    // SAFETY: the hook's contract: the arguments are Postgres', passed on unchanged; the
-    // previous hook or the standard one is C and may raise an error, so it runs behind pgrx's
-    // guard. The statement is read before it runs.
+    // SAFETY: the hook's contract: the arguments are Postgres', passed on unchanged, to the
+    // previous hook or the standard one, either of which may raise an error (below). The
+    // statement is read before it runs.
     unsafe {
         let utility = (*statement).utilityStmt;
         let ends_prepared = !utility.is_null()
@@ -239,10 +239,13 @@ unsafe extern "C-unwind" fn on_utility(
                 pg_sys::TransactionStmtKind::TRANS_STMT_COMMIT_PREPARED
                     | pg_sys::TransactionStmtKind::TRANS_STMT_ROLLBACK_PREPARED
             );
-        let run = || match PREVIOUS_UTILITY_HOOK {
-            Some(previous) => {
+        match PREVIOUS_UTILITY_HOOK {
+            // A hook is a bare C pointer: its error crosses into Rust behind pgrx's guard.
+            Some(previous) => pg_sys::ffi::pg_guard_ffi_boundary(|| {
                 previous(statement, query, read_only_tree, context, params, environment, destination, completion)
-            }
+            }),
+            // pgrx's binding is guarded already; a second guard around it would turn the error
+            // into a panic inside the first, which aborts the server.
             None => pg_sys::standard_ProcessUtility(
                 statement,
                 query,
@@ -253,8 +256,7 @@ unsafe extern "C-unwind" fn on_utility(
                 destination,
                 completion,
             ),
-        };
-        pg_sys::ffi::pg_guard_ffi_boundary(run);
+        }
         // The prepared transaction has left the proc array and released its locks.
         if ends_prepared && ENABLED.get() {
             move_all();

@@ -125,6 +125,29 @@ fn a_groups_row_changed_by_hand_makes_the_next_claim_look_again() {
 
 #[test]
 #[ignore = "needs a cluster that preloads sqlstreams: scripts/rig test runs it so"]
+fn a_utility_statement_that_fails_is_an_error_and_the_server_goes_on() {
+    // The library's utility hook sees every utility statement of the cluster, in databases
+    // without the extension too: an error in one is the statement's, never a crash.
+    let mut c = preloaded();
+    let pid: i32 = c.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    for failing in [
+        "DROP TABLE sqlstreams_no_such_table",
+        "ROLLBACK PREPARED 'sqlstreams-no-such-transaction'",
+        "COMMIT PREPARED 'sqlstreams-no-such-transaction'",
+        "DO $$BEGIN RAISE EXCEPTION 'inside a utility statement'; END$$",
+    ] {
+        let err = c.batch_execute(failing).expect_err(failing);
+        assert!(err.as_db_error().is_some(), "{failing}: an error from the server, not a lost connection: {err}");
+    }
+    // Caught where it was raised, it is no error at all.
+    c.batch_execute("DO $$BEGIN CREATE ROLE postgres; EXCEPTION WHEN duplicate_object THEN NULL; END$$")
+        .expect("an error a PL/pgSQL block catches");
+    let still: i32 = c.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    assert_eq!(still, pid, "the same backend: no crash, no restart");
+}
+
+#[test]
+#[ignore = "needs a cluster that preloads sqlstreams: scripts/rig test runs it so"]
 fn a_seek_back_elsewhere_is_claimed_next() {
     let mut a = preloaded();
     let mut b = preloaded();

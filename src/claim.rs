@@ -165,8 +165,9 @@ pub fn claim(
     crate::commit::consumer_call(stream_name, group_name, |client, group| {
         // What this backend learned may say the claim finds nothing (src/quiet.rs); read
         // before any statement of the claim.
-        let Ok(watch) = quiet::Watch::start(group.id, group.stream.id, carried.is_some(), clock::now()) else {
-            return Ok(vec![]);
+        let watch = match quiet::Watch::start(group.id, group.stream.id, carried.is_some(), clock::now()) {
+            quiet::Start::Quiet => return Ok(vec![]),
+            quiet::Start::Claim(watch) => watch,
         };
         // A capped group's claims take turns (src/inflight_cap.rs), first, while the claim holds
         // nothing but the stream's and group's locks; none runs in a transaction block, where
@@ -191,6 +192,7 @@ pub fn claim(
         let batch = room;
         if batch == 0 {
             signal_left(client, stream_id, &released, &[])?;
+            watch.wrote_nothing();
             return Ok(vec![]);
         }
         // The stored fence first, then the world (src/fence.rs): the order is the proof.
@@ -206,7 +208,7 @@ pub fn claim(
             // Nothing stored, and no id handed out left to prove: only a transaction that
             // changes the stream, or the clock, can give the next claim anything.
             if fence == stored && fence.safe == head {
-                watch.found_nothing(|| crate::due::until(client, stream_id, group.id))?;
+                watch.found_nothing(|| crate::due::until(client, stream_id, group.id, now))?;
             }
             return Ok(vec![]);
         }

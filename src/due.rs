@@ -36,8 +36,9 @@ const NEXT_DUE: Statement = Statement {
     params: &[INT8OID],
 };
 
-/// `NEXT_DUE` for a quiet claim (src/quiet.rs): also a lane hold whose claim took nothing, and
-/// no paused group's case (a paused group's claim never asks).
+/// `NEXT_DUE` for a quiet claim (src/quiet.rs): the earliest of those times after `$2` (now).
+/// What is due already and was not claimable waits for a later time (a lane hold) or for a
+/// transaction; a paused group's claim never asks.
 const UNTIL: Statement = Statement {
     name: "due_until",
     sql: concat!(
@@ -45,23 +46,24 @@ const UNTIL: Statement = Statement {
               (SELECT e.can_run_after FROM sqlstreams.exception_queue_@id@ e
                WHERE e.consumer_group_id = $1 AND ",
         crate::exception_queue::waiting!("e"),
-        " ORDER BY e.can_run_after LIMIT 1),
+        " AND e.can_run_after > $2 ORDER BY e.can_run_after LIMIT 1),
               (SELECT e.lease_expires_at FROM sqlstreams.exception_queue_@id@ e
                WHERE e.consumer_group_id = $1 AND ",
         crate::exception_queue::in_flight!("e"),
-        " ORDER BY e.lease_expires_at LIMIT 1),
+        " AND e.lease_expires_at > $2 ORDER BY e.lease_expires_at LIMIT 1),
               (SELECT r.lease_expires_at FROM sqlstreams.range_lease_@id@ r
-               WHERE r.consumer_group_id = $1 ORDER BY r.lease_expires_at LIMIT 1),
-              (SELECT min(l.held_until) FROM sqlstreams.lane_@id@ l WHERE l.consumer_group_id = $1)) AS until"
+               WHERE r.consumer_group_id = $1 AND r.lease_expires_at > $2 ORDER BY r.lease_expires_at LIMIT 1),
+              (SELECT min(l.held_until) FROM sqlstreams.lane_@id@ l
+               WHERE l.consumer_group_id = $1 AND l.held_until > $2)) AS until"
     ),
-    params: &[INT8OID],
+    params: &[INT8OID, TIMESTAMPTZOID],
 };
 
-/// The earliest time anything of group `group_id` falls due without a transaction changing it,
-/// for a claim that found nothing; `i64::MAX` when nothing waits for a time.
-pub fn until(client: &SpiClient<'_>, stream_id: i64, group_id: i64) -> Result<i64> {
-    let due: Option<TimestampWithTimeZone> =
-        UNTIL.run(client, stream_id, &[group_id.into()])?.first().value("until")?;
+/// The earliest time after `now` that anything of group `group_id` falls due without a
+/// transaction changing it, for a claim that found nothing; `i64::MAX` when nothing waits.
+pub fn until(client: &SpiClient<'_>, stream_id: i64, group_id: i64, now: i64) -> Result<i64> {
+    let args = [group_id.into(), crate::statement::timestamptz(now)];
+    let due: Option<TimestampWithTimeZone> = UNTIL.run(client, stream_id, &args)?.first().value("until")?;
     Ok(due.map_or(i64::MAX, i64::from))
 }
 

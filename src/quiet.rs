@@ -10,18 +10,25 @@
 //!   write); when the transaction ends, committed or rolled back, it moves the epochs of the
 //!   streams it marked (`ended`). That is after its changes are visible (Postgres calls back
 //!   after the transaction left the proc array). A prepared transaction ends in a `COMMIT
-//!   PREPARED` or `ROLLBACK PREPARED`, perhaps in another backend: those move every epoch.
-//! - A claim reads its stream's epoch before any statement of its own (`Watch::start`). When it
-//!   finds nothing to claim and leaves nothing pending (every id handed out is proven, so no
-//!   producer that already ended can still be holding the fence back), it remembers that
-//!   epoch; when a second one finds the same, it also reads the earliest time anything of the
-//!   group waits for (src/due.rs), once. A later claim that finds the same epoch before that time
-//!   has nothing to claim either, and runs no statement.
+//!   PREPARED` or `ROLLBACK PREPARED`, perhaps in another backend: the transaction that runs
+//!   one moves every epoch when it ends (`on_utility`).
+//! - A claim reads its stream's epoch and the catalog's generation before any statement of its
+//!   own (`Watch::start`). When it finds nothing to claim and leaves nothing pending, it
+//!   remembers them; when a second one finds the same, it also reads the earliest time after
+//!   now that anything of the group waits for (src/due.rs). A later claim that finds the same
+//!   before that time has nothing to claim either, and runs no statement.
+//!
+//! The callback runs before the transaction releases its locks, and before its catalog
+//! invalidations are sent. Neither matters: a claim that found nothing because of another
+//! transaction's locks is never remembered (a producer still in `pg_locks` leaves an id
+//! unproven, src/claim.rs; lanes and rows are taken `SKIP LOCKED` only when there are
+//! candidates, and then the claim is not idle), and a claim is answered from memory only after
+//! two found the same epoch and generation, the second reading the invalidations anew.
 //!
 //! Epochs live in a fixed array, a stream's slot chosen by a hash of its database and id: two
 //! streams in one slot only make each other's claims look again. What changes the stream's
 //! tables other than through sqlstreams' functions (a superuser's UPDATE of its tables) moves
-//! no epoch: that is not supported, as docs/operations.md says.
+//! no epoch: that is not supported (docs/semantics.md, "Quiet groups").
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -51,8 +58,8 @@ struct Quiet {
     /// The catalog's generation (src/catalog.rs): a change of a stream, group or grant row, by
     /// hand too, makes claims look again.
     catalog: u64,
-    /// Nothing falls due before this time (`i64::MAX`: nothing waits for a time); `None`
-    /// until a second claim at the same epoch asks.
+    /// Nothing falls due before this time (`i64::MAX`: nothing waits for one); `None` until a
+    /// second claim at the same epoch asks.
     until: Option<i64>,
 }
 
@@ -65,8 +72,10 @@ impl Quiet {
 
 thread_local! {
     static ENABLED: Cell<bool> = const { Cell::new(false) };
-    /// Streams the transaction in progress marked, once per call that may have changed them.
-    static TOUCHED: RefCell<Vec<StreamId>> = const { RefCell::new(Vec::new()) };
+    /// Streams the transaction in progress marked, with the number of calls that marked each.
+    static TOUCHED: RefCell<Vec<(StreamId, u32)>> = const { RefCell::new(Vec::new()) };
+    /// The transaction in progress runs a `COMMIT PREPARED` or `ROLLBACK PREPARED`.
+    static ENDS_PREPARED: Cell<bool> = const { Cell::new(false) };
     static QUIET: RefCell<HashMap<i64, Quiet>> = RefCell::new(HashMap::new());
 }
 
@@ -100,21 +109,47 @@ fn slot(stream_id: StreamId) -> &'static AtomicU64 {
 
 /// A call that may change stream `stream_id` (or lock its rows) in this transaction.
 pub fn touch(stream_id: StreamId) {
-    if ENABLED.get() {
-        TOUCHED.with(|touched| touched.borrow_mut().push(stream_id));
+    if !ENABLED.get() {
+        return;
     }
+    TOUCHED.with(|touched| {
+        let mut touched = touched.borrow_mut();
+        match touched.iter_mut().find(|(s, _)| *s == stream_id) {
+            Some((_, calls)) => *calls += 1,
+            None => touched.push((stream_id, 1)),
+        }
+    });
+}
+
+/// Takes back one mark of `stream_id`: the call that made it changed nothing.
+fn take_back(stream_id: StreamId) {
+    TOUCHED.with(|touched| {
+        let mut touched = touched.borrow_mut();
+        if let Some(at) = touched.iter().position(|(s, _)| *s == stream_id) {
+            touched[at].1 -= 1;
+            if touched[at].1 == 0 {
+                touched.remove(at);
+            }
+        }
+    });
 }
 
 /// The transaction ended (committed, rolled back, or prepared: `prepared`). Moves the epochs of
-/// the streams it marked, now that its changes are visible; a prepared one's move when it is
-/// committed or rolled back (`on_utility`).
+/// the streams it marked, now that its changes are visible; a prepared one's move when a `COMMIT
+/// PREPARED` or `ROLLBACK PREPARED` ends it.
 pub fn ended(prepared: bool) {
     let touched = TOUCHED.take();
-    if prepared || !ENABLED.get() {
+    let ends_prepared = ENDS_PREPARED.replace(false);
+    if !ENABLED.get() {
         return;
     }
-    for stream_id in touched {
-        slot(stream_id).fetch_add(1, Ordering::SeqCst);
+    if ends_prepared {
+        move_all();
+    }
+    if !prepared {
+        for (stream_id, _) in touched {
+            slot(stream_id).fetch_add(1, Ordering::SeqCst);
+        }
     }
 }
 
@@ -123,6 +158,14 @@ fn move_all() {
     for epoch in EPOCHS.get() {
         epoch.fetch_add(1, Ordering::SeqCst);
     }
+}
+
+/// What a claim's start found (`Watch::start`).
+pub enum Start {
+    /// Nothing changed since claims found nothing: this one finds nothing either.
+    Quiet,
+    /// The claim runs, watched.
+    Claim(Watch),
 }
 
 /// A claim watching for whether it finds nothing (see the module documentation).
@@ -136,29 +179,28 @@ pub struct Watch {
 
 impl Watch {
     /// Starts watching a claim of group `group_id` whose lookup just marked `stream_id`, before
-    /// any statement of its own. `Err(())`: what this backend learned says the claim finds
-    /// nothing, and the claim's mark is taken back.
-    /// A claim that carries outcomes (`carries`) changes the stream: it is not watched.
-    pub fn start(group_id: i64, stream_id: StreamId, carries: bool, now: i64) -> std::result::Result<Watch, ()> {
-        // Only a transaction that changed nothing else so far: its own changes are not in any
-        // epoch yet.
-        let alone = TOUCHED.with(|touched| touched.borrow().as_slice() == [stream_id]);
-        let watched = ENABLED.get() && alone && !carries;
-        let Some(catalog) = crate::catalog::generation().filter(|_| watched) else {
-            return Ok(Watch { group_id, stream_id, seen: None });
-        };
+    /// any statement of its own. A claim that carries outcomes (`carries`), or runs in a
+    /// transaction that marked anything before (its changes are in no epoch yet), is not
+    /// watched. `Start::Quiet` takes the claim's mark back.
+    pub fn start(group_id: i64, stream_id: StreamId, carries: bool, now: i64) -> Start {
+        let unwatched = Start::Claim(Watch { group_id, stream_id, seen: None });
+        let alone = TOUCHED.with(|touched| touched.borrow().as_slice() == [(stream_id, 1)]);
+        if !ENABLED.get() || !alone || carries {
+            return unwatched;
+        }
+        let Some(catalog) = crate::catalog::generation() else { return unwatched };
         let epoch = slot(stream_id).load(Ordering::SeqCst);
         let quiet = QUIET.with(|q| q.borrow().get(&group_id).copied());
         if quiet.is_some_and(|q| q.seen(stream_id, epoch, catalog) && q.until.is_some_and(|until| now < until)) {
             take_back(stream_id);
-            return Err(());
+            return Start::Quiet;
         }
-        Ok(Watch { group_id, stream_id, seen: Some((epoch, catalog)) })
+        Start::Claim(Watch { group_id, stream_id, seen: Some((epoch, catalog)) })
     }
 
     /// The claim found nothing, wrote nothing and left nothing pending: remembered, and its
     /// mark taken back. The second such claim at the same epoch asks `until` when anything
-    /// falls due (`i64::MAX`: nothing waits for a time).
+    /// falls due after now (`i64::MAX`: nothing waits for a time).
     pub fn found_nothing(self, until: impl FnOnce() -> Result<i64>) -> Result<()> {
         let Some((epoch, catalog)) = self.seen else { return Ok(()) };
         let known = QUIET.with(|q| q.borrow().get(&self.group_id).copied());
@@ -176,16 +218,14 @@ impl Watch {
         take_back(self.stream_id);
         Ok(())
     }
-}
 
-/// Takes back one mark of `stream_id`: the call that made it changed nothing.
-fn take_back(stream_id: StreamId) {
-    TOUCHED.with(|touched| {
-        let mut touched = touched.borrow_mut();
-        if let Some(at) = touched.iter().rposition(|&s| s == stream_id) {
-            touched.remove(at);
+    /// The claim returned at once and wrote nothing (a paused group, a capped one without
+    /// room): its mark is taken back, so that it does not make other groups' claims look again.
+    pub fn wrote_nothing(self) {
+        if self.seen.is_some() {
+            take_back(self.stream_id);
         }
-    });
+    }
 }
 
 // The hooks that were installed before ours, each called first.
@@ -215,7 +255,26 @@ unsafe extern "C-unwind" fn on_shmem_startup() {
     }
 }
 
-#[pgrx::pg_guard]
+unsafe extern "C-unwind" {
+    /// Postgres' own, not pgrx's guarded binding: an error passes through `on_utility` as
+    /// Postgres raised it (context, position, fields), not caught and raised again.
+    #[link_name = "standard_ProcessUtility"]
+    fn standard_process_utility(
+        statement: *mut pg_sys::PlannedStmt,
+        query: *const std::ffi::c_char,
+        read_only_tree: bool,
+        context: pg_sys::ProcessUtilityContext::Type,
+        params: pg_sys::ParamListInfo,
+        environment: *mut pg_sys::QueryEnvironment,
+        destination: *mut pg_sys::DestReceiver,
+        completion: *mut pg_sys::QueryCompletion,
+    );
+}
+
+/// Every utility statement of the cluster passes here: one that ends a prepared transaction
+/// marks its own transaction, whose end moves every epoch (`ended`), after an error too. Not
+/// `#[pg_guard]`: it holds nothing to drop and cannot panic, so an error of the statement
+/// passes through untouched.
 #[allow(clippy::too_many_arguments)]
 unsafe extern "C-unwind" fn on_utility(
     statement: *mut pg_sys::PlannedStmt,
@@ -227,26 +286,21 @@ unsafe extern "C-unwind" fn on_utility(
     destination: *mut pg_sys::DestReceiver,
     completion: *mut pg_sys::QueryCompletion,
 ) {
-    // SAFETY: the hook's contract: the arguments are Postgres', passed on unchanged, to the
-    // previous hook or the standard one, either of which may raise an error (below). The
-    // statement is read before it runs.
+    // SAFETY: the hook's contract: the arguments are Postgres', read and passed on unchanged.
     unsafe {
         let utility = (*statement).utilityStmt;
-        let ends_prepared = !utility.is_null()
-            && (*utility).type_ == pg_sys::NodeTag::T_TransactionStmt
-            && matches!(
-                (*utility.cast::<pg_sys::TransactionStmt>()).kind,
-                pg_sys::TransactionStmtKind::TRANS_STMT_COMMIT_PREPARED
-                    | pg_sys::TransactionStmtKind::TRANS_STMT_ROLLBACK_PREPARED
-            );
+        if !utility.is_null() && (*utility).type_ == pg_sys::NodeTag::T_TransactionStmt {
+            use pg_sys::TransactionStmtKind::*;
+            let kind = (*utility.cast::<pg_sys::TransactionStmt>()).kind;
+            if kind == TRANS_STMT_COMMIT_PREPARED || kind == TRANS_STMT_ROLLBACK_PREPARED {
+                ENDS_PREPARED.set(true);
+            }
+        }
         match PREVIOUS_UTILITY_HOOK {
-            // A hook is a bare C pointer: its error crosses into Rust behind pgrx's guard.
-            Some(previous) => pg_sys::ffi::pg_guard_ffi_boundary(|| {
+            Some(previous) => {
                 previous(statement, query, read_only_tree, context, params, environment, destination, completion)
-            }),
-            // pgrx's binding is guarded already; a second guard around it would turn the error
-            // into a panic inside the first, which aborts the server.
-            None => pg_sys::standard_ProcessUtility(
+            }
+            None => standard_process_utility(
                 statement,
                 query,
                 read_only_tree,
@@ -256,10 +310,6 @@ unsafe extern "C-unwind" fn on_utility(
                 destination,
                 completion,
             ),
-        }
-        // The prepared transaction has left the proc array and released its locks.
-        if ends_prepared && ENABLED.get() {
-            move_all();
         }
     }
 }

@@ -95,10 +95,11 @@ BEGIN
             headers     jsonb,
             -- 0.2.0: not handed out before this time (produce's deliver_after); NULL: at once.
             deliver_at  timestamptz,
-            PRIMARY KEY (id)
+            -- The log's only index. A claim takes the next messages of one lane; a message is
+            -- found by its lane and id (every reader knows both: a range's lane, an exception
+            -- row's). One index per message, not two: a producer writes a third less index WAL.
+            PRIMARY KEY (lane, id)
         ) PARTITION BY RANGE (id);
-        -- A claim takes the next messages of one lane.
-        CREATE INDEX message_log_@id@_lane_idx ON sqlstreams.message_log_@id@ (lane, id);
 
         -- One row per consumer group: the group's cursor and its claim fence (src/fence.rs).
         --   claimed:   every id <= claimed has been handed out in some range (the lanes' lowest
@@ -471,7 +472,7 @@ BEGIN
             INSERT INTO sqlstreams.message_archive_%1$s
             SELECT m.* FROM sqlstreams.message_log_%1$s m
             WHERE m.id <= %2$s
-              AND m.id IN (SELECT e.message_id FROM sqlstreams.exception_queue_%1$s e
+              AND (m.lane, m.id) IN (SELECT e.lane, e.message_id FROM sqlstreams.exception_queue_%1$s e
                            WHERE e.message_id <= %2$s AND e.status <> 'superseded')
             ON CONFLICT (id) DO NOTHING$archive$, stream_id, upto);
     EXCEPTION
@@ -602,7 +603,9 @@ BEGIN
             ALTER TABLE sqlstreams.message_log_@id@ ADD COLUMN lane integer;
             UPDATE sqlstreams.message_log_@id@ SET lane = sqlstreams.lane(message_key, id, @lanes@);
             ALTER TABLE sqlstreams.message_log_@id@ ALTER COLUMN lane SET NOT NULL;
-            CREATE INDEX message_log_@id@_lane_idx ON sqlstreams.message_log_@id@ (lane, id);
+            -- The lane and id are the log's key (its only index), as in create_stream_tables.
+            ALTER TABLE sqlstreams.message_log_@id@ DROP CONSTRAINT message_log_@id@_pkey,
+                ADD PRIMARY KEY (lane, id);
             -- Headers and delayed delivery: NULL for every message produced so far.
             ALTER TABLE sqlstreams.message_log_@id@ ADD COLUMN headers jsonb, ADD COLUMN deliver_at timestamptz;
 

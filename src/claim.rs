@@ -40,7 +40,7 @@ use crate::group::GroupRef;
 use crate::key_gate::{self, Candidate, GatherInput, Verdict};
 use crate::lanes::{self, Lane};
 use crate::locks;
-use crate::message::{self, Message, Meta};
+use crate::message::{self, Address, Message, Meta};
 use crate::notify;
 use crate::outcome::{self, Signal};
 use crate::own_claims;
@@ -427,9 +427,9 @@ impl Claim<'_> {
         if rows.is_empty() {
             return Ok(());
         }
-        let ids: Vec<i64> = rows.iter().map(|(candidate, _, _)| candidate.message_id).collect();
+        let addresses: Vec<Address> = rows.iter().map(|(c, _, _)| Address { lane: c.lane, id: c.message_id }).collect();
         let messages: HashMap<i64, Message> =
-            message::by_id(client, self.group, &ids)?.into_iter().map(|m| (m.candidate.message_id, m)).collect();
+            message::by_id(client, self.group, &addresses)?.into_iter().map(|m| (m.candidate.message_id, m)).collect();
         for (candidate, status, mut attempts) in rows {
             let id = candidate.message_id;
             let expired = status == Status::Inflight;
@@ -474,7 +474,7 @@ impl Claim<'_> {
             None
         };
         if let Some(mut expired) = expired {
-            let messages = message::by_id(client, self.group, &expired.pending)?;
+            let messages = message::by_id(client, self.group, &expired.addresses())?;
             if expired.reclaims >= self.group.max_reclaims {
                 // Written at once, so this claim's gate sees them as unresolved predecessors of
                 // later same-key messages it hands out.

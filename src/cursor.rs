@@ -97,7 +97,11 @@ macro_rules! observed_head_sql {
         concat!(
             "(CASE WHEN NOT pg_catalog.pg_is_in_recovery() THEN ",
             $crate::cursor::head_sql!(),
-            " ELSE greatest((SELECT max(id) FROM sqlstreams.message_log_@id@),
+            " ELSE greatest((SELECT max(n.id) FROM sqlstreams.stream s,
+                                     generate_series(0, s.lanes - 1) AS l(lane),
+                                     LATERAL (SELECT m.id FROM sqlstreams.message_log_@id@ m WHERE m.lane = l.lane
+                                              ORDER BY m.id DESC LIMIT 1) n
+                              WHERE s.id = @id@),
                              (SELECT max(greatest(claimed, fence_safe)) FROM sqlstreams.cursor_@id@),
                              (SELECT max(claimed) FROM sqlstreams.lane_@id@), 0) END)"
         )

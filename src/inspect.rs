@@ -15,11 +15,12 @@ use crate::error::{Result, StreamError};
 use crate::exception_queue::{counts, unresolved};
 use crate::group::{self, GroupRef};
 use crate::lanes;
-use crate::message;
+use crate::message::{self, Address};
 use crate::names::validate_name;
 use crate::partition::Log;
 use crate::payload::RawJsonb;
 use crate::statement::{Access, Columns, Statement};
+use crate::stream::StreamRef;
 
 /// A group's progress, given `$2`, how far it has handed out everything
 /// (`lanes::claimed_through`). `group_status` is `stable`: its statements all read the
@@ -34,6 +35,14 @@ const PROGRESS: Statement = Statement {
         " AS head,
                 (SELECT count(*) FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1) AS open_ranges,
                 e.ready, e.inflight, e.deferred, e.dead, e.superseded, c.lost,
+                -- The lane of the message after the committed position, when an exception row
+                -- or a range starts there: where to read when it was produced.
+                (SELECT lane FROM sqlstreams.exception_queue_@id@
+                 WHERE consumer_group_id = $1 AND message_id = p.committed + 1 AND status IN ",
+        unresolved!(),
+        " LIMIT 1) AS exception_lane,
+                (SELECT lane FROM sqlstreams.range_lease_@id@
+                 WHERE consumer_group_id = $1 AND first_id = p.committed + 1) AS range_lane,
                 -- The bytes of the partitions the group's position keeps: those holding a
                 -- message after it, but the head's (src/bounds.rs).
                 (SELECT coalesce(sum(pg_catalog.pg_total_relation_size(pc.oid)), 0)::int8
@@ -83,7 +92,7 @@ const BLOCKED_KEYS: Statement = Statement {
 /// A group's dead rows; `dead_messages` adds their payloads (`message::read_by_id`).
 const DEAD: Statement = Statement {
     name: "inspect_dead",
-    sql: "SELECT message_id, message_key, attempts, delays, last_error, updated_at
+    sql: "SELECT message_id, message_key, attempts, delays, last_error, updated_at, lane
           FROM sqlstreams.exception_queue_@id@
           WHERE consumer_group_id = $1 AND status = 'dead'
           ORDER BY message_id",
@@ -163,7 +172,8 @@ fn progress(stream: Option<&str>, group_name: Option<&str>) -> Result<Progress> 
         Spi::connect(|client| {
             let group = resolve(client, caller, stream, group_name)?;
             let safe = cursor::read_fence(client, group.stream.id, group.id, Access::Read)?.safe;
-            let handed_out = lanes::claimed_through(client, &group.stream, group.id, safe, Access::Read)?;
+            let first_unclaimed = lanes::first_unclaimed(client, &group.stream, group.id, safe, Access::Read)?;
+            let handed_out = first_unclaimed.map_or(safe, |first| safe.min(first.id - 1));
             let row = PROGRESS
                 .read(
                     client,
@@ -176,6 +186,7 @@ fn progress(stream: Option<&str>, group_name: Option<&str>) -> Result<Progress> 
             }
             let committed: i64 = row.required("committed")?;
             let head: i64 = row.required("head")?;
+            let starts_there = row.value::<i32>("exception_lane")?.or(row.value::<i32>("range_lane")?);
             // The stored counts, and what this transaction changed that is written at commit.
             let [ready, inflight, deferred, dead, superseded] = counts::unwritten(group.stream.id, group.id);
             Ok(Progress {
@@ -188,12 +199,42 @@ fn progress(stream: Option<&str>, group_name: Option<&str>) -> Result<Progress> 
                 deferred: row.required::<i64>("deferred")? + deferred,
                 dead: row.required::<i64>("dead")? + dead,
                 superseded: row.required::<i64>("superseded")? + superseded,
-                oldest_unresolved_at: message::produced_after(client, &group.stream, committed, head, Access::Read)?,
+                oldest_unresolved_at: oldest_unresolved_at(
+                    client,
+                    &group.stream,
+                    committed,
+                    head,
+                    starts_there,
+                    first_unclaimed,
+                )?,
                 lost: row.required("lost")?,
                 held_back_bytes: row.required("held_back_bytes")?,
             })
         })
     })
+}
+
+/// When the first message after `committed` (up to `head`) was produced. It is the first message
+/// of an exception row or a range (`starts_there`, its lane) or of a lane as a rule, whose lane
+/// tells where it is; otherwise (a
+/// group caught up to its last proven head, or a rolled-back producer's gap) every lane is
+/// probed for its first message after `committed`.
+fn oldest_unresolved_at(
+    client: &SpiClient<'_>,
+    stream: &StreamRef,
+    committed: i64,
+    head: i64,
+    starts_there: Option<i32>,
+    first_unclaimed: Option<Address>,
+) -> Result<Option<TimestampWithTimeZone>> {
+    let next = committed + 1;
+    let lane = starts_there.or(first_unclaimed.filter(|first| first.id == next).map(|first| first.lane));
+    if let Some(lane) = lane {
+        if let Some(at) = message::produced_at(client, stream, Address { lane, id: next }, Access::Read)? {
+            return Ok(Some(at));
+        }
+    }
+    message::produced_after(client, stream, committed, head, Access::Read)
 }
 
 /// One group's cursor, head, lag, exception-queue counts by status, and when its oldest
@@ -302,9 +343,11 @@ fn dead_messages(
     let rows = access::as_owner(|caller| {
         Spi::connect(|client| {
             let group = resolve(client, caller, stream, group_name)?;
+            let mut addresses = Vec::new();
             let rows = DEAD
                 .read(client, group.stream.id, &[group.id.into()])?
                 .map(|row| {
+                    addresses.push(Address { lane: row.required("lane")?, id: row.required("message_id")? });
                     Ok((
                         row.required::<i64>("message_id")?,
                         row.value::<String>("message_key")?,
@@ -318,8 +361,7 @@ fn dead_messages(
             // From the log or the archive. A partition dropped after the caller's snapshot began
             // is gone from both for that snapshot (its archived rows are newer): the row still
             // shows, with a NULL payload.
-            let ids: Vec<i64> = rows.iter().map(|row| row.0).collect();
-            let payloads: HashMap<i64, RawJsonb> = message::read_by_id(client, &group, &ids, Access::Read)?
+            let payloads: HashMap<i64, RawJsonb> = message::read_by_id(client, &group, &addresses, Access::Read)?
                 .into_iter()
                 .map(|m| (m.candidate.message_id, m.payload))
                 .collect();
@@ -393,12 +435,18 @@ fn stream_head(stream_id: i64) -> std::result::Result<i64, ErrorReport> {
     })?)
 }
 
-/// Messages after `$1` in one partition of the log (src/partition.rs).
+/// Up to `$3` messages with ids in `($1, $2]` in one partition of the log (src/partition.rs),
+/// oldest first: every lane's (of the stream's `$4`) in the window, since the log is keyed by lane
+/// and id. `peek` keeps the window about as wide as the rows it still wants.
 const PEEK: Statement = Statement {
     name: "inspect_peek",
-    sql: "SELECT id, message_key, produced_at, payload FROM sqlstreams.message_log_@id@_p@part@
-          WHERE id > $1 ORDER BY id LIMIT $2",
-    params: &[INT8OID, INT4OID],
+    sql: "SELECT n.id, n.message_key, n.produced_at, n.payload FROM generate_series(0, $4 - 1) AS l(lane)
+          CROSS JOIN LATERAL (SELECT m.id, m.message_key, m.produced_at, m.payload
+                              FROM sqlstreams.message_log_@id@_p@part@ m
+                              WHERE (m.lane, m.id) > (l.lane, $1) AND (m.lane, m.id) <= (l.lane, $2)
+                              ORDER BY m.lane, m.id LIMIT $3) n
+          ORDER BY n.id LIMIT $3",
+    params: &[INT8OID, INT8OID, INT4OID, INT4OID],
 };
 
 /// The messages of a stream after `after_id`, oldest first (at most `max_messages`), without
@@ -440,19 +488,34 @@ fn peek(
             let head = cursor::observed_head(client, s.id)?;
             let log = Log::open(&s)?;
             let mut rows = Vec::new();
-            for part in log.holding(client, after, head, Access::Read)? {
+            // Ids are dense but for rolled-back producers' and dropped partitions' gaps: a window
+            // of as many ids as rows wanted reads about those rows; one that comes back short
+            // doubles, so a wide gap costs a few probes per lane, not one per id.
+            let mut width = i64::from(limit);
+            'parts: for part in log.holding(client, after, head, Access::Read)? {
                 let part = part?;
-                let room = limit - rows.len() as i32;
-                for row in PEEK.exec_in(client, s.id, part, &[after.into(), room.into()], Access::Read)? {
-                    rows.push((
-                        row.required("id")?,
-                        row.value("message_key")?,
-                        row.required("produced_at")?,
-                        row.required("payload")?,
-                    ));
-                }
-                if rows.len() as i32 == limit {
-                    break;
+                let end = log.last_id(part).min(head);
+                let mut from = after.max(log.last_id(part) - s.partition_size);
+                while from < end {
+                    let room = limit - rows.len() as i32;
+                    let upto = from.saturating_add(width).min(end);
+                    let args = [from.into(), upto.into(), room.into(), s.lanes.into()];
+                    let before = rows.len();
+                    for row in PEEK.exec_in(client, s.id, part, &args, Access::Read)? {
+                        rows.push((
+                            row.required("id")?,
+                            row.value("message_key")?,
+                            row.required("produced_at")?,
+                            row.required("payload")?,
+                        ));
+                    }
+                    if rows.len() as i32 == limit {
+                        break 'parts;
+                    }
+                    if ((rows.len() - before) as i64) < (upto - from) / 2 {
+                        width = width.saturating_mul(2);
+                    }
+                    from = upto;
                 }
             }
             Ok(rows)

@@ -25,6 +25,7 @@ use pgrx::spi::SpiClient;
 
 use crate::error::Result;
 use crate::group::GroupRef;
+use crate::message::Address;
 use crate::partition::{self, Log};
 use crate::statement::{self, Access, Columns, Part, Statement};
 use crate::stream::StreamRef;
@@ -197,9 +198,9 @@ const HOLDERS: Statement = Statement {
 
 /// The next message of each of the lanes `$1` after its position `$2`, up to the safe head `$3`,
 /// in one partition of the log (lanes with none there are left out). The bounds are row
-/// comparisons on (lane, id), which only the lane index can answer: with `lane = x`, statistics
-/// of one hot lane make the planner walk the primary key and filter out every row of that lane,
-/// which is the whole backlog for a lane with nothing new (src/message.rs).
+/// comparisons on (lane, id), the log's key, which bound the index scan on both ends: with
+/// `lane = x`, statistics of one hot lane could make the planner scan the partition instead
+/// (src/message.rs).
 const NEXT: Statement = Statement {
     name: "lanes_next",
     sql: "SELECT l.lane, n.id FROM unnest($1::int4[], $2::int8[]) AS l(lane, claimed)
@@ -509,6 +510,18 @@ pub fn claimed_through(
     safe: i64,
     access: Access,
 ) -> Result<i64> {
+    Ok(first_unclaimed(client, stream, group_id, safe, access)?.map_or(safe, |first| safe.min(first.id - 1)))
+}
+
+/// The first message at or below `safe` that group `group_id` has not handed out, if any
+/// (`claimed_through`).
+pub fn first_unclaimed(
+    client: &SpiClient<'_>,
+    stream: &StreamRef,
+    group_id: i64,
+    safe: i64,
+    access: Access,
+) -> Result<Option<Address>> {
     let positions = POSITIONS
         .exec(client, stream.id, &[group_id.into(), safe.into()], access)?
         .map(|row| Ok((row.required("lane")?, row.required("claimed")?)))
@@ -516,12 +529,16 @@ pub fn claimed_through(
     let mut first = None;
     by_partition(client, &Log::open(stream)?, positions, safe, access, |part, lanes, claimed| {
         let rows = NEXT.exec_in(client, stream.id, part, &[lanes.into(), claimed.into(), safe.into()], access)?;
-        first = rows.map(|row| row.required::<i64>("id")).collect::<Result<Vec<i64>>>()?.into_iter().min();
+        first = rows
+            .map(|row| Ok(Address { id: row.required("id")?, lane: row.required("lane")? }))
+            .collect::<Result<Vec<Address>>>()?
+            .into_iter()
+            .min_by_key(|a| a.id);
         // Found here, it is the lowest: a lane not looked for here has its next message in a
         // later partition. Not found: no lane has one here.
         Ok(if first.is_some() { ControlFlow::Break(()) } else { ControlFlow::Continue(vec![]) })
     })?;
-    Ok(first.map_or(safe, |first| safe.min(first - 1)))
+    Ok(first)
 }
 
 /// Locks `lane` if it is still free; `None` when another claim has it (nothing waits).

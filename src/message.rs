@@ -49,11 +49,17 @@ fn required_at<T: FromDatum + IntoDatum>(row: &Row<'_>, column: Column) -> Resul
         .ok_or_else(|| StreamError::Internal(format!("message column {} is unexpectedly NULL", column as usize)))
 }
 
-/// Messages by id in one partition of the log (src/partition.rs).
+/// Messages by address in one partition of the log (src/partition.rs): each a probe of the
+/// log's key, (lane, id).
 const IN_PART: Statement = Statement {
     name: "message_in_part",
-    sql: concat!("SELECT ", columns!(), " FROM sqlstreams.message_log_@id@_p@part@ WHERE id = ANY($1)"),
-    params: &[INT8ARRAYOID],
+    sql: concat!(
+        "SELECT m.* FROM unnest($1::int4[], $2::int8[]) AS a(l, i)
+         CROSS JOIN LATERAL (SELECT ",
+        columns!(),
+        " FROM sqlstreams.message_log_@id@_p@part@ WHERE lane = a.l AND id = a.i) m"
+    ),
+    params: &[INT4ARRAYOID, INT8ARRAYOID],
 };
 
 /// Messages by id from the archive: retention copies there the messages of a partition it
@@ -65,8 +71,8 @@ const ARCHIVED: Statement = Statement {
 };
 
 /// The next messages of a lane in one partition. The bounds are row comparisons on (lane, id),
-/// which only the lane index can answer: written as `lane = $4`, a plan made while one hot lane
-/// filled the statistics walks the primary key instead, through every row of other lanes.
+/// the log's key: written as `lane = $4`, a plan made while one hot lane filled the statistics
+/// could scan the partition instead, through every row of other lanes.
 const AFTER: Statement = Statement {
     name: "message_after",
     sql: concat!(
@@ -79,12 +85,33 @@ const AFTER: Statement = Statement {
     params: &[INT8OID, INT8OID, INT4OID, INT4OID],
 };
 
-/// When the first message after `$1` in one partition was produced.
+/// When the first message after `$1` up to `$3` in one partition was produced: the first of
+/// each of the stream's `$2` lanes, whichever has the lowest id (the log is keyed by lane).
 const PRODUCED_AFTER: Statement = Statement {
     name: "message_produced_after",
-    sql: "SELECT produced_at FROM sqlstreams.message_log_@id@_p@part@ WHERE id > $1 ORDER BY id LIMIT 1",
-    params: &[INT8OID],
+    sql: "SELECT n.produced_at FROM generate_series(0, $2 - 1) AS l(lane)
+          CROSS JOIN LATERAL (SELECT m.id, m.produced_at FROM sqlstreams.message_log_@id@_p@part@ m
+                              WHERE (m.lane, m.id) > (l.lane, $1) AND (m.lane, m.id) <= (l.lane, $3)
+                              ORDER BY m.lane, m.id LIMIT 1) n
+          ORDER BY n.id LIMIT 1",
+    params: &[INT8OID, INT4OID, INT8OID],
 };
+
+/// When the message at `$1, $2` (lane, id) in one partition was produced.
+const PRODUCED_AT: Statement = Statement {
+    name: "message_produced_at",
+    sql: "SELECT produced_at FROM sqlstreams.message_log_@id@_p@part@ WHERE lane = $1 AND id = $2",
+    params: &[INT4OID, INT8OID],
+};
+
+/// Where a message is in the log: its lane and id, the log's key. Whoever reads a message by
+/// id knows its lane too: a range's messages are all in the range's lane, and an exception row
+/// keeps its message's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Address {
+    pub lane: i32,
+    pub id: i64,
+}
 
 /// A message as a group's claim sees it.
 pub struct Message {
@@ -132,35 +159,46 @@ fn messages(rows: Deformed<'_>, group: &GroupRef) -> Result<Vec<Message>> {
     })
 }
 
-/// The messages `ids` (those that exist), in id order, with their payloads: from the
+/// The messages at `addresses` (those that exist), in id order, with their payloads: from the
 /// partitions that hold them, else from the archive (an id archived just before a drop that then
 /// did not happen is in both; either copy is the same, since log rows never change).
-pub fn by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64]) -> Result<Vec<Message>> {
-    read_by_id(client, group, ids, Access::Write)
+pub fn by_id(client: &SpiClient<'_>, group: &GroupRef, addresses: &[Address]) -> Result<Vec<Message>> {
+    read_by_id(client, group, addresses, Access::Write)
 }
 
 /// `by_id` with `access` (`Access::Read` for inspection functions: the caller's snapshot).
-pub fn read_by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64], access: Access) -> Result<Vec<Message>> {
+pub fn read_by_id(
+    client: &SpiClient<'_>,
+    group: &GroupRef,
+    addresses: &[Address],
+    access: Access,
+) -> Result<Vec<Message>> {
     let stream = &group.stream;
     let log = Log::open(stream)?;
-    let mut by_part: BTreeMap<Part, Vec<i64>> = BTreeMap::new();
-    for &id in ids {
-        by_part.entry(partition::of(stream, id)).or_default().push(id);
+    let mut by_part: BTreeMap<Part, Vec<Address>> = BTreeMap::new();
+    for &address in addresses {
+        by_part.entry(partition::of(stream, address.id)).or_default().push(address);
     }
-    let mut found = Vec::with_capacity(ids.len());
+    let read_in = |part: Part, addresses: &mut Vec<Address>| -> Result<Vec<Message>> {
+        addresses.sort_unstable();
+        addresses.dedup();
+        let (lanes, ids): (Vec<i32>, Vec<i64>) = addresses.iter().map(|a| (a.lane, a.id)).unzip();
+        messages(IN_PART.exec_in_deformed(client, stream.id, part, &[lanes.into(), ids.into()], access)?, group)
+    };
+    let mut found = Vec::with_capacity(addresses.len());
     let mut missing = Vec::new();
     let mut unknown = Vec::new();
-    for (part, ids) in by_part {
+    for (part, mut addresses) in by_part {
         if !log.cached(part) {
             // Dropped by retention (its messages archived), as a rule; see below.
-            missing.extend(&ids);
-            unknown.push((part, ids));
+            missing.extend(addresses.iter().map(|a| a.id));
+            unknown.push((part, addresses));
             continue;
         }
-        let read = messages(IN_PART.exec_in_deformed(client, stream.id, part, &[ids.clone().into()], access)?, group)?;
-        if read.len() < ids.len() {
+        let read = read_in(part, &mut addresses)?;
+        if read.len() < addresses.len() {
             let read: HashSet<i64> = read.iter().map(|m| m.candidate.message_id).collect();
-            missing.extend(ids.into_iter().filter(|id| !read.contains(id)));
+            missing.extend(addresses.iter().map(|a| a.id).filter(|id| !read.contains(id)));
         }
         found.extend(read);
     }
@@ -170,13 +208,10 @@ pub fn read_by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64], access:
         found.extend(archived);
         // Neither in the cache's partitions nor in the archive: a partition this backend has
         // not seen created yet (`Log::exists`) may hold them.
-        for (part, ids) in unknown {
-            let ids: Vec<i64> = ids.into_iter().filter(|id| !in_archive.contains(id)).collect();
-            if !ids.is_empty() && log.exists(client, part)? {
-                found.extend(messages(
-                    IN_PART.exec_in_deformed(client, stream.id, part, &[ids.into()], access)?,
-                    group,
-                )?);
+        for (part, addresses) in unknown {
+            let mut addresses: Vec<Address> = addresses.into_iter().filter(|a| !in_archive.contains(&a.id)).collect();
+            if !addresses.is_empty() && log.exists(client, part)? {
+                found.extend(read_in(part, &mut addresses)?);
             }
         }
     }
@@ -184,9 +219,9 @@ pub fn read_by_id(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64], access:
     Ok(found)
 }
 
-/// The messages `ids` (those that exist), in id order, as the gate sees them.
-pub fn candidates(client: &SpiClient<'_>, group: &GroupRef, ids: &[i64]) -> Result<Vec<Candidate>> {
-    Ok(by_id(client, group, ids)?.into_iter().map(|m| m.candidate).collect())
+/// The messages at `addresses` (those that exist), in id order, as the gate sees them.
+pub fn candidates(client: &SpiClient<'_>, group: &GroupRef, addresses: &[Address]) -> Result<Vec<Candidate>> {
+    Ok(by_id(client, group, addresses)?.into_iter().map(|m| m.candidate).collect())
 }
 
 /// Up to `limit` messages of `lane` with ids in `(after, upto]`, in id order, with payloads.
@@ -212,6 +247,24 @@ pub fn after(
     Ok(found)
 }
 
+/// When the message at `address` was produced (NULL when it is not in the log).
+pub fn produced_at(
+    client: &SpiClient<'_>,
+    stream: &StreamRef,
+    address: Address,
+    access: Access,
+) -> Result<Option<TimestampWithTimeZone>> {
+    let log = Log::open(stream)?;
+    for part in log.holding(client, address.id - 1, address.id, access)? {
+        let args = [address.lane.into(), address.id.into()];
+        let row = PRODUCED_AT.exec_in(client, stream.id, part?, &args, access)?;
+        if !row.is_empty() {
+            return row.first().value("produced_at");
+        }
+    }
+    Ok(None)
+}
+
 /// When the first message with an id in `(after, upto]` was produced (NULL when none is left).
 pub fn produced_after(
     client: &SpiClient<'_>,
@@ -223,7 +276,13 @@ pub fn produced_after(
     let log = Log::open(stream)?;
     for part in log.holding(client, after, upto, access)? {
         let part = part?;
-        let row = PRODUCED_AFTER.exec_in(client, stream.id, part, &[after.into()], access)?;
+        let row = PRODUCED_AFTER.exec_in(
+            client,
+            stream.id,
+            part,
+            &[after.into(), stream.lanes.into(), upto.into()],
+            access,
+        )?;
         if !row.is_empty() {
             return row.first().value("produced_at");
         }

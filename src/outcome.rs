@@ -146,8 +146,9 @@ fn record_setback(
             exception_queue::update(client, stream_id, group.id, &[update], now)?;
             (row.key, row.concurrency, setback)
         } else if ranges.contains(id) {
+            let addresses = ranges.addresses(&[id]);
             ranges.remove(&[id]);
-            let Some(message) = message::candidates(client, group, &[id])?.pop() else {
+            let Some(message) = message::candidates(client, group, &addresses)?.pop() else {
                 return Err(StreamError::Internal(format!("pending message {id} is missing from the log")));
             };
             let setback = decide(group, 0, 0, now);

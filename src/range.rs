@@ -24,6 +24,7 @@ use pgrx::spi::SpiClient;
 use pgrx::{pg_sys, IntoDatum};
 
 use crate::error::Result;
+use crate::message::Address;
 use crate::statement::{self, Access, Columns, Statement};
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -45,6 +46,11 @@ impl RangeLease {
     /// A fresh range of `lane`: its messages are set as the claim hands them out.
     pub fn new(first_id: i64, last_id: i64, lane: i32) -> RangeLease {
         RangeLease { first_id, last_id, lane, ..Default::default() }
+    }
+
+    /// Where in the log its pending messages are.
+    pub fn addresses(&self) -> Vec<Address> {
+        self.pending.iter().map(|&id| Address { lane: self.lane, id }).collect()
     }
 
     /// Removes `ids` from `pending`; returns the removed (id, key) pairs in id order.
@@ -286,6 +292,14 @@ pub struct Ranges {
 impl Ranges {
     pub fn contains(&self, id: i64) -> bool {
         self.ranges.iter().any(|r| r.pending.contains(&id))
+    }
+
+    /// Where in the log the pending messages `ids` are (those pending in one of the ranges).
+    pub fn addresses(&self, ids: &[i64]) -> Vec<Address> {
+        self.ranges
+            .iter()
+            .flat_map(|r| r.pending.iter().filter(|id| ids.contains(id)).map(|&id| Address { lane: r.lane, id }))
+            .collect()
     }
 
     /// Removes `ids` from whichever range holds them; returns the removed (id, key) pairs.

@@ -877,3 +877,92 @@ fn next_due_passes_over_rows_parked_for_good_behind_a_held_dead_row() {
     // The rows behind it wait for a redrive, skip or purge (which notify), not for a time.
     assert_eq!(due_in(&mut c, &g), None);
 }
+
+/// The log is keyed by lane and id, with no index on the id alone: `peek` merges the lanes of
+/// each window of ids, so it returns every message after a position in id order, over keys in
+/// every lane and past gaps wider than its window that rolled-back producers left.
+#[test]
+fn peek_merges_every_lane_in_id_order_across_gaps() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "peek-lanes");
+    let mut produced = Vec::new();
+    for round in 0..4 {
+        for k in 0..40 {
+            produced.push(s.produce(&mut c, json!({ "k": k }), Some(&format!("key-{k}"))));
+        }
+        produced.extend(s.produce_many(&mut c, 30, None));
+        let mut tx = c.transaction().unwrap();
+        s.produce_many(&mut tx, 400 * (round + 1), None);
+        tx.rollback().unwrap();
+    }
+    let lanes: i64 =
+        c.query_one(&format!("SELECT count(DISTINCT lane) FROM {}", s.table("message_log")), &[]).unwrap().get(0);
+    assert!(lanes > 8, "the keys are in {lanes} lanes");
+    for after in [0, produced[3], produced[69], produced[200]] {
+        for limit in [1, 7, 100, 10_000] {
+            let peeked: Vec<i64> = c
+                .query("SELECT message_id FROM sqlstreams.peek($1, $2, $3)", &[&s.name, &after, &limit])
+                .unwrap()
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let expected: Vec<i64> = produced.iter().copied().filter(|&id| id > after).take(limit as usize).collect();
+            assert_eq!(peeked, expected, "after {after}, at most {limit}");
+        }
+    }
+}
+
+/// `group_status.oldest_unresolved_at` is when the first message after the group's committed
+/// position was produced, wherever that message is: at the start of an open range, of an
+/// exception row, of a lane's unclaimed messages, or past a rolled-back producer's gap with
+/// keyed messages in other lanes (the log is keyed by lane and id: each is found another way).
+#[test]
+fn oldest_unresolved_at_is_the_first_unresolved_messages_wherever_it_is() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "oldest");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let check = |c: &mut Client, case: &str| {
+        let row = c
+            .query_one("SELECT committed, oldest_unresolved_at FROM sqlstreams.group_status($1, 'g')", &[&s.name])
+            .unwrap();
+        let (committed, at): (i64, Option<std::time::SystemTime>) = (row.get(0), row.get(1));
+        let expected: Option<std::time::SystemTime> = c
+            .query_opt(
+                &format!("SELECT produced_at FROM {} WHERE id > $1 ORDER BY id LIMIT 1", s.table("message_log")),
+                &[&committed],
+            )
+            .unwrap()
+            .map(|r| r.get(0));
+        assert_eq!(at, expected, "{case} (committed {committed})");
+        at
+    };
+    // One transaction each, so every message has a time of its own.
+    let produce = |c: &mut Client, n: usize| {
+        for k in 0..n {
+            s.produce(c, json!({}), Some(&format!("key-{k}")));
+        }
+    };
+    produce(&mut c, 12);
+    assert!(check(&mut c, "nothing claimed yet").is_some());
+    let first = g.claim(&mut c, 3);
+    assert!(!first.is_empty());
+    check(&mut c, "an open range");
+    g.fail(&mut c, &first[0], "later", false, Some("1 hour"));
+    g.ack_batch(&mut c, &first[1..]);
+    check(&mut c, "an exception row");
+    loop {
+        let batch = g.claim(&mut c, 100);
+        if batch.is_empty() {
+            break;
+        }
+        g.ack_batch(&mut c, &batch);
+    }
+    check(&mut c, "a retry waiting, the rest acked");
+    let mut tx = c.transaction().unwrap();
+    s.produce_many(&mut tx, 50, None);
+    tx.rollback().unwrap();
+    produce(&mut c, 6);
+    check(&mut c, "new keyed messages past a gap");
+    g.claim(&mut c, 1);
+    check(&mut c, "the lanes' first unclaimed messages");
+}

@@ -31,11 +31,15 @@ const LOCK: Statement = Statement {
     params: &[INT8OID],
 };
 
-/// The position for a time: the last message produced before it.
+/// The position for a time: the last message produced before it, the newest such of each of
+/// the stream's `$2` lanes (the log is keyed by lane and id).
 const POSITION_AT: Statement = Statement {
     name: "seek_position_at",
-    sql: "SELECT coalesce(max(id), 0) AS position FROM sqlstreams.message_log_@id@ WHERE produced_at < $1",
-    params: &[TIMESTAMPTZOID],
+    sql: "SELECT coalesce(max(n.id), 0) AS position FROM generate_series(0, $2 - 1) AS l(lane)
+          CROSS JOIN LATERAL (SELECT m.id FROM sqlstreams.message_log_@id@ m
+                              WHERE m.lane = l.lane AND m.produced_at < $1
+                              ORDER BY m.id DESC LIMIT 1) n",
+    params: &[TIMESTAMPTZOID, INT4OID],
 };
 
 const HEAD: Statement =
@@ -82,7 +86,7 @@ fn seek(
         let position = match (to_id, to_time) {
             (Some(id), _) => id,
             (None, Some(time)) => POSITION_AT
-                .run(client, g.stream.id, &[statement::timestamptz(time.into_inner())])?
+                .run(client, g.stream.id, &[statement::timestamptz(time.into_inner()), g.stream.lanes.into()])?
                 .first()
                 .required("position")?,
             (None, None) => unreachable!("checked above"),

@@ -262,8 +262,10 @@ pub fn defer_chain(
     if later.is_empty() {
         return Ok(());
     }
-    let chained: Vec<Candidate> =
-        message::candidates(client, group, &later)?.into_iter().filter(|m| m.concurrency.is_keyed_gate()).collect();
+    let chained: Vec<Candidate> = message::candidates(client, group, &ranges.addresses(&later))?
+        .into_iter()
+        .filter(|m| m.concurrency.is_keyed_gate())
+        .collect();
     let ids: Vec<i64> = chained.iter().map(|m| m.message_id).collect();
     ranges.remove(&ids);
     let rows: Vec<NewRow> = chained
@@ -306,11 +308,11 @@ pub fn give_back(
     )? {
         given.push((row.required("message_id")?, row.value("message_key")?));
     }
+    let addresses = ranges.addresses(ids);
     let removed = ranges.remove(ids);
     if !removed.is_empty() {
-        let removed_ids: Vec<i64> = removed.iter().map(|(id, _)| *id).collect();
         let rows: Vec<NewRow> =
-            message::candidates(client, group, &removed_ids)?.iter().map(|m| new_row(m, Status::Ready, now)).collect();
+            message::candidates(client, group, &addresses)?.iter().map(|m| new_row(m, Status::Ready, now)).collect();
         super::insert(client, stream_id, group.id, &rows, now)?;
         given.extend(removed);
     }

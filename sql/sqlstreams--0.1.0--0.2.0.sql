@@ -599,12 +599,12 @@ DECLARE
 BEGIN
     FOR s IN SELECT id, lanes FROM sqlstreams.stream WHERE schema_version = '0.1.0' ORDER BY id LOOP
         EXECUTE replace(replace($family$
-            -- Every message's lane.
-            ALTER TABLE sqlstreams.message_log_@id@ ADD COLUMN lane integer;
-            UPDATE sqlstreams.message_log_@id@ SET lane = sqlstreams.lane(message_key, id, @lanes@);
-            ALTER TABLE sqlstreams.message_log_@id@ ALTER COLUMN lane SET NOT NULL;
-            -- The lane and id are the log's key (its only index), as in create_stream_tables.
+            -- Every message's lane. The lane and id become the log's key (its only index), as in
+            -- create_stream_tables; the old key goes first, so the update does not maintain it.
             ALTER TABLE sqlstreams.message_log_@id@ DROP CONSTRAINT message_log_@id@_pkey,
+                ADD COLUMN lane integer;
+            UPDATE sqlstreams.message_log_@id@ SET lane = sqlstreams.lane(message_key, id, @lanes@);
+            ALTER TABLE sqlstreams.message_log_@id@ ALTER COLUMN lane SET NOT NULL,
                 ADD PRIMARY KEY (lane, id);
             -- Headers and delayed delivery: NULL for every message produced so far.
             ALTER TABLE sqlstreams.message_log_@id@ ADD COLUMN headers jsonb, ADD COLUMN deliver_at timestamptz;

@@ -91,19 +91,23 @@ const SEQUENCE_HEAD: Statement =
 /// The head as inspection reports it. On a standby the sequence reads what the primary logged
 /// ahead of the ids it handed out (up to 32 more), so there it is the highest id replayed: the
 /// newest message of the log, or a position some group has claimed through or proven safe (ids of
-/// rolled-back producers have no message). A claim or maintain() never runs on a standby.
+/// rolled-back producers have no message). Each lane's newest message is looked for above the
+/// positions only, so a lane with none there costs a probe of the partitions above them, not of
+/// every partition kept. A claim or maintain() never runs on a standby.
 macro_rules! observed_head_sql {
     () => {
         concat!(
             "(CASE WHEN NOT pg_catalog.pg_is_in_recovery() THEN ",
             $crate::cursor::head_sql!(),
-            " ELSE greatest((SELECT max(n.id) FROM sqlstreams.stream s,
-                                     generate_series(0, s.lanes - 1) AS l(lane),
-                                     LATERAL (SELECT m.id FROM sqlstreams.message_log_@id@ m WHERE m.lane = l.lane
-                                              ORDER BY m.id DESC LIMIT 1) n
-                              WHERE s.id = @id@),
-                             (SELECT max(greatest(claimed, fence_safe)) FROM sqlstreams.cursor_@id@),
-                             (SELECT max(claimed) FROM sqlstreams.lane_@id@), 0) END)"
+            " ELSE (SELECT greatest(f.floor,
+                                    (SELECT max(n.id) FROM sqlstreams.stream s,
+                                            generate_series(0, s.lanes - 1) AS l(lane),
+                                            LATERAL (SELECT m.id FROM sqlstreams.message_log_@id@ m
+                                                     WHERE m.lane = l.lane AND m.id > f.floor
+                                                     ORDER BY m.id DESC LIMIT 1) n
+                                     WHERE s.id = @id@))
+                    FROM (SELECT greatest((SELECT max(greatest(claimed, fence_safe)) FROM sqlstreams.cursor_@id@),
+                                          (SELECT max(claimed) FROM sqlstreams.lane_@id@), 0) AS floor) f) END)"
         )
     };
 }

@@ -449,6 +449,16 @@ const PEEK: Statement = Statement {
     params: &[INT8OID, INT8OID, INT4OID, INT4OID],
 };
 
+/// The width of `peek`'s next window of ids, after one of `span` ids held `got` messages, for
+/// `wanted` more.
+fn next_width(span: i64, got: i64, wanted: i64) -> i64 {
+    if got == 0 {
+        span.saturating_mul(2)
+    } else {
+        (span.saturating_mul(wanted) / got).max(wanted)
+    }
+}
+
 /// The messages of a stream after `after_id`, oldest first (at most `max_messages`), without
 /// claiming anything: what an operator's `tail` shows. Needs a consume grant on one of the
 /// stream's groups (or pg_monitor).
@@ -488,9 +498,11 @@ fn peek(
             let head = cursor::observed_head(client, s.id)?;
             let log = Log::open(&s)?;
             let mut rows = Vec::new();
-            // Ids are dense but for rolled-back producers' and dropped partitions' gaps: a window
-            // of as many ids as rows wanted reads about those rows; one that comes back short
-            // doubles, so a wide gap costs a few probes per lane, not one per id.
+            // Ids are dense but for the gaps of rolled-back or open producers: a window of as many
+            // ids as rows wanted reads about those rows. The next window is as wide as this one's
+            // density says the rows still wanted need (twice as wide after an empty one), so a
+            // wide gap costs a few probes per lane, not one per id, and a dense stretch after it
+            // reads no more rows than it returns.
             let mut width = i64::from(limit);
             'parts: for part in log.holding(client, after, head, Access::Read)? {
                 let part = part?;
@@ -512,9 +524,7 @@ fn peek(
                     if rows.len() as i32 == limit {
                         break 'parts;
                     }
-                    if ((rows.len() - before) as i64) < (upto - from) / 2 {
-                        width = width.saturating_mul(2);
-                    }
+                    width = next_width(upto - from, (rows.len() - before) as i64, i64::from(limit) - rows.len() as i64);
                     from = upto;
                 }
             }
@@ -522,4 +532,19 @@ fn peek(
         })
     })?;
     Ok(TableIterator::new(rows))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::next_width;
+
+    #[test]
+    fn a_peek_window_widens_across_gaps_and_narrows_after_them() {
+        assert_eq!(next_width(1, 0, 1), 2, "an empty window of one id doubles");
+        assert_eq!(next_width(1_024, 0, 1), 2_048);
+        assert_eq!(next_width(100_000, 1, 99), 9_900_000, "sparse: as wide as the density needs");
+        assert_eq!(next_width(4_096, 4_000, 50), 51, "dense again: about the rows still wanted");
+        assert_eq!(next_width(10, 10, 90), 90);
+        assert_eq!(next_width(i64::MAX, 0, 5), i64::MAX);
+    }
 }

@@ -214,11 +214,10 @@ fn progress(stream: Option<&str>, group_name: Option<&str>) -> Result<Progress> 
     })
 }
 
-/// When the first message after `committed` (up to `head`) was produced. It is the first message
-/// of an exception row or a range (`starts_there`, its lane) or of a lane as a rule, whose lane
-/// tells where it is; otherwise (a
-/// group caught up to its last proven head, or a rolled-back producer's gap) every lane is
-/// probed for its first message after `committed`.
+/// When the first message after `committed` (up to `head`) was produced. As a rule it is where
+/// an exception row or a range starts (`starts_there`: its lane) or a lane's first unclaimed
+/// message, so its lane is known; otherwise (a group caught up to its last proven head, or a
+/// rolled-back producer's gap) every lane is probed for its first message after `committed`.
 fn oldest_unresolved_at(
     client: &SpiClient<'_>,
     stream: &StreamRef,

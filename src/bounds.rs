@@ -58,16 +58,6 @@ const PARTITIONS: Statement = Statement {
 /// Partitions moved past in one round at most.
 const PARTITIONS_PER_ROUND: usize = 8;
 
-/// When the newest message of one partition was produced (none: an empty partition).
-const NEWEST: Statement = Statement {
-    name: "bounds_newest",
-    sql: "SELECT n.produced_at FROM generate_series(0, $1 - 1) AS l(lane)
-          CROSS JOIN LATERAL (SELECT m.id, m.produced_at FROM sqlstreams.message_log_@id@_p@part@ m
-                              WHERE m.lane = l.lane ORDER BY m.lane DESC, m.id DESC LIMIT 1) n
-          ORDER BY n.id DESC LIMIT 1",
-    params: &[INT4OID],
-};
-
 /// The groups whose committed position is below `$1`.
 const LAGGING: Statement = Statement {
     name: "bounds_lagging",
@@ -155,11 +145,9 @@ pub fn enforce(client: &SpiClient<'_>, name: &str, stream: &StreamRef, groups: &
         let too_big = max_bytes.is_some_and(|max| bytes_from_here > max);
         let too_old = match oldest_kept {
             Some(limit) => {
-                let newest: Option<pgrx::datum::TimestampWithTimeZone> = NEWEST
-                    .exec_in(client, stream.id, part, &[stream.lanes.into()], Access::Write)?
-                    .first()
-                    .value("produced_at")?;
-                newest.is_none_or(|at| at.into_inner() < limit)
+                // The partition's newest message (none: an empty partition).
+                let newest = crate::message::newest(client, stream, part, 0, Access::Write)?;
+                newest.is_none_or(|(_, at)| at.into_inner() < limit)
             }
             None => false,
         };

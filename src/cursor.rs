@@ -11,12 +11,15 @@
 //! never wait for one row. The fence is stored here too (src/fence.rs), and claims update it
 //! only when they can take the row without waiting.
 
+use pgrx::pg_sys;
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::SpiClient;
 
 use crate::error::Result;
 use crate::fence::{Fence, Observation};
 use crate::lanes;
+use crate::message;
+use crate::partition::{self, Log};
 use crate::statement::{Access, Columns, Statement};
 use crate::stream::StreamRef;
 
@@ -88,33 +91,40 @@ pub(crate) use head_sql;
 const SEQUENCE_HEAD: Statement =
     Statement { name: "cursor_sequence_head", sql: concat!("SELECT ", head_sql!(), " AS head"), params: &[] };
 
-/// The head as inspection reports it. On a standby the sequence reads what the primary logged
-/// ahead of the ids it handed out (up to 32 more), so there it is the highest id replayed: the
-/// newest message of the log, or a position some group has claimed through or proven safe (ids of
-/// rolled-back producers have no message). Each lane's newest message is looked for above the
-/// positions only, so a lane with none there costs a probe of the partitions above them, not of
-/// every partition kept. A claim or maintain() never runs on a standby.
+/// The head as inspection reports it: on a primary the sequence's; on a hot standby the
+/// statement's parameter `$replayed`, which `replayed_head` computes. A claim or maintain() never
+/// runs on a standby.
 macro_rules! observed_head_sql {
-    () => {
+    ($replayed:literal) => {
         concat!(
             "(CASE WHEN NOT pg_catalog.pg_is_in_recovery() THEN ",
             $crate::cursor::head_sql!(),
-            " ELSE (SELECT greatest(f.floor,
-                                    (SELECT max(n.id) FROM sqlstreams.stream s,
-                                            generate_series(0, s.lanes - 1) AS l(lane),
-                                            LATERAL (SELECT m.id FROM sqlstreams.message_log_@id@ m
-                                                     WHERE m.lane = l.lane AND m.id > f.floor
-                                                     ORDER BY m.id DESC LIMIT 1) n
-                                     WHERE s.id = @id@))
-                    FROM (SELECT greatest((SELECT max(greatest(claimed, fence_safe)) FROM sqlstreams.cursor_@id@),
-                                          (SELECT max(claimed) FROM sqlstreams.lane_@id@), 0) AS floor) f) END)"
+            " ELSE ",
+            $replayed,
+            "::int8 END)"
         )
     };
 }
 pub(crate) use observed_head_sql;
 
-const OBSERVED_HEAD: Statement =
-    Statement { name: "cursor_observed_head", sql: concat!("SELECT ", observed_head_sql!(), " AS head"), params: &[] };
+const OBSERVED_HEAD: Statement = Statement {
+    name: "cursor_observed_head",
+    sql: concat!("SELECT ", observed_head_sql!("$1"), " AS head"),
+    params: &[INT8OID],
+};
+
+/// What bounds the head on a standby: the sequence from above, the groups' positions from below.
+const REPLAY_BOUNDS: Statement = Statement {
+    name: "cursor_replay_bounds",
+    sql: concat!(
+        "SELECT ",
+        head_sql!(),
+        " AS ceiling,
+                greatest((SELECT max(greatest(claimed, fence_safe)) FROM sqlstreams.cursor_@id@),
+                         (SELECT max(claimed) FROM sqlstreams.lane_@id@), 0) AS floor"
+    ),
+    params: &[],
+};
 
 /// The stored fence and then the head, for a claim (src/fence.rs: the order is the proof). The
 /// cursor row is read in the statement's snapshot, taken before the sequence is read, so what
@@ -194,6 +204,34 @@ pub fn sequence_head(client: &SpiClient<'_>, stream_id: i64, access: Access) -> 
 }
 
 /// The head for inspection (`observed_head_sql!`), in the caller's snapshot.
-pub fn observed_head(client: &SpiClient<'_>, stream_id: i64) -> Result<i64> {
-    OBSERVED_HEAD.exec(client, stream_id, &[], Access::Read)?.first().required("head")
+pub fn observed_head(client: &SpiClient<'_>, stream: &StreamRef) -> Result<i64> {
+    let replayed = replayed_head(client, stream)?;
+    OBSERVED_HEAD.exec(client, stream.id, &[replayed.into()], Access::Read)?.first().required("head")
+}
+
+/// On a hot standby, the highest id it has replayed (`None` on a primary): the newest message of
+/// the log, or a position some group has claimed through or proven safe (ids of rolled-back
+/// producers have no message), whichever is higher. There the sequence reads what the primary
+/// logged ahead of the ids it handed out (up to 32 more), so no message is above it: the
+/// partitions are read from its one down, each lane's newest message above the positions, until
+/// one has any. So the read does not grow with the partitions kept.
+pub fn replayed_head(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Option<i64>> {
+    // SAFETY: reads shared recovery state.
+    if !unsafe { pg_sys::RecoveryInProgress() } {
+        return Ok(None);
+    }
+    let bounds = REPLAY_BOUNDS.exec(client, stream.id, &[], Access::Read)?.first();
+    let (floor, ceiling): (i64, i64) = (bounds.required("floor")?, bounds.required("ceiling")?);
+    if ceiling > floor {
+        let log = Log::open(stream)?;
+        for part in (partition::of(stream, floor + 1)..=partition::of(stream, ceiling)).rev() {
+            if !log.exists(client, part)? {
+                continue;
+            }
+            if let Some((newest, _)) = message::newest(client, stream, part, floor, Access::Read)? {
+                return Ok(Some(newest));
+            }
+        }
+    }
+    Ok(Some(floor))
 }

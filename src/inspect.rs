@@ -31,7 +31,7 @@ const PROGRESS: Statement = Statement {
     name: "inspect_progress",
     sql: concat!(
         "SELECT greatest(p.committed, c.claimed, $2) AS claimed, p.committed, ",
-        observed_head_sql!(),
+        observed_head_sql!("$4"),
         " AS head,
                 (SELECT count(*) FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1) AS open_ranges,
                 e.ready, e.inflight, e.deferred, e.dead, e.superseded, c.lost,
@@ -50,7 +50,7 @@ const PROGRESS: Statement = Statement {
                       LATERAL (SELECT (substring(pc.relname FROM '_p([0-9]+)$')::int8 + 1) * $3 AS last_id) b
                  WHERE i.inhparent = 'sqlstreams.message_log_@id@'::regclass
                    AND b.last_id > p.committed AND b.last_id < ",
-        observed_head_sql!(),
+        observed_head_sql!("$4"),
         ") AS held_back_bytes
          FROM sqlstreams.cursor_@id@ c,
               LATERAL (SELECT greatest(c.committed, ",
@@ -67,7 +67,7 @@ const PROGRESS: Statement = Statement {
                        FROM sqlstreams.exception_count_@id@ WHERE consumer_group_id = $1) e
          WHERE c.consumer_group_id = $1"
     ),
-    params: &[INT8OID, INT8OID, INT8OID],
+    params: &[INT8OID, INT8OID, INT8OID, INT8OID],
 };
 
 const BLOCKED_KEYS: Statement = Statement {
@@ -178,7 +178,12 @@ fn progress(stream: Option<&str>, group_name: Option<&str>) -> Result<Progress> 
                 .read(
                     client,
                     group.stream.id,
-                    &[group.id.into(), handed_out.into(), group.stream.partition_size.into()],
+                    &[
+                        group.id.into(),
+                        handed_out.into(),
+                        group.stream.partition_size.into(),
+                        cursor::replayed_head(client, &group.stream)?.into(),
+                    ],
                 )?
                 .first();
             if row.is_empty() {
@@ -429,14 +434,14 @@ fn stream_head(stream_id: i64) -> std::result::Result<i64, ErrorReport> {
             crate::locks::stream_shared(&name, true);
             crate::stream::confirm(&name, stream_id)?;
             caller.require(client, stream_id, &name, Right::Observe)?;
-            cursor::observed_head(client, stream_id)
+            cursor::observed_head(client, &crate::stream::lookup_read(client, &name)?)
         })
     })?)
 }
 
 /// Up to `$3` messages with ids in `($1, $2]` in one partition of the log (src/partition.rs),
 /// oldest first: every lane's (of the stream's `$4`) in the window, since the log is keyed by lane
-/// and id. `peek` keeps the window about as wide as the rows it still wants.
+/// and id. `peek` keeps the window about twice as wide as the rows it still wants.
 const PEEK: Statement = Statement {
     name: "inspect_peek",
     sql: "SELECT n.id, n.message_key, n.produced_at, n.payload FROM generate_series(0, $4 - 1) AS l(lane)
@@ -447,16 +452,6 @@ const PEEK: Statement = Statement {
           ORDER BY n.id LIMIT $3",
     params: &[INT8OID, INT8OID, INT4OID, INT4OID],
 };
-
-/// The width of `peek`'s next window of ids, after one of `span` ids held `got` messages, for
-/// `wanted` more.
-fn next_width(span: i64, got: i64, wanted: i64) -> i64 {
-    if got == 0 {
-        span.saturating_mul(2)
-    } else {
-        (span.saturating_mul(wanted) / got).max(wanted)
-    }
-}
 
 /// The messages of a stream after `after_id`, oldest first (at most `max_messages`), without
 /// claiming anything: what an operator's `tail` shows. Needs a consume grant on one of the
@@ -494,22 +489,19 @@ fn peek(
         Spi::connect(|client| {
             let s = crate::stream::lookup_read(client, stream)?;
             caller.require(client, s.id, stream, Right::ReadMessages)?;
-            let head = cursor::observed_head(client, s.id)?;
+            let head = cursor::observed_head(client, &s)?;
             let log = Log::open(&s)?;
             let mut rows = Vec::new();
-            // Ids are dense but for the gaps of rolled-back or open producers: a window of as many
-            // ids as rows wanted reads about those rows. The next window is as wide as this one's
-            // density says the rows still wanted need (twice as wide after an empty one), so a
-            // wide gap costs a few probes per lane, not one per id, and a dense stretch after it
-            // reads no more rows than it returns.
-            let mut width = i64::from(limit);
+            // Ids are dense but for the gaps of rolled-back or open producers: a window of twice
+            // as many ids as rows still wanted reads at most that many rows. A window that finds
+            // none ends in a gap, and the next one starts at the next message (a probe per lane).
             'parts: for part in log.holding(client, after, head, Access::Read)? {
                 let part = part?;
                 let end = log.last_id(part).min(head);
                 let mut from = after.max(log.last_id(part) - s.partition_size);
                 while from < end {
                     let room = limit - rows.len() as i32;
-                    let upto = from.saturating_add(width).min(end);
+                    let upto = from.saturating_add(2 * i64::from(room)).min(end);
                     let args = [from.into(), upto.into(), room.into(), s.lanes.into()];
                     let before = rows.len();
                     for row in PEEK.exec_in(client, s.id, part, &args, Access::Read)? {
@@ -523,27 +515,18 @@ fn peek(
                     if rows.len() as i32 == limit {
                         break 'parts;
                     }
-                    width = next_width(upto - from, (rows.len() - before) as i64, i64::from(limit) - rows.len() as i64);
-                    from = upto;
+                    from = if rows.len() > before {
+                        upto
+                    } else {
+                        match message::first_after(client, &s, part, upto, end, Access::Read)? {
+                            Some((next, _)) => next - 1,
+                            None => end,
+                        }
+                    };
                 }
             }
             Ok(rows)
         })
     })?;
     Ok(TableIterator::new(rows))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::next_width;
-
-    #[test]
-    fn a_peek_window_widens_across_gaps_and_narrows_after_them() {
-        assert_eq!(next_width(1, 0, 1), 2, "an empty window of one id doubles");
-        assert_eq!(next_width(1_024, 0, 1), 2_048);
-        assert_eq!(next_width(100_000, 1, 99), 9_900_000, "sparse: as wide as the density needs");
-        assert_eq!(next_width(4_096, 4_000, 50), 51, "dense again: about the rows still wanted");
-        assert_eq!(next_width(10, 10, 90), 90);
-        assert_eq!(next_width(i64::MAX, 0, 5), i64::MAX);
-    }
 }

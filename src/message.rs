@@ -85,16 +85,29 @@ const AFTER: Statement = Statement {
     params: &[INT8OID, INT8OID, INT4OID, INT4OID],
 };
 
-/// When the first message after `$1` up to `$3` in one partition was produced: the first of
-/// each of the stream's `$2` lanes, whichever has the lowest id (the log is keyed by lane).
-const PRODUCED_AFTER: Statement = Statement {
-    name: "message_produced_after",
-    sql: "SELECT n.produced_at FROM generate_series(0, $2 - 1) AS l(lane)
+/// The first message with an id in `($1, $3]` in one partition, and when it was produced: the
+/// first of each of the stream's `$2` lanes, whichever has the lowest id (the log is keyed by
+/// lane and id).
+const FIRST_AFTER: Statement = Statement {
+    name: "message_first_after",
+    sql: "SELECT n.id, n.produced_at FROM generate_series(0, $2 - 1) AS l(lane)
           CROSS JOIN LATERAL (SELECT m.id, m.produced_at FROM sqlstreams.message_log_@id@_p@part@ m
                               WHERE (m.lane, m.id) > (l.lane, $1) AND (m.lane, m.id) <= (l.lane, $3)
                               ORDER BY m.lane, m.id LIMIT 1) n
           ORDER BY n.id LIMIT 1",
     params: &[INT8OID, INT4OID, INT8OID],
+};
+
+/// The newest message with an id above `$2` in one partition, and when it was produced: the
+/// newest of each of the stream's `$1` lanes, whichever has the highest id.
+const NEWEST: Statement = Statement {
+    name: "message_newest",
+    sql: "SELECT n.id, n.produced_at FROM generate_series(0, $1 - 1) AS l(lane)
+          CROSS JOIN LATERAL (SELECT m.id, m.produced_at FROM sqlstreams.message_log_@id@_p@part@ m
+                              WHERE (m.lane, m.id) > (l.lane, $2) AND (m.lane, m.id) <= (l.lane, 9223372036854775807)
+                              ORDER BY m.lane DESC, m.id DESC LIMIT 1) n
+          ORDER BY n.id DESC LIMIT 1",
+    params: &[INT4OID, INT8OID],
 };
 
 /// When the message at `$1, $2` (lane, id) in one partition was produced.
@@ -275,19 +288,47 @@ pub fn produced_after(
 ) -> Result<Option<TimestampWithTimeZone>> {
     let log = Log::open(stream)?;
     for part in log.holding(client, after, upto, access)? {
-        let part = part?;
-        let row = PRODUCED_AFTER.exec_in(
-            client,
-            stream.id,
-            part,
-            &[after.into(), stream.lanes.into(), upto.into()],
-            access,
-        )?;
-        if !row.is_empty() {
-            return row.first().value("produced_at");
+        if let Some((_, at)) = first_after(client, stream, part?, after, upto, access)? {
+            return Ok(Some(at));
         }
     }
     Ok(None)
+}
+
+/// The first message with an id in `(after, upto]` in partition `part` (its id, and when it was
+/// produced): a probe of each lane.
+pub fn first_after(
+    client: &SpiClient<'_>,
+    stream: &StreamRef,
+    part: Part,
+    after: i64,
+    upto: i64,
+    access: Access,
+) -> Result<Option<(i64, TimestampWithTimeZone)>> {
+    let args = [after.into(), stream.lanes.into(), upto.into()];
+    let row = FIRST_AFTER.exec_in(client, stream.id, part, &args, access)?;
+    if row.is_empty() {
+        return Ok(None);
+    }
+    let row = row.first();
+    Ok(Some((row.required("id")?, row.required("produced_at")?)))
+}
+
+/// The newest message with an id above `above` in partition `part` (its id, and when it was
+/// produced): a probe of each lane.
+pub fn newest(
+    client: &SpiClient<'_>,
+    stream: &StreamRef,
+    part: Part,
+    above: i64,
+    access: Access,
+) -> Result<Option<(i64, TimestampWithTimeZone)>> {
+    let row = NEWEST.exec_in(client, stream.id, part, &[stream.lanes.into(), above.into()], access)?;
+    if row.is_empty() {
+        return Ok(None);
+    }
+    let row = row.first();
+    Ok(Some((row.required("id")?, row.required("produced_at")?)))
 }
 
 #[cfg(test)]

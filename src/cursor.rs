@@ -205,8 +205,18 @@ pub fn sequence_head(client: &SpiClient<'_>, stream_id: i64, access: Access) -> 
 
 /// The head for inspection (`observed_head_sql!`), in the caller's snapshot.
 pub fn observed_head(client: &SpiClient<'_>, stream: &StreamRef) -> Result<i64> {
-    let replayed = replayed_head(client, stream)?;
-    OBSERVED_HEAD.exec(client, stream.id, &[replayed.into()], Access::Read)?.first().required("head")
+    observed_head_of(client, stream.id, replayed_head(client, stream)?)
+}
+
+/// `observed_head` given `replayed_head`'s answer.
+pub fn observed_head_of(client: &SpiClient<'_>, stream_id: i64, replayed: Option<i64>) -> Result<i64> {
+    OBSERVED_HEAD.exec(client, stream_id, &[replayed.into()], Access::Read)?.first().required("head")
+}
+
+/// Whether this is a hot standby.
+pub fn in_recovery() -> bool {
+    // SAFETY: reads shared recovery state.
+    unsafe { pg_sys::RecoveryInProgress() }
 }
 
 /// On a hot standby, the highest id it has replayed (`None` on a primary): the newest message of
@@ -214,17 +224,20 @@ pub fn observed_head(client: &SpiClient<'_>, stream: &StreamRef) -> Result<i64> 
 /// producers have no message), whichever is higher. There the sequence reads what the primary
 /// logged ahead of the ids it handed out (up to 32 more), so no message is above it: the
 /// partitions are read from its one down, each lane's newest message above the positions, until
-/// one has any. So the read does not grow with the partitions kept.
+/// one has any, no lower than the oldest partition kept. So the read does not grow with the
+/// partitions kept.
 pub fn replayed_head(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Option<i64>> {
-    // SAFETY: reads shared recovery state.
-    if !unsafe { pg_sys::RecoveryInProgress() } {
+    if !in_recovery() {
         return Ok(None);
     }
     let bounds = REPLAY_BOUNDS.exec(client, stream.id, &[], Access::Read)?.first();
     let (floor, ceiling): (i64, i64) = (bounds.required("floor")?, bounds.required("ceiling")?);
     if ceiling > floor {
         let log = Log::open(stream)?;
-        for part in (partition::of(stream, floor + 1)..=partition::of(stream, ceiling)).rev() {
+        // Partitions below the oldest kept were dropped: the walk stops there.
+        let Some(oldest) = log.oldest(client, Access::Read)? else { return Ok(Some(floor)) };
+        let lowest = partition::of(stream, floor + 1).max(oldest);
+        for part in (lowest..=partition::of(stream, ceiling)).rev() {
             if !log.exists(client, part)? {
                 continue;
             }

@@ -434,21 +434,28 @@ fn stream_head(stream_id: i64) -> std::result::Result<i64, ErrorReport> {
             crate::locks::stream_shared(&name, true);
             crate::stream::confirm(&name, stream_id)?;
             caller.require(client, stream_id, &name, Right::Observe)?;
-            cursor::observed_head(client, &crate::stream::lookup_read(client, &name)?)
+            // The stream's lanes and partitions matter on a standby only (`replayed_head`).
+            let replayed = if cursor::in_recovery() {
+                cursor::replayed_head(client, &crate::stream::lookup_read(client, &name)?)?
+            } else {
+                None
+            };
+            cursor::observed_head_of(client, stream_id, replayed)
         })
     })?)
 }
 
 /// Up to `$3` messages with ids in `($1, $2]` in one partition of the log (src/partition.rs),
 /// oldest first: every lane's (of the stream's `$4`) in the window, since the log is keyed by lane
-/// and id. `peek` keeps the window about twice as wide as the rows it still wants.
+/// and id. `peek` keeps the window about twice as wide as the rows it still wants. The bounds are
+/// scalar, so each lane's scan stops at the window's end (src/message.rs, `FIRST_AFTER`).
 const PEEK: Statement = Statement {
     name: "inspect_peek",
     sql: "SELECT n.id, n.message_key, n.produced_at, n.payload FROM generate_series(0, $4 - 1) AS l(lane)
           CROSS JOIN LATERAL (SELECT m.id, m.message_key, m.produced_at, m.payload
                               FROM sqlstreams.message_log_@id@_p@part@ m
-                              WHERE (m.lane, m.id) > (l.lane, $1) AND (m.lane, m.id) <= (l.lane, $2)
-                              ORDER BY m.lane, m.id LIMIT $3) n
+                              WHERE m.lane = l.lane AND m.id > $1 AND m.id <= $2
+                              ORDER BY m.id LIMIT $3) n
           ORDER BY n.id LIMIT $3",
     params: &[INT8OID, INT8OID, INT4OID, INT4OID],
 };
@@ -515,7 +522,7 @@ fn peek(
                     if rows.len() as i32 == limit {
                         break 'parts;
                     }
-                    from = if rows.len() > before {
+                    from = if rows.len() > before || upto == end {
                         upto
                     } else {
                         match message::first_after(client, &s, part, upto, end, Access::Read)? {

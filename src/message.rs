@@ -87,25 +87,27 @@ const AFTER: Statement = Statement {
 
 /// The first message with an id in `($1, $3]` in one partition, and when it was produced: the
 /// first of each of the stream's `$2` lanes, whichever has the lowest id (the log is keyed by
-/// lane and id).
+/// lane and id). The bounds are scalar: on PostgreSQL 15 to 17 a btree scan stops at a row
+/// comparison's first column only, so `(lane, id) <= (l, $3)` would read on through the lane.
 const FIRST_AFTER: Statement = Statement {
     name: "message_first_after",
     sql: "SELECT n.id, n.produced_at FROM generate_series(0, $2 - 1) AS l(lane)
           CROSS JOIN LATERAL (SELECT m.id, m.produced_at FROM sqlstreams.message_log_@id@_p@part@ m
-                              WHERE (m.lane, m.id) > (l.lane, $1) AND (m.lane, m.id) <= (l.lane, $3)
-                              ORDER BY m.lane, m.id LIMIT 1) n
+                              WHERE m.lane = l.lane AND m.id > $1 AND m.id <= $3
+                              ORDER BY m.id LIMIT 1) n
           ORDER BY n.id LIMIT 1",
     params: &[INT8OID, INT4OID, INT8OID],
 };
 
 /// The newest message with an id above `$2` in one partition, and when it was produced: the
-/// newest of each of the stream's `$1` lanes, whichever has the highest id.
+/// newest of each of the stream's `$1` lanes, whichever has the highest id (scalar bounds, as
+/// in `FIRST_AFTER`: a lane with nothing above `$2` costs one descent).
 const NEWEST: Statement = Statement {
     name: "message_newest",
     sql: "SELECT n.id, n.produced_at FROM generate_series(0, $1 - 1) AS l(lane)
           CROSS JOIN LATERAL (SELECT m.id, m.produced_at FROM sqlstreams.message_log_@id@_p@part@ m
-                              WHERE (m.lane, m.id) > (l.lane, $2) AND (m.lane, m.id) <= (l.lane, 9223372036854775807)
-                              ORDER BY m.lane DESC, m.id DESC LIMIT 1) n
+                              WHERE m.lane = l.lane AND m.id > $2
+                              ORDER BY m.id DESC LIMIT 1) n
           ORDER BY n.id DESC LIMIT 1",
     params: &[INT4OID, INT8OID],
 };

@@ -514,7 +514,11 @@ pub fn claimed_through(
 }
 
 /// The first message at or below `safe` that group `group_id` has not handed out, if any
-/// (`claimed_through`).
+/// (`claimed_through`). Lanes this backend knows have nothing after their positions up to
+/// `safe` are not probed, as in a claim (`candidates`), and a walk that finds nothing teaches
+/// it so of every lane it probed: a monitor polling `group_status` probes a lane left behind
+/// the head once, not on every call. `safe` is a proven head, so what a probe finds empty up
+/// to it stays empty (src/lanes/empty.rs), in any snapshot that sees the proof.
 pub fn first_unclaimed(
     client: &SpiClient<'_>,
     stream: &StreamRef,
@@ -522,12 +526,19 @@ pub fn first_unclaimed(
     safe: i64,
     access: Access,
 ) -> Result<Option<Address>> {
-    let positions = POSITIONS
+    let mut positions = POSITIONS
         .exec(client, stream.id, &[group_id.into(), safe.into()], access)?
         .map(|row| Ok((row.required("lane")?, row.required("claimed")?)))
         .collect::<Result<Vec<(i32, i64)>>>()?;
+    let log = Log::open(stream)?;
+    let safe_part = partition::of(stream, safe);
+    positions.retain(|&(lane, claimed)| {
+        let behind = partition::of(stream, claimed + 1) < safe_part;
+        behind || !empty::known(stream.id, log.oid(), lane, claimed, safe)
+    });
+    let probed = positions.clone();
     let mut first = None;
-    by_partition(client, &Log::open(stream)?, positions, safe, access, |part, lanes, claimed| {
+    by_partition(client, &log, positions, safe, access, |part, lanes, claimed| {
         let rows = NEXT.exec_in(client, stream.id, part, &[lanes.into(), claimed.into(), safe.into()], access)?;
         first = rows
             .map(|row| Ok(Address { id: row.required("id")?, lane: row.required("lane")? }))
@@ -538,6 +549,11 @@ pub fn first_unclaimed(
         // later partition. Not found: no lane has one here.
         Ok(if first.is_some() { ControlFlow::Break(()) } else { ControlFlow::Continue(vec![]) })
     })?;
+    if first.is_none() {
+        for (lane, claimed) in probed {
+            empty::learn(stream.id, log.oid(), lane, claimed, safe);
+        }
+    }
     Ok(first)
 }
 

@@ -545,3 +545,63 @@ fn a_claim_takes_the_next_due_retry_when_the_oldest_is_locked() {
     assert_eq!(got, vec![produced[1]], "the next due retry, past the locked one");
     held.rollback().unwrap();
 }
+
+/// Index pages of the stream's first partition of the log that `tx` has read so far.
+fn log_pages_read(tx: &mut postgres::Transaction<'_>, s: &Stream) -> i64 {
+    tx.query_one(
+        "SELECT coalesce(sum(pg_stat_get_xact_blocks_fetched(indexrelid)), 0)::int8 FROM pg_index
+         WHERE indrelid = $1::text::regclass",
+        &[&format!("{}_p0", s.table("message_log"))],
+    )
+    .unwrap()
+    .get(0)
+}
+
+/// `group_status` finds where a group has handed out everything by probing each lane behind the
+/// head for a message after its position. A lane with nothing there stays behind (an idle claim
+/// writes nothing), so a monitor polling `group_status` probed it on every call: now a backend
+/// probes it once, and again only once the head moves past what it learned.
+#[test]
+fn group_status_probes_a_lane_left_behind_the_head_once_per_backend() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "status-probes");
+    let g = s.group(&mut c, "g", None);
+    let keys = one_key_per_lane(&mut c, &s);
+    s.produce_many(&mut c, 3, Some(&keys[0]));
+    assert_eq!(g.drain(&mut c).len(), 3);
+    let behind: i64 =
+        c.query_one(&format!("SELECT count(*) FROM {} WHERE claimed < 3", s.table("lane")), &[]).unwrap().get(0);
+    assert_eq!(behind, 15, "the lanes without messages stay where they were");
+
+    // A backend of its own: its counts hold nothing of the above.
+    let mut monitor = connect();
+    let status = "SELECT claimed, head, lag FROM sqlstreams.group_status($1, 'g')";
+    let poll = |monitor: &mut Client| {
+        let mut tx = monitor.transaction().unwrap();
+        let row = tx.query_one(status, &[&s.name]).unwrap();
+        let progress: (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+        let pages = log_pages_read(&mut tx, &s);
+        // A backend's counts include what it has not reported yet: reported when it goes idle.
+        tx.execute("SELECT pg_stat_force_next_flush()", &[]).unwrap();
+        tx.commit().unwrap();
+        (progress, pages)
+    };
+    let (progress, first_pages) = poll(&mut monitor);
+    assert_eq!(progress, (3, 3, 0));
+    assert!(first_pages >= 15, "the first call probes the 15 lanes behind the head ({first_pages} pages)");
+    let (progress, pages) = poll(&mut monitor);
+    assert_eq!(progress, (3, 3, 0));
+    assert_eq!(pages, 0, "the second call knows those lanes have nothing up to the head");
+
+    // A message in one of those lanes, claimed: the group's safe head moves past what the
+    // monitor learned, so it looks again.
+    s.produce(&mut c, json!({}), Some(&keys[5]));
+    let claimed = g.claim(&mut c, 100);
+    assert_eq!(claimed.len(), 1);
+    let (progress, pages) = poll(&mut monitor);
+    assert_eq!(progress, (4, 4, 1), "claimed, not acked");
+    assert!(pages > 0, "the lanes behind are probed up to the new safe head");
+    g.ack_batch(&mut c, &claimed);
+    let (progress, _) = poll(&mut monitor);
+    assert_eq!(progress, (4, 4, 0));
+}

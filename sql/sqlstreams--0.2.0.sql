@@ -1098,15 +1098,26 @@ WHERE sqlstreams.visible(s.id, g.name);
 -- The sessions that hold a stream's fence back: transactions that are producing to it (or
 -- prepared after producing) and have not ended. Claims wait for them; a long one shows here.
 CREATE VIEW sqlstreams.fence_holders AS
+-- One reading of the lock table for both of its uses below.
+WITH locks AS MATERIALIZED (
+    SELECT locktype, database, classid, objid, objsubid, transactionid, virtualtransaction, pid, mode
+    FROM pg_catalog.pg_locks WHERE granted AND locktype IN ('advisory', 'transactionid'))
 SELECT s.name AS stream, l.pid, l.virtualtransaction, a.backend_xid AS xid, a.xact_start,
        now() - a.xact_start AS age, a.state, a.usename, a.application_name,
        p.gid AS prepared_gid, p.prepared
-FROM pg_catalog.pg_locks l
+FROM locks l
 JOIN sqlstreams.stream s ON l.classid::int8 = (s.id >> 32) AND l.objid::int8 = (s.id & 4294967295)
 LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
--- A prepared transaction's locks have no backend (pid NULL).
-LEFT JOIN pg_catalog.pg_prepared_xacts p ON l.pid IS NULL AND l.virtualtransaction = '-1/' || p.transaction
-WHERE l.locktype = 'advisory' AND l.objsubid = 21328 AND l.granted
+-- A prepared transaction's locks have no backend (pid NULL). Which one it is: the transaction
+-- whose id it holds its own lock on, under the same virtual transaction (that column's form
+-- differs between major versions, so it is compared, never parsed).
+LEFT JOIN LATERAL (
+    SELECT p.gid, p.prepared
+    FROM locks x JOIN pg_catalog.pg_prepared_xacts p ON p.transaction = x.transactionid
+    WHERE l.pid IS NULL AND x.pid IS NULL AND x.locktype = 'transactionid' AND x.mode = 'ExclusiveLock'
+      AND x.virtualtransaction = l.virtualtransaction
+    LIMIT 1) p ON true
+WHERE l.locktype = 'advisory' AND l.objsubid = 21328
   AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database());
 
 ----------------------------------------------------------------------------------------------

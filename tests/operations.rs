@@ -467,6 +467,27 @@ fn operators_see_how_old_the_backlog_is_and_who_holds_the_fence() {
     assert_eq!(holders.len(), 1, "the open producer transaction holds the fence");
     tx.commit().unwrap();
     assert!(c.query("SELECT pid FROM sqlstreams.fence_holders WHERE stream = $1", &[&s.name]).unwrap().is_empty());
+
+    // A prepared producer: no backend, named by its gid. (With a savepoint that took a
+    // transaction id of its own, so the prepared transaction holds two transaction id locks.)
+    let gid = unique("fence-holder");
+    producer
+        .batch_execute(&format!(
+            "BEGIN; SET LOCAL sqlstreams.notify = off; SAVEPOINT one;
+             SELECT sqlstreams.produce('{}', '{{}}'); RELEASE SAVEPOINT one;
+             PREPARE TRANSACTION '{gid}'",
+            s.name
+        ))
+        .unwrap();
+    let holders = c.query(
+        "SELECT pid, prepared_gid, prepared IS NOT NULL FROM sqlstreams.fence_holders WHERE stream = $1",
+        &[&s.name],
+    );
+    producer.batch_execute(&format!("ROLLBACK PREPARED '{gid}'")).unwrap();
+    let holders: Vec<(Option<i32>, Option<String>, bool)> =
+        holders.unwrap().iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();
+    assert_eq!(holders, vec![(None, Some(gid), true)], "the prepared producer, once");
+    assert!(c.query("SELECT pid FROM sqlstreams.fence_holders WHERE stream = $1", &[&s.name]).unwrap().is_empty());
 }
 
 #[test]

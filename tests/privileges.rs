@@ -319,4 +319,15 @@ fn a_producer_sees_its_stream_and_no_group() {
     assert!(groups.is_empty(), "a producer sees no group");
     // Asked directly, group_status refuses it.
     refused(p.query("SELECT * FROM sqlstreams.group_status($1, 'invoicer')", &[&stream]), "a producer's group_status");
+    // It may see how far the stream goes, but not read back what others produced to it.
+    let head: i64 = p
+        .query_one("SELECT sqlstreams.stream_head(id) FROM sqlstreams.streams WHERE name = $1", &[&stream])
+        .unwrap()
+        .get(0);
+    assert!(head >= 1);
+    let peek = refused(p.query("SELECT * FROM sqlstreams.peek($1)", &[&stream]), "a producer's peek");
+    assert!(peek.contains("may not read stream") && peek.contains("'consume'"), "{peek}");
+    // A consume grant on any one group of the stream reads its messages.
+    a.query_one("SELECT sqlstreams.grant_stream($1, $2, 'consume', 'auditor')", &[&stream, &producer]).unwrap();
+    assert_eq!(p.query("SELECT * FROM sqlstreams.peek($1)", &[&stream]).unwrap().len(), 1);
 }

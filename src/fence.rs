@@ -22,7 +22,8 @@
 //! "Oldest running transaction" would let any long writing transaction anywhere in the database
 //! hold every stream back. So each producer also takes its stream's producer lock (shared,
 //! `src/locks.rs`) before its message ids, and when the global bound proves nothing new, the
-//! claim reads the oldest transaction id among that stream's lock holders from `pg_locks`: only
+//! claim reads the oldest transaction id among that stream's lock holders (from the lock manager,
+//! `locks::producer_xids`, or from `pg_locks` for a prepared holder): only
 //! this stream's open producers hold it back. An outbox producer that wrote its business row
 //! first already has a transaction id when it registers; that is fine, since what matters is
 //! that both come before its message ids. Read-only transactions take no transaction id and
@@ -60,16 +61,18 @@ const PRODUCER_XIDS: Statement = Statement {
 };
 
 /// The oldest transaction id (64-bit) among the stream's running producers; `next_xid` when
-/// there is none. Must be called after `next_xid` was read.
+/// there is none. Must be called after `next_xid` was read. From the lock manager, or from
+/// `pg_locks` when a holder's transaction id is not readable there (a prepared transaction).
 pub fn oldest_producer(client: &SpiClient<'_>, stream_id: i64, next_xid: u64) -> Result<u64> {
-    let (high, low) = locks::producer_lock_params(stream_id);
-    let xids: Vec<i64> = PRODUCER_XIDS.run(client, 0, &[high.into(), low.into()])?.first().required("xids")?;
-    Ok(xids
-        .into_iter()
-        .map(|x| widen_xid(pg_sys::TransactionId::from(x as u32), next_xid))
-        .min()
-        .unwrap_or(next_xid)
-        .min(next_xid))
+    let xids: Vec<pg_sys::TransactionId> = match locks::producer_xids(stream_id) {
+        Some(xids) => xids,
+        None => {
+            let (high, low) = locks::producer_lock_params(stream_id);
+            let xids: Vec<i64> = PRODUCER_XIDS.run(client, 0, &[high.into(), low.into()])?.first().required("xids")?;
+            xids.into_iter().map(|x| pg_sys::TransactionId::from(x as u32)).collect()
+        }
+    };
+    Ok(xids.into_iter().map(|x| widen_xid(x, next_xid)).min().unwrap_or(next_xid).min(next_xid))
 }
 
 /// "Every id <= head is safe once the oldest running transaction is >= xid."

@@ -94,6 +94,97 @@ macro_rules! producer_locks_where {
 }
 pub(crate) use producer_locks_where;
 
+/// The top-level transaction ids of the stream's running producers (the holders of its
+/// producer lock), read from the lock manager for this one lock: `pg_locks` copies the whole
+/// lock table to answer the same, which cost a claim beside busy producers about 80 µs
+/// (docs/benchmarks/cost-model.md). A holder without a transaction id is left out: it has taken
+/// no message id yet (`produce` takes its transaction id first).
+///
+/// `None` when a holder's transaction id cannot be read here, and the caller asks `pg_locks`:
+/// a prepared transaction (its locks belong to no backend), or a holder whose backend ended that
+/// transaction, or began another, since the lock was read. A holder's backend is found by its
+/// virtual transaction, and used only while that backend still runs the same one: a transaction
+/// id read from it then is the holder's, and any id it took before the caller read the next
+/// transaction id is there to read (it is set under `XidGenLock`, which that read takes). An id
+/// read from a backend that moved on meanwhile is a later transaction's: it can only lower the
+/// bound, never raise it.
+pub fn producer_xids(stream_id: i64) -> Option<Vec<pg_sys::TransactionId>> {
+    let (high, low) = split(stream_id);
+    let tag = tag(PRODUCER_CLASS, high, low);
+    let mut count = 0;
+    // SAFETY: reads the holders of one lock under its partition's lock, into a palloc'd array
+    // of `count` entries. Every mode a producer takes (ShareLock) conflicts with ExclusiveLock.
+    let vxids = unsafe { pg_sys::GetLockConflicts(&tag, pg_sys::ExclusiveLock as pg_sys::LOCKMODE, &mut count) };
+    let mut xids = Vec::with_capacity(count as usize + 1);
+    let mut readable = true;
+    for i in 0..count.max(0) as usize {
+        // SAFETY: `i` is below the array's length.
+        match unsafe { holder_xid(*vxids.add(i)) } {
+            Some(xid) if xid != pg_sys::InvalidTransactionId => xids.push(xid),
+            Some(_) => {}
+            None => {
+                readable = false;
+                break;
+            }
+        }
+    }
+    // SAFETY: the array GetLockConflicts allocated.
+    unsafe { pg_sys::pfree(vxids.cast()) };
+    // The lock manager leaves out this backend's own locks.
+    // SAFETY: looks up this backend's own lock table and transaction state.
+    if held_by_me(&tag, pg_sys::ShareLock) {
+        let own = unsafe { pg_sys::GetTopTransactionIdIfAny() };
+        if own != pg_sys::InvalidTransactionId {
+            xids.push(own);
+        }
+    }
+    readable.then_some(xids)
+}
+
+/// The transaction id of the backend running `vxid`, if it still runs it (`InvalidTransactionId`
+/// when that transaction has none); `None` when no backend runs it now.
+///
+/// # Safety
+/// Reads another backend's PGPROC without its lock: only fields that backend sets for itself.
+unsafe fn holder_xid(vxid: pg_sys::VirtualTransactionId) -> Option<pg_sys::TransactionId> {
+    let proc = unsafe { running(vxid) }?;
+    // SAFETY: a PGPROC stays allocated for the life of the server; the field is a u32.
+    Some(unsafe { std::ptr::read_volatile(&(*proc).xid) })
+}
+
+#[cfg(any(feature = "pg15", feature = "pg16"))]
+unsafe fn running(vxid: pg_sys::VirtualTransactionId) -> Option<*mut pg_sys::PGPROC> {
+    extern "C-unwind" {
+        /// The PGPROC of the backend with this id, NULL when none (src/backend/storage/ipc/sinvaladt.c).
+        fn BackendIdGetProc(backend_id: std::ffi::c_int) -> *mut pg_sys::PGPROC;
+    }
+    // SAFETY: the lookup takes its own lock; the PGPROC outlives the call.
+    let proc = unsafe { BackendIdGetProc(vxid.backendId) };
+    // SAFETY: as above.
+    (!proc.is_null() && unsafe { std::ptr::read_volatile(&(*proc).lxid) } == vxid.localTransactionId).then_some(proc)
+}
+
+#[cfg(any(feature = "pg17", feature = "pg18"))]
+unsafe fn running(vxid: pg_sys::VirtualTransactionId) -> Option<*mut pg_sys::PGPROC> {
+    // SAFETY: a lookup in the array of every PGPROC.
+    let proc = unsafe { pg_sys::ProcNumberGetProc(vxid.procNumber) };
+    // SAFETY: as above.
+    (!proc.is_null() && unsafe { std::ptr::read_volatile(&(*proc).vxid.lxid) } == vxid.localTransactionId)
+        .then_some(proc)
+}
+
+#[cfg(any(feature = "pg15", feature = "pg16"))]
+fn held_by_me(tag: &pg_sys::LOCKTAG, mode: u32) -> bool {
+    // SAFETY: looks up this backend's own lock table.
+    unsafe { pg_sys::LockHeldByMe(tag, mode as pg_sys::LOCKMODE) }
+}
+
+#[cfg(any(feature = "pg17", feature = "pg18"))]
+fn held_by_me(tag: &pg_sys::LOCKTAG, mode: u32) -> bool {
+    // SAFETY: looks up this backend's own lock table.
+    unsafe { pg_sys::LockHeldByMe(tag, mode as pg_sys::LOCKMODE, false) }
+}
+
 /// `PRODUCER_LOCKS_WHERE`'s parameters for a stream.
 pub fn producer_lock_params(stream_id: i64) -> (i64, i64) {
     let (high, low) = split(stream_id);

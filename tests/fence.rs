@@ -24,6 +24,41 @@ fn an_open_producer_holds_later_committed_messages_back() {
     assert_eq!(ids(&g.claim(&mut c, 10)), vec![first, second]);
 }
 
+/// A prepared producer keeps its locks but no backend: the claim finds its transaction id in
+/// `pg_locks` (src/locks.rs `producer_xids` cannot read it from a backend), beside an open one
+/// whose id it reads from its backend.
+#[test]
+fn a_prepared_producer_holds_later_committed_messages_back() {
+    let mut c = connect();
+    let mut preparer = connect();
+    let mut open = connect();
+    let s = Stream::create(&mut c, "fence-prepared");
+    let g = s.group(&mut c, "g", None);
+    let before = s.produce(&mut c, json!({}), None);
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![before]);
+    let gid = unique("fence-prepared");
+    preparer.batch_execute("BEGIN; SET LOCAL sqlstreams.notify = off").unwrap();
+    let prepared: i64 = preparer.query_one("SELECT sqlstreams.produce($1, '{}')", &[&s.name]).unwrap().get(0);
+    preparer.batch_execute(&format!("PREPARE TRANSACTION '{gid}'")).unwrap();
+    let after = s.produce(&mut c, json!({}), None);
+
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        for _ in 0..3 {
+            assert!(g.claim(&mut c, 10).is_empty(), "claiming {after} would skip the prepared {prepared}");
+        }
+        // An open producer beside it holds the stream back too, and its later message waits.
+        let mut tx = open.transaction().unwrap();
+        let opened = s.produce(&mut tx, json!({}), None);
+        assert!(g.claim(&mut c, 10).is_empty());
+        tx.commit().unwrap();
+        opened
+    }));
+    // The prepared transaction must not outlive the test, whatever happened.
+    preparer.batch_execute(&format!("COMMIT PREPARED '{gid}'")).unwrap();
+    let opened = result.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![prepared, after, opened]);
+}
+
 #[test]
 fn a_rolled_back_producer_leaves_a_gap_that_is_passed() {
     let mut c = connect();

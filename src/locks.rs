@@ -112,8 +112,10 @@ pub fn producer_xids(stream_id: i64) -> Option<Vec<pg_sys::TransactionId>> {
     let (high, low) = split(stream_id);
     let tag = tag(PRODUCER_CLASS, high, low);
     let mut count = 0;
-    // SAFETY: reads the holders of one lock under its partition's lock, into a palloc'd array
-    // of `count` entries. Every mode a producer takes (ShareLock) conflicts with ExclusiveLock.
+    // SAFETY: reads the holders of one lock under its partition's lock, into an array of
+    // `count` entries (palloc'd in the call's memory context, which frees it; not freed here,
+    // since during recovery the lock manager hands out an array of its own). Every mode a
+    // producer takes (ShareLock) conflicts with ExclusiveLock.
     let vxids = unsafe { pg_sys::GetLockConflicts(&tag, pg_sys::ExclusiveLock as pg_sys::LOCKMODE, &mut count) };
     let mut xids = Vec::with_capacity(count as usize + 1);
     let mut readable = true;
@@ -128,8 +130,6 @@ pub fn producer_xids(stream_id: i64) -> Option<Vec<pg_sys::TransactionId>> {
             }
         }
     }
-    // SAFETY: the array GetLockConflicts allocated.
-    unsafe { pg_sys::pfree(vxids.cast()) };
     // The lock manager leaves out this backend's own locks.
     // SAFETY: looks up this backend's own lock table and transaction state.
     if held_by_me(&tag, pg_sys::ShareLock) {

@@ -197,16 +197,19 @@ const HOLDERS: Statement = Statement {
 };
 
 /// The next message of each of the lanes `$1` after its position `$2`, up to the safe head `$3`,
-/// in one partition of the log (lanes with none there are left out). The bounds are row
-/// comparisons on (lane, id), the log's key, which bound the index scan on both ends: with
-/// `lane = x`, statistics of one hot lane could make the planner scan the partition instead
-/// (src/message.rs).
+/// in one partition of the log (lanes with none there are left out). The bounds are scalar, so
+/// the scan of a lane with nothing up to the safe head stops there: on PostgreSQL 15 to 17 a
+/// row comparison `(lane, id) <= (l, $3)` stops a btree scan at its first column only, and read
+/// on through the lane's later messages (those of producers the fence is still waiting for).
+/// The lane and position come from the outer row and the statement wants one row, so every
+/// plan tried is the ordered scan of the key, with or without statistics (unlike
+/// `message_after`'s, docs/benchmarks/cost-model.md).
 const NEXT: Statement = Statement {
     name: "lanes_next",
     sql: "SELECT l.lane, n.id FROM unnest($1::int4[], $2::int8[]) AS l(lane, claimed)
           CROSS JOIN LATERAL (SELECT m.id FROM sqlstreams.message_log_@id@_p@part@ m
-                              WHERE (m.lane, m.id) > (l.lane, l.claimed) AND (m.lane, m.id) <= (l.lane, $3)
-                              ORDER BY m.lane, m.id LIMIT 1) n",
+                              WHERE m.lane = l.lane AND m.id > l.claimed AND m.id <= $3
+                              ORDER BY m.id LIMIT 1) n",
     params: &[INT4ARRAYOID, INT8ARRAYOID, INT8OID],
 };
 

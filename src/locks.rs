@@ -97,17 +97,18 @@ pub(crate) use producer_locks_where;
 /// The top-level transaction ids of the stream's running producers (the holders of its
 /// producer lock), read from the lock manager for this one lock: `pg_locks` copies the whole
 /// lock table to answer the same, which cost a claim beside busy producers about 80 µs
-/// (docs/benchmarks/cost-model.md). A holder without a transaction id is left out: it has taken
-/// no message id yet (`produce` takes its transaction id first).
+/// (docs/benchmarks/cost-model.md).
 ///
 /// `None` when a holder's transaction id cannot be read here, and the caller asks `pg_locks`:
-/// a prepared transaction (its locks belong to no backend), or a holder whose backend ended that
-/// transaction, or began another, since the lock was read. A holder's backend is found by its
-/// virtual transaction, and used only while that backend still runs the same one: a transaction
-/// id read from it then is the holder's, and any id it took before the caller read the next
-/// transaction id is there to read (it is set under `XidGenLock`, which that read takes). An id
-/// read from a backend that moved on meanwhile is a later transaction's: it can only lower the
-/// bound, never raise it.
+/// a prepared transaction (its locks belong to no backend), a holder whose backend ended that
+/// transaction, began another or is preparing it while this reads, or one that has no
+/// transaction id to show. A producer takes its transaction id before the lock
+/// (src/produce.rs), so a holder shows none only while its backend clears it: at the end, and
+/// when `PREPARE TRANSACTION` hands it to a prepared transaction that holds on (which clears the
+/// id before the virtual transaction). So a holder's id counts only when its backend ran the
+/// holder's virtual transaction before and after the id was read, and the id was set: then it
+/// is the holder's. Any id it took before the caller read the next transaction id is there to
+/// read: it is set under `XidGenLock`, which that read takes.
 pub fn producer_xids(stream_id: i64) -> Option<Vec<pg_sys::TransactionId>> {
     let (high, low) = split(stream_id);
     let tag = tag(PRODUCER_CLASS, high, low);
@@ -122,8 +123,7 @@ pub fn producer_xids(stream_id: i64) -> Option<Vec<pg_sys::TransactionId>> {
     for i in 0..count.max(0) as usize {
         // SAFETY: `i` is below the array's length.
         match unsafe { holder_xid(*vxids.add(i)) } {
-            Some(xid) if xid != pg_sys::InvalidTransactionId => xids.push(xid),
-            Some(_) => {}
+            Some(xid) => xids.push(xid),
             None => {
                 readable = false;
                 break;
@@ -141,36 +141,58 @@ pub fn producer_xids(stream_id: i64) -> Option<Vec<pg_sys::TransactionId>> {
     readable.then_some(xids)
 }
 
-/// The transaction id of the backend running `vxid`, if it still runs it (`InvalidTransactionId`
-/// when that transaction has none); `None` when no backend runs it now.
+/// The transaction id of the holder `vxid`, read from its backend: `None` unless that backend
+/// runs `vxid` before and after the read and the id is set (see `producer_xids`).
 ///
 /// # Safety
-/// Reads another backend's PGPROC without its lock: only fields that backend sets for itself.
+/// Reads another backend's PGPROC without its lock: a PGPROC stays allocated for the life of
+/// the server, and the fields read are 32-bit values its backend sets for itself.
 unsafe fn holder_xid(vxid: pg_sys::VirtualTransactionId) -> Option<pg_sys::TransactionId> {
-    let proc = unsafe { running(vxid) }?;
-    // SAFETY: a PGPROC stays allocated for the life of the server; the field is a u32.
-    Some(unsafe { std::ptr::read_volatile(&(*proc).xid) })
+    // SAFETY: the caller's promise.
+    let proc = unsafe { proc_of(vxid) };
+    if proc.is_null() {
+        return None;
+    }
+    // SAFETY: as above.
+    let runs = || unsafe { lxid(proc) } == vxid.localTransactionId;
+    if !runs() {
+        return None;
+    }
+    // Each read after the one before (Postgres' pg_read_barrier): a backend sets its virtual
+    // transaction before taking an id, and clears the id before the virtual transaction.
+    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+    // SAFETY: as above.
+    let xid = unsafe { std::ptr::read_volatile(&(*proc).xid) };
+    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+    (xid != pg_sys::InvalidTransactionId && runs()).then_some(xid)
 }
 
 #[cfg(any(feature = "pg15", feature = "pg16"))]
-unsafe fn running(vxid: pg_sys::VirtualTransactionId) -> Option<*mut pg_sys::PGPROC> {
+unsafe fn proc_of(vxid: pg_sys::VirtualTransactionId) -> *mut pg_sys::PGPROC {
     extern "C-unwind" {
         /// The PGPROC of the backend with this id, NULL when none (src/backend/storage/ipc/sinvaladt.c).
         fn BackendIdGetProc(backend_id: std::ffi::c_int) -> *mut pg_sys::PGPROC;
     }
-    // SAFETY: the lookup takes its own lock; the PGPROC outlives the call.
-    let proc = unsafe { BackendIdGetProc(vxid.backendId) };
-    // SAFETY: as above.
-    (!proc.is_null() && unsafe { std::ptr::read_volatile(&(*proc).lxid) } == vxid.localTransactionId).then_some(proc)
+    // SAFETY: the lookup takes its own lock.
+    unsafe { BackendIdGetProc(vxid.backendId) }
+}
+
+#[cfg(any(feature = "pg15", feature = "pg16"))]
+unsafe fn lxid(proc: *mut pg_sys::PGPROC) -> pg_sys::LocalTransactionId {
+    // SAFETY: the caller's promise (`holder_xid`).
+    unsafe { std::ptr::read_volatile(&(*proc).lxid) }
 }
 
 #[cfg(any(feature = "pg17", feature = "pg18"))]
-unsafe fn running(vxid: pg_sys::VirtualTransactionId) -> Option<*mut pg_sys::PGPROC> {
+unsafe fn proc_of(vxid: pg_sys::VirtualTransactionId) -> *mut pg_sys::PGPROC {
     // SAFETY: a lookup in the array of every PGPROC.
-    let proc = unsafe { pg_sys::ProcNumberGetProc(vxid.procNumber) };
-    // SAFETY: as above.
-    (!proc.is_null() && unsafe { std::ptr::read_volatile(&(*proc).vxid.lxid) } == vxid.localTransactionId)
-        .then_some(proc)
+    unsafe { pg_sys::ProcNumberGetProc(vxid.procNumber) }
+}
+
+#[cfg(any(feature = "pg17", feature = "pg18"))]
+unsafe fn lxid(proc: *mut pg_sys::PGPROC) -> pg_sys::LocalTransactionId {
+    // SAFETY: the caller's promise (`holder_xid`).
+    unsafe { std::ptr::read_volatile(&(*proc).vxid.lxid) }
 }
 
 #[cfg(any(feature = "pg15", feature = "pg16"))]

@@ -192,14 +192,16 @@ pub struct BatchExtras {
     pub deliver_after: Option<Interval>,
 }
 
-/// Registers this transaction as a producer of the stream, then takes its transaction id, both
-/// before any message id (the fence's rules, src/fence.rs).
+/// Takes this transaction's id, then registers it as a producer of the stream, both before any
+/// message id (the fence's rules, src/fence.rs). In this order a producer lock's holder always
+/// has its transaction id, so a claim that reads a holder's as none knows the holder is ending
+/// or being prepared (src/locks.rs `producer_xids`).
 fn become_producer(stream: &StreamRef) {
-    locks::register_producer(stream.id);
     // SAFETY: assigns a top-level transaction id (or returns the one already assigned).
     unsafe {
         pg_sys::GetTopTransactionId();
     }
+    locks::register_producer(stream.id);
 }
 
 fn next_ids(client: &SpiClient<'_>, stream: &StreamRef, count: i32) -> Result<Vec<i64>> {

@@ -20,7 +20,7 @@
 
 use std::ops::ControlFlow;
 
-use pgrx::pg_sys::BuiltinOid::*;
+use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::spi::SpiClient;
 
 use crate::error::Result;
@@ -518,10 +518,12 @@ pub fn claimed_through(
 
 /// The first message at or below `safe` that group `group_id` has not handed out, if any
 /// (`claimed_through`). Lanes this backend knows have nothing after their positions up to
-/// `safe` are not probed, as in a claim (`candidates`), and a walk that finds nothing teaches
-/// it so of every lane it probed: a monitor polling `group_status` probes a lane left behind
-/// the head once, not on every call. `safe` is a proven head, so what a probe finds empty up
-/// to it stays empty (src/lanes/empty.rs), in any snapshot that sees the proof.
+/// `safe` are not probed, as in a claim (`candidates`: the facts count only for a lane in the
+/// partition of `safe`), and a walk that finds nothing teaches it so of every lane it probed:
+/// a monitor polling `group_status` probes a lane left behind the head in its partition once,
+/// not on every call. `safe` is a proven head, so what a probe finds empty up to it stays empty
+/// (src/lanes/empty.rs), in any snapshot that sees the proof. Not in parallel mode, where a
+/// partition created a moment ago may be missed (`Log::exists`): nothing is learned there.
 pub fn first_unclaimed(
     client: &SpiClient<'_>,
     stream: &StreamRef,
@@ -552,7 +554,8 @@ pub fn first_unclaimed(
         // later partition. Not found: no lane has one here.
         Ok(if first.is_some() { ControlFlow::Break(()) } else { ControlFlow::Continue(vec![]) })
     })?;
-    if first.is_none() {
+    // SAFETY: reads this backend's parallel state.
+    if first.is_none() && !unsafe { pg_sys::IsInParallelMode() } {
         for (lane, claimed) in probed {
             empty::learn(stream.id, log.oid(), lane, claimed, safe);
         }

@@ -104,11 +104,15 @@ pub(crate) use producer_locks_where;
 /// transaction, began another or is preparing it while this reads, or one that has no
 /// transaction id to show. A producer takes its transaction id before the lock
 /// (src/produce.rs), so a holder shows none only while its backend clears it: at the end, and
-/// when `PREPARE TRANSACTION` hands it to a prepared transaction that holds on (which clears the
-/// id before the virtual transaction). So a holder's id counts only when its backend ran the
-/// holder's virtual transaction before and after the id was read, and the id was set: then it
-/// is the holder's. Any id it took before the caller read the next transaction id is there to
-/// read: it is set under `XidGenLock`, which that read takes.
+/// when `PREPARE TRANSACTION` hands it to a prepared transaction that holds on. So a holder's
+/// id counts only when its backend ran the holder's virtual transaction before and after the
+/// id was read, and the id was set: then it is the holder's (a backend sets its virtual
+/// transaction before it takes an id, with barriers between). Any id it took before the caller
+/// read the next transaction id is there to read: it is set under `XidGenLock`, which that read
+/// takes. `PREPARE TRANSACTION` moves its locks to the prepared transaction, which keeps the
+/// backend's virtual transaction, before it clears the backend (so in every PostgreSQL this
+/// supports: since 2021, for `CREATE INDEX CONCURRENTLY`): the lock manager never shows a
+/// preparing holder as ended.
 pub fn producer_xids(stream_id: i64) -> Option<Vec<pg_sys::TransactionId>> {
     let (high, low) = split(stream_id);
     let tag = tag(PRODUCER_CLASS, high, low);
@@ -121,7 +125,8 @@ pub fn producer_xids(stream_id: i64) -> Option<Vec<pg_sys::TransactionId>> {
     let mut xids = Vec::with_capacity(count as usize + 1);
     let mut readable = true;
     for i in 0..count.max(0) as usize {
-        // SAFETY: `i` is below the array's length.
+        // SAFETY: `i` is below the array's length; `holder_xid` reads a PGPROC the lock manager
+        // named, of a server whose PGPROCs all live as long as it does.
         match unsafe { holder_xid(*vxids.add(i)) } {
             Some(xid) => xids.push(xid),
             None => {
@@ -131,8 +136,8 @@ pub fn producer_xids(stream_id: i64) -> Option<Vec<pg_sys::TransactionId>> {
         }
     }
     // The lock manager leaves out this backend's own locks.
-    // SAFETY: looks up this backend's own lock table and transaction state.
     if held_by_me(&tag, pg_sys::ShareLock) {
+        // SAFETY: reads this backend's transaction state.
         let own = unsafe { pg_sys::GetTopTransactionIdIfAny() };
         if own != pg_sys::InvalidTransactionId {
             xids.push(own);
@@ -158,8 +163,8 @@ unsafe fn holder_xid(vxid: pg_sys::VirtualTransactionId) -> Option<pg_sys::Trans
     if !runs() {
         return None;
     }
-    // Each read after the one before (Postgres' pg_read_barrier): a backend sets its virtual
-    // transaction before taking an id, and clears the id before the virtual transaction.
+    // Each read after the one before (Postgres' pg_read_barrier): an id read here with the same
+    // virtual transaction before and after it is that transaction's.
     std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
     // SAFETY: as above.
     let xid = unsafe { std::ptr::read_volatile(&(*proc).xid) };

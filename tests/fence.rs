@@ -25,8 +25,8 @@ fn an_open_producer_holds_later_committed_messages_back() {
 }
 
 /// A prepared producer keeps its locks but no backend: the claim finds its transaction id in
-/// `pg_locks` (src/locks.rs `producer_xids` cannot read it from a backend), beside an open one
-/// whose id it reads from its backend.
+/// `pg_locks` (src/locks.rs `producer_xids` cannot read it from a backend), and an open one's
+/// there too while the prepared one holds on.
 #[test]
 fn a_prepared_producer_holds_later_committed_messages_back() {
     let mut c = connect();
@@ -40,9 +40,9 @@ fn a_prepared_producer_holds_later_committed_messages_back() {
     preparer.batch_execute("BEGIN; SET LOCAL sqlstreams.notify = off").unwrap();
     let prepared: i64 = preparer.query_one("SELECT sqlstreams.produce($1, '{}')", &[&s.name]).unwrap().get(0);
     preparer.batch_execute(&format!("PREPARE TRANSACTION '{gid}'")).unwrap();
-    let after = s.produce(&mut c, json!({}), None);
 
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let after = s.produce(&mut c, json!({}), None);
         for _ in 0..3 {
             assert!(g.claim(&mut c, 10).is_empty(), "claiming {after} would skip the prepared {prepared}");
         }
@@ -51,11 +51,11 @@ fn a_prepared_producer_holds_later_committed_messages_back() {
         let opened = s.produce(&mut tx, json!({}), None);
         assert!(g.claim(&mut c, 10).is_empty());
         tx.commit().unwrap();
-        opened
+        (after, opened)
     }));
     // The prepared transaction must not outlive the test, whatever happened.
     preparer.batch_execute(&format!("COMMIT PREPARED '{gid}'")).unwrap();
-    let opened = result.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+    let (after, opened) = result.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
     assert_eq!(ids(&g.claim(&mut c, 10)), vec![prepared, after, opened]);
 }
 

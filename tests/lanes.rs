@@ -546,17 +546,6 @@ fn a_claim_takes_the_next_due_retry_when_the_oldest_is_locked() {
     held.rollback().unwrap();
 }
 
-/// Index pages of the stream's first partition of the log that `tx` has read so far.
-fn log_pages_read(tx: &mut postgres::Transaction<'_>, s: &Stream) -> i64 {
-    tx.query_one(
-        "SELECT coalesce(sum(pg_stat_get_xact_blocks_fetched(indexrelid)), 0)::int8 FROM pg_index
-         WHERE indrelid = $1::text::regclass",
-        &[&format!("{}_p0", s.table("message_log"))],
-    )
-    .unwrap()
-    .get(0)
-}
-
 /// `group_status` finds where a group has handed out everything by probing each lane behind the
 /// head for a message after its position. A lane with nothing there stays behind (an idle claim
 /// writes nothing), so a monitor polling `group_status` probed it on every call: now a backend
@@ -580,7 +569,7 @@ fn group_status_probes_a_lane_left_behind_the_head_once_per_backend() {
         let mut tx = monitor.transaction().unwrap();
         let row = tx.query_one(status, &[&s.name]).unwrap();
         let progress: (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
-        let pages = log_pages_read(&mut tx, &s);
+        let pages = index_pages_read(&mut tx, &format!("{}_p0", s.table("message_log")));
         // A backend's counts include what it has not reported yet: reported when it goes idle.
         tx.execute("SELECT pg_stat_force_next_flush()", &[]).unwrap();
         tx.commit().unwrap();
@@ -635,14 +624,7 @@ fn a_claims_probe_stops_at_the_safe_head() {
     let mut claim = claimer.transaction().unwrap();
     let claimed = claim.query("SELECT * FROM sqlstreams.claim($1, 'g', 10)", &[&s.name]).unwrap();
     assert!(claimed.is_empty(), "nothing up to the safe head is left");
-    let pages: i64 = claim
-        .query_one(
-            "SELECT coalesce(sum(pg_stat_get_xact_blocks_fetched(indexrelid)), 0)::int8 FROM pg_index
-             WHERE indrelid = $1::text::regclass",
-            &[&format!("{}_p0", s.table("message_log"))],
-        )
-        .unwrap()
-        .get(0);
+    let pages = index_pages_read(&mut claim, &format!("{}_p0", s.table("message_log")));
     claim.rollback().unwrap();
     tx.rollback().unwrap();
     // Fifteen lanes probed, a descent of about two pages each (31 here); through the 20,000

@@ -1023,14 +1023,7 @@ fn peek_reads_about_the_rows_it_returns_after_a_gap() {
     // Each lane's scan stops at the window's end: with a row comparison as the bound, a scan on
     // PostgreSQL 15 to 17 read on through the lane's later entries (about 500 index pages here,
     // 74 now).
-    let pages: i64 = tx
-        .query_one(
-            "SELECT coalesce(sum(pg_stat_get_xact_blocks_fetched(indexrelid)), 0)::int8 FROM pg_index
-             WHERE indrelid = $1::text::regclass",
-            &[&format!("{}_p0", s.table("message_log"))],
-        )
-        .unwrap()
-        .get(0);
+    let pages = index_pages_read(&mut tx, &format!("{}_p0", s.table("message_log")));
     assert!(pages <= 200, "a peek of 1,000 read {pages} index pages");
     tx.rollback().unwrap();
 }

@@ -115,6 +115,19 @@ pub fn scans(c: &mut impl postgres::GenericClient, table: &str) -> i64 {
     .get(0)
 }
 
+/// Index pages of `table` that this backend has read and not reported yet: its transaction's so
+/// far, and perhaps earlier ones' (read it on a backend of its own, or after
+/// `pg_stat_force_next_flush()` and a commit).
+pub fn index_pages_read(c: &mut impl postgres::GenericClient, table: &str) -> i64 {
+    c.query_one(
+        "SELECT coalesce(sum(pg_stat_get_xact_blocks_fetched(indexrelid)), 0)::int8 FROM pg_index
+         WHERE indrelid = $1::text::regclass",
+        &[&table],
+    )
+    .unwrap()
+    .get(0)
+}
+
 /// An error from Postgres with its SQLSTATE and message, for assertion messages.
 pub fn describe(err: &postgres::Error) -> String {
     match err.as_db_error() {

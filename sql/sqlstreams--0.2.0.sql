@@ -568,6 +568,13 @@ BEGIN
 END
 $function$;
 
+-- A stream's head: its id sequence's last value, read under the sequence's buffer lock
+-- (src/head.rs). A SELECT of last_value can see the value nextval logs ahead, an id not handed
+-- out yet. It runs no SQL and names its schema, so it needs no search_path of its own.
+CREATE FUNCTION sqlstreams.log_head(stream_id bigint) RETURNS bigint
+STRICT VOLATILE PARALLEL SAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'log_head_wrapper';
+
 -- Retention (src/retention.rs): drops the partitions of message_log_<id> whose every id is at
 -- or below `below` (no group needs them any more), oldest first, at most 8 per call. First, in
 -- one pass and before any drop locks the log, the messages of those partitions that exception
@@ -1131,7 +1138,8 @@ GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA sqlstreams TO sqlstreams_admin;
 REVOKE EXECUTE ON FUNCTION sqlstreams.create_stream_tables(bigint), sqlstreams.drop_stream_tables(bigint),
     sqlstreams.add_partitions(bigint, bigint, boolean), sqlstreams.drop_partitions(bigint, bigint),
     sqlstreams.exception_counts_changed(bigint, bigint[], text[], bigint[]), sqlstreams.catalog_changed(),
-    sqlstreams.refuse_drop(), sqlstreams.exception_count_written(), sqlstreams.lock_log(bigint)
+    sqlstreams.refuse_drop(), sqlstreams.exception_count_written(), sqlstreams.lock_log(bigint),
+    sqlstreams.log_head(bigint)
     FROM sqlstreams_admin;
 GRANT SELECT ON sqlstreams.streams, sqlstreams.consumer_groups
     TO sqlstreams_admin, sqlstreams_producer, sqlstreams_consumer, pg_monitor;
@@ -1196,6 +1204,8 @@ COMMENT ON FUNCTION sqlstreams.exception_count_written() IS
     'Trigger: keeps the exception count rows the library writes, drops any other (a data-only restore''s).';
 COMMENT ON FUNCTION sqlstreams.lock_log(bigint) IS
     'Internal: locks a stream''s log ACCESS EXCLUSIVE if it can within 20 ms; whether it did.';
+COMMENT ON FUNCTION sqlstreams.log_head(bigint) IS
+    'Internal: the last id handed out on a stream, read under its sequence''s buffer lock.';
 COMMENT ON FUNCTION sqlstreams.refuse_drop() IS
     'Event trigger: refuses DROP EXTENSION sqlstreams and DROP SCHEMA sqlstreams while streams exist.';
 COMMENT ON FUNCTION sqlstreams.lane_count_refused(integer) IS

@@ -80,10 +80,11 @@ const ADVANCE: Statement = Statement {
     params: &[INT8OID, INT8OID],
 };
 
-/// The highest message id handed out so far (0 when none), as a SQL expression.
+/// The highest message id handed out so far (0 when none), as a SQL expression: read under the
+/// sequence's buffer lock (src/head.rs says why a `SELECT last_value` is not enough).
 macro_rules! head_sql {
     () => {
-        "(SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM sqlstreams.message_log_@id@_seq)"
+        "sqlstreams.log_head(@id@)"
     };
 }
 pub(crate) use head_sql;

@@ -7,7 +7,8 @@
 //!
 //! The proof used here:
 //! 1. `produce` takes its top-level transaction id *before* it takes a message id.
-//! 2. A claim reads `H`, the highest id handed out (the sequence's last value), and only then
+//! 2. A claim reads `H`, the highest id handed out (the sequence's last value, under the
+//!    sequence's buffer lock: src/head.rs says why), and only then
 //!    `X`, the next transaction id to be assigned. Every id `<= H` was taken by a transaction
 //!    whose id is `< X` (its xid came before its message id, which came before the read of `H`).
 //! 3. Once the oldest running transaction is `>= X`, all of those transactions have ended: each

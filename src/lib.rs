@@ -32,6 +32,7 @@ mod error;
 mod exception_queue;
 mod fence;
 mod group;
+mod head;
 mod inflight_cap;
 mod inspect;
 mod key_gate;

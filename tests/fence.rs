@@ -239,3 +239,92 @@ fn a_group_started_at_the_head_replays_what_open_producers_commit_after_a_seek_b
     assert_eq!(ids(&g.claim(&mut consumer, 10)), vec![first, second], "the replay has both, in order");
     assert_eq!(ids(&other.claim(&mut consumer, 10)), vec![first, second], "and so has every other group");
 }
+
+/// The interleaving behind the messages that `nextval`'s logged value let claims skip
+/// (docs/semantics.md, "A head read without the lock"), set up with a debugger. While `nextval`
+/// logs ahead it writes the value it logs (up to 32 past the last id handed out) into the
+/// sequence's row, and puts the real one back before it lets the sequence's buffer go.
+///
+/// 1. A call reading the head the way claims do (`group_status`) is stopped after its scan of the
+///    sequence let its buffer go and before it reads the row, as a plain `SELECT last_value`
+///    did. A read under the buffer's lock scans no row, and goes on.
+/// 2. A producer is stopped inside `nextval` while it logs ahead, its logged value in the row;
+///    the call stopped in 1 goes on. The head it returns must be an id that was handed out.
+/// 3. With the producer stopped there again (after a checkpoint, its next `nextval` logs), a
+///    read of the head waits for the buffer, and returns the producer's id once it goes on.
+#[test]
+fn the_head_is_never_the_value_nextval_logs_ahead() {
+    use sqlstreams_tests::debugger::{backend_pid, join, waits_for_a_buffer, Debugger};
+    const HEAD: &str = "SELECT head FROM sqlstreams.group_status($1, 'g')";
+    const PRODUCE: &str = "BEGIN; SET LOCAL sqlstreams.notify = off";
+    // XLogInsert(rmid, info): RM_SEQ_ID is 15 in every PostgreSQL this supports.
+    const LOGGING_AHEAD: &str = "($rdi & 0xff) == 15";
+
+    let mut c = connect();
+    let s = Stream::create(&mut c, "fence-logged-head");
+    s.group(&mut c, "g", None);
+    let first = s.produce(&mut c, json!({}), None);
+    let sequence: String = format!("{}_seq", s.table("message_log"));
+    let sequence_oid: u32 = c.query_one("SELECT $1::text::regclass::oid", &[&sequence]).unwrap().get(0);
+    let head_read = |mut reader: postgres::Client, name: String| {
+        std::thread::spawn(move || {
+            let head: i64 = reader.query_one(HEAD, &[&name]).unwrap().get(0);
+            (reader, head)
+        })
+    };
+    let produce = |mut producer: postgres::Client, name: String| {
+        std::thread::spawn(move || {
+            producer.batch_execute(PRODUCE).unwrap();
+            let id: i64 = producer.query_one("SELECT sqlstreams.produce($1, '{}')", &[&name]).unwrap().get(0);
+            producer.batch_execute("COMMIT").unwrap();
+            (producer, id)
+        })
+    };
+
+    // 1 and 2.
+    let mut reader = connect();
+    let mut producer = connect();
+    let (reader_pid, producer_pid) = (backend_pid(&mut reader), backend_pid(&mut producer));
+    c.batch_execute("CHECKPOINT").unwrap();
+    let mut row_read = Debugger::attach(
+        reader_pid,
+        "slot_getsomeattrs_int",
+        &format!("*(unsigned int *)($rdi + 56) == {sequence_oid}"), // the slot's tts_tableOid
+    );
+    let reading = head_read(reader, s.name.clone());
+    let (reader, head, handed_out) = if row_read.wait_for_stop(|| reading.is_finished()) {
+        let mut logging = Debugger::attach(producer_pid, "XLogInsert", LOGGING_AHEAD);
+        let producing = produce(producer, s.name.clone());
+        assert!(logging.wait_for_stop(|| producing.is_finished()), "after a checkpoint, nextval logs ahead");
+        row_read.detach();
+        // The call reads the row now. group_status reads the head twice, and its second scan
+        // waits for the producer: the first read is done once it waits (or returns).
+        waits_for_a_buffer(&mut c, reader_pid, || reading.is_finished());
+        logging.detach();
+        let (reader, head) = join(reading);
+        let (returned, id) = join(producing);
+        producer = returned;
+        (reader, head, id)
+    } else {
+        row_read.detach();
+        let (reader, head) = join(reading);
+        (reader, head, first)
+    };
+    assert!(
+        head <= handed_out,
+        "the head read was {head}, an id nextval had logged but not handed out (the last was {handed_out})"
+    );
+
+    // 3.
+    c.batch_execute("CHECKPOINT").unwrap();
+    let mut logging = Debugger::attach(producer_pid, "XLogInsert", LOGGING_AHEAD);
+    let producing = produce(producer, s.name.clone());
+    assert!(logging.wait_for_stop(|| producing.is_finished()), "after a checkpoint, nextval logs ahead");
+    let reading = head_read(reader, s.name.clone());
+    let waited = waits_for_a_buffer(&mut c, reader_pid, || reading.is_finished());
+    logging.detach();
+    let (_, head) = join(reading);
+    let (_, id) = join(producing);
+    assert!(waited, "a read of the head while nextval logs ahead returned {head} without waiting for it");
+    assert_eq!(head, id, "the head once nextval handed out {id}");
+}

@@ -6,6 +6,8 @@
 //! its time (`make_due`). Those two helpers are the only places tests write to the extension's
 //! tables.
 
+pub mod debugger;
+
 use postgres::{Client, NoTls};
 use serde_json::Value;
 use uuid::Uuid;

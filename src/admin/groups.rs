@@ -40,11 +40,14 @@ const UPSERT: Statement = Statement {
 /// must not claim past them (the group's first claims prove what is safe, src/fence.rs).
 const PLACE_CURSOR: Statement = Statement {
     name: "group_place_cursor",
-    sql: "INSERT INTO sqlstreams.cursor_@id@ (consumer_group_id, claimed, committed, fence_safe)
-          SELECT $1, h.head, h.head, 0
-          FROM (SELECT CASE WHEN $2 AND is_called THEN last_value ELSE 0 END AS head
-                FROM sqlstreams.message_log_@id@_seq) h
-          RETURNING claimed",
+    sql: concat!(
+        "INSERT INTO sqlstreams.cursor_@id@ (consumer_group_id, claimed, committed, fence_safe)
+         SELECT $1, h.head, h.head, 0
+         FROM (SELECT CASE WHEN $2 THEN ",
+        crate::cursor::head_sql!(),
+        " ELSE 0 END AS head) h
+         RETURNING claimed"
+    ),
     params: &[INT8OID, BOOLOID],
 };
 

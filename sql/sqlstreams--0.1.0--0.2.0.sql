@@ -436,10 +436,12 @@ $function$;
 
 -- A stream's head: its id sequence's last value, read under the sequence's buffer lock
 -- (src/head.rs). A SELECT of last_value can see the value nextval logs ahead, an id not handed
--- out yet. It runs no SQL and names its schema, so it needs no search_path of its own.
+-- out yet. Claims read it without this function; inspection, seek and create_group through it.
+-- STABLE: it writes nothing, and a hot standby runs it too (tests/standby).
 CREATE FUNCTION sqlstreams.log_head(stream_id bigint) RETURNS bigint
-STRICT VOLATILE PARALLEL SAFE
-LANGUAGE c AS 'MODULE_PATHNAME', 'log_head_wrapper';
+STRICT STABLE PARALLEL SAFE
+LANGUAGE c AS 'MODULE_PATHNAME', 'log_head_wrapper'
+SET search_path = pg_catalog, pg_temp;
 
 -- Retention (src/retention.rs): drops the partitions of message_log_<id> whose every id is at
 -- or below `below` (no group needs them any more), oldest first, at most 8 per call. First, in

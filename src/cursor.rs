@@ -127,28 +127,17 @@ const REPLAY_BOUNDS: Statement = Statement {
     params: &[],
 };
 
-/// The stored fence and then the head, for a claim (src/fence.rs: the order is the proof). The
-/// cursor row is read in the statement's snapshot, taken before the sequence is read, so what
-/// it shows was stored before the head was read.
-const READ_FENCE_AND_HEAD: Statement = Statement {
-    name: "cursor_read_fence_and_head",
-    sql: concat!(
-        "SELECT fence_safe, fence_head, fence_xid, ",
-        head_sql!(),
-        " AS head FROM sqlstreams.cursor_@id@ WHERE consumer_group_id = $1"
-    ),
-    params: &[INT8OID],
-};
-
 /// The group's stored fence (read without a lock).
 pub fn read_fence(client: &SpiClient<'_>, stream_id: i64, group_id: i64, access: Access) -> Result<Fence> {
     fence_from(&READ_FENCE.exec(client, stream_id, &[group_id.into()], access)?.first())
 }
 
-/// The group's stored fence, then the highest message id handed out (see `READ_FENCE_AND_HEAD`).
+/// The group's stored fence, then the highest message id handed out, for a claim (src/fence.rs:
+/// the order is the proof): the cursor row is read in its statement's snapshot, and the head
+/// after that statement, so what the row shows was stored before the head was read.
 pub fn read_fence_and_head(client: &SpiClient<'_>, stream_id: i64, group_id: i64) -> Result<(Fence, i64)> {
-    let row = READ_FENCE_AND_HEAD.run(client, stream_id, &[group_id.into()])?.first();
-    Ok((fence_from(&row)?, row.required("head")?))
+    let fence = read_fence(client, stream_id, group_id, Access::Write)?;
+    Ok((fence, crate::head::read(stream_id)?))
 }
 
 fn fence_from(row: &impl Columns) -> Result<Fence> {

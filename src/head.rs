@@ -12,8 +12,13 @@
 //! which holds the sequence `EXCLUSIVE` (src/bounds.rs). This takes what a `SELECT` took:
 //! `AccessShareLock`.
 
+use std::ffi::CString;
+
 use pgrx::pg_sys;
+use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
+
+use crate::error::{Result, StreamError};
 
 /// A sequence's row (`FormData_pg_sequence_data`, commands/sequence.h; unchanged since
 /// PostgreSQL 10).
@@ -33,44 +38,51 @@ struct SequenceMagic {
 const SEQ_MAGIC: u32 = 0x1717;
 
 /// The last id handed out on stream `stream_id` (0 when none): its sequence's last value, read
-/// under the sequence's buffer lock. Internal: SQL statements read a stream's head through it
-/// (`cursor::head_sql!`), and the sequence is looked up on every call, so no plan keeps the oid
-/// of a sequence dropped since.
-#[pg_extern(volatile, strict, parallel_safe, sql = false)]
-fn log_head(stream_id: i64) -> i64 {
-    let name = std::ffi::CString::new(format!("message_log_{stream_id}_seq")).expect("no NUL in a number");
+/// under the sequence's buffer lock. The sequence is looked up by name on every call, so nothing
+/// keeps the oid of a sequence dropped since.
+pub fn read(stream_id: i64) -> Result<i64> {
+    let name = CString::new(format!("message_log_{stream_id}_seq")).expect("no NUL in a number");
+    let unreadable = |why: &str| Err(StreamError::Internal(format!("{}: {why}", name.to_string_lossy())));
     // SAFETY: catalog lookups by name; the relation is opened under a lock and checked to be a
     // sequence before its one page is read. That page is read under its buffer's share lock,
-    // which `nextval` cannot hold exclusively meanwhile, and is laid out as commands/sequence.c
-    // writes it (checked by its magic number). An error releases the buffer and the lock.
+    // which `nextval` cannot hold exclusively meanwhile, is laid out as commands/sequence.c writes
+    // it (checked by its magic number), and is let go before anything returns.
     unsafe {
         let schema = pg_sys::get_namespace_oid(c"sqlstreams".as_ptr(), false);
         let sequence = pg_sys::get_relname_relid(name.as_ptr(), schema);
         if sequence == pg_sys::InvalidOid {
-            error!("sqlstreams.log_head: stream {stream_id} has no id sequence");
+            return unreadable("no such sequence");
         }
         let relation = pg_sys::relation_open(sequence, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        // The lock is held to the end of the transaction, as a SELECT's is.
+        let close = || pg_sys::relation_close(relation, pg_sys::NoLock as pg_sys::LOCKMODE);
         if (*(*relation).rd_rel).relkind != pg_sys::RELKIND_SEQUENCE as std::ffi::c_char {
-            error!("sqlstreams.log_head: {} is not a sequence", name.to_string_lossy());
+            close();
+            return unreadable("not a sequence");
         }
         let buffer = pg_sys::ReadBuffer(relation, 0);
         pg_sys::LockBuffer(buffer, pg_sys::BUFFER_LOCK_SHARE as std::ffi::c_int);
         let page = pg_sys::BufferGetPage(buffer);
-        let magic = (*pg_sys::PageGetSpecialPointer(page).cast::<SequenceMagic>()).magic;
-        if magic != SEQ_MAGIC {
-            error!("sqlstreams.log_head: bad magic number {magic:x} in {}", name.to_string_lossy());
-        }
-        let item = pg_sys::PageGetItemId(page, pg_sys::FirstOffsetNumber as pg_sys::OffsetNumber);
-        let tuple = pg_sys::PageGetItem(page, item).cast::<pg_sys::HeapTupleHeaderData>();
-        let row = tuple.cast::<u8>().add((*tuple).t_hoff as usize).cast::<SequenceData>();
-        let (last_value, is_called) = ((*row).last_value, (*row).is_called);
-        pg_sys::UnlockReleaseBuffer(buffer);
-        // The lock is held to the end of the transaction, as a SELECT's is.
-        pg_sys::relation_close(relation, pg_sys::NoLock as pg_sys::LOCKMODE);
-        if is_called {
-            last_value
+        let read = if (*pg_sys::PageGetSpecialPointer(page).cast::<SequenceMagic>()).magic == SEQ_MAGIC {
+            let item = pg_sys::PageGetItemId(page, pg_sys::FirstOffsetNumber as pg_sys::OffsetNumber);
+            let tuple = pg_sys::PageGetItem(page, item).cast::<pg_sys::HeapTupleHeaderData>();
+            let row = tuple.cast::<u8>().add((*tuple).t_hoff as usize).cast::<SequenceData>();
+            Some(((*row).last_value, (*row).is_called))
         } else {
-            0
+            None
+        };
+        pg_sys::UnlockReleaseBuffer(buffer);
+        close();
+        match read {
+            Some((last_value, true)) => Ok(last_value),
+            Some((_, false)) => Ok(0),
+            None => unreadable("bad magic number"),
         }
     }
+}
+
+/// `read` for SQL statements (`cursor::head_sql!`). Internal.
+#[pg_extern(stable, strict, parallel_safe, sql = false)]
+fn log_head(stream_id: i64) -> std::result::Result<i64, ErrorReport> {
+    Ok(read(stream_id)?)
 }

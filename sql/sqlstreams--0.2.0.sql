@@ -571,9 +571,11 @@ $function$;
 -- A stream's head: its id sequence's last value, read under the sequence's buffer lock
 -- (src/head.rs). A SELECT of last_value can see the value nextval logs ahead, an id not handed
 -- out yet. Claims read it without this function; inspection, seek and create_group through it.
--- STABLE: it writes nothing, and a hot standby runs it too (tests/standby).
+-- VOLATILE: the head moves while a statement runs, and a statement that names it once must read
+-- it once (a STABLE call in a subquery that is pulled up runs once per reference). It writes
+-- nothing: a hot standby runs it too (tests/standby).
 CREATE FUNCTION sqlstreams.log_head(stream_id bigint) RETURNS bigint
-STRICT STABLE PARALLEL SAFE
+STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c AS 'MODULE_PATHNAME', 'log_head_wrapper'
 SET search_path = pg_catalog, pg_temp;
 

@@ -82,7 +82,7 @@ pub fn read(stream_id: i64) -> Result<i64> {
 }
 
 /// `read` for SQL statements (`cursor::head_sql!`). Internal.
-#[pg_extern(stable, strict, parallel_safe, sql = false)]
+#[pg_extern(volatile, strict, parallel_safe, sql = false)]
 fn log_head(stream_id: i64) -> std::result::Result<i64, ErrorReport> {
     Ok(read(stream_id)?)
 }

@@ -16,7 +16,8 @@ const PATIENCE: Duration = Duration::from_secs(120);
 /// gdb attached to one backend, with one breakpoint. Dropped, it lets the backend go on.
 pub struct Debugger {
     gdb: Child,
-    input: ChildStdin,
+    /// Closed, it ends gdb, which then takes its breakpoint out and lets the backend go.
+    input: Option<ChildStdin>,
     lines: Receiver<String>,
     output: Vec<String>,
     stopped: bool,
@@ -44,7 +45,8 @@ impl Debugger {
                 }
             }
         });
-        let mut debugger = Debugger { gdb, input, lines, output: Vec::new(), stopped: false, detached: false };
+        let mut debugger =
+            Debugger { gdb, input: Some(input), lines, output: Vec::new(), stopped: false, detached: false };
         // Postgres' own signals (latches, interrupts, timeouts) pass through; gdb's interrupt
         // (SIGINT) stops the backend and is not delivered to it.
         for command in [
@@ -52,7 +54,9 @@ impl Debugger {
             "set confirm off",
             "handle all nostop noprint pass",
             "handle SIGINT stop print nopass",
-            &format!("break {function} if {condition}"),
+            // At the function's first instruction, where the arguments are in their registers
+            // (with debug symbols installed gdb would otherwise stop after the prologue).
+            &format!("break *{function} if {condition}"),
             "continue &",
         ] {
             debugger.send(command);
@@ -63,7 +67,9 @@ impl Debugger {
 
     /// Sends a command; a gdb that ended shows in what is expected of it next.
     fn send(&mut self, command: &str) {
-        let _ = writeln!(self.input, "{command}").and_then(|_| self.input.flush());
+        if let Some(input) = self.input.as_mut() {
+            let _ = writeln!(input, "{command}").and_then(|_| input.flush());
+        }
     }
 
     /// Reads gdb's output until a line contains `what`.
@@ -88,7 +94,16 @@ impl Debugger {
         match self.lines.recv_timeout(Duration::from_millis(20)) {
             Ok(line) => {
                 let found = line.contains(what);
+                let refused = ["ptrace: Operation not permitted", "Could not attach", "No such process"]
+                    .iter()
+                    .any(|e| line.contains(e));
                 self.output.push(line);
+                if refused {
+                    return Err(format!(
+                        "gdb cannot attach to the backend (the tests run as root beside the cluster): {}",
+                        self.output.join("\n")
+                    ));
+                }
                 Ok(found)
             }
             Err(mpsc::RecvTimeoutError::Timeout) => Ok(false),
@@ -149,9 +164,11 @@ impl Debugger {
 
 impl Drop for Debugger {
     fn drop(&mut self) {
-        // A test that failed half-way must not leave the backend stopped.
+        // A test that failed half-way must not leave the backend stopped. Never kill gdb: a
+        // backend it leaves running with its breakpoint in place traps on it and dies, and the
+        // postmaster then restarts every session. Closing its input ends it the clean way.
         if !self.detached && self.let_go().is_err() {
-            let _ = self.gdb.kill();
+            self.input = None;
             let _ = self.gdb.wait();
         }
     }

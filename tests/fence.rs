@@ -245,82 +245,97 @@ fn a_group_started_at_the_head_replays_what_open_producers_commit_after_a_seek_b
 /// logs ahead it writes the value it logs (up to 32 past the last id handed out) into the
 /// sequence's row, and puts the real one back before it lets the sequence's buffer go.
 ///
-/// 1. A call reading the head the way claims do (`group_status`) is stopped after its scan of the
-///    sequence let its buffer go and before it reads the row, as a plain `SELECT last_value`
-///    did. A read under the buffer's lock scans no row, and goes on.
-/// 2. A producer is stopped inside `nextval` while it logs ahead, its logged value in the row;
-///    the call stopped in 1 goes on. The head it returns must be an id that was handed out.
-/// 3. With the producer stopped there again (after a checkpoint, its next `nextval` logs), a
-///    read of the head waits for the buffer, and returns the producer's id once it goes on.
+/// 1. The control: a plain `SELECT last_value`, as claims used to read the head, stops after its
+///    scan let the sequence's buffer go and before it reads the row; a producer then stops inside
+///    `nextval` while it logs ahead, and the read goes on. It returns the logged value, an id not
+///    handed out: this is how the skipped messages came about, and it shows the setup works.
+/// 2. The same with the head as the extension reads it (`group_status`, which reads it as claims
+///    and `create_group` do): it must return an id that was handed out. (Read under the buffer's
+///    lock, it scans no row and does not stop at all.)
+/// 3. With a producer stopped inside `nextval` again, the extension's read of the head waits for
+///    the buffer, and returns the producer's id once it goes on.
+#[cfg(target_arch = "x86_64")] // the breakpoints' conditions read x86-64 registers
 #[test]
 fn the_head_is_never_the_value_nextval_logs_ahead() {
+    use std::thread::JoinHandle;
+
+    use postgres::Client;
     use sqlstreams_tests::debugger::{backend_pid, join, waits_for_a_buffer, Debugger};
-    const HEAD: &str = "SELECT head FROM sqlstreams.group_status($1, 'g')";
-    const PRODUCE: &str = "BEGIN; SET LOCAL sqlstreams.notify = off";
+
     // XLogInsert(rmid, info): RM_SEQ_ID is 15 in every PostgreSQL this supports.
     const LOGGING_AHEAD: &str = "($rdi & 0xff) == 15";
 
     let mut c = connect();
     let s = Stream::create(&mut c, "fence-logged-head");
     s.group(&mut c, "g", None);
-    let first = s.produce(&mut c, json!({}), None);
-    let sequence: String = format!("{}_seq", s.table("message_log"));
+    s.produce(&mut c, json!({}), None);
+    let sequence = format!("{}_seq", s.table("message_log"));
     let sequence_oid: u32 = c.query_one("SELECT $1::text::regclass::oid", &[&sequence]).unwrap().get(0);
-    let head_read = |mut reader: postgres::Client, name: String| {
+    // The read stops where a scan of the sequence's row reads its columns (the slot's
+    // tts_tableOid is at byte 56 in every PostgreSQL this supports).
+    let row_read_stop = format!("*(unsigned int *)($rdi + 56) == {sequence_oid}");
+    let read = |mut reader: Client, sql: String, name: String| -> JoinHandle<(Client, i64)> {
         std::thread::spawn(move || {
-            let head: i64 = reader.query_one(HEAD, &[&name]).unwrap().get(0);
+            let head: i64 = reader.query_one(sql.as_str(), &[&name]).unwrap().get(0);
             (reader, head)
         })
     };
-    let produce = |mut producer: postgres::Client, name: String| {
+    let produce = |mut producer: Client, name: String| -> JoinHandle<(Client, i64)> {
         std::thread::spawn(move || {
-            producer.batch_execute(PRODUCE).unwrap();
+            producer.batch_execute("BEGIN; SET LOCAL sqlstreams.notify = off").unwrap();
             let id: i64 = producer.query_one("SELECT sqlstreams.produce($1, '{}')", &[&name]).unwrap().get(0);
             producer.batch_execute("COMMIT").unwrap();
             (producer, id)
         })
     };
-
-    // 1 and 2.
     let mut reader = connect();
     let mut producer = connect();
     let (reader_pid, producer_pid) = (backend_pid(&mut reader), backend_pid(&mut producer));
-    c.batch_execute("CHECKPOINT").unwrap();
-    let mut row_read = Debugger::attach(
-        reader_pid,
-        "slot_getsomeattrs_int",
-        &format!("*(unsigned int *)($rdi + 56) == {sequence_oid}"), // the slot's tts_tableOid
-    );
-    let reading = head_read(reader, s.name.clone());
-    let (reader, head, handed_out) = if row_read.wait_for_stop(|| reading.is_finished()) {
-        let mut logging = Debugger::attach(producer_pid, "XLogInsert", LOGGING_AHEAD);
-        let producing = produce(producer, s.name.clone());
-        assert!(logging.wait_for_stop(|| producing.is_finished()), "after a checkpoint, nextval logs ahead");
-        row_read.detach();
-        // The call reads the row now. group_status reads the head twice, and its second scan
-        // waits for the producer: the first read is done once it waits (or returns).
-        waits_for_a_buffer(&mut c, reader_pid, || reading.is_finished());
-        logging.detach();
-        let (reader, head) = join(reading);
-        let (returned, id) = join(producing);
-        producer = returned;
-        (reader, head, id)
-    } else {
-        row_read.detach();
-        let (reader, head) = join(reading);
-        (reader, head, first)
-    };
-    assert!(
-        head <= handed_out,
-        "the head read was {head}, an id nextval had logged but not handed out (the last was {handed_out})"
-    );
+
+    // 1 and 2: the head read with the stop armed, and a producer logging ahead if it stops.
+    for (what, sql) in [
+        ("a plain SELECT last_value", format!("SELECT last_value FROM {sequence} WHERE $1::text IS NOT NULL")),
+        ("the extension's head", "SELECT head FROM sqlstreams.group_status($1, 'g')".to_string()),
+    ] {
+        c.batch_execute("CHECKPOINT").unwrap(); // the producer's next nextval logs ahead
+        let mut row_read = Debugger::attach(reader_pid, "slot_getsomeattrs_int", &row_read_stop);
+        let reading = read(reader, sql, s.name.clone());
+        let stopped = row_read.wait_for_stop(|| reading.is_finished());
+        let (returned, head, handed_out) = if stopped {
+            let mut logging = Debugger::attach(producer_pid, "XLogInsert", LOGGING_AHEAD);
+            let producing = produce(producer, s.name.clone());
+            assert!(logging.wait_for_stop(|| producing.is_finished()), "after a checkpoint, nextval logs ahead");
+            row_read.detach();
+            // The read goes on now. group_status reads the head twice, and its second read waits
+            // for the producer: the first is done once it waits (or returns).
+            waits_for_a_buffer(&mut c, reader_pid, || reading.is_finished());
+            logging.detach();
+            let (returned, head) = join(reading);
+            let (p, id) = join(producing);
+            producer = p;
+            (returned, head, id)
+        } else {
+            row_read.detach();
+            let (returned, head) = join(reading);
+            (returned, head, s.produce(&mut c, json!({}), None) - 1)
+        };
+        reader = returned;
+        if what == "a plain SELECT last_value" {
+            assert!(stopped && head > handed_out, "the control: {what} read {head} where {handed_out} was handed out");
+        } else {
+            assert!(
+                head <= handed_out,
+                "{what} was {head}, an id nextval logged but had not handed out ({handed_out})"
+            );
+        }
+    }
 
     // 3.
     c.batch_execute("CHECKPOINT").unwrap();
     let mut logging = Debugger::attach(producer_pid, "XLogInsert", LOGGING_AHEAD);
     let producing = produce(producer, s.name.clone());
     assert!(logging.wait_for_stop(|| producing.is_finished()), "after a checkpoint, nextval logs ahead");
-    let reading = head_read(reader, s.name.clone());
+    let reading = read(reader, "SELECT head FROM sqlstreams.group_status($1, 'g')".to_string(), s.name.clone());
     let waited = waits_for_a_buffer(&mut c, reader_pid, || reading.is_finished());
     logging.detach();
     let (_, head) = join(reading);

@@ -1,5 +1,6 @@
 -- On the standby: every library function that writes (volatile, but the internal trigger
--- functions) is refused with 25006 and a hint naming the primary, whatever its arguments.
+-- functions and log_head, which reads the head) is refused with 25006 and a hint naming the
+-- primary, whatever its arguments.
 DO $$
 DECLARE
     f record;
@@ -14,7 +15,7 @@ BEGIN
         WHERE p.pronamespace = 'sqlstreams'::regnamespace AND p.provolatile = 'v'
           AND p.prolang = (SELECT oid FROM pg_catalog.pg_language WHERE lanname = 'c')
           AND p.prorettype NOT IN ('trigger'::regtype, 'event_trigger'::regtype)
-          AND p.proname <> 'exception_counts_changed'
+          AND p.proname NOT IN ('exception_counts_changed', 'log_head')
         ORDER BY p.proname
     LOOP
         SELECT string_agg(

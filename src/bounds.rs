@@ -28,7 +28,6 @@ use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
-use crate::cursor;
 use crate::error::named;
 use crate::error::Result;
 use crate::partition::Log;
@@ -133,7 +132,7 @@ pub fn enforce(client: &SpiClient<'_>, name: &str, stream: &StreamRef, groups: &
     let now: pgrx::datum::TimestampWithTimeZone = bounds.required("now")?;
     let oldest_kept = max_age.map(|age| now.into_inner() - age);
     let log = Log::open(stream)?;
-    let head = cursor::sequence_head(client, stream.id, Access::Write)?;
+    let head = crate::head::read(stream.id)?;
     // The end of the last partition out of bounds, oldest first; the head's partition stays.
     let mut through = 0;
     for row in PARTITIONS.run(client, 0, &[log.oid().into()])?.take(PARTITIONS_PER_ROUND) {

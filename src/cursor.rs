@@ -89,9 +89,6 @@ macro_rules! head_sql {
 }
 pub(crate) use head_sql;
 
-const SEQUENCE_HEAD: Statement =
-    Statement { name: "cursor_sequence_head", sql: concat!("SELECT ", head_sql!(), " AS head"), params: &[] };
-
 /// The head as inspection reports it: on a primary the sequence's; on a hot standby the
 /// statement's parameter `$replayed`, which `replayed_head` computes. A claim or maintain() never
 /// runs on a standby.
@@ -186,11 +183,6 @@ pub fn advance(client: &SpiClient<'_>, stream: &StreamRef, group_id: i64) -> Res
         return Ok(None);
     }
     rows.first().value("committed")
-}
-
-/// The highest message id handed out so far (0 when none).
-pub fn sequence_head(client: &SpiClient<'_>, stream_id: i64, access: Access) -> Result<i64> {
-    SEQUENCE_HEAD.exec(client, stream_id, &[], access)?.first().required("head")
 }
 
 /// The head for inspection (`observed_head_sql!`), in the caller's snapshot.

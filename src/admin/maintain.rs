@@ -7,12 +7,11 @@ use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 
 use crate::access;
-use crate::cursor;
 use crate::error::{Result, StreamError};
 use crate::partition::{self, Need};
 use crate::range;
 use crate::retention;
-use crate::statement::{Access, Columns, Statement};
+use crate::statement::{Columns, Statement};
 use crate::stream::{self, StreamRef};
 
 const STREAMS: Statement =
@@ -102,7 +101,7 @@ fn maintain_stream_named(name: &str) -> Result<Vec<Report>> {
 /// One stream's housekeeping, each part once: the stream as its caller looked it up, each
 /// group's cursor stored once, before the bounds (which read it) and retention.
 fn maintain_one(client: &mut pgrx::spi::SpiClient<'_>, name: String, stream: StreamRef) -> Result<Report> {
-    let head = cursor::sequence_head(client, stream.id, Access::Write)?;
+    let head = crate::head::read(stream.id)?;
     let through = partition::ensure(client, &stream, head, Need::Ahead)?;
     let purged = PURGE_IDEMPOTENCY.run(client, stream.id, &[])?.len() as i64;
     let cleared = CLEAR_HOLDS.run(client, stream.id, &[])?.len() as i64;

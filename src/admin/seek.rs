@@ -42,9 +42,6 @@ const POSITION_AT: Statement = Statement {
     params: &[TIMESTAMPTZOID, INT4OID],
 };
 
-const HEAD: Statement =
-    Statement { name: "seek_head", sql: concat!("SELECT ", crate::cursor::head_sql!(), " AS head"), params: &[] };
-
 const MOVE: Statement = Statement {
     name: "seek_move",
     sql: "WITH e AS (DELETE FROM sqlstreams.exception_queue_@id@ WHERE consumer_group_id = $1),
@@ -82,7 +79,7 @@ fn seek(
     }
     Ok(crate::admin::exclusive_admin_call(stream, group_name, "seek consumer groups", |client, g| {
         LOCK.run(client, g.stream.id, &[g.id.into()])?;
-        let head: i64 = HEAD.run(client, g.stream.id, &[])?.first().required("head")?;
+        let head = crate::head::read(g.stream.id)?;
         let position = match (to_id, to_time) {
             (Some(id), _) => id,
             (None, Some(time)) => POSITION_AT

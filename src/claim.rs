@@ -1,8 +1,9 @@
 //! `claim`: one call returns what the caller may run now.
 //!
 //! 1. Outcomes the call carries (`ack_lease_token`) are recorded first, as any outcome.
-//! 2. The fence (src/fence.rs): the stored fence is read, then the world, and what is proven
-//!    safe now follows; the new fence is stored unless another claim is storing it.
+//! 2. The fence (src/fence.rs): the stored fence is read, with what this backend proved before,
+//!    then the world, and what is proven safe now follows; the new fence is stored unless another
+//!    transaction holds the group's cursor row, and kept in this backend either way.
 //! 3. Lanes (src/lanes.rs) with work that no other claim holds, each taken with `SKIP LOCKED`,
 //!    until the batch is full (or the claim has its share of the lanes). None: the call
 //!    returns at once, and it wrote nothing unless the fence moved.
@@ -195,14 +196,18 @@ pub fn claim(
             watch.wrote_nothing();
             return Ok(vec![]);
         }
-        // The stored fence first, then the world (src/fence.rs): the order is the proof.
+        // The stored fence and what this backend proved before first, then the world
+        // (src/fence.rs): the order is the proof.
+        let generation = crate::catalog::generation();
         let (stored, head) = cursor::read_fence_and_head(client, stream_id, group.id)?;
-        let fence = advance_fence(client, stream_id, stored, head)?;
+        let known = fence::known(group.id, generation, head).map_or(stored, |known| stored.merge(known));
+        let fence = advance_fence(client, stream_id, known, head)?;
         let now = clock::now();
         let candidates = lanes::candidates(client, group, &log, fence.safe, now, released.first().copied())?;
         if fence != stored {
             cursor::store_fence(client, stream_id, group.id, fence)?;
         }
+        fence::remember(group.id, generation, fence);
         if candidates.is_empty() {
             signal_left(client, stream_id, &released, &[])?;
             // Nothing stored, and no id handed out left to prove: only a transaction that
@@ -250,8 +255,8 @@ fn signal_left(client: &SpiClient<'_>, stream_id: i64, released: &[i32], taken: 
     Ok(())
 }
 
-/// The group's fence after a fresh reading of the world, the head `head` read after the stored
-/// fence. The global bound is cheap; only when it proves nothing new does the claim look up
+/// The group's fence after a fresh reading of the world, the head `head` read after the fence
+/// `stored` was read (from the cursor row, and what this backend proved before). The global bound is cheap; only when it proves nothing new does the claim look up
 /// this stream's own running producers.
 fn advance_fence(client: &SpiClient<'_>, stream_id: i64, stored: Fence, head: i64) -> Result<Fence> {
     let reading = fence::read(head);

@@ -38,6 +38,7 @@
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::spi::SpiClient;
 
+use crate::catalog;
 use crate::error::Result;
 use crate::locks;
 use crate::statement::{Columns, Statement};
@@ -150,11 +151,50 @@ impl Fence {
         Fence { safe, pending }
     }
 
+    /// What `self` and `other` prove together: the higher proven head, and of their pending
+    /// observations that cover more than it, the one that matures first.
+    pub fn merge(self, other: Fence) -> Fence {
+        let safe = self.safe.max(other.safe);
+        let pending = [self.pending, other.pending]
+            .into_iter()
+            .flatten()
+            .filter(|o| o.head > safe)
+            .min_by_key(|o| (o.xid, std::cmp::Reverse(o.head)));
+        Fence { safe, pending }
+    }
+
     /// Whether the global bound of `reading` proves nothing new, so that looking up the
     /// stream's own producers (`oldest_producer`) could.
     pub fn stalled(self, reading: &Reading) -> bool {
         reading.head > self.safe && self.advance(reading).safe == self.safe
     }
+}
+
+thread_local! {
+    /// The fence as this backend's last claim of each group left it, in the catalog's generation
+    /// it was found in (src/catalog.rs).
+    static KNOWN: catalog::Memo<i64, Fence> = catalog::Memo::new();
+}
+
+/// What this backend proved for group `group_id` in its earlier claims, in `generation` (read
+/// before the group was looked up), for a stream whose head is now `head`.
+///
+/// A claim stores the fence only when it can take the group's cursor row without waiting. A
+/// claim left open in a transaction block keeps that row locked, and every other claim's store
+/// is skipped: their fresh observations would be forgotten, and while the stream's producers
+/// overlap no observation is ever mature the moment it is made, so the group would claim
+/// nothing new until that transaction ended. An observation stays true wherever it is kept (it
+/// is a fact about the cluster, not about a transaction), so each backend also keeps its own.
+/// Only in the generation it was made in: a stream or group dropped and created again, with the
+/// same ids (a dropped and re-created extension), makes a new generation. One that claims more
+/// than `head` cannot be this stream's, and is forgotten too.
+pub fn known(group_id: i64, generation: Option<u64>, head: i64) -> Option<Fence> {
+    KNOWN.with(|known| known.get(&group_id, generation)).filter(|fence| fence.safe <= head)
+}
+
+/// Keeps `fence` as what this backend proved for group `group_id` in `generation`.
+pub fn remember(group_id: i64, generation: Option<u64>, fence: Fence) {
+    KNOWN.with(|known| known.put(group_id, generation, fence));
 }
 
 /// Reads the fence for a stream whose sequence's last value is `head`. The caller must have read
@@ -263,6 +303,35 @@ mod tests {
         );
         // Kept instead, the foreign one would never have matured while producers overlapped.
         assert!(!Observation { head: 24, xid: 200_755 }.is_mature(1_775));
+    }
+
+    #[test]
+    fn what_two_fences_prove_together() {
+        let stored = Fence { safe: 10, pending: Some(Observation { head: 20, xid: 500 }) };
+        let known = Fence { safe: 15, pending: Some(Observation { head: 30, xid: 520 }) };
+        let both = Fence { safe: 15, pending: Some(Observation { head: 20, xid: 500 }) };
+        assert_eq!(stored.merge(known), both, "the observation that matures first");
+        assert_eq!(known.merge(stored), both);
+        // A pending observation that covers no more than the proven head is dropped.
+        let ahead = Fence { safe: 25, pending: None };
+        assert_eq!(stored.merge(ahead), Fence { safe: 25, pending: None });
+        assert_eq!(known.merge(ahead), Fence { safe: 25, pending: Some(Observation { head: 30, xid: 520 }) });
+        assert_eq!(NOTHING.merge(NOTHING), NOTHING);
+    }
+
+    #[test]
+    fn a_claim_that_cannot_store_goes_on_from_what_it_knows() {
+        // Another claim holds the cursor row: the stored fence stays as it was.
+        let stored = Fence { safe: 0, pending: None };
+        // Producers overlap: each reading sees one open that started before it.
+        let first = stored.advance(&reading(10, 500, 495));
+        assert_eq!(first.safe, 0);
+        // Without what it knows, every claim starts from the stored fence again, and never
+        // proves anything while producers overlap.
+        assert_eq!(stored.advance(&reading(20, 510, 505)).safe, 0);
+        // With it, the observation it made matures once the producers open then have ended.
+        let second = stored.merge(first).advance(&reading(20, 510, 505));
+        assert_eq!(second, Fence { safe: 10, pending: Some(Observation { head: 20, xid: 510 }) });
     }
 
     #[test]

@@ -55,3 +55,49 @@ fn an_open_transaction_after_a_claim_holds_back_only_its_own_lanes() {
     // The open transaction's claim stands: its messages are g1's to finish.
     assert!(g1.ack_batch(&mut open, &held).len() == 10);
 }
+
+/// The open claim keeps the group's cursor row locked (it stored the fence there), so no other
+/// claim of the group can store one. While the stream's producers overlap, no observation is
+/// mature the moment it is made: the other claims must go on from what they proved before, or
+/// the group claims nothing new until the open transaction ends.
+#[test]
+fn an_open_claim_does_not_stop_the_fence_while_producers_overlap() {
+    let mut setup = connect();
+    let s = Stream::create(&mut setup, "open-fence");
+    let g = s.group(&mut setup, "g", None);
+    let keys = keys_in_lanes(&mut setup, &s, 2);
+    s.produce(&mut setup, serde_json::json!({ "n": 0 }), Some(&keys[0]));
+
+    let mut open = connect();
+    open.batch_execute("BEGIN").unwrap();
+    assert_eq!(g.claim(&mut open, 10).len(), 1, "the open claim proves the first message and takes it");
+    let row_locked = setup
+        .query_one(
+            &format!("SELECT 1 FROM {} WHERE consumer_group_id = $1 FOR UPDATE NOWAIT", s.table("cursor")),
+            &[&g.id],
+        )
+        .map(|_| ())
+        .map_err(|e| sqlstate(&e));
+    assert_eq!(row_locked, Err("55P03".to_string()), "the open claim stored the fence and holds the cursor row");
+
+    // Producers of the other lane, each opened before the one before commits.
+    let mut consumer = connect();
+    let mut producers = [connect(), connect()];
+    producers[0].batch_execute("BEGIN").unwrap();
+    let mut open_id = s.produce(&mut producers[0], serde_json::json!({ "n": 1 }), Some(&keys[1]));
+    assert!(g.claim(&mut consumer, 10).is_empty(), "its producer is open");
+    for round in 1..=4 {
+        let (committing, next) = if round % 2 == 1 { (0, 1) } else { (1, 0) };
+        producers[next].batch_execute("BEGIN").unwrap();
+        let next_id = s.produce(&mut producers[next], serde_json::json!({ "n": round + 1 }), Some(&keys[1]));
+        producers[committing].batch_execute("COMMIT").unwrap();
+        let claimed = g.claim(&mut consumer, 10);
+        assert_eq!(ids(&claimed), vec![open_id], "round {round}: the message committed before the claim");
+        assert_eq!(g.ack_batch(&mut consumer, &claimed).len(), 1);
+        open_id = next_id;
+    }
+    // Round 4 left the first producer open.
+    producers[0].batch_execute("COMMIT").unwrap();
+    open.batch_execute("COMMIT").unwrap();
+    assert_eq!(ids(&g.claim(&mut consumer, 10)), vec![open_id]);
+}

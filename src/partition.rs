@@ -29,7 +29,7 @@ pub enum Need {
     /// A producer about to insert `id`: only when no partition holds it yet, and then it waits
     /// for another transaction creating that partition (it cannot insert without it). Creating
     /// ahead is left to claims and `maintain()`, so a long producer transaction never holds
-    /// other producers back.
+    /// other producers back. The insert then takes its partitions' locks first (`lock_for_insert`).
     Now,
     /// Claims and `maintain()`: keep half a partition of headroom ahead of the head, skipping
     /// the work when another transaction is creating partitions right now.
@@ -80,6 +80,11 @@ const CREATED: Statement = Statement {
 
 impl<'a> Log<'a> {
     pub fn open(stream: &'a StreamRef) -> Result<Log<'a>> {
+        Log::open_in(stream, pg_sys::AccessShareLock)
+    }
+
+    /// `open` with the log locked in `mode`.
+    fn open_in(stream: &'a StreamRef, mode: u32) -> Result<Log<'a>> {
         let name = CString::new(format!("message_log_{}", stream.id)).expect("no NUL in a number");
         // SAFETY: a catalog lookup with a lock, in a transaction; RangeVarGetRelidExtended
         // looks again when the relation is dropped or renamed while it waits for the lock.
@@ -87,7 +92,7 @@ impl<'a> Log<'a> {
             let relation = pg_sys::makeRangeVar(c"sqlstreams".as_ptr().cast_mut(), name.as_ptr().cast_mut(), -1);
             pg_sys::RangeVarGetRelidExtended(
                 relation,
-                pg_sys::AccessShareLock as pg_sys::LOCKMODE,
+                mode as pg_sys::LOCKMODE,
                 pg_sys::RVROption::RVR_MISSING_OK,
                 None,
                 std::ptr::null_mut(),
@@ -110,8 +115,12 @@ impl<'a> Log<'a> {
     /// Whether the syscache knows partition `part` (see `Log` for why its answer is current,
     /// and `exists` for when it is not).
     pub fn cached(&self, part: Part) -> bool {
+        self.cached_oid(part) != pg_sys::InvalidOid
+    }
+
+    fn cached_oid(&self, part: Part) -> pg_sys::Oid {
         // SAFETY: a syscache lookup.
-        unsafe { pg_sys::get_relname_relid(self.name(part).as_ptr(), self.namespace) != pg_sys::InvalidOid }
+        unsafe { pg_sys::get_relname_relid(self.name(part).as_ptr(), self.namespace) }
     }
 
     fn name(&self, part: Part) -> CString {
@@ -134,19 +143,26 @@ impl<'a> Log<'a> {
         if cached || unsafe { pg_sys::IsInParallelMode() } {
             return Ok(cached);
         }
+        let Some(oid) = self.created(client, part)? else {
+            return Ok(false);
+        };
+        // SAFETY: takes a relation lock by oid in a transaction (it waits for the creator's end,
+        // then reads the invalidations, as every first lock of a relation does).
+        unsafe { pg_sys::LockRelationOid(oid, pg_sys::AccessShareLock as pg_sys::LOCKMODE) };
+        Ok(self.cached(part))
+    }
+
+    /// Partition `part`'s oid as committed now, looked for in `pg_class` with the newest
+    /// snapshot (not in the syscache, whose answer may be older: `exists`).
+    fn created(&self, client: &SpiClient<'_>, part: Part) -> Result<Option<pg_sys::Oid>> {
         let name = self.name(part);
         let args = [
             // SAFETY: a text datum of a C string, and an oid datum.
             unsafe { pg_sys::Datum::from(pg_sys::cstring_to_text(name.as_ptr())) },
             pg_sys::Datum::from(self.namespace),
         ];
-        let Some(oid) = CREATED.read_newest(client, 0, &args)?.first().and_then(|row| row[0]) else {
-            return Ok(false);
-        };
-        // SAFETY: takes a relation lock by oid in a transaction (it waits for the creator's end,
-        // then reads the invalidations, as every first lock of a relation does).
-        unsafe { pg_sys::LockRelationOid(pg_sys::Oid::from(oid as u32), pg_sys::AccessShareLock as pg_sys::LOCKMODE) };
-        Ok(self.cached(part))
+        let oid = CREATED.read_newest(client, 0, &args)?.first().and_then(|row| row[0]);
+        Ok(oid.map(|oid| pg_sys::Oid::from(oid as u32)))
     }
 
     /// The partitions holding ids in `(after, upto]` that exist, oldest first; looked up as the
@@ -186,6 +202,29 @@ impl<'a> Log<'a> {
     }
 }
 
+/// Before an insert of ids `first..=last`: locks the log and the partitions that hold them, as
+/// the insert will (ROW EXCLUSIVE, the log first), so this backend has read the invalidations of
+/// the transaction that attached them.
+///
+/// That transaction is committed (the stream row that says the partitions are there is visible)
+/// a moment before it sends its invalidations, and until they arrive the log's partition
+/// descriptor here lacks the new partition: the insert would fail with "no partition of
+/// relation found for row" (23514). Its creator holds the new partition's lock until it has sent
+/// them, and a first lock of a relation reads them. A partition attached since this transaction
+/// locked the log, which the log's lock no longer brings news of, is read about the same way.
+pub fn lock_for_insert(client: &SpiClient<'_>, stream: &StreamRef, first: i64, last: i64) -> Result<()> {
+    let log = Log::open_in(stream, pg_sys::RowExclusiveLock)?;
+    for part in of(stream, first)..=of(stream, last) {
+        let cached = log.cached_oid(part);
+        let oid = if cached != pg_sys::InvalidOid { Some(cached) } else { log.created(client, part)? };
+        if let Some(oid) = oid {
+            // SAFETY: takes a relation lock by oid in a transaction.
+            unsafe { pg_sys::LockRelationOid(oid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
+        }
+    }
+    Ok(())
+}
+
 /// Whether message id `id` is close enough to the end of the partitions to add more.
 /// Half a partition of headroom keeps producers from ever reaching a missing partition.
 pub fn needs_more(stream: &StreamRef, id: i64) -> bool {
@@ -201,16 +240,8 @@ fn headroom(partition_size: i64) -> i64 {
 pub fn ensure(client: &SpiClient<'_>, stream: &StreamRef, id: i64, need: Need) -> Result<i64> {
     let mut through = stream.partitions_through;
     match need {
-        Need::Now => {
-            if id >= stream.partitions_through {
-                through = added(ADD.run(client, 0, &[stream.id.into(), id.into(), true.into()])?, through)?;
-            }
-            // A partition another transaction attached since this one first touched the log
-            // is not in this backend's partition descriptor until it reads the invalidations
-            // (it holds the log's lock already, so nothing else makes it): without this, an
-            // insert into that partition fails with "no partition of relation found for row".
-            // SAFETY: processes pending catalog invalidations, as any lock acquisition does.
-            unsafe { pgrx::pg_sys::AcceptInvalidationMessages() };
+        Need::Now if id >= stream.partitions_through => {
+            through = added(ADD.run(client, 0, &[stream.id.into(), id.into(), true.into()])?, through)?;
         }
         Need::Ahead if needs_more(stream, id) => {
             let upto = id.saturating_add(headroom(stream.partition_size));

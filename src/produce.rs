@@ -248,6 +248,7 @@ pub fn produce_one(
                 }
             }
             partition::ensure(client, &stream, id, Need::Now)?;
+            partition::lock_for_insert(client, &stream, id, id)?;
             INSERT_ONE.run(
                 client,
                 stream.id,
@@ -352,6 +353,7 @@ pub fn produce_many(
                 return Ok(vec![None; ids.len()]);
             };
             partition::ensure(client, &stream, last, Need::Now)?;
+            partition::lock_for_insert(client, &stream, written[0].0, last)?;
             INSERT_MANY.run(
                 client,
                 stream.id,

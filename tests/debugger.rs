@@ -181,20 +181,32 @@ pub fn backend_pid(c: &mut postgres::Client) -> i32 {
 
 /// Waits until backend `pid` waits for a buffer's content lock (true), or `done` says the call
 /// returned first (false).
-pub fn waits_for_a_buffer(monitor: &mut postgres::Client, pid: i32, mut done: impl FnMut() -> bool) -> bool {
+pub fn waits_for_a_buffer(monitor: &mut postgres::Client, pid: i32, done: impl FnMut() -> bool) -> bool {
+    waits_for(monitor, pid, "BufferContent", done)
+}
+
+/// Waits until backend `pid` waits for a relation's lock (true), or `done` says the call
+/// returned first (false).
+pub fn waits_for_a_relation(monitor: &mut postgres::Client, pid: i32, done: impl FnMut() -> bool) -> bool {
+    waits_for(monitor, pid, "relation", done)
+}
+
+/// Waits until backend `pid` shows `wait_event` in pg_stat_activity (true), or `done` says the
+/// call returned first (false).
+fn waits_for(monitor: &mut postgres::Client, pid: i32, wait_event: &str, mut done: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + PATIENCE;
     loop {
         let event: Option<String> = monitor
             .query_one("SELECT wait_event FROM pg_stat_activity WHERE pid = $1", &[&pid])
             .expect("pg_stat_activity")
             .get(0);
-        if event.as_deref() == Some("BufferContent") {
+        if event.as_deref() == Some(wait_event) {
             return true;
         }
         if done() {
             return false;
         }
-        assert!(Instant::now() < deadline, "backend {pid} neither waited for a buffer nor returned");
+        assert!(Instant::now() < deadline, "backend {pid} neither waited for {wait_event} nor returned");
         std::thread::sleep(Duration::from_millis(5));
     }
 }

@@ -826,6 +826,56 @@ fn a_producer_writes_into_a_partition_another_transaction_attached_meanwhile() {
     assert!(later > 1500 && first < later);
 }
 
+/// A transaction that attaches a partition is committed (its stream row, which says the
+/// partition is there, is visible) a moment before it sends its invalidations. A producer of an
+/// id in that partition in between must wait for them, not fail with "no partition of relation
+/// found for row" (23514). Set up with a debugger that stops the creator right there.
+#[cfg(target_arch = "x86_64")] // the breakpoint's condition reads an x86-64 register
+#[test]
+fn a_producer_waits_for_a_partition_attached_by_a_transaction_still_ending() {
+    use sqlstreams_tests::debugger::{backend_pid, join, waits_for_a_relation, Debugger};
+
+    // A database of its own: another test's maintain() would attach the partition ahead.
+    let (mut c, url) = own_database("partition_ending");
+    let connect = || postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    let s = Stream::create_sized(&mut c, "partition-ending", 1000);
+    let g = s.group(&mut c, "g", None);
+    let (mut creator, mut producer) = (connect(), connect());
+    // The producer knows the log with its one partition.
+    let mut produced = s.produce_many(&mut producer, 998, None);
+    let (creator_pid, producer_pid) = (backend_pid(&mut creator), backend_pid(&mut producer));
+
+    // The creator's batch crosses into the second partition and attaches it; it stops where its
+    // commit sends the invalidations (AtEOXact_Inval(isCommit = true)), already committed. The
+    // statement is prepared first: preparing it is a transaction that commits too.
+    let batch = creator.prepare("SELECT sqlstreams.produce_batch($1, ARRAY['{}', '{}', '{}']::jsonb[])").unwrap();
+    let mut ending = Debugger::attach(creator_pid, "AtEOXact_Inval", "($rdi & 0xff) == 1");
+    let name = s.name.clone();
+    let creating = std::thread::spawn(move || {
+        creator.query(&batch, &[&name]).unwrap().iter().map(|r| r.get::<_, i64>(0)).collect::<Vec<_>>()
+    });
+    assert!(ending.wait_for_stop(|| creating.is_finished()), "the creator's commit stops");
+    let through: i64 =
+        c.query_one("SELECT partitions_through FROM sqlstreams.stream WHERE id = $1", &[&s.id]).unwrap().get(0);
+    assert_eq!(through, 2001, "the second partition is committed while its creator has not sent its invalidations");
+
+    let name = s.name.clone();
+    let producing = std::thread::spawn(move || {
+        let id = producer.query_one("SELECT sqlstreams.produce($1, '{}')", &[&name]).map(|r| r.get::<_, i64>(0));
+        (id.map_err(|e| describe(&e)), producer)
+    });
+    let waited = waits_for_a_relation(&mut c, producer_pid, || producing.is_finished());
+    ending.detach();
+    produced.extend(join(creating));
+    let id = join(producing).0.expect("the producer's message is written once the partition's creator has ended");
+    assert!(waited, "the producer waits for the partition's lock, which its creator holds until it has ended");
+    assert!(id > 1000, "{id} is in the second partition");
+    produced.push(id);
+    let mut delivered = g.drain(&mut c);
+    delivered.sort_unstable();
+    assert_eq!(delivered, produced, "every message is delivered once");
+}
+
 #[test]
 fn a_batch_with_idempotency_keys_produces_each_key_once() {
     let mut c = connect();

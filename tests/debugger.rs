@@ -1,8 +1,9 @@
 //! A debugger on a backend of the test cluster, for the interleavings no SQL can set up: a
 //! backend stopped at a point inside Postgres while others go on. It runs Debian's `gdb` (which
 //! `scripts/rig` installs) on the server's own binary: breakpoints are on functions it exports,
-//! with conditions on their arguments' registers (x86-64: the first is `$rdi`), so they need no
-//! debug symbols. The tests run as root beside the cluster, so gdb may attach to its backends.
+//! with conditions on their arguments' registers (x86-64: the first is `$rdi`) or on what other
+//! exported functions return (called with a cast: `(unsigned int) GetTopTransactionIdIfAny()`),
+//! so they need no debug symbols. The tests run as root beside the cluster, so gdb may attach to its backends.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -103,6 +104,10 @@ impl Debugger {
                         "gdb cannot attach to the backend (the tests run as root beside the cluster): {}",
                         self.output.join("\n")
                     ));
+                }
+                // gdb stops wherever it cannot evaluate a condition: that is no stop of the test's.
+                if self.output.last().is_some_and(|l| l.contains("Error in testing")) {
+                    return Err(format!("gdb cannot evaluate the breakpoint's condition: {}", self.output.join("\n")));
                 }
                 Ok(found)
             }

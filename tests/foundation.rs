@@ -846,10 +846,12 @@ fn a_producer_waits_for_a_partition_attached_by_a_transaction_still_ending() {
     let (creator_pid, producer_pid) = (backend_pid(&mut creator), backend_pid(&mut producer));
 
     // The creator's batch crosses into the second partition and attaches it; it stops where its
-    // commit sends the invalidations (AtEOXact_Inval(isCommit = true)), already committed. The
-    // statement is prepared first: preparing it is a transaction that commits too.
+    // commit sends the invalidations (AtEOXact_Inval(isCommit = true)), already committed. Only
+    // in a transaction that took an id: an idle backend far behind on invalidations reads them
+    // in an empty transaction, which commits too (so does preparing a statement).
     let batch = creator.prepare("SELECT sqlstreams.produce_batch($1, ARRAY['{}', '{}', '{}']::jsonb[])").unwrap();
-    let mut ending = Debugger::attach(creator_pid, "AtEOXact_Inval", "($rdi & 0xff) == 1");
+    let wrote = "(unsigned int) GetTopTransactionIdIfAny() != 0";
+    let mut ending = Debugger::attach(creator_pid, "AtEOXact_Inval", &format!("($rdi & 0xff) == 1 && {wrote}"));
     let name = s.name.clone();
     let creating = std::thread::spawn(move || {
         creator.query(&batch, &[&name]).unwrap().iter().map(|r| r.get::<_, i64>(0)).collect::<Vec<_>>()

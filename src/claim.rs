@@ -198,16 +198,15 @@ pub fn claim(
         }
         // The stored fence and what this backend proved before first, then the world
         // (src/fence.rs): the order is the proof.
-        let generation = crate::catalog::generation();
-        let (stored, head) = cursor::read_fence_and_head(client, stream_id, group.id)?;
-        let known = fence::known(group.id, generation, head).map_or(stored, |known| stored.merge(known));
+        let (stored, head, sequence) = cursor::read_fence_and_head(client, stream_id, group.id)?;
+        let known = fence::known(group.id, sequence, head).map_or(stored, |known| stored.merge(known));
         let fence = advance_fence(client, stream_id, known, head)?;
         let now = clock::now();
         let candidates = lanes::candidates(client, group, &log, fence.safe, now, released.first().copied())?;
         if fence != stored {
             cursor::store_fence(client, stream_id, group.id, fence)?;
         }
-        fence::remember(group.id, generation, fence);
+        fence::remember(group.id, sequence, fence);
         if candidates.is_empty() {
             signal_left(client, stream_id, &released, &[])?;
             // Nothing stored, and no id handed out left to prove: only a transaction that

@@ -129,12 +129,14 @@ pub fn read_fence(client: &SpiClient<'_>, stream_id: i64, group_id: i64, access:
     fence_from(&READ_FENCE.exec(client, stream_id, &[group_id.into()], access)?.first())
 }
 
-/// The group's stored fence, then the highest message id handed out, for a claim (src/fence.rs:
-/// the order is the proof): the cursor row is read in its statement's snapshot, and the head
-/// after that statement, so what the row shows was stored before the head was read.
-pub fn read_fence_and_head(client: &SpiClient<'_>, stream_id: i64, group_id: i64) -> Result<(Fence, i64)> {
+/// The group's stored fence, then the highest message id handed out and the oid of the sequence
+/// it was read from, for a claim (src/fence.rs: the order is the proof): the cursor row is read in
+/// its statement's snapshot, and the head after that statement, so what the row shows was stored
+/// before the head was read.
+pub fn read_fence_and_head(client: &SpiClient<'_>, stream_id: i64, group_id: i64) -> Result<(Fence, i64, pg_sys::Oid)> {
     let fence = read_fence(client, stream_id, group_id, Access::Write)?;
-    Ok((fence, crate::head::read(stream_id)?))
+    let (head, sequence) = crate::head::read_with_sequence(stream_id)?;
+    Ok((fence, head, sequence))
 }
 
 fn fence_from(row: &impl Columns) -> Result<Fence> {

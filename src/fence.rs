@@ -38,7 +38,11 @@
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::spi::SpiClient;
 
-use crate::catalog;
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use pgrx::pg_guard;
+
 use crate::error::Result;
 use crate::locks;
 use crate::statement::{Columns, Statement};
@@ -170,31 +174,62 @@ impl Fence {
     }
 }
 
+/// Groups whose fence a backend keeps; past this many, all are forgotten.
+const MAX_KNOWN: usize = 4096;
+
 thread_local! {
-    /// The fence as this backend's last claim of each group left it, in the catalog's generation
-    /// it was found in (src/catalog.rs).
-    static KNOWN: catalog::Memo<i64, Fence> = catalog::Memo::new();
+    /// The fence as this backend's last claim of each group left it, by group id and the oid of
+    /// the stream's sequence it read the head from.
+    static KNOWN: RefCell<HashMap<(i64, pg_sys::Oid), Fence>> = RefCell::new(HashMap::new());
 }
 
-/// What this backend proved for group `group_id` in its earlier claims, in `generation` (read
-/// before the group was looked up), for a stream whose head is now `head`.
+/// What this backend proved for group `group_id` in its earlier claims, for a stream whose head
+/// is now `head`, read from sequence `sequence`.
 ///
 /// A claim stores the fence only when it can take the group's cursor row without waiting. A
 /// claim left open in a transaction block keeps that row locked, and every other claim's store
 /// is skipped: their fresh observations would be forgotten, and while the stream's producers
-/// overlap no observation is ever mature the moment it is made, so the group would claim
-/// nothing new until that transaction ended. An observation stays true wherever it is kept (it
-/// is a fact about the cluster, not about a transaction), so each backend also keeps its own.
-/// Only in the generation it was made in: a stream or group dropped and created again, with the
-/// same ids (a dropped and re-created extension), makes a new generation. One that claims more
-/// than `head` cannot be this stream's, and is forgotten too.
-pub fn known(group_id: i64, generation: Option<u64>, head: i64) -> Option<Fence> {
-    KNOWN.with(|known| known.get(&group_id, generation)).filter(|fence| fence.safe <= head)
+/// overlap no observation is mature the moment it is made, so the group would claim nothing new
+/// until that transaction ended. An observation stays true wherever it is kept (it is a fact
+/// about this cluster's history, not about a transaction), so each backend also keeps its own,
+/// for the stream it was made on: a stream dropped and created again, with the same ids (a
+/// dropped and re-created extension, a restore), has a new sequence, and the old one's
+/// invalidation, read before the new one is locked, forgets what was kept for it
+/// (`sequence_changed`). One that claims more than `head` cannot be this stream's either.
+pub fn known(group_id: i64, sequence: pg_sys::Oid, head: i64) -> Option<Fence> {
+    KNOWN.with(|known| known.borrow().get(&(group_id, sequence)).copied()).filter(|fence| fence.safe <= head)
 }
 
-/// Keeps `fence` as what this backend proved for group `group_id` in `generation`.
-pub fn remember(group_id: i64, generation: Option<u64>, fence: Fence) {
-    KNOWN.with(|known| known.put(group_id, generation, fence));
+/// Keeps `fence` as what this backend proved for group `group_id` of the stream whose sequence
+/// is `sequence`.
+pub fn remember(group_id: i64, sequence: pg_sys::Oid, fence: Fence) {
+    KNOWN.with(|known| {
+        let mut known = known.borrow_mut();
+        if known.len() >= MAX_KNOWN && !known.contains_key(&(group_id, sequence)) {
+            known.clear();
+        }
+        known.insert((group_id, sequence), fence);
+    });
+}
+
+/// Registers the invalidation callback once per backend (from `_PG_init`).
+pub fn init() {
+    // SAFETY: registers a callback with a null argument; it lives as long as the backend.
+    unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(sequence_changed), pg_sys::Datum::from(0)) };
+}
+
+/// A relation changed or was dropped (every one: `InvalidOid`): what was kept for a stream whose
+/// sequence it is is forgotten.
+#[pg_guard]
+unsafe extern "C-unwind" fn sequence_changed(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+    KNOWN.with(|known| {
+        let mut known = known.borrow_mut();
+        if relid == pg_sys::InvalidOid {
+            known.clear();
+        } else {
+            known.retain(|(_, sequence), _| *sequence != relid);
+        }
+    });
 }
 
 /// Reads the fence for a stream whose sequence's last value is `head`. The caller must have read

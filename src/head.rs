@@ -41,6 +41,11 @@ const SEQ_MAGIC: u32 = 0x1717;
 /// under the sequence's buffer lock. The sequence is looked up by name on every call, so nothing
 /// keeps the oid of a sequence dropped since.
 pub fn read(stream_id: i64) -> Result<i64> {
+    Ok(read_with_sequence(stream_id)?.0)
+}
+
+/// `read`, with the oid of the sequence it was read from.
+pub fn read_with_sequence(stream_id: i64) -> Result<(i64, pg_sys::Oid)> {
     let name = CString::new(format!("message_log_{stream_id}_seq")).expect("no NUL in a number");
     let unreadable = |why: &str| Err(StreamError::Internal(format!("{}: {why}", name.to_string_lossy())));
     // SAFETY: catalog lookups by name; the relation is opened under a lock and checked to be a
@@ -74,8 +79,8 @@ pub fn read(stream_id: i64) -> Result<i64> {
         pg_sys::UnlockReleaseBuffer(buffer);
         close();
         match read {
-            Some((last_value, true)) => Ok(last_value),
-            Some((_, false)) => Ok(0),
+            Some((last_value, true)) => Ok((last_value, sequence)),
+            Some((_, false)) => Ok((0, sequence)),
             None => unreadable("bad magic number"),
         }
     }

@@ -66,6 +66,7 @@ pub extern "C-unwind" fn _PG_init() {
     // runs with RUST_BACKTRACE set; internals never go to the client, so never capture one.
     std::env::set_var("RUST_LIB_BACKTRACE", "0");
     catalog::init();
+    fence::init();
     commit::init();
     settings::init();
     transient::init();

@@ -206,7 +206,7 @@ pub fn claim(
         if fence != stored {
             cursor::store_fence(client, stream_id, group.id, fence)?;
         }
-        fence::remember(group.id, sequence, fence);
+        fence::remember(group.id, sequence, fence, head);
         if candidates.is_empty() {
             signal_left(client, stream_id, &released, &[])?;
             // Nothing stored, and no id handed out left to prove: only a transaction that
@@ -255,8 +255,9 @@ fn signal_left(client: &SpiClient<'_>, stream_id: i64, released: &[i32], taken: 
 }
 
 /// The group's fence after a fresh reading of the world, the head `head` read after the fence
-/// `stored` was read (from the cursor row, and what this backend proved before). The global bound is cheap; only when it proves nothing new does the claim look up
-/// this stream's own running producers.
+/// `stored` was read (from the cursor row, and what this backend proved before). The global
+/// bound is cheap; only when it proves nothing new does the claim look up this stream's own
+/// running producers.
 fn advance_fence(client: &SpiClient<'_>, stream_id: i64, stored: Fence, head: i64) -> Result<Fence> {
     let reading = fence::read(head);
     if stored.stalled(&reading) {

@@ -30,18 +30,17 @@
 //! that both come before its message ids. Read-only transactions take no transaction id and
 //! hold nothing back either way.
 //!
-//! The order of the reads is the proof, also across claims: a claim reads the stored fence
-//! first and takes its `Reading` after it, and it never waits for another claim in between
+//! The order of the reads is the proof, also across claims: a claim reads the stored fence (and
+//! what its backend proved in earlier claims, `known`) first and takes its `Reading` after it, and it never waits for another claim in between
 //! (src/claim.rs). A bound read before an observation was stored must never be applied to it:
 //! that is exactly how a message gets skipped.
-
-use pgrx::pg_sys::{self, BuiltinOid::*};
-use pgrx::spi::SpiClient;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 
 use pgrx::pg_guard;
+use pgrx::pg_sys::{self, BuiltinOid::*};
+use pgrx::spi::SpiClient;
 
 use crate::error::Result;
 use crate::locks;
@@ -178,37 +177,30 @@ impl Fence {
 const MAX_KNOWN: usize = 4096;
 
 thread_local! {
-    /// The fence as this backend's last claim of each group left it, by group id and the oid of
-    /// the stream's sequence it read the head from.
-    static KNOWN: RefCell<HashMap<(i64, pg_sys::Oid), Fence>> = RefCell::new(HashMap::new());
+    /// The fence as this backend's last claim of each group left it, and the head it read then,
+    /// by group id and the oid of the stream's sequence it read the head from.
+    static KNOWN: RefCell<HashMap<(i64, pg_sys::Oid), (Fence, i64)>> = RefCell::new(HashMap::new());
 }
 
 /// What this backend proved for group `group_id` in its earlier claims, for a stream whose head
-/// is now `head`, read from sequence `sequence`.
-///
-/// A claim stores the fence only when it can take the group's cursor row without waiting. A
-/// claim left open in a transaction block keeps that row locked, and every other claim's store
-/// is skipped: their fresh observations would be forgotten, and while the stream's producers
-/// overlap no observation is mature the moment it is made, so the group would claim nothing new
-/// until that transaction ended. An observation stays true wherever it is kept (it is a fact
-/// about this cluster's history, not about a transaction), so each backend also keeps its own,
-/// for the stream it was made on: a stream dropped and created again, with the same ids (a
-/// dropped and re-created extension, a restore), has a new sequence, and the old one's
-/// invalidation, read before the new one is locked, forgets what was kept for it
-/// (`sequence_changed`). One that claims more than `head` cannot be this stream's either.
+/// is now `head`, read from sequence `sequence`: claims go on from it as from the stored fence,
+/// which a claim left open in a transaction block keeps them from storing (docs/semantics.md,
+/// "The claim fence"). Kept per sequence, and forgotten with it (`sequence_changed`); a head
+/// below the one read then says the sequence was moved back by hand, and it is forgotten too.
 pub fn known(group_id: i64, sequence: pg_sys::Oid, head: i64) -> Option<Fence> {
-    KNOWN.with(|known| known.borrow().get(&(group_id, sequence)).copied()).filter(|fence| fence.safe <= head)
+    let (fence, then) = KNOWN.with(|known| known.borrow().get(&(group_id, sequence)).copied())?;
+    (head >= then && fence.safe <= head).then_some(fence)
 }
 
-/// Keeps `fence` as what this backend proved for group `group_id` of the stream whose sequence
-/// is `sequence`.
-pub fn remember(group_id: i64, sequence: pg_sys::Oid, fence: Fence) {
+/// Keeps `fence`, made with a reading of `head`, as what this backend proved for group
+/// `group_id` of the stream whose sequence is `sequence`.
+pub fn remember(group_id: i64, sequence: pg_sys::Oid, fence: Fence, head: i64) {
     KNOWN.with(|known| {
         let mut known = known.borrow_mut();
         if known.len() >= MAX_KNOWN && !known.contains_key(&(group_id, sequence)) {
             known.clear();
         }
-        known.insert((group_id, sequence), fence);
+        known.insert((group_id, sequence), (fence, head));
     });
 }
 

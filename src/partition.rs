@@ -204,14 +204,11 @@ impl<'a> Log<'a> {
 
 /// Before an insert of ids `first..=last`: locks the log and the partitions that hold them, as
 /// the insert will (ROW EXCLUSIVE, the log first), so this backend has read the invalidations of
-/// the transaction that attached them.
-///
-/// That transaction is committed (the stream row that says the partitions are there is visible)
-/// a moment before it sends its invalidations, and until they arrive the log's partition
-/// descriptor here lacks the new partition: the insert would fail with "no partition of
-/// relation found for row" (23514). Its creator holds the new partition's lock until it has sent
-/// them, and a first lock of a relation reads them. A partition attached since this transaction
-/// locked the log, which the log's lock no longer brings news of, is read about the same way.
+/// the transaction that attached them (see `Log::exists` for why a committed partition may not be
+/// known yet): without them the log's partition descriptor here lacks the new partition, and the
+/// insert fails with "no partition of relation found for row" (23514). A partition attached since
+/// this transaction locked the log, which the log's lock no longer brings news of, is read about
+/// the same way.
 pub fn lock_for_insert(client: &SpiClient<'_>, stream: &StreamRef, first: i64, last: i64) -> Result<()> {
     let log = Log::open_in(stream, pg_sys::RowExclusiveLock)?;
     for part in of(stream, first)..=of(stream, last) {

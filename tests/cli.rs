@@ -1,4 +1,4 @@
-//! The admin CLI (`client/src/bin/sqlstreams.rs`) against the throwaway cluster: every command,
+//! The admin CLI (`client/src/bin/sqlstreams/main.rs`) against the throwaway cluster: every command,
 //! as an operator runs it, in table and JSON form.
 
 use std::process::Command;

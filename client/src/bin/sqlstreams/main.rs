@@ -15,12 +15,15 @@
 //! sqlstreams pause|resume --stream S --group G
 //! sqlstreams tail --stream S [--after ID] [--limit N] [--follow]
 //! sqlstreams completions bash|zsh|fish|elvish|powershell
+//! sqlstreams console [--listen 127.0.0.1:8089] [--allowed-host HOST:PORT] (token: SQLSTREAMS_CONSOLE_TOKEN)
 //! ```
 //!
 //! What changes messages (redrive, purge, seek) first runs in a transaction that is rolled
 //! back, to show what it would do: `--dry-run` stops there; otherwise the change is made when
 //! `--yes` is given or the operator answers yes on a terminal, and refused (exit 2) when
 //! neither.
+
+mod console;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -136,6 +139,24 @@ enum Command {
         /// The most messages in flight across the group's consumers (0 removes the cap).
         #[arg(long)]
         max_inflight: Option<i32>,
+    },
+    /// Serves the web console (docs/console.md) until stopped: streams, groups, blocked keys and
+    /// dead letters, with previewed changes where the role may make them.
+    Console {
+        /// Where it listens; an address other than a loopback one needs a token.
+        #[arg(long, default_value = "127.0.0.1:8089")]
+        listen: std::net::SocketAddr,
+        /// What every request must carry (a cookie set by opening /?token=..., or a bearer
+        /// token). Better given in the environment than on a command line others can read.
+        #[arg(long, env = "SQLSTREAMS_CONSOLE_TOKEN", hide_env_values = true)]
+        token: Option<String>,
+        /// Another HOST:PORT the console is reached by (a name, a proxy's); requests for other
+        /// hosts are refused.
+        #[arg(long = "allowed-host")]
+        allowed_hosts: Vec<String>,
+        /// How often the rate charts read every group, in seconds.
+        #[arg(long, default_value_t = 5)]
+        sample_every: u64,
     },
     /// Prints a shell completion script (e.g. `sqlstreams completions bash > /etc/bash_completion.d/sqlstreams`).
     Completions { shell: clap_complete::Shell },
@@ -340,9 +361,20 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     }
     // The client library's connection, completed from libpq's environment: TLS when the DSN
     // or PGSSLMODE says require, verified against the system's roots and PGSSLROOTCERT.
-    let options = sqlstreams_client::ClientOptions { pool_size: 1, ..Default::default() };
+    let pool_size = if matches!(cli.command, Command::Console { .. }) { 4 } else { 1 };
+    let options = sqlstreams_client::ClientOptions { pool_size, ..Default::default() };
     let client = sqlstreams_client::Client::connect_env(cli.dsn.as_deref(), options).map_err(|e| e.to_string())?;
     client.check_extension().await.map_err(|e| e.to_string())?;
+    if let Command::Console { listen, token, allowed_hosts, sample_every } = cli.command {
+        let options = console::Options {
+            listen,
+            token,
+            allowed_hosts,
+            sample_every: Duration::from_secs(sample_every.max(1)),
+            statement_timeout: cli.statement_timeout,
+        };
+        return console::serve(client, options).await.map_err(Failure::Refused);
+    }
     let db = client.pool().get().await.map_err(|e| sqlstreams_client::Error::from(e).to_string())?;
     let db: &tokio_postgres::Client = &db;
     db.execute("SELECT set_config('statement_timeout', $1, false)", &[&cli.statement_timeout])
@@ -455,7 +487,7 @@ async fn inspect(db: &tokio_postgres::Client, command: Command, json: bool) -> R
         Command::Blocked(t) => rows(db, "SELECT * FROM sqlstreams.blocked_keys($1, $2)", &[&t.stream, &t.group]).await?,
         Command::Pause(t) => rows(db, "SELECT sqlstreams.pause_group($1, $2) AS paused", &[&t.stream, &t.group]).await?,
         Command::Resume(t) => rows(db, "SELECT sqlstreams.resume_group($1, $2) AS resumed", &[&t.stream, &t.group]).await?,
-        Command::Completions { .. } | Command::Tail { .. } | Command::Dead { .. } | Command::Seek { .. } => {
+        Command::Completions { .. } | Command::Console { .. } | Command::Tail { .. } | Command::Dead { .. } | Command::Seek { .. } => {
             unreachable!("answered by run")
         }
     })

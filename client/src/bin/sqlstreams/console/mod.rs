@@ -1,0 +1,363 @@
+//! `sqlstreams console`: a web console over the extension's SQL API (docs/console.md).
+//!
+//! It shows what the role it connects as may inspect, and offers a change only where that role
+//! may make it; the database checks every call again. Redrive, skip, purge and seek are shown
+//! in a rolled-back transaction before they are made (src/bin/sqlstreams/console/actions.rs).
+//!
+//! Who may reach it:
+//! - it listens on a loopback address unless told otherwise, and refuses to listen on another
+//!   one without a token (`--token` or `SQLSTREAMS_CONSOLE_TOKEN`); with a token, every request
+//!   carries it (a cookie set by opening `/?token=...` once, or `Authorization: Bearer`);
+//! - a request whose `Host` is not the console's own address is refused (a DNS-rebinding page
+//!   would otherwise read it from the operator's browser);
+//! - a change is a POST with the console's CSRF token (random per process, only in its own
+//!   pages) from its own origin (`Origin`, `Sec-Fetch-Site`); pages carry a strict content
+//!   security policy, run no script and may not be framed.
+
+mod actions;
+mod pages;
+mod rates;
+mod view;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::{Query, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Form, Router};
+use maud::Markup;
+use serde::Deserialize;
+use subtle::ConstantTimeEq;
+
+use actions::Action;
+use pages::Frame;
+use rates::Rates;
+use view::{Blocked, Dead, Status};
+
+/// How the console runs.
+pub struct Options {
+    pub listen: SocketAddr,
+    pub token: Option<String>,
+    /// More `host:port` values a request's `Host` may have (a name the console is reached by).
+    pub allowed_hosts: Vec<String>,
+    pub sample_every: Duration,
+    pub statement_timeout: String,
+}
+
+struct Console {
+    client: sqlstreams_client::Client,
+    token: Option<String>,
+    csrf: String,
+    allowed_hosts: Vec<String>,
+    statement_timeout: String,
+    rates: Mutex<Rates>,
+}
+
+type Shared = Arc<Console>;
+
+const TOKEN_COOKIE: &str = "sqlstreams_console";
+
+/// Serves the console until the process ends.
+pub async fn serve(client: sqlstreams_client::Client, options: Options) -> Result<(), String> {
+    if !options.listen.ip().is_loopback() && options.token.as_deref().unwrap_or("").is_empty() {
+        return Err(format!(
+            "the console listens on {} only with a token: set SQLSTREAMS_CONSOLE_TOKEN (or --token), \
+             or listen on a loopback address such as 127.0.0.1",
+            options.listen
+        ));
+    }
+    let listener = tokio::net::TcpListener::bind(options.listen)
+        .await
+        .map_err(|e| format!("listen on {}: {e}", options.listen))?;
+    let local = listener.local_addr().map_err(|e| e.to_string())?;
+    let port = local.port();
+    let mut allowed_hosts = options.allowed_hosts;
+    if local.ip().is_loopback() {
+        allowed_hosts.extend([format!("127.0.0.1:{port}"), format!("localhost:{port}"), format!("[::1]:{port}")]);
+    } else {
+        allowed_hosts.push(local.to_string());
+    }
+    let console = Arc::new(Console {
+        client,
+        token: options.token.filter(|t| !t.is_empty()),
+        csrf: random_token(),
+        allowed_hosts,
+        statement_timeout: options.statement_timeout,
+        rates: Mutex::new(Rates::default()),
+    });
+    tokio::spawn(sample(console.clone(), options.sample_every));
+    let app = Router::new()
+        .route("/", get(overview))
+        .route("/group", get(group))
+        .route("/preview", post(preview))
+        .route("/apply", post(apply))
+        .route("/style.css", get(style))
+        .layer(middleware::from_fn_with_state(console.clone(), guard))
+        .with_state(console);
+    // Scripts (and the tests) read the address from this line: a port of 0 picks a free one.
+    eprintln!("sqlstreams console: listening on http://{local}/");
+    axum::serve(listener, app).await.map_err(|e| e.to_string())
+}
+
+/// 32 random bytes as hex.
+fn random_token() -> String {
+    let bytes: [u8; 32] = rand::random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn same(a: &str, b: &str) -> bool {
+    a.as_bytes().ct_eq(b.as_bytes()).into()
+}
+
+/// A link to `path` for one group.
+pub(crate) fn link(path: &str, stream: &str, group: &str) -> String {
+    let query = serde_urlencoded::to_string([("stream", stream), ("group", group)]).expect("strings encode");
+    format!("{path}?{query}")
+}
+
+/// A database error as the CLI prints it: message, SQLSTATE and hint, never more.
+pub(crate) fn describe(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => match db.hint() {
+            Some(hint) => format!("{} ({}). {hint}", db.message(), db.code().code()),
+            None => format!("{} ({})", db.message(), db.code().code()),
+        },
+        None => format!("the database could not be reached: {e}"),
+    }
+}
+
+/// Reads every group now and then for the rate charts.
+async fn sample(console: Shared, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tick.tick().await;
+        // A failed reading only leaves a gap in the charts; the pages report the error.
+        if let Ok(db) = console.db().await {
+            if let Ok(statuses) = Status::all(&db).await {
+                console.rates.lock().expect("no panic holds it").record(&statuses, Instant::now());
+            }
+        }
+    }
+}
+
+impl Console {
+    async fn db(&self) -> Result<deadpool_postgres::Object, String> {
+        let db = self.client.pool().get().await.map_err(|e| sqlstreams_client::Error::from(e).to_string())?;
+        db.execute("SELECT set_config('statement_timeout', $1, false)", &[&self.statement_timeout])
+            .await
+            .map_err(|e| describe(&e))?;
+        Ok(db)
+    }
+
+    fn frame(&self, title: impl Into<String>, may_act: Option<bool>) -> Frame<'_> {
+        Frame { title: title.into(), csrf: &self.csrf, may_act }
+    }
+}
+
+/// A page with a status.
+fn page(status: StatusCode, markup: Markup) -> Response {
+    (status, markup).into_response()
+}
+
+/// Refuses a request before any page is made.
+fn refuse(status: StatusCode, why: &str) -> Response {
+    (status, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], format!("sqlstreams console: {why}\n"))
+        .into_response()
+}
+
+/// Who may reach the console, and the headers every answer carries (see the module's comment).
+async fn guard(State(console): State<Shared>, request: Request, next: Next) -> Response {
+    let headers = request.headers();
+    let host = headers.get(header::HOST).and_then(|h| h.to_str().ok()).unwrap_or("");
+    if !console.allowed_hosts.iter().any(|allowed| allowed.eq_ignore_ascii_case(host)) {
+        return refuse(StatusCode::MISDIRECTED_REQUEST, &format!("not served for host {host:?}"));
+    }
+    if let Some(token) = &console.token {
+        let offered = request.uri().query().and_then(|q| {
+            serde_urlencoded::from_str::<Vec<(String, String)>>(q)
+                .ok()?
+                .into_iter()
+                .find_map(|(k, v)| (k == "token").then_some(v))
+        });
+        if let Some(offered) = offered {
+            if request.method() == Method::GET && same(&offered, token) {
+                // The token leaves the address bar (and the history) for a cookie scripts cannot read.
+                let cookie = format!("{TOKEN_COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/");
+                let mut response = Redirect::to(request.uri().path()).into_response();
+                response.headers_mut().insert(header::SET_COOKIE, HeaderValue::from_str(&cookie).expect("hex"));
+                return secured(response);
+            }
+        }
+        if !presented(headers).is_some_and(|presented| same(&presented, token)) {
+            return secured(refuse(
+                StatusCode::UNAUTHORIZED,
+                "this console needs its token: open /?token=<token> once, or send Authorization: Bearer <token>",
+            ));
+        }
+    }
+    if request.method() == Method::POST {
+        let origin_ok = headers
+            .get(header::ORIGIN)
+            .is_none_or(|origin| origin.to_str().is_ok_and(|o| o.eq_ignore_ascii_case(&format!("http://{host}"))));
+        let site_ok = headers
+            .get("sec-fetch-site")
+            .is_none_or(|site| matches!(site.to_str().unwrap_or(""), "same-origin" | "none"));
+        if !origin_ok || !site_ok {
+            return secured(refuse(StatusCode::FORBIDDEN, "a change must come from the console's own pages"));
+        }
+    }
+    secured(next.run(request).await)
+}
+
+/// The token a request carries, in the console's cookie or as a bearer token.
+fn presented(headers: &HeaderMap) -> Option<String> {
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::to_string);
+    bearer.or_else(|| {
+        headers.get_all(header::COOKIE).iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(';')).find_map(
+            |pair| {
+                let (name, value) = pair.trim().split_once('=')?;
+                (name == TOKEN_COOKIE).then(|| value.to_string())
+            },
+        )
+    })
+}
+
+fn secured(mut response: Response) -> Response {
+    let headers = response.headers_mut();
+    for (name, value) in [
+        (
+            header::CONTENT_SECURITY_POLICY,
+            "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+        ),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::X_FRAME_OPTIONS, "DENY"),
+        // Not "no-referrer": browsers then send `Origin: null` with the console's own forms.
+        (header::REFERRER_POLICY, "same-origin"),
+        (header::CACHE_CONTROL, "no-store"),
+    ] {
+        headers.insert(name, HeaderValue::from_static(value));
+    }
+    response
+}
+
+async fn style() -> Response {
+    ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], pages::STYLE).into_response()
+}
+
+async fn overview(State(console): State<Shared>) -> Response {
+    let answer = async {
+        let db = console.db().await?;
+        Ok::<_, String>((view::may_act(&db).await?, Status::all(&db).await?))
+    };
+    match answer.await {
+        Ok((may_act, groups)) => {
+            let rates = console.rates.lock().expect("no panic holds it");
+            page(StatusCode::OK, pages::overview(&console.frame("Streams", Some(may_act)), &groups, &rates))
+        }
+        Err(e) => page(StatusCode::SERVICE_UNAVAILABLE, pages::error(&console.frame("Error", None), &e, None)),
+    }
+}
+
+#[derive(Deserialize)]
+struct GroupQuery {
+    stream: String,
+    group: String,
+    #[serde(default)]
+    done: Option<String>,
+}
+
+async fn group(State(console): State<Shared>, Query(q): Query<GroupQuery>) -> Response {
+    let answer = async {
+        let db = console.db().await?;
+        let may_act = view::may_act(&db).await?;
+        let status = Status::read(&db, &q.stream, &q.group).await?;
+        let blocked = Blocked::read(&db, &q.stream, &q.group).await?;
+        let dead = Dead::read(&db, &q.stream, &q.group).await?;
+        Ok::<_, String>((may_act, status, blocked, dead))
+    };
+    match answer.await {
+        Ok((may_act, status, blocked, dead)) => {
+            let rates = console.rates.lock().expect("no panic holds it");
+            let frame = console.frame(format!("{} / {}", q.stream, q.group), Some(may_act));
+            page(StatusCode::OK, pages::group(&frame, &status, &blocked, &dead, &rates, q.done.as_deref()))
+        }
+        Err(e) => page(StatusCode::NOT_FOUND, pages::error(&console.frame("Error", None), &e, None)),
+    }
+}
+
+/// A posted change, checked: the CSRF token, the action, and the role's right to act.
+async fn checked(console: &Console, form: &actions::Form) -> Result<(deadpool_postgres::Object, Action), Response> {
+    let back = Some(link("/group", &form.stream, &form.group));
+    let refused =
+        |status, message: &str| page(status, pages::error(&console.frame("Not done", None), message, back.clone()));
+    if !same(&form.csrf, &console.csrf) {
+        return Err(refused(
+            StatusCode::FORBIDDEN,
+            "the form is not one of this console's pages (CSRF token): reload the page",
+        ));
+    }
+    let action = Action::from_form(form).map_err(|e| refused(StatusCode::BAD_REQUEST, &e))?;
+    let db = console.db().await.map_err(|e| refused(StatusCode::SERVICE_UNAVAILABLE, &e))?;
+    if !view::may_act(&db).await.map_err(|e| refused(StatusCode::SERVICE_UNAVAILABLE, &e))? {
+        return Err(refused(
+            StatusCode::FORBIDDEN,
+            "this console's role may not change groups: connect it as a member of sqlstreams_admin",
+        ));
+    }
+    Ok((db, action))
+}
+
+async fn preview(State(console): State<Shared>, Form(form): Form<actions::Form>) -> Response {
+    let (db, action) = match checked(&console, &form).await {
+        Ok(checked) => checked,
+        Err(response) => return response,
+    };
+    let back = Some(link("/group", &form.stream, &form.group));
+    if !action.previewed() {
+        return page(
+            StatusCode::BAD_REQUEST,
+            pages::error(&console.frame("Not done", None), "nothing to preview", back),
+        );
+    }
+    let answer = async {
+        let status = Status::read(&db, &form.stream, &form.group).await?;
+        let preview = action.preview(&db, &form.stream, &form.group).await?;
+        Ok::<_, String>((status, preview))
+    };
+    match answer.await {
+        Ok((status, preview)) => {
+            let frame = console.frame(format!("Preview: {}", action.describe()), Some(true));
+            page(StatusCode::OK, pages::preview(&frame, &status, &action, &preview))
+        }
+        Err(e) => page(StatusCode::CONFLICT, pages::error(&console.frame("Not done", None), &e, back)),
+    }
+}
+
+async fn apply(State(console): State<Shared>, Form(form): Form<actions::Form>) -> Response {
+    let (db, action) = match checked(&console, &form).await {
+        Ok(checked) => checked,
+        Err(response) => return response,
+    };
+    match action.run(&db, &form.stream, &form.group).await {
+        Ok(done) => {
+            let to = format!(
+                "{}&{}",
+                link("/group", &form.stream, &form.group),
+                serde_urlencoded::to_string([("done", done)]).expect("a string encodes")
+            );
+            Redirect::to(&to).into_response()
+        }
+        Err(e) => {
+            let back = Some(link("/group", &form.stream, &form.group));
+            page(StatusCode::CONFLICT, pages::error(&console.frame("Not done", None), &e, back))
+        }
+    }
+}

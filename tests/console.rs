@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 use fantoccini::{Client as Browser, ClientBuilder, Locator};
 use sqlstreams_tests::*;
 
+/// The token the tests' consoles run with.
+const TOKEN: &str = "test-token-0123456789abcdef";
+
 /// A console process, stopped when dropped.
 struct Console {
     child: Child,
@@ -17,18 +20,22 @@ struct Console {
 }
 
 impl Console {
-    /// Starts `sqlstreams console` as `url`'s role with `args`; returns once it listens.
-    fn start(url: &str, args: &[&str], env: &[(&str, &str)]) -> Console {
-        let bin = std::env::var("SQLSTREAMS_CLI").expect("SQLSTREAMS_CLI is not set: run `scripts/rig test`");
-        let mut child = Command::new(bin)
-            .args(["--dsn", url, "console", "--listen", "127.0.0.1:0", "--sample-every", "1"])
-            .args(args)
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start the console");
+    /// Starts `sqlstreams console` as `url`'s role on a free loopback port with `args` (after
+    /// `console`), with `TOKEN`; returns once it listens.
+    fn start(url: &str, args: &[&str]) -> Console {
+        Console::start_with(url, &["--listen", "127.0.0.1:0"], args, Some(TOKEN)).0
+    }
+
+    /// Starts it with `listen` and `args`, and `token` in SQLSTREAMS_CONSOLE_TOKEN (none: it
+    /// makes one); returns it, and the line after the address, if any.
+    fn start_with(url: &str, listen: &[&str], args: &[&str], token: Option<&str>) -> (Console, String) {
+        let mut command = console_command(url);
+        command.args(listen).args(["--sample-every", "1"]).args(args).stderr(Stdio::piped());
+        match token {
+            Some(token) => command.env("SQLSTREAMS_CONSOLE_TOKEN", token),
+            None => command.env_remove("SQLSTREAMS_CONSOLE_TOKEN"),
+        };
+        let mut child = command.spawn().expect("start the console");
         let mut stderr = BufReader::new(child.stderr.take().unwrap());
         let mut line = String::new();
         stderr.read_line(&mut line).unwrap();
@@ -38,11 +45,32 @@ impl Console {
             .and_then(|rest| rest.strip_suffix('/'))
             .unwrap_or_else(|| panic!("the console did not start: {line}"))
             .to_string();
-        Console { child, address }
+        let mut next = String::new();
+        if token.is_none() {
+            stderr.read_line(&mut next).unwrap();
+        }
+        (Console { child, address }, next.trim().to_string())
     }
 
     fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.address)
+    }
+}
+
+/// `sqlstreams --dsn url console`, without a terminal.
+fn console_command(url: &str) -> Command {
+    let bin = std::env::var("SQLSTREAMS_CLI").expect("SQLSTREAMS_CLI is not set: run `scripts/rig test`");
+    let mut command = Command::new(bin);
+    command.args(["--dsn", url, "console"]).stdin(Stdio::null()).stdout(Stdio::null());
+    command
+}
+
+/// The test cluster's URL for `role`.
+fn url_as(role: &str) -> String {
+    let base = database_url();
+    match base.split_once("://").and_then(|(_, rest)| rest.split_once('@')) {
+        Some((_, host)) => format!("postgres://{role}@{host}"),
+        None => panic!("DATABASE_URL names a user: {base}"),
     }
 }
 
@@ -52,6 +80,8 @@ impl Drop for Console {
         let _ = self.child.wait();
     }
 }
+
+const BEARER: &str = "Authorization: Bearer test-token-0123456789abcdef\r\n";
 
 /// An HTTP/1.1 exchange with the console: `request` is everything before the body. Returns the
 /// status code, the headers (lower-cased names) and the body.
@@ -190,6 +220,12 @@ impl Chromium {
             .unwrap_or_else(|e| panic!("click {css}: {e}; the page shows: {}", self.shown()));
     }
 
+    fn type_into(&self, css: &str, text: &str) {
+        self.runtime
+            .block_on(async { self.browser().find(Locator::Css(css)).await?.send_keys(text).await })
+            .unwrap_or_else(|e| panic!("type into {css}: {e}; the page shows: {}", self.shown()));
+    }
+
     /// Waits until the browser shows `path` (a click's navigation ends after the click returns).
     fn at(&self, path: &str) {
         self.until(&format!("the browser shows {path}"), || {
@@ -243,16 +279,25 @@ fn a_held_key(c: &mut postgres::Client, error: &str) -> (Group, [i64; 3]) {
     (g, produced)
 }
 
+fn dead_letters(c: &mut postgres::Client, g: &Group) -> i64 {
+    c.query_one("SELECT count(*) FROM sqlstreams.dead_messages($1, $2)", &[&g.stream.name, &g.name]).unwrap().get(0)
+}
+
 #[test]
 fn a_redrive_in_the_browser_releases_a_held_ordered_key_in_order() {
     let mut c = connect();
     let error = "card <script>document.title='owned'</script> declined";
     let (g, held) = a_held_key(&mut c, error);
-    let console = Console::start(&database_url(), &[], &[]);
+    let console = Console::start(&database_url(), &[]);
     let chromium = Chromium::start();
 
-    // The overview: the group with its dead letter, and a link to it.
+    // Without its token the console shows nothing; opening /?token=... once lets the browser in.
     chromium.goto(&console.url("/"));
+    assert!(chromium.text("body").contains("needs its token"));
+    chromium.goto(&console.url(&format!("/?token={TOKEN}")));
+    chromium.at("/");
+
+    // The overview: the group with its dead letter, and a link to it.
     let row = format!("tr.group[data-stream='{}'][data-group='billing']", g.stream.name);
     assert_eq!(chromium.text(&format!("{row} td.dead")), "1");
     assert_eq!(chromium.text(&format!("{row} td.lag")), "2", "the dead message counts as resolved");
@@ -265,15 +310,15 @@ fn a_redrive_in_the_browser_releases_a_held_ordered_key_in_order() {
     assert_eq!(chromium.text(&format!("{key} td.status")), "dead");
     assert_eq!(chromium.text(&format!("{key} td.error")), error);
     assert!(chromium.source().contains("&lt;script&gt;"), "the error is escaped");
+    assert!(chromium.text("tr.dead-letter td.payload").contains("\"n\": 0"), "the dead letter's payload");
 
     // A redrive is shown first, and nothing changes until it is confirmed.
     chromium.click(&format!("{key} form.redrive button"));
     chromium.at("/preview");
     assert!(chromium.text("#preview-outcome").contains(&format!("1 message(s) redriven: {}", held[0])));
-    assert!(chromium.text("#released-keys").contains("acct-1"), "the key it releases");
-    let dead: i64 =
-        c.query_one("SELECT count(*) FROM sqlstreams.dead_messages($1, 'billing')", &[&g.stream.name]).unwrap().get(0);
-    assert_eq!(dead, 1, "the preview changed nothing");
+    let released = chromium.text("#released-keys li[data-key='acct-1']");
+    assert!(released.contains(&format!("message {} becomes ready", held[0])), "{released}");
+    assert_eq!(dead_letters(&mut c, &g), 1, "the preview changed nothing");
     chromium.click("#confirm");
     chromium.at("/group");
     assert!(chromium.text("#notice").contains("redriven"));
@@ -295,6 +340,50 @@ fn a_redrive_in_the_browser_releases_a_held_ordered_key_in_order() {
     chromium.reads("#state", "paused");
     chromium.click("form.resume button");
     chromium.reads("#state", "active");
+
+    // A seek back is shown with what it would replay, and cancelled changes nothing.
+    chromium.type_into("form.seek input[name='to_id']", "0");
+    chromium.click("form.seek button");
+    chromium.at("/preview");
+    assert!(chromium.text("#preview-outcome").contains("position 0"));
+    assert_eq!(chromium.text("#compare tr.changes th"), "claimed", "the first count it moves");
+    chromium.click("#cancel");
+    chromium.at("/group");
+    assert!(g.claim(&mut c, 10).is_empty(), "no replay: the seek was not made");
+}
+
+#[test]
+fn a_confirmation_makes_what_the_preview_showed() {
+    let mut c = connect();
+    let (g, held) = a_held_key(&mut c, "declined");
+    let console = Console::start(&database_url(), &[]);
+    let address = console.address.clone();
+    let (_, _, page) = get(&address, &format!("/group?stream={}&group=billing", g.stream.name), BEARER);
+    let csrf = csrf_of(&page);
+    // "Redrive every dead letter" is previewed: it would redrive the one there is.
+    let form = format!("csrf={csrf}&stream={}&group=billing&action=redrive&ids=", g.stream.name);
+    let request = format!(
+        "POST /preview HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/x-www-form-urlencoded\r\n{BEARER}"
+    );
+    let (status, _, preview) = http(&address, &request, &form);
+    assert_eq!(status, 200, "{preview}");
+    assert!(preview.contains(&format!("name=\"ids\" value=\"{}\"", held[0])), "the confirmation names it");
+
+    // Another letter dies meanwhile: the confirmation redrives only what the preview showed.
+    let s = g.stream.clone();
+    let later = s.produce(&mut c, json!({}), Some("acct-2"));
+    let batch = g.claim(&mut c, 10);
+    assert_eq!(ids(&batch), vec![later]);
+    assert_eq!(g.fail(&mut c, &batch[0], "declined too", true, None).as_deref(), Some("dead"));
+    let confirm = format!("csrf={csrf}&stream={}&group=billing&action=redrive&ids={}", g.stream.name, held[0]);
+    assert_eq!(post(&address, "/apply", BEARER, &confirm), 303);
+    let dead: Vec<i64> = c
+        .query("SELECT message_id FROM sqlstreams.dead_messages($1, 'billing')", &[&g.stream.name])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(dead, vec![later], "the letter that died after the preview is still dead");
 }
 
 #[test]
@@ -302,81 +391,113 @@ fn a_monitoring_role_sees_everything_and_may_change_nothing() {
     let mut c = connect();
     let (g, held) = a_held_key(&mut c, "declined");
     let monitor = role(&mut c, "console_monitor", "IN ROLE pg_monitor");
-    let base = database_url();
-    let url = match base.split_once("://").and_then(|(_, rest)| rest.split_once('@')) {
-        Some((_, host)) => format!("postgres://{monitor}@{host}"),
-        None => panic!("DATABASE_URL names a user: {base}"),
-    };
-    let console = Console::start(&url, &[], &[]);
+    let console = Console::start(&url_as(&monitor), &[]);
     let chromium = Chromium::start();
+    chromium.goto(&console.url(&format!("/?token={TOKEN}")));
+    chromium.at("/");
     chromium.goto(&console.url(&format!("/group?stream={}&group=billing", g.stream.name)));
     assert!(chromium.text("#read-only").contains("read only"));
     assert_eq!(chromium.text("tr.blocked[data-key='acct-1'] td.id"), held[0].to_string(), "it sees why the key waits");
     assert_eq!(chromium.count("tr.dead-letter"), 1, "and the dead letter");
     assert_eq!(chromium.count("button"), 0, "no change is offered");
     assert_eq!(chromium.count("input[name='csrf']"), 0);
-    // Posted anyway, without the console's token (its pages have none to give), it is refused.
-    let form = format!("csrf=&stream={}&group=billing&action=redrive&id={}", g.stream.name, held[0]);
-    assert_eq!(post(&console.address, "/apply", "", &form), 403);
-    let dead: i64 =
-        c.query_one("SELECT count(*) FROM sqlstreams.dead_messages($1, 'billing')", &[&g.stream.name]).unwrap().get(0);
-    assert_eq!(dead, 1);
+
+    // An admin's console whose role loses sqlstreams_admin refuses the change itself, with a
+    // form from its own page (the CSRF token is right).
+    let admin = role(&mut c, "console_admin", "IN ROLE sqlstreams_admin");
+    let console = Console::start(&url_as(&admin), &[]);
+    let (_, _, page) = get(&console.address, &format!("/group?stream={}&group=billing", g.stream.name), BEARER);
+    let csrf = csrf_of(&page);
+    c.batch_execute(&format!("REVOKE sqlstreams_admin FROM {admin}")).unwrap();
+    let form = format!("csrf={csrf}&stream={}&group=billing&action=redrive&ids={}", g.stream.name, held[0]);
+    let request = format!(
+        "POST /apply HTTP/1.1\r\nHost: {}\r\nContent-Type: application/x-www-form-urlencoded\r\n{BEARER}",
+        console.address
+    );
+    let (status, _, body) = http(&console.address, &request, &form);
+    assert_eq!(status, 403);
+    assert!(body.contains("may not change groups"), "{body}");
+    assert_eq!(dead_letters(&mut c, &g), 1);
 }
 
 #[test]
 fn requests_from_elsewhere_are_refused() {
     let mut c = connect();
     let (g, held) = a_held_key(&mut c, "declined");
-    let console = Console::start(&database_url(), &[], &[]);
+    let console = Console::start(&database_url(), &[]);
     let address = console.address.clone();
     let group_page = format!("/group?stream={}&group=billing", g.stream.name);
-    let (status, headers, page) = get(&address, &group_page, "");
+    let (status, headers, page) = get(&address, &group_page, BEARER);
     assert_eq!(status, 200);
     let csp = header(&headers, "content-security-policy").unwrap();
     assert!(csp.contains("default-src 'none'") && csp.contains("frame-ancestors 'none'"), "{csp}");
     assert_eq!(header(&headers, "x-frame-options"), Some("DENY"));
     let csrf = csrf_of(&page);
-    let form = |csrf: &str| format!("csrf={csrf}&stream={}&group=billing&action=redrive&id={}", g.stream.name, held[0]);
+    let form =
+        |csrf: &str| format!("csrf={csrf}&stream={}&group=billing&action=redrive&ids={}", g.stream.name, held[0]);
+    let from = |origin: &str| format!("{BEARER}Origin: {origin}\r\n");
 
-    // A page of another site posting to the console: another origin, or no token.
-    assert_eq!(post(&address, "/apply", "Origin: http://attacker.example\r\n", &form(&csrf)), 403);
-    assert_eq!(post(&address, "/apply", "Sec-Fetch-Site: cross-site\r\n", &form(&csrf)), 403);
-    assert_eq!(post(&address, "/apply", "", &form("0".repeat(64).as_str())), 403);
+    // A page of another site posting to the console: another origin, a sandboxed one, or no
+    // CSRF token, a wrong one.
+    assert_eq!(post(&address, "/apply", &from("http://attacker.example"), &form(&csrf)), 403);
+    assert_eq!(post(&address, "/apply", &from("null"), &form(&csrf)), 403);
+    assert_eq!(post(&address, "/apply", &format!("{BEARER}Sec-Fetch-Site: cross-site\r\n"), &form(&csrf)), 403);
+    assert_eq!(post(&address, "/apply", BEARER, &form(&"0".repeat(64))), 403);
+    let without = format!("stream={}&group=billing&action=redrive&ids={}", g.stream.name, held[0]);
+    assert_eq!(post(&address, "/apply", BEARER, &without), 403);
     // A name that resolves to the console's address (DNS rebinding) is not the console's host.
-    let (status, _, _) = http(&address, "GET / HTTP/1.1\r\nHost: attacker.example:80\r\n", "");
+    let (status, _, _) = http(&address, &format!("GET / HTTP/1.1\r\nHost: attacker.example:80\r\n{BEARER}"), "");
     assert_eq!(status, 421);
-    let dead: i64 =
-        c.query_one("SELECT count(*) FROM sqlstreams.dead_messages($1, 'billing')", &[&g.stream.name]).unwrap().get(0);
-    assert_eq!(dead, 1, "nothing was redriven");
-    // The console's own form, from its own origin, is made.
-    assert_eq!(post(&address, "/apply", &format!("Origin: http://{address}\r\n"), &form(&csrf)), 303);
+    assert_eq!(dead_letters(&mut c, &g), 1, "nothing was redriven");
+    // The console's own form, from its own origin (through a TLS proxy: https), is made.
+    assert_eq!(post(&address, "/apply", &from(&format!("https://{address}")), &form(&csrf)), 303);
     assert_eq!(g.claim(&mut c, 10).len(), 1, "the redriven message runs");
 }
 
 #[test]
-fn a_console_beyond_loopback_needs_its_token() {
-    let bin = std::env::var("SQLSTREAMS_CLI").expect("SQLSTREAMS_CLI is not set: run `scripts/rig test`");
-    let out = Command::new(&bin)
-        .args(["--dsn", &database_url(), "console", "--listen", "0.0.0.0:0"])
-        .env_remove("SQLSTREAMS_CONSOLE_TOKEN")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("SQLSTREAMS_CONSOLE_TOKEN"));
+fn every_request_needs_the_token() {
+    // Without one given, it makes one and says where to open it.
+    let (console, line) = Console::start_with(&database_url(), &["--listen", "127.0.0.1:0"], &[], None);
+    let made = line.rsplit_once("?token=").map(|(_, rest)| rest.split_whitespace().next().unwrap().to_string());
+    let made = made.unwrap_or_else(|| panic!("no token to open: {line}"));
+    assert_eq!(get(&console.address, "/", "").0, 401);
+    assert_eq!(get(&console.address, "/", &format!("Authorization: Bearer {made}\r\n")).0, 200);
+    drop(console);
 
-    let token = "t0ken-for-the-test";
-    let console = Console::start(&database_url(), &[], &[("SQLSTREAMS_CONSOLE_TOKEN", token)]);
-    let address = console.address.clone();
+    // A short token, or a wildcard address without the names it is reached by, does not start.
+    let refused = |listen: &str, token: &str| {
+        let out = console_command(&database_url())
+            .args(["--listen", listen])
+            .env("SQLSTREAMS_CONSOLE_TOKEN", token)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    assert!(refused("127.0.0.1:0", "short").contains("at least 16 characters"));
+    assert!(refused("0.0.0.0:0", TOKEN).contains("--allowed-host"));
+
+    // On every address, reached by the name it was given.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let listen = format!("0.0.0.0:{port}");
+    let reached = format!("127.0.0.1:{port}");
+    let (console, _) =
+        Console::start_with(&database_url(), &["--listen", &listen], &["--allowed-host", &reached], Some(TOKEN));
+    let address = reached;
+    assert_eq!(console.address, listen);
     assert_eq!(get(&address, "/", "").0, 401);
-    assert_eq!(get(&address, "/", "Authorization: Bearer wrong\r\n").0, 401);
-    assert_eq!(get(&address, "/", &format!("Authorization: Bearer {token}\r\n")).0, 200);
-    // Opening /?token=... once trades it for a cookie scripts cannot read, and leaves the address.
-    let (status, headers, _) = get(&address, &format!("/?token={token}"), "");
+    assert_eq!(get(&address, "/", "Authorization: Bearer wrong-token-0123456789\r\n").0, 401);
+    assert_eq!(get(&address, "/", BEARER).0, 200);
+    // Opening /?token=... once trades it for a session cookie scripts cannot read, and leaves
+    // the address for the front page.
+    let (status, headers, _) = get(&address, &format!("//attacker.example/?token={TOKEN}"), "");
     assert_eq!(status, 303);
     assert_eq!(header(&headers, "location"), Some("/"));
     let cookie = header(&headers, "set-cookie").unwrap();
     assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"), "{cookie}");
     let pair = cookie.split(';').next().unwrap();
+    assert!(!pair.contains(TOKEN), "the cookie is a session, not the token");
     assert_eq!(get(&address, "/", &format!("Cookie: {pair}\r\n")).0, 200);
     assert_eq!(get(&address, "/?token=wrong", "").0, 401);
 }

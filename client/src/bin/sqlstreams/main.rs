@@ -143,11 +143,12 @@ enum Command {
     /// Serves the web console (docs/console.md) until stopped: streams, groups, blocked keys and
     /// dead letters, with previewed changes where the role may make them.
     Console {
-        /// Where it listens; an address other than a loopback one needs a token.
+        /// Where it listens (a wildcard address needs --allowed-host).
         #[arg(long, default_value = "127.0.0.1:8089")]
         listen: std::net::SocketAddr,
-        /// What every request must carry (a cookie set by opening /?token=..., or a bearer
-        /// token). Better given in the environment than on a command line others can read.
+        /// What every request must carry (a session cookie set by opening /?token=... once, or a
+        /// bearer token); without one, a new one is made and printed. Better given in the
+        /// environment than on a command line others can read.
         #[arg(long, env = "SQLSTREAMS_CONSOLE_TOKEN", hide_env_values = true)]
         token: Option<String>,
         /// Another HOST:PORT the console is reached by (a name, a proxy's); requests for other

@@ -6,23 +6,28 @@
 
 use serde::Deserialize;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::Client;
+use tokio_postgres::GenericClient;
 
 use super::view::{Blocked, Status};
 
 /// A change as the console's forms post it.
 #[derive(Deserialize)]
 pub struct Form {
+    /// Missing, it is refused as a wrong one is.
+    #[serde(default)]
     pub csrf: String,
     pub stream: String,
     pub group: String,
     pub action: String,
-    /// A message id (redrive one, skip).
+    /// Message ids, comma-separated (redrive: none for every dead letter; skip: one).
     #[serde(default)]
-    pub id: String,
+    pub ids: String,
     /// An interval Postgres reads (purge).
     #[serde(default)]
     pub older_than: String,
+    /// A time Postgres reads (purge, as a preview pinned it).
+    #[serde(default)]
+    pub died_before: String,
     /// A message id (seek).
     #[serde(default)]
     pub to_id: String,
@@ -31,15 +36,23 @@ pub struct Form {
     pub force: Option<String>,
 }
 
+/// Which dead letters a purge removes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Cutoff {
+    /// Those that died at least this long ago (an interval), as the operator asked.
+    OlderThan(String),
+    /// Those that died before this time, as a preview found it.
+    DiedBefore(String),
+}
+
 /// One change of a group.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Action {
-    /// Dead messages run again with a fresh budget: one, or (`None`) every one.
-    Redrive(Option<i64>),
+    /// Dead messages run again with a fresh budget: these, or (`None`) every one.
+    Redrive(Option<Vec<i64>>),
     /// A dead message is resolved for good without running (releases a held ordered key).
     Skip(i64),
-    /// Dead messages that died at least this long ago (an interval) are removed.
-    Purge(String),
+    Purge(Cutoff),
     /// The group moves to this position: back replays, forward skips.
     Seek {
         to_id: i64,
@@ -49,13 +62,55 @@ pub enum Action {
     Resume,
 }
 
-/// What a previewed action would do, read inside its rolled-back transaction.
+/// What an action did (or, previewed, would do).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    Redriven(Vec<i64>),
+    Skipped { id: i64, done: bool },
+    Purged(i64),
+    Moved(i64),
+    Paused(bool),
+    Resumed(bool),
+}
+
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Outcome::Redriven(ids) if ids.is_empty() => write!(f, "nothing redriven (no such dead message)"),
+            Outcome::Redriven(ids) => write!(f, "{} message(s) redriven: {}", ids.len(), join(ids)),
+            Outcome::Skipped { id, done: true } => write!(f, "message {id} skipped"),
+            Outcome::Skipped { id, done: false } => write!(f, "nothing skipped: {id} is not a dead message"),
+            Outcome::Purged(n) => write!(f, "{n} dead message(s) purged"),
+            Outcome::Moved(position) => {
+                write!(f, "the group moved to position {position}: it receives the messages after it")
+            }
+            Outcome::Paused(true) => write!(f, "the group paused"),
+            Outcome::Paused(false) => write!(f, "the group was paused already"),
+            Outcome::Resumed(true) => write!(f, "the group resumed"),
+            Outcome::Resumed(false) => write!(f, "the group was not paused"),
+        }
+    }
+}
+
+/// What a previewed action would do, read inside its rolled-back transaction, and the action
+/// that confirms it: pinned to what the preview found, so a confirmation changes no dead letter
+/// that died after the operator looked.
 pub struct Preview {
-    pub outcome: String,
+    pub outcome: Outcome,
+    pub confirm: Action,
     pub before: Status,
     pub after: Status,
     pub blocked_before: Vec<Blocked>,
     pub blocked_after: Vec<Blocked>,
+}
+
+fn message_ids(value: &str) -> Result<Vec<i64>, String> {
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(|v| v.parse().map_err(|_| format!("ids must be message ids (whole numbers), not {v:?}")))
+        .collect()
 }
 
 fn message_id(field: &str, value: &str) -> Result<i64, String> {
@@ -65,13 +120,16 @@ fn message_id(field: &str, value: &str) -> Result<i64, String> {
 impl Action {
     pub fn from_form(form: &Form) -> Result<Action, String> {
         Ok(match form.action.as_str() {
-            "redrive" if form.id.trim().is_empty() => Action::Redrive(None),
-            "redrive" => Action::Redrive(Some(message_id("id", &form.id)?)),
-            "skip" => Action::Skip(message_id("id", &form.id)?),
+            "redrive" if form.ids.trim().is_empty() => Action::Redrive(None),
+            "redrive" => Action::Redrive(Some(message_ids(&form.ids)?)),
+            "skip" => Action::Skip(message_id("ids", &form.ids)?),
+            "purge" if !form.died_before.trim().is_empty() => {
+                Action::Purge(Cutoff::DiedBefore(form.died_before.trim().to_string()))
+            }
             "purge" if form.older_than.trim().is_empty() => {
                 return Err("purge needs an age (older than, e.g. '7 days'; '0 seconds' for every one)".into())
             }
-            "purge" => Action::Purge(form.older_than.trim().to_string()),
+            "purge" => Action::Purge(Cutoff::OlderThan(form.older_than.trim().to_string())),
             "seek" => Action::Seek { to_id: message_id("to_id", &form.to_id)?, force: form.force.is_some() },
             "pause" => Action::Pause,
             "resume" => Action::Resume,
@@ -87,24 +145,27 @@ impl Action {
     /// What it does, in words.
     pub fn describe(&self) -> String {
         match self {
-            Action::Redrive(Some(id)) => format!("redrive dead message {id}"),
+            Action::Redrive(Some(ids)) if ids.is_empty() => "redrive nothing".into(),
+            Action::Redrive(Some(ids)) => format!("redrive dead message(s) {}", join(ids)),
             Action::Redrive(None) => "redrive every dead message".into(),
             Action::Skip(id) => format!("skip dead message {id}"),
-            Action::Purge(age) => format!("purge dead messages older than {age}"),
+            Action::Purge(Cutoff::OlderThan(age)) => format!("purge dead messages older than {age}"),
+            Action::Purge(Cutoff::DiedBefore(time)) => format!("purge dead messages that died before {time}"),
             Action::Seek { to_id, .. } => format!("seek to message {to_id}"),
             Action::Pause => "pause the group".into(),
             Action::Resume => "resume the group".into(),
         }
     }
 
-    /// The form fields that post it again (to confirm a preview).
+    /// The form fields that post it.
     pub fn fields(&self) -> Vec<(&'static str, String)> {
         match self {
-            Action::Redrive(id) => {
-                vec![("action", "redrive".into()), ("id", id.map(|i| i.to_string()).unwrap_or_default())]
+            Action::Redrive(ids) => {
+                vec![("action", "redrive".into()), ("ids", ids.as_deref().map(join).unwrap_or_default())]
             }
-            Action::Skip(id) => vec![("action", "skip".into()), ("id", id.to_string())],
-            Action::Purge(age) => vec![("action", "purge".into()), ("older_than", age.clone())],
+            Action::Skip(id) => vec![("action", "skip".into()), ("ids", id.to_string())],
+            Action::Purge(Cutoff::OlderThan(age)) => vec![("action", "purge".into()), ("older_than", age.clone())],
+            Action::Purge(Cutoff::DiedBefore(time)) => vec![("action", "purge".into()), ("died_before", time.clone())],
             Action::Seek { to_id, force } => {
                 let mut fields = vec![("action", "seek".into()), ("to_id", to_id.to_string())];
                 if *force {
@@ -117,8 +178,8 @@ impl Action {
         }
     }
 
-    /// Makes the change on `db`; returns what changed, in words.
-    pub async fn run(&self, db: &Client, stream: &str, group: &str) -> Result<String, String> {
+    /// Makes the change on `db`.
+    pub async fn run(&self, db: &impl GenericClient, stream: &str, group: &str) -> Result<Outcome, String> {
         if let Action::Seek { force: false, .. } = self {
             let open: i64 = one(db, "SELECT count(*) FROM sqlstreams.open_leases($1, $2)", &[&stream, &group]).await?;
             if open > 0 {
@@ -129,64 +190,63 @@ impl Action {
             }
         }
         Ok(match self {
-            Action::Redrive(id) => {
-                let ids = id.map(|id| vec![id]);
-                let done: Vec<i64> = one(db, "SELECT sqlstreams.redrive($1, $2, $3)", &[&stream, &group, &ids]).await?;
-                match done.as_slice() {
-                    [] => "nothing redriven (no such dead message)".into(),
-                    ids => format!("{} message(s) redriven: {}", ids.len(), join(ids)),
-                }
+            Action::Redrive(Some(ids)) if ids.is_empty() => Outcome::Redriven(vec![]),
+            Action::Redrive(ids) => {
+                Outcome::Redriven(one(db, "SELECT sqlstreams.redrive($1, $2, $3)", &[&stream, &group, ids]).await?)
             }
-            Action::Skip(id) => {
-                let done: bool = one(db, "SELECT sqlstreams.skip($1, $2, $3)", &[&stream, &group, id]).await?;
-                if done {
-                    format!("message {id} skipped")
-                } else {
-                    format!("nothing skipped: {id} is not a dead message")
-                }
-            }
-            Action::Purge(age) => {
+            Action::Skip(id) => Outcome::Skipped {
+                id: *id,
+                done: one(db, "SELECT sqlstreams.skip($1, $2, $3)", &[&stream, &group, id]).await?,
+            },
+            Action::Purge(Cutoff::OlderThan(age)) => {
                 let sql = "SELECT sqlstreams.purge_dead($1, $2, $3::text::interval)";
-                let n: i64 = one(db, sql, &[&stream, &group, age]).await?;
-                format!("{n} dead message(s) purged")
+                Outcome::Purged(one(db, sql, &[&stream, &group, age]).await?)
+            }
+            Action::Purge(Cutoff::DiedBefore(time)) => {
+                let sql = "SELECT sqlstreams.purge_dead($1, $2, now() - $3::text::timestamptz)";
+                Outcome::Purged(one(db, sql, &[&stream, &group, time]).await?)
             }
             Action::Seek { to_id, .. } => {
-                let position: i64 = one(db, "SELECT sqlstreams.seek($1, $2, $3)", &[&stream, &group, to_id]).await?;
-                format!("the group moved to position {position}: it receives the messages after it")
+                Outcome::Moved(one(db, "SELECT sqlstreams.seek($1, $2, $3)", &[&stream, &group, to_id]).await?)
             }
             Action::Pause => {
-                let changed: bool = one(db, "SELECT sqlstreams.pause_group($1, $2)", &[&stream, &group]).await?;
-                if changed {
-                    "the group paused".into()
-                } else {
-                    "the group was paused already".into()
-                }
+                Outcome::Paused(one(db, "SELECT sqlstreams.pause_group($1, $2)", &[&stream, &group]).await?)
             }
             Action::Resume => {
-                let changed: bool = one(db, "SELECT sqlstreams.resume_group($1, $2)", &[&stream, &group]).await?;
-                if changed {
-                    "the group resumed".into()
-                } else {
-                    "the group was not paused".into()
-                }
+                Outcome::Resumed(one(db, "SELECT sqlstreams.resume_group($1, $2)", &[&stream, &group]).await?)
             }
         })
     }
 
     /// Runs it in a transaction that is rolled back, reading the group before and after.
-    pub async fn preview(&self, db: &Client, stream: &str, group: &str) -> Result<Preview, String> {
-        db.batch_execute("BEGIN").await.map_err(|e| super::describe(&e))?;
-        let preview = async {
-            let before = Status::read(db, stream, group).await?;
-            let blocked_before = Blocked::read(db, stream, group).await?;
-            let outcome = self.run(db, stream, group).await?;
-            let after = Status::read(db, stream, group).await?;
-            let blocked_after = Blocked::read(db, stream, group).await?;
-            Ok::<_, String>(Preview { outcome, before, after, blocked_before, blocked_after })
-        }
-        .await;
-        db.batch_execute("ROLLBACK").await.map_err(|e| super::describe(&e))?;
-        preview
+    pub async fn preview(
+        &self,
+        db: &mut deadpool_postgres::Object,
+        stream: &str,
+        group: &str,
+    ) -> Result<Preview, String> {
+        // Dropped without a commit (an error below, or the request dropped half-way when the
+        // browser goes away), the transaction is rolled back before the connection's next
+        // statement: it never goes back to the pool with the change in it.
+        let tx = db.transaction().await.map_err(|e| super::describe(&e))?;
+        let before = Status::read(&*tx, stream, group).await?;
+        let blocked_before = Blocked::read(&*tx, stream, group).await?;
+        let confirm = match self {
+            Action::Purge(Cutoff::OlderThan(age)) => {
+                let sql = "SELECT (now() - $1::text::interval)::text";
+                Action::Purge(Cutoff::DiedBefore(one(&*tx, sql, &[age]).await?))
+            }
+            other => other.clone(),
+        };
+        let outcome = confirm.run(&*tx, stream, group).await?;
+        let confirm = match (&confirm, &outcome) {
+            (Action::Redrive(None), Outcome::Redriven(ids)) => Action::Redrive(Some(ids.clone())),
+            _ => confirm,
+        };
+        let after = Status::read(&*tx, stream, group).await?;
+        let blocked_after = Blocked::read(&*tx, stream, group).await?;
+        tx.rollback().await.map_err(|e| super::describe(&e))?;
+        Ok(Preview { outcome, confirm, before, after, blocked_before, blocked_after })
     }
 }
 
@@ -195,7 +255,7 @@ fn join(ids: &[i64]) -> String {
 }
 
 /// The one value of a one-row statement.
-async fn one<T>(db: &Client, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<T, String>
+async fn one<T>(db: &impl GenericClient, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<T, String>
 where
     T: for<'a> tokio_postgres::types::FromSql<'a>,
 {
@@ -206,16 +266,18 @@ where
 mod tests {
     use super::*;
 
-    fn form(action: &str, id: &str, older_than: &str, to_id: &str) -> Form {
+    fn form(fields: &[(&'static str, String)]) -> Form {
+        let get = |name: &str| fields.iter().find(|(n, _)| *n == name).map(|(_, v)| v.clone()).unwrap_or_default();
         Form {
             csrf: String::new(),
             stream: "s".into(),
             group: "g".into(),
-            action: action.into(),
-            id: id.into(),
-            older_than: older_than.into(),
-            to_id: to_id.into(),
-            force: None,
+            action: get("action"),
+            ids: get("ids"),
+            older_than: get("older_than"),
+            died_before: get("died_before"),
+            to_id: get("to_id"),
+            force: fields.iter().any(|(n, _)| *n == "force").then(|| "on".into()),
         }
     }
 
@@ -223,24 +285,29 @@ mod tests {
     fn forms_read_as_actions_and_back() {
         for action in [
             Action::Redrive(None),
-            Action::Redrive(Some(7)),
+            Action::Redrive(Some(vec![7])),
+            Action::Redrive(Some(vec![7, 9])),
             Action::Skip(7),
-            Action::Purge("7 days".into()),
+            Action::Purge(Cutoff::OlderThan("7 days".into())),
+            Action::Purge(Cutoff::DiedBefore("2026-12-05 06:00:00+00".into())),
             Action::Seek { to_id: 0, force: false },
+            Action::Seek { to_id: 3, force: true },
             Action::Pause,
             Action::Resume,
         ] {
-            let fields = action.fields();
-            let get = |name: &str| fields.iter().find(|(n, _)| *n == name).map(|(_, v)| v.clone()).unwrap_or_default();
-            let read = Action::from_form(&form(&get("action"), &get("id"), &get("older_than"), &get("to_id")));
-            assert_eq!(read, Ok(action));
+            assert_eq!(Action::from_form(&form(&action.fields())), Ok(action));
         }
     }
 
     #[test]
     fn what_is_not_an_action_is_refused_by_name() {
-        assert!(Action::from_form(&form("drop", "", "", "")).unwrap_err().contains("\"drop\""));
-        assert!(Action::from_form(&form("skip", "x1", "", "")).unwrap_err().contains("\"x1\""));
-        assert!(Action::from_form(&form("purge", "", " ", "")).unwrap_err().contains("purge needs an age"));
+        let refused = |fields: &[(&'static str, &str)]| {
+            let fields: Vec<_> = fields.iter().map(|(n, v)| (*n, v.to_string())).collect();
+            Action::from_form(&form(&fields)).unwrap_err()
+        };
+        assert!(refused(&[("action", "drop")]).contains("\"drop\""));
+        assert!(refused(&[("action", "skip"), ("ids", "x1")]).contains("\"x1\""));
+        assert!(refused(&[("action", "redrive"), ("ids", "1,x")]).contains("\"x\""));
+        assert!(refused(&[("action", "purge"), ("older_than", " ")]).contains("purge needs an age"));
     }
 }

@@ -5,13 +5,14 @@
 //! in a rolled-back transaction before they are made (src/bin/sqlstreams/console/actions.rs).
 //!
 //! Who may reach it:
-//! - it listens on a loopback address unless told otherwise, and refuses to listen on another
-//!   one without a token (`--token` or `SQLSTREAMS_CONSOLE_TOKEN`); with a token, every request
-//!   carries it (a cookie set by opening `/?token=...` once, or `Authorization: Bearer`);
-//! - a request whose `Host` is not the console's own address is refused (a DNS-rebinding page
+//! - every request carries its token (`SQLSTREAMS_CONSOLE_TOKEN`, or a new one printed at
+//!   start): a session cookie set by opening `/?token=...` once, or `Authorization: Bearer`. A
+//!   loopback address is no boundary on a machine several people use;
+//! - it listens on a loopback address unless told otherwise;
+//! - a request whose `Host` is not one the console is reached by is refused (a DNS-rebinding page
 //!   would otherwise read it from the operator's browser);
 //! - a change is a POST with the console's CSRF token (random per process, only in its own
-//!   pages) from its own origin (`Origin`, `Sec-Fetch-Site`); pages carry a strict content
+//!   pages) from one of those origins (`Origin`, `Sec-Fetch-Site`); pages carry a strict content
 //!   security policy, run no script and may not be framed.
 
 mod actions;
@@ -50,7 +51,10 @@ pub struct Options {
 
 struct Console {
     client: sqlstreams_client::Client,
-    token: Option<String>,
+    token: String,
+    /// What the session cookie holds: random per process, never the token itself (a cookie goes
+    /// to every port of its host).
+    session: String,
     csrf: String,
     allowed_hosts: Vec<String>,
     statement_timeout: String,
@@ -59,14 +63,22 @@ struct Console {
 
 type Shared = Arc<Console>;
 
-const TOKEN_COOKIE: &str = "sqlstreams_console";
+const SESSION_COOKIE: &str = "sqlstreams_console";
 
 /// Serves the console until the process ends.
 pub async fn serve(client: sqlstreams_client::Client, options: Options) -> Result<(), String> {
-    if !options.listen.ip().is_loopback() && options.token.as_deref().unwrap_or("").is_empty() {
+    let given = options.token.filter(|t| !t.is_empty());
+    if let Some(token) = &given {
+        if token.len() < 16 || !token.bytes().all(|b| b.is_ascii_alphanumeric() || b"._~-".contains(&b)) {
+            return Err("the console's token must be at least 16 characters of A-Z, a-z, 0-9 and ._~- \
+                        (`openssl rand -hex 32` makes one)"
+                .into());
+        }
+    }
+    if options.listen.ip().is_unspecified() && options.allowed_hosts.is_empty() {
         return Err(format!(
-            "the console listens on {} only with a token: set SQLSTREAMS_CONSOLE_TOKEN (or --token), \
-             or listen on a loopback address such as 127.0.0.1",
+            "on {} the console is reached by names it cannot know: name each with --allowed-host \
+             (HOST:PORT as browsers send it, or HOST behind a proxy on its default port)",
             options.listen
         ));
     }
@@ -74,16 +86,17 @@ pub async fn serve(client: sqlstreams_client::Client, options: Options) -> Resul
         .await
         .map_err(|e| format!("listen on {}: {e}", options.listen))?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
-    let port = local.port();
     let mut allowed_hosts = options.allowed_hosts;
-    if local.ip().is_loopback() {
-        allowed_hosts.extend([format!("127.0.0.1:{port}"), format!("localhost:{port}"), format!("[::1]:{port}")]);
-    } else {
+    if !local.ip().is_unspecified() {
         allowed_hosts.push(local.to_string());
+    }
+    if local.ip().is_loopback() {
+        allowed_hosts.push(format!("localhost:{}", local.port()));
     }
     let console = Arc::new(Console {
         client,
-        token: options.token.filter(|t| !t.is_empty()),
+        token: given.clone().unwrap_or_else(random_token),
+        session: random_token(),
         csrf: random_token(),
         allowed_hosts,
         statement_timeout: options.statement_timeout,
@@ -97,9 +110,16 @@ pub async fn serve(client: sqlstreams_client::Client, options: Options) -> Resul
         .route("/apply", post(apply))
         .route("/style.css", get(style))
         .layer(middleware::from_fn_with_state(console.clone(), guard))
-        .with_state(console);
+        .with_state(console.clone());
     // Scripts (and the tests) read the address from this line: a port of 0 picks a free one.
     eprintln!("sqlstreams console: listening on http://{local}/");
+    if given.is_none() {
+        eprintln!(
+            "sqlstreams console: open http://{local}/?token={} once (a new token each start; \
+             set SQLSTREAMS_CONSOLE_TOKEN to keep one)",
+            console.token
+        );
+    }
     axum::serve(listener, app).await.map_err(|e| e.to_string())
 }
 
@@ -133,12 +153,14 @@ pub(crate) fn describe(e: &tokio_postgres::Error) -> String {
 /// Reads every group now and then for the rate charts.
 async fn sample(console: Shared, every: Duration) {
     let mut tick = tokio::time::interval(every);
+    // After a stall, the next reading comes an interval later, not in a burst.
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         // A failed reading only leaves a gap in the charts; the pages report the error.
         if let Ok(db) = console.db().await {
-            if let Ok(statuses) = Status::all(&db).await {
-                console.rates.lock().expect("no panic holds it").record(&statuses, Instant::now());
+            if let Ok(statuses) = Status::all(&**db).await {
+                console.rates().record(&statuses, Instant::now());
             }
         }
     }
@@ -147,10 +169,25 @@ async fn sample(console: Shared, every: Duration) {
 impl Console {
     async fn db(&self) -> Result<deadpool_postgres::Object, String> {
         let db = self.client.pool().get().await.map_err(|e| sqlstreams_client::Error::from(e).to_string())?;
-        db.execute("SELECT set_config('statement_timeout', $1, false)", &[&self.statement_timeout])
-            .await
-            .map_err(|e| describe(&e))?;
+        // A preview's transaction is rolled back when it is dropped; the timeout is a backstop.
+        db.execute(
+            "SELECT set_config('statement_timeout', $1, false), \
+                    set_config('idle_in_transaction_session_timeout', '60s', false)",
+            &[&self.statement_timeout],
+        )
+        .await
+        .map_err(|e| describe(&e))?;
         Ok(db)
+    }
+
+    /// The rate samples; a page that panicked while it held them left them whole.
+    fn rates(&self) -> std::sync::MutexGuard<'_, Rates> {
+        self.rates.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether `authority` (HOST[:PORT]) is one the console is reached by.
+    fn reached_as(&self, authority: &str) -> bool {
+        self.allowed_hosts.iter().any(|allowed| allowed.eq_ignore_ascii_case(authority))
     }
 
     fn frame(&self, title: impl Into<String>, may_act: Option<bool>) -> Frame<'_> {
@@ -173,36 +210,42 @@ fn refuse(status: StatusCode, why: &str) -> Response {
 async fn guard(State(console): State<Shared>, request: Request, next: Next) -> Response {
     let headers = request.headers();
     let host = headers.get(header::HOST).and_then(|h| h.to_str().ok()).unwrap_or("");
-    if !console.allowed_hosts.iter().any(|allowed| allowed.eq_ignore_ascii_case(host)) {
-        return refuse(StatusCode::MISDIRECTED_REQUEST, &format!("not served for host {host:?}"));
+    if !console.reached_as(host) {
+        return secured(refuse(StatusCode::MISDIRECTED_REQUEST, &format!("not served for host {host:?}")));
     }
-    if let Some(token) = &console.token {
-        let offered = request.uri().query().and_then(|q| {
-            serde_urlencoded::from_str::<Vec<(String, String)>>(q)
-                .ok()?
-                .into_iter()
-                .find_map(|(k, v)| (k == "token").then_some(v))
-        });
-        if let Some(offered) = offered {
-            if request.method() == Method::GET && same(&offered, token) {
-                // The token leaves the address bar (and the history) for a cookie scripts cannot read.
-                let cookie = format!("{TOKEN_COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/");
-                let mut response = Redirect::to(request.uri().path()).into_response();
-                response.headers_mut().insert(header::SET_COOKIE, HeaderValue::from_str(&cookie).expect("hex"));
-                return secured(response);
-            }
+    let offered = request.uri().query().and_then(|q| {
+        let pairs = serde_urlencoded::from_str::<Vec<(String, String)>>(q).ok()?;
+        pairs.into_iter().find_map(|(k, v)| (k == "token").then_some(v))
+    });
+    if let Some(offered) = offered {
+        if request.method() == Method::GET && same(&offered, &console.token) {
+            // The token leaves the address bar (and the history) for a session cookie scripts
+            // cannot read.
+            let cookie = format!("{SESSION_COOKIE}={}; HttpOnly; SameSite=Strict; Path=/", console.session);
+            let mut response = Redirect::to("/").into_response();
+            response.headers_mut().insert(header::SET_COOKIE, HeaderValue::from_str(&cookie).expect("hex"));
+            return secured(response);
         }
-        if !presented(headers).is_some_and(|presented| same(&presented, token)) {
-            return secured(refuse(
-                StatusCode::UNAUTHORIZED,
-                "this console needs its token: open /?token=<token> once, or send Authorization: Bearer <token>",
-            ));
-        }
+    }
+    let admitted = match presented(headers) {
+        Some(Presented::Bearer(token)) => same(&token, &console.token),
+        Some(Presented::Session(session)) => same(&session, &console.session),
+        None => false,
+    };
+    if !admitted {
+        return secured(refuse(
+            StatusCode::UNAUTHORIZED,
+            "this console needs its token: open /?token=<token> once, or send Authorization: Bearer <token>",
+        ));
     }
     if request.method() == Method::POST {
-        let origin_ok = headers
-            .get(header::ORIGIN)
-            .is_none_or(|origin| origin.to_str().is_ok_and(|o| o.eq_ignore_ascii_case(&format!("http://{host}"))));
+        // The console's own pages post from an origin it is reached by (behind a TLS proxy, an
+        // https one); "null" (a sandboxed or privacy-stripped request) is none of them.
+        let origin_ok = headers.get(header::ORIGIN).is_none_or(|origin| {
+            let origin = origin.to_str().unwrap_or("");
+            let authority = origin.strip_prefix("http://").or_else(|| origin.strip_prefix("https://"));
+            authority.is_some_and(|a| console.reached_as(a))
+        });
         let site_ok = headers
             .get("sec-fetch-site")
             .is_none_or(|site| matches!(site.to_str().unwrap_or(""), "same-origin" | "none"));
@@ -213,20 +256,23 @@ async fn guard(State(console): State<Shared>, request: Request, next: Next) -> R
     secured(next.run(request).await)
 }
 
-/// The token a request carries, in the console's cookie or as a bearer token.
-fn presented(headers: &HeaderMap) -> Option<String> {
-    let bearer = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::to_string);
-    bearer.or_else(|| {
-        headers.get_all(header::COOKIE).iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(';')).find_map(
-            |pair| {
-                let (name, value) = pair.trim().split_once('=')?;
-                (name == TOKEN_COOKIE).then(|| value.to_string())
-            },
-        )
+/// What a request offers to be admitted.
+enum Presented {
+    Bearer(String),
+    Session(String),
+}
+
+/// The bearer token or the session cookie a request carries.
+fn presented(headers: &HeaderMap) -> Option<Presented> {
+    let bearer =
+        headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    if let Some(token) = bearer {
+        return Some(Presented::Bearer(token.to_string()));
+    }
+    let cookies = headers.get_all(header::COOKIE).iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(';'));
+    cookies.into_iter().find_map(|pair| {
+        let (name, value) = pair.trim().split_once('=')?;
+        (name == SESSION_COOKIE).then(|| Presented::Session(value.to_string()))
     })
 }
 
@@ -255,11 +301,11 @@ async fn style() -> Response {
 async fn overview(State(console): State<Shared>) -> Response {
     let answer = async {
         let db = console.db().await?;
-        Ok::<_, String>((view::may_act(&db).await?, Status::all(&db).await?))
+        Ok::<_, String>((view::may_act(&**db).await?, Status::all(&**db).await?))
     };
     match answer.await {
         Ok((may_act, groups)) => {
-            let rates = console.rates.lock().expect("no panic holds it");
+            let rates = console.rates();
             page(StatusCode::OK, pages::overview(&console.frame("Streams", Some(may_act)), &groups, &rates))
         }
         Err(e) => page(StatusCode::SERVICE_UNAVAILABLE, pages::error(&console.frame("Error", None), &e, None)),
@@ -275,17 +321,20 @@ struct GroupQuery {
 }
 
 async fn group(State(console): State<Shared>, Query(q): Query<GroupQuery>) -> Response {
+    let db = match console.db().await {
+        Ok(db) => db,
+        Err(e) => return page(StatusCode::SERVICE_UNAVAILABLE, pages::error(&console.frame("Error", None), &e, None)),
+    };
     let answer = async {
-        let db = console.db().await?;
-        let may_act = view::may_act(&db).await?;
-        let status = Status::read(&db, &q.stream, &q.group).await?;
-        let blocked = Blocked::read(&db, &q.stream, &q.group).await?;
-        let dead = Dead::read(&db, &q.stream, &q.group).await?;
+        let may_act = view::may_act(&**db).await?;
+        let status = Status::read(&**db, &q.stream, &q.group).await?;
+        let blocked = Blocked::read(&**db, &q.stream, &q.group).await?;
+        let dead = Dead::read(&**db, &q.stream, &q.group).await?;
         Ok::<_, String>((may_act, status, blocked, dead))
     };
     match answer.await {
         Ok((may_act, status, blocked, dead)) => {
-            let rates = console.rates.lock().expect("no panic holds it");
+            let rates = console.rates();
             let frame = console.frame(format!("{} / {}", q.stream, q.group), Some(may_act));
             page(StatusCode::OK, pages::group(&frame, &status, &blocked, &dead, &rates, q.done.as_deref()))
         }
@@ -306,7 +355,7 @@ async fn checked(console: &Console, form: &actions::Form) -> Result<(deadpool_po
     }
     let action = Action::from_form(form).map_err(|e| refused(StatusCode::BAD_REQUEST, &e))?;
     let db = console.db().await.map_err(|e| refused(StatusCode::SERVICE_UNAVAILABLE, &e))?;
-    if !view::may_act(&db).await.map_err(|e| refused(StatusCode::SERVICE_UNAVAILABLE, &e))? {
+    if !view::may_act(&**db).await.map_err(|e| refused(StatusCode::SERVICE_UNAVAILABLE, &e))? {
         return Err(refused(
             StatusCode::FORBIDDEN,
             "this console's role may not change groups: connect it as a member of sqlstreams_admin",
@@ -316,7 +365,7 @@ async fn checked(console: &Console, form: &actions::Form) -> Result<(deadpool_po
 }
 
 async fn preview(State(console): State<Shared>, Form(form): Form<actions::Form>) -> Response {
-    let (db, action) = match checked(&console, &form).await {
+    let (mut db, action) = match checked(&console, &form).await {
         Ok(checked) => checked,
         Err(response) => return response,
     };
@@ -328,8 +377,8 @@ async fn preview(State(console): State<Shared>, Form(form): Form<actions::Form>)
         );
     }
     let answer = async {
-        let status = Status::read(&db, &form.stream, &form.group).await?;
-        let preview = action.preview(&db, &form.stream, &form.group).await?;
+        let status = Status::read(&**db, &form.stream, &form.group).await?;
+        let preview = action.preview(&mut db, &form.stream, &form.group).await?;
         Ok::<_, String>((status, preview))
     };
     match answer.await {
@@ -346,8 +395,9 @@ async fn apply(State(console): State<Shared>, Form(form): Form<actions::Form>) -
         Ok(checked) => checked,
         Err(response) => return response,
     };
-    match action.run(&db, &form.stream, &form.group).await {
+    match action.run(&**db, &form.stream, &form.group).await {
         Ok(done) => {
+            let done = done.to_string();
             let to = format!(
                 "{}&{}",
                 link("/group", &form.stream, &form.group),

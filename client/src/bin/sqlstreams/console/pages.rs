@@ -192,7 +192,7 @@ pub fn group(
             p.help { "Each key's oldest unresolved message holds the messages of that key behind it." }
             (blocked_table(blocked, |b| html! {
                 @if frame.may_act == Some(true) && b.status == "dead" {
-                    (action_form(frame, status, "/preview", &Action::Redrive(Some(b.message_id)), "Redrive…"))
+                    (action_form(frame, status, "/preview", &Action::Redrive(Some(vec![b.message_id])), "Redrive…"))
                     (action_form(frame, status, "/preview", &Action::Skip(b.message_id), "Skip…"))
                 }
             }))
@@ -216,7 +216,7 @@ pub fn group(
                                 td.payload { pre { (d.payload) } }
                                 td {
                                     @if frame.may_act == Some(true) {
-                                        (action_form(frame, status, "/preview", &Action::Redrive(Some(d.id)), "Redrive…"))
+                                        (action_form(frame, status, "/preview", &Action::Redrive(Some(vec![d.id])), "Redrive…"))
                                         (action_form(frame, status, "/preview", &Action::Skip(d.id), "Skip…"))
                                     }
                                 }
@@ -249,7 +249,7 @@ pub fn group(
 }
 
 /// `/preview`: what an action would change, read in a transaction that was rolled back, and the
-/// form that makes it.
+/// form that makes it (the action as the preview pinned it).
 pub fn preview(frame: &Frame<'_>, status: &Status, action: &Action, preview: &Preview) -> Markup {
     let rows: [(&str, i64, i64); 6] = [
         ("claimed", preview.before.claimed, preview.after.claimed),
@@ -259,7 +259,7 @@ pub fn preview(frame: &Frame<'_>, status: &Status, action: &Action, preview: &Pr
         ("deferred", preview.before.deferred, preview.after.deferred),
         ("dead", preview.before.dead, preview.after.dead),
     ];
-    // Keys whose holding message changes: those the action releases (or holds).
+    // Keys whose holding message changes, by that message; and keys that no longer wait.
     let changed: Vec<&Blocked> =
         preview.blocked_after.iter().filter(|after| !preview.blocked_before.contains(after)).collect();
     let released: Vec<&Blocked> = preview
@@ -271,7 +271,11 @@ pub fn preview(frame: &Frame<'_>, status: &Status, action: &Action, preview: &Pr
         frame,
         html! {
             h1 { "Preview: " (action.describe()) }
-            p.notice id="preview-outcome" { "Nothing has changed yet. Confirmed, the outcome would be: " (preview.outcome) "." }
+            p.notice id="preview-outcome" { "Nothing has changed yet. Confirmed: " (preview.outcome) "." }
+            p.help {
+                "Read before and after the change in one transaction that was rolled back; what other "
+                "consumers did meanwhile shows too."
+            }
             table.compare id="compare" {
                 thead { tr { th {} th { "now" } th { "after" } } }
                 tbody {
@@ -282,20 +286,23 @@ pub fn preview(frame: &Frame<'_>, status: &Status, action: &Action, preview: &Pr
                     }
                 }
             }
-            h2 { "Keys it changes, in the order they run" }
+            h2 { "Keys it changes" }
+            p.help { "Each key's messages run in order, from the one that holds it." }
             @if changed.is_empty() && released.is_empty() {
                 p.none { "No waiting key changes." }
             } @else {
-                ol id="released-keys" {
+                ul id="released-keys" {
                     @for b in &changed {
-                        li {
+                        li.changes data-key=(b.key.as_deref().unwrap_or("")) {
                             "key " strong { (b.key.as_deref().unwrap_or("(no key)")) } ": message " (b.message_id)
                             " becomes " em { (b.status) }
-                            @if b.waiting_behind > 0 { ", then the " (b.waiting_behind) " message(s) behind it, in order" }
+                            @if b.waiting_behind > 0 { ", then the " (b.waiting_behind) " message(s) behind it" }
                         }
                     }
                     @for b in &released {
-                        li { "key " strong { (b.key.as_deref().unwrap_or("(no key)")) } ": no longer waits" }
+                        li.released data-key=(b.key.as_deref().unwrap_or("")) {
+                            "key " strong { (b.key.as_deref().unwrap_or("(no key)")) } ": no longer waits"
+                        }
                     }
                 }
             }
@@ -303,10 +310,10 @@ pub fn preview(frame: &Frame<'_>, status: &Status, action: &Action, preview: &Pr
                 input type="hidden" name="csrf" value=(frame.csrf);
                 input type="hidden" name="stream" value=(status.stream);
                 input type="hidden" name="group" value=(status.group);
-                @for (name, value) in action.fields() {
+                @for (name, value) in preview.confirm.fields() {
                     input type="hidden" name=(name) value=(value);
                 }
-                button type="submit" id="confirm" { "Confirm: " (action.describe()) }
+                button type="submit" id="confirm" { "Confirm: " (preview.confirm.describe()) }
                 " "
                 a href=(link("/group", &status.stream, &status.group)) id="cancel" { "Cancel" }
             }

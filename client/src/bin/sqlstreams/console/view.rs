@@ -1,7 +1,7 @@
 //! What the console shows, read through the extension's views and inspection functions: a role
 //! sees the streams and groups it may inspect (`pg_monitor` sees every one), nothing more.
 
-use tokio_postgres::{Client, Row};
+use tokio_postgres::{GenericClient, Row};
 
 use super::describe;
 
@@ -52,13 +52,13 @@ impl Status {
     }
 
     /// Every group this role may inspect, by stream and name.
-    pub async fn all(db: &Client) -> Result<Vec<Status>, String> {
+    pub async fn all(db: &impl GenericClient) -> Result<Vec<Status>, String> {
         let rows = db.query(&format!("{STATUS} ORDER BY stream, name"), &[]).await.map_err(|e| describe(&e))?;
         Ok(rows.iter().map(Status::from_row).collect())
     }
 
     /// One group.
-    pub async fn read(db: &Client, stream: &str, group: &str) -> Result<Status, String> {
+    pub async fn read(db: &impl GenericClient, stream: &str, group: &str) -> Result<Status, String> {
         let sql = format!("{STATUS} WHERE stream = $1 AND name = $2");
         match db.query_opt(&sql, &[&stream, &group]).await.map_err(|e| describe(&e))? {
             Some(row) => Ok(Status::from_row(&row)),
@@ -81,7 +81,7 @@ pub struct Blocked {
 }
 
 impl Blocked {
-    pub async fn read(db: &Client, stream: &str, group: &str) -> Result<Vec<Blocked>, String> {
+    pub async fn read(db: &impl GenericClient, stream: &str, group: &str) -> Result<Vec<Blocked>, String> {
         let rows = db
             .query(
                 "SELECT message_key, oldest_message_id, status, attempts, can_run_after::text, last_error, waiting_behind
@@ -118,7 +118,7 @@ pub struct Dead {
 }
 
 impl Dead {
-    pub async fn read(db: &Client, stream: &str, group: &str) -> Result<Vec<Dead>, String> {
+    pub async fn read(db: &impl GenericClient, stream: &str, group: &str) -> Result<Vec<Dead>, String> {
         let rows = db
             .query(
                 "SELECT message_id, message_key, attempts, last_error, died_at::text, jsonb_pretty(payload)
@@ -141,12 +141,12 @@ impl Dead {
     }
 }
 
-/// Whether the console's role may change groups: admin calls are for superusers and members of
-/// `sqlstreams_admin` (docs/sql-api.md, "Privileges"). Read per page, so a role granted or
+/// Whether the console's role may change groups: admin calls are for superusers and roles with
+/// `sqlstreams_admin`'s rights (docs/sql-api.md, "Privileges"; src/access.rs checks the same). Read per page, so a role granted or
 /// revoked meanwhile sees its buttons come and go.
-pub async fn may_act(db: &Client) -> Result<bool, String> {
+pub async fn may_act(db: &impl GenericClient) -> Result<bool, String> {
     db.query_one(
-        "SELECT r.rolsuper OR pg_catalog.pg_has_role(current_user, 'sqlstreams_admin', 'MEMBER')
+        "SELECT r.rolsuper OR pg_catalog.pg_has_role(current_user, 'sqlstreams_admin', 'USAGE')
          FROM pg_catalog.pg_roles r WHERE r.rolname = current_user",
         &[],
     )

@@ -13,6 +13,14 @@ set -euo pipefail
 [ $# -eq 9 ] || { sed -n '2,13p' "$0" >&2; exit 2; }
 router=$1 shard=$2 stream=$3
 ROUNDS=${ROUNDS:-3} SECONDS_PER_RUN=${SECONDS_PER_RUN:-10} CLIENTS=${CLIENTS:-3}
+placed() { psql "$router" -XAtqc "SELECT shard FROM sqlstreams_router.locate('$1')"; }
+for set in "$4 $5 $6" "$7 $8 $9"; do
+  echo "placement: $(for s in $set; do printf '%s on shard %s; ' "$s" "$(placed "$s")"; done)"
+done
+[ "$(placed "$4")" = "$(placed "$5")" ] && [ "$(placed "$5")" = "$(placed "$6")" ] \
+  || { echo "run.sh: $4, $5 and $6 must be on one shard" >&2; exit 2; }
+[ "$(printf '%s\n' "$(placed "$7")" "$(placed "$8")" "$(placed "$9")" | sort -u | wc -l)" = 3 ] \
+  || { echo "run.sh: $7, $8 and $9 must be on three shards" >&2; exit 2; }
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 printf "SELECT sqlstreams.produce('%s', '{\"n\": 1}', 'k' || (random() * 100)::int);\n" "$stream" > "$dir/one_stream.sql"

@@ -29,9 +29,10 @@ CREATE TABLE sqlstreams_router.placement (
     shard  integer NOT NULL REFERENCES sqlstreams_router.shard
 );
 
--- The PL/Proxy cluster `sqlstreams_shards`, made again from the shard table. PL/Proxy needs a
--- power of two of partitions: partition i is shard i, and those past the last shard repeat
--- shard 0 (shard_of never names them).
+-- The PL/Proxy cluster `sqlstreams_shards`, brought in line with the shard table. PL/Proxy needs
+-- a power of two of partitions: partition i is shard i, and those past the last shard repeat
+-- shard 0 (shard_of never names them; PL/Proxy opens one connection for both). The server is
+-- altered, never dropped: user mappings and grants an operator added stay.
 CREATE FUNCTION sqlstreams_router.configure() RETURNS integer
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
@@ -39,7 +40,8 @@ AS $function$
 DECLARE
     shards     integer := (SELECT count(*) FROM sqlstreams_router.shard);
     partitions integer := 1;
-    options    text := '';
+    known      text[];
+    options    text[] := '{}';
 BEGIN
     IF shards = 0 THEN
         RAISE EXCEPTION 'sqlstreams router: no shard'
@@ -51,17 +53,22 @@ BEGIN
     WHILE partitions < shards LOOP
         partitions := partitions * 2;
     END LOOP;
+    IF NOT EXISTS (SELECT FROM pg_foreign_server WHERE srvname = 'sqlstreams_shards') THEN
+        EXECUTE format('CREATE SERVER sqlstreams_shards FOREIGN DATA WRAPPER plproxy OPTIONS (connection_lifetime %L, p0 %L)',
+                       '1800', (SELECT conninfo FROM sqlstreams_router.shard WHERE shard = 0));
+        -- No user or password: PL/Proxy connects as the calling role, whose rights the shard
+        -- checks (docs/scale-out.md, "Roles"). Any role may call through the router.
+        CREATE USER MAPPING FOR PUBLIC SERVER sqlstreams_shards;
+        GRANT USAGE ON FOREIGN SERVER sqlstreams_shards TO PUBLIC;
+    END IF;
+    SELECT coalesce(array_agg(split_part(o, '=', 1)), '{}') INTO known
+    FROM pg_foreign_server, unnest(srvoptions) o WHERE srvname = 'sqlstreams_shards';
     FOR p IN 0 .. partitions - 1 LOOP
-        options := options || format(', p%s %L', p,
+        options := options || format('%s p%s %L', CASE WHEN format('p%s', p) = ANY (known) THEN 'SET' ELSE 'ADD' END, p,
             (SELECT conninfo FROM sqlstreams_router.shard WHERE shard = CASE WHEN p < shards THEN p ELSE 0 END));
     END LOOP;
-    DROP SERVER IF EXISTS sqlstreams_shards CASCADE;
-    EXECUTE format('CREATE SERVER sqlstreams_shards FOREIGN DATA WRAPPER plproxy OPTIONS (connection_lifetime %L%s)',
-                   '1800', options);
-    -- No user or password here: PL/Proxy connects as the calling role, whose rights the shard
-    -- checks; any role may call through the router.
-    CREATE USER MAPPING FOR PUBLIC SERVER sqlstreams_shards;
-    GRANT USAGE ON FOREIGN SERVER sqlstreams_shards TO PUBLIC;
+    -- All at once: PL/Proxy checks the count of partitions after each ALTER.
+    EXECUTE format('ALTER SERVER sqlstreams_shards OPTIONS (%s)', array_to_string(options, ', '));
     RETURN shards;
 END
 $function$;
@@ -74,6 +81,11 @@ AS $function$
 DECLARE
     added integer;
 BEGIN
+    IF conninfo ~* 'password' THEN
+        RAISE EXCEPTION 'sqlstreams router: a shard''s conninfo holds no password'
+            USING ERRCODE = '22023',
+                  HINT = 'Every role may read it (sqlstreams_router.locate); give passwords in user mappings (docs/scale-out.md, "Roles").';
+    END IF;
     LOCK TABLE sqlstreams_router.shard IN EXCLUSIVE MODE;
     INSERT INTO sqlstreams_router.shard
     VALUES ((SELECT coalesce(max(shard) + 1, 0) FROM sqlstreams_router.shard), conninfo)
@@ -101,17 +113,17 @@ BEGIN
 END
 $function$;
 
--- Records that `stream`, which exists on shard `shard`, lives there (a stream created through
--- the router, one created on the shard directly, or one moved). An admin's, as creating a stream is.
-CREATE FUNCTION sqlstreams_router.place(stream text, shard integer) RETURNS void
+-- Records where `stream` lives. An admin's (sqlstreams_admin of the router), as creating,
+-- dropping and placing streams are.
+CREATE FUNCTION sqlstreams_router.record(stream text, shard integer) RETURNS void
 LANGUAGE sql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 BEGIN ATOMIC
-    INSERT INTO sqlstreams_router.placement (stream, shard) VALUES (place.stream, place.shard)
+    INSERT INTO sqlstreams_router.placement (stream, shard) VALUES (record.stream, record.shard)
     ON CONFLICT ON CONSTRAINT placement_pkey DO UPDATE SET shard = excluded.shard;
 END;
 
--- Forgets where `stream` lived (it was dropped). An admin's, as dropping a stream is.
+-- Forgets where `stream` lived (it was dropped). An admin's.
 CREATE FUNCTION sqlstreams_router.forget(stream text) RETURNS void
 LANGUAGE sql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -129,16 +141,49 @@ BEGIN ATOMIC
                      FROM sqlstreams_router.shard HAVING count(*) > 0));
 END;
 
--- Creating and dropping a stream run on its shard first, as the calling role (the shard checks
--- that it is an admin), in a transaction of their own there; the router then records or forgets
--- the placement in the caller's transaction. If that commit fails after the shard's, the stream
--- exists on its shard unplaced, and sqlstreams_router.place mends it.
-CREATE FUNCTION sqlstreams_router.create_stream_on(
-    shard integer, name text, partition_size bigint, idempotency_ttl interval, lanes integer
-) RETURNS bigint
+-- The shard `stream` is placed on, and how to reach it directly (a consumer that LISTENs, a
+-- producer that writes its business rows in the same transaction). No secrets: add_shard
+-- refuses a password.
+CREATE FUNCTION sqlstreams_router.locate(stream text) RETURNS TABLE (shard integer, conninfo text)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+BEGIN ATOMIC
+    SELECT s.shard, s.conninfo FROM sqlstreams_router.placement p JOIN sqlstreams_router.shard s USING (shard)
+    WHERE p.stream = locate.stream;
+END;
+
+-- How many streams named `stream` shard `shard` shows the calling role.
+CREATE FUNCTION sqlstreams_router.shown_on(shard integer, stream text) RETURNS bigint
 LANGUAGE plproxy AS $$
     CLUSTER 'sqlstreams_shards';
     RUN ON shard;
+    SELECT count(*) FROM sqlstreams.streams WHERE name = stream;
+$$;
+
+-- Places `stream`, which exists on shard `shard` (created there directly, or moved), there.
+CREATE FUNCTION sqlstreams_router.place(stream text, shard integer) RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $function$
+BEGIN
+    IF sqlstreams_router.shown_on(shard, stream) = 0 THEN
+        RAISE EXCEPTION 'sqlstreams router: shard % has no stream "%" this role may see', shard, stream
+            USING ERRCODE = '42704', HINT = 'Create it on that shard first.';
+    END IF;
+    PERFORM sqlstreams_router.record(stream, shard);
+END
+$function$;
+
+-- Creating a stream places it first, in the caller's transaction (only an admin may), then
+-- creates it on its shard as the calling role (the shard checks that it is an admin there), in a
+-- transaction of its own there. If the router's commit fails after the shard's, the stream exists
+-- on its shard unplaced, and sqlstreams_router.place mends it.
+CREATE FUNCTION sqlstreams_router.create_stream_on_shard(
+    name text, partition_size bigint, idempotency_ttl interval, lanes integer
+) RETURNS bigint
+LANGUAGE plproxy AS $$
+    CLUSTER 'sqlstreams_shards';
+    RUN ON sqlstreams_router.shard_of(name);
     SELECT sqlstreams.create_stream(name, partition_size, idempotency_ttl, lanes);
 $$;
 
@@ -153,32 +198,36 @@ SET search_path = pg_catalog, pg_temp
 AS $function$
 DECLARE
     target integer := sqlstreams_router.target_of(name);
-    created bigint;
 BEGIN
     IF target IS NULL THEN
         RAISE EXCEPTION 'sqlstreams router: no shard'
             USING ERRCODE = '55000', HINT = 'A superuser adds one with sqlstreams_router.add_shard(conninfo).';
     END IF;
-    created := sqlstreams_router.create_stream_on(target, name, partition_size, idempotency_ttl, lanes);
-    PERFORM sqlstreams_router.place(name, target);
-    RETURN created;
+    PERFORM sqlstreams_router.record(name, target);
+    RETURN sqlstreams_router.create_stream_on_shard(name, partition_size, idempotency_ttl, lanes);
 END
 $function$;
 
-CREATE FUNCTION sqlstreams_router.drop_stream_on(shard integer, name text) RETURNS boolean
+CREATE FUNCTION sqlstreams_router.drop_stream_on_shard(name text) RETURNS boolean
 LANGUAGE plproxy AS $$
     CLUSTER 'sqlstreams_shards';
-    RUN ON shard;
+    RUN ON sqlstreams_router.shard_of(name);
     SELECT sqlstreams.drop_stream(name);
 $$;
 
+-- A stream the router has not placed is dropped nowhere: false, as a shard answers for one it
+-- does not have.
 CREATE FUNCTION sqlstreams.drop_stream(name text) RETURNS boolean
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $function$
 DECLARE
-    dropped boolean := sqlstreams_router.drop_stream_on(sqlstreams_router.shard_of(name), name);
+    dropped boolean;
 BEGIN
+    IF NOT EXISTS (SELECT FROM sqlstreams_router.locate(name)) THEN
+        RETURN false;
+    END IF;
+    dropped := sqlstreams_router.drop_stream_on_shard(name);
     PERFORM sqlstreams_router.forget(name);
     RETURN dropped;
 END
@@ -514,8 +563,9 @@ LANGUAGE plproxy AS $$
 $$;
 
 
--- Calls for every shard.
-CREATE FUNCTION sqlstreams.maintain()
+-- Calls for every shard: each shard in turn, and a shard that does not answer is reported with
+-- a warning, so that one shard down stops only its own streams.
+CREATE FUNCTION sqlstreams_router.maintain_on(shard integer)
 RETURNS TABLE (
     stream text,
     partitions_through bigint,
@@ -527,21 +577,48 @@ RETURNS TABLE (
 )
 LANGUAGE plproxy AS $$
     CLUSTER 'sqlstreams_shards';
-    RUN ON ALL;
+    RUN ON shard;
+    SELECT * FROM sqlstreams.maintain();
 $$;
 
-CREATE FUNCTION sqlstreams_router.streams_on_shards()
+CREATE FUNCTION sqlstreams.maintain()
+RETURNS TABLE (
+    stream text,
+    partitions_through bigint,
+    idempotency_keys_purged bigint,
+    cursors_advanced bigint,
+    lane_holds_cleared bigint,
+    partitions_dropped bigint,
+    exception_rows_purged bigint
+)
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $function$
+DECLARE
+    each integer;
+BEGIN
+    FOR each IN SELECT s.shard FROM sqlstreams_router.shard s ORDER BY 1 LOOP
+        BEGIN
+            RETURN QUERY SELECT * FROM sqlstreams_router.maintain_on(each);
+        EXCEPTION WHEN OTHERS THEN
+            RAISE WARNING 'sqlstreams router: shard % did not maintain: %', each, SQLERRM;
+        END;
+    END LOOP;
+END
+$function$;
+
+CREATE FUNCTION sqlstreams_router.streams_on(shard integer)
 RETURNS TABLE (
     id bigint, name text, partition_size bigint, idempotency_ttl interval, created_at timestamptz, head bigint,
     schema_version text, channel text, lanes integer, dead_retention interval, max_age interval, max_bytes bigint
 )
 LANGUAGE plproxy AS $$
     CLUSTER 'sqlstreams_shards';
-    RUN ON ALL;
+    RUN ON shard;
     SELECT * FROM sqlstreams.streams;
 $$;
 
-CREATE FUNCTION sqlstreams_router.consumer_groups_on_shards()
+CREATE FUNCTION sqlstreams_router.consumer_groups_on(shard integer)
 RETURNS TABLE (
     id bigint, stream_id bigint, stream text, name text, concurrency_override text, max_retries integer,
     backoff_base interval, backoff_cap interval, backoff_exponent double precision, max_delays integer,
@@ -552,19 +629,38 @@ RETURNS TABLE (
 )
 LANGUAGE plproxy AS $$
     CLUSTER 'sqlstreams_shards';
-    RUN ON ALL;
+    RUN ON shard;
     SELECT * FROM sqlstreams.consumer_groups;
 $$;
 
--- The views, over every shard, with each row's shard. Ids are each shard's own, so two streams
--- of two shards may have the same id: name them by name.
+-- The shards a view reads, each in turn; one that does not answer is left out with a warning.
+CREATE FUNCTION sqlstreams_router.answering(view text) RETURNS SETOF integer
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $function$
+DECLARE
+    each integer;
+BEGIN
+    FOR each IN SELECT s.shard FROM sqlstreams_router.shard s ORDER BY 1 LOOP
+        BEGIN
+            PERFORM sqlstreams_router.shown_on(each, '');
+            RETURN NEXT each;
+        EXCEPTION WHEN OTHERS THEN
+            RAISE WARNING 'sqlstreams router: shard % is left out of %: %', each, view, SQLERRM;
+        END;
+    END LOOP;
+END
+$function$;
+
+-- The views, with the shard each row came from. Ids are each shard's own, so two streams of two
+-- shards may have the same id: name them by name.
 CREATE VIEW sqlstreams.streams AS
-SELECT p.shard, s.* FROM sqlstreams_router.streams_on_shards() s
-LEFT JOIN sqlstreams_router.placement p ON p.stream = s.name;
+SELECT a.shard, s.* FROM sqlstreams_router.answering('sqlstreams.streams') a(shard)
+CROSS JOIN LATERAL sqlstreams_router.streams_on(a.shard) s;
 
 CREATE VIEW sqlstreams.consumer_groups AS
-SELECT p.shard, g.* FROM sqlstreams_router.consumer_groups_on_shards() g
-LEFT JOIN sqlstreams_router.placement p ON p.stream = g.stream;
+SELECT a.shard, g.* FROM sqlstreams_router.answering('sqlstreams.consumer_groups') a(shard)
+CROSS JOIN LATERAL sqlstreams_router.consumer_groups_on(a.shard) g;
 
 -- Anyone may call the API here; each shard decides what the calling role may do there. The
 -- router's tables and its shard list are the superuser's; placing streams is for admins (the
@@ -580,8 +676,10 @@ REVOKE ALL ON ALL TABLES IN SCHEMA sqlstreams_router FROM PUBLIC;
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA sqlstreams_router FROM PUBLIC;
 GRANT USAGE ON SCHEMA sqlstreams_router, sqlstreams TO PUBLIC;
 GRANT EXECUTE ON FUNCTION sqlstreams_router.shard_of(text), sqlstreams_router.target_of(text),
-    sqlstreams_router.streams_on_shards(), sqlstreams_router.consumer_groups_on_shards(),
-    sqlstreams_router.create_stream_on(integer, text, bigint, interval, integer),
-    sqlstreams_router.drop_stream_on(integer, text) TO PUBLIC;
-GRANT EXECUTE ON FUNCTION sqlstreams_router.place(text, integer), sqlstreams_router.forget(text) TO sqlstreams_admin;
+    sqlstreams_router.locate(text), sqlstreams_router.shown_on(integer, text), sqlstreams_router.place(text, integer),
+    sqlstreams_router.answering(text), sqlstreams_router.streams_on(integer),
+    sqlstreams_router.consumer_groups_on(integer), sqlstreams_router.maintain_on(integer),
+    sqlstreams_router.create_stream_on_shard(text, bigint, interval, integer),
+    sqlstreams_router.drop_stream_on_shard(text) TO PUBLIC;
+GRANT EXECUTE ON FUNCTION sqlstreams_router.record(text, integer), sqlstreams_router.forget(text) TO sqlstreams_admin;
 GRANT SELECT ON sqlstreams.streams, sqlstreams.consumer_groups TO PUBLIC;

@@ -104,6 +104,9 @@ pub struct Preview {
     pub blocked_after: Vec<Blocked>,
 }
 
+/// The `ids` of a redrive that names no message (an empty field means every dead letter).
+const NONE: &str = "none";
+
 fn message_ids(value: &str) -> Result<Vec<i64>, String> {
     value
         .split(',')
@@ -121,6 +124,8 @@ impl Action {
     pub fn from_form(form: &Form) -> Result<Action, String> {
         Ok(match form.action.as_str() {
             "redrive" if form.ids.trim().is_empty() => Action::Redrive(None),
+            // What a preview that found no dead letter confirms: not "every one".
+            "redrive" if form.ids.trim() == NONE => Action::Redrive(Some(vec![])),
             "redrive" => Action::Redrive(Some(message_ids(&form.ids)?)),
             "skip" => Action::Skip(message_id("ids", &form.ids)?),
             "purge" if !form.died_before.trim().is_empty() => {
@@ -160,9 +165,9 @@ impl Action {
     /// The form fields that post it.
     pub fn fields(&self) -> Vec<(&'static str, String)> {
         match self {
-            Action::Redrive(ids) => {
-                vec![("action", "redrive".into()), ("ids", ids.as_deref().map(join).unwrap_or_default())]
-            }
+            Action::Redrive(None) => vec![("action", "redrive".into()), ("ids", String::new())],
+            Action::Redrive(Some(ids)) if ids.is_empty() => vec![("action", "redrive".into()), ("ids", NONE.into())],
+            Action::Redrive(Some(ids)) => vec![("action", "redrive".into()), ("ids", join(ids))],
             Action::Skip(id) => vec![("action", "skip".into()), ("ids", id.to_string())],
             Action::Purge(Cutoff::OlderThan(age)) => vec![("action", "purge".into()), ("older_than", age.clone())],
             Action::Purge(Cutoff::DiedBefore(time)) => vec![("action", "purge".into()), ("died_before", time.clone())],
@@ -229,6 +234,9 @@ impl Action {
         // browser goes away), the transaction is rolled back before the connection's next
         // statement: it never goes back to the pool with the change in it.
         let tx = db.transaction().await.map_err(|e| super::describe(&e))?;
+        // A seek's preview takes the seek's locks: it waits for claims in progress, but not for
+        // an open transaction's, holding one of the console's few connections.
+        tx.batch_execute("SET LOCAL lock_timeout = '5s'").await.map_err(|e| super::describe(&e))?;
         let before = Status::read(&*tx, stream, group).await?;
         let blocked_before = Blocked::read(&*tx, stream, group).await?;
         let confirm = match self {
@@ -241,6 +249,8 @@ impl Action {
         let outcome = confirm.run(&*tx, stream, group).await?;
         let confirm = match (&confirm, &outcome) {
             (Action::Redrive(None), Outcome::Redriven(ids)) => Action::Redrive(Some(ids.clone())),
+            // A seek past the head stops at it: confirmed, it stops there, not at a later head.
+            (Action::Seek { force, .. }, Outcome::Moved(position)) => Action::Seek { to_id: *position, force: *force },
             _ => confirm,
         };
         let after = Status::read(&*tx, stream, group).await?;
@@ -287,6 +297,7 @@ mod tests {
             Action::Redrive(None),
             Action::Redrive(Some(vec![7])),
             Action::Redrive(Some(vec![7, 9])),
+            Action::Redrive(Some(vec![])),
             Action::Skip(7),
             Action::Purge(Cutoff::OlderThan("7 days".into())),
             Action::Purge(Cutoff::DiedBefore("2026-12-05 06:00:00+00".into())),

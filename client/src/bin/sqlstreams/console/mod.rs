@@ -55,6 +55,7 @@ struct Console {
     /// What the session cookie holds: random per process, never the token itself (a cookie goes
     /// to every port of its host).
     session: String,
+    session_cookie: String,
     csrf: String,
     allowed_hosts: Vec<String>,
     statement_timeout: String,
@@ -62,8 +63,6 @@ struct Console {
 }
 
 type Shared = Arc<Console>;
-
-const SESSION_COOKIE: &str = "sqlstreams_console";
 
 /// Serves the console until the process ends.
 pub async fn serve(client: sqlstreams_client::Client, options: Options) -> Result<(), String> {
@@ -74,6 +73,9 @@ pub async fn serve(client: sqlstreams_client::Client, options: Options) -> Resul
                         (`openssl rand -hex 32` makes one)"
                 .into());
         }
+    }
+    if options.allowed_hosts.iter().any(|h| h.trim().is_empty()) {
+        return Err("--allowed-host needs a HOST or HOST:PORT".into());
     }
     if options.listen.ip().is_unspecified() && options.allowed_hosts.is_empty() {
         return Err(format!(
@@ -93,10 +95,13 @@ pub async fn serve(client: sqlstreams_client::Client, options: Options) -> Resul
     if local.ip().is_loopback() {
         allowed_hosts.push(format!("localhost:{}", local.port()));
     }
+    // One cookie per console: browsers send a host's cookies to each of its ports.
+    let session_cookie = format!("sqlstreams_console_{}", local.port());
     let console = Arc::new(Console {
         client,
         token: given.clone().unwrap_or_else(random_token),
         session: random_token(),
+        session_cookie,
         csrf: random_token(),
         allowed_hosts,
         statement_timeout: options.statement_timeout,
@@ -170,9 +175,11 @@ impl Console {
     async fn db(&self) -> Result<deadpool_postgres::Object, String> {
         let db = self.client.pool().get().await.map_err(|e| sqlstreams_client::Error::from(e).to_string())?;
         // A preview's transaction is rolled back when it is dropped; the timeout is a backstop.
+        // Times it pins (a purge's cutoff) are written and read back as ISO, in UTC.
         db.execute(
             "SELECT set_config('statement_timeout', $1, false), \
-                    set_config('idle_in_transaction_session_timeout', '60s', false)",
+                    set_config('idle_in_transaction_session_timeout', '60s', false), \
+                    set_config('DateStyle', 'ISO', false), set_config('TimeZone', 'UTC', false)",
             &[&self.statement_timeout],
         )
         .await
@@ -221,13 +228,13 @@ async fn guard(State(console): State<Shared>, request: Request, next: Next) -> R
         if request.method() == Method::GET && same(&offered, &console.token) {
             // The token leaves the address bar (and the history) for a session cookie scripts
             // cannot read.
-            let cookie = format!("{SESSION_COOKIE}={}; HttpOnly; SameSite=Strict; Path=/", console.session);
+            let cookie = format!("{}={}; HttpOnly; SameSite=Strict; Path=/", console.session_cookie, console.session);
             let mut response = Redirect::to("/").into_response();
             response.headers_mut().insert(header::SET_COOKIE, HeaderValue::from_str(&cookie).expect("hex"));
             return secured(response);
         }
     }
-    let admitted = match presented(headers) {
+    let admitted = match presented(headers, &console.session_cookie) {
         Some(Presented::Bearer(token)) => same(&token, &console.token),
         Some(Presented::Session(session)) => same(&session, &console.session),
         None => false,
@@ -263,7 +270,7 @@ enum Presented {
 }
 
 /// The bearer token or the session cookie a request carries.
-fn presented(headers: &HeaderMap) -> Option<Presented> {
+fn presented(headers: &HeaderMap, cookie: &str) -> Option<Presented> {
     let bearer =
         headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
     if let Some(token) = bearer {
@@ -272,7 +279,7 @@ fn presented(headers: &HeaderMap) -> Option<Presented> {
     let cookies = headers.get_all(header::COOKIE).iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(';'));
     cookies.into_iter().find_map(|pair| {
         let (name, value) = pair.trim().split_once('=')?;
-        (name == SESSION_COOKIE).then(|| Presented::Session(value.to_string()))
+        (name == cookie).then(|| Presented::Session(value.to_string()))
     })
 }
 

@@ -31,9 +31,10 @@
 //! hold nothing back either way.
 //!
 //! The order of the reads is the proof, also across claims: a claim reads the stored fence (and
-//! what its backend proved in earlier claims, `known`) first and takes its `Reading` after it, and it never waits for another claim in between
-//! (src/claim.rs). A bound read before an observation was stored must never be applied to it:
-//! that is exactly how a message gets skipped.
+//! what its backend proved in earlier claims, `known`) first and takes its `Reading` after it,
+//! and it never waits for another claim in between (src/claim.rs). A bound read before an
+//! observation was stored must never be applied to it: that is exactly how a message gets
+//! skipped.
 
 use std::cell::RefCell;
 use std::collections::HashMap;

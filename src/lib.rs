@@ -18,6 +18,7 @@ use pgrx::prelude::*;
 
 mod access;
 mod admin;
+mod append;
 mod backoff;
 mod bounds;
 mod catalog;

@@ -209,8 +209,9 @@ impl<'a> Log<'a> {
 /// insert fails with "no partition of relation found for row" (23514). A partition attached since
 /// this transaction locked the log, which the log's lock no longer brings news of, is read about
 /// the same way.
-pub fn lock_for_insert(client: &SpiClient<'_>, stream: &StreamRef, first: i64, last: i64) -> Result<()> {
+pub fn lock_for_insert(client: &SpiClient<'_>, stream: &StreamRef, first: i64, last: i64) -> Result<Writable> {
     let log = Log::open_in(stream, pg_sys::RowExclusiveLock)?;
+    let mut partitions = Vec::new();
     for part in of(stream, first)..=of(stream, last) {
         let cached = log.cached_oid(part);
         let oid = if cached != pg_sys::InvalidOid { Some(cached) } else { log.created(client, part)? };
@@ -218,8 +219,15 @@ pub fn lock_for_insert(client: &SpiClient<'_>, stream: &StreamRef, first: i64, l
             // SAFETY: takes a relation lock by oid in a transaction.
             unsafe { pg_sys::LockRelationOid(oid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) };
         }
+        partitions.push((part, oid));
     }
-    Ok(())
+    Ok(Writable { log: log.oid, partitions })
+}
+
+/// The log and the partitions `lock_for_insert` locked, oldest first (`None`: no such partition).
+pub struct Writable {
+    pub log: pg_sys::Oid,
+    pub partitions: Vec<(Part, Option<pg_sys::Oid>)>,
 }
 
 /// Whether message id `id` is close enough to the end of the partitions to add more.

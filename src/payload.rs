@@ -94,3 +94,29 @@ raw_datum!(
     pg_sys::JSONBARRAYOID,
     "jsonb[]"
 );
+
+impl RawJsonbArray {
+    /// The elements, in order (`None`: a NULL), as datums pointing into the array, which is
+    /// detoasted in the current memory context: they live as long as it does.
+    pub fn elements(self) -> Vec<Option<pg_sys::Datum>> {
+        let mut elements = std::ptr::null_mut();
+        let mut nulls = std::ptr::null_mut();
+        let mut count = 0;
+        // SAFETY: the datum is a jsonb[] (the function's argument type); deconstruct_array
+        // fills the two arrays with `count` entries each.
+        unsafe {
+            let array = pg_sys::pg_detoast_datum(self.0.cast_mut_ptr()).cast::<pg_sys::ArrayType>();
+            pg_sys::deconstruct_array(
+                array,
+                pg_sys::JSONBOID,
+                -1,
+                false,
+                pg_sys::TYPALIGN_INT as std::ffi::c_char,
+                &mut elements,
+                &mut nulls,
+                &mut count,
+            );
+            (0..count.max(0) as usize).map(|i| (!*nulls.add(i)).then(|| *elements.add(i))).collect()
+        }
+    }
+}

@@ -8,6 +8,7 @@ use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
 use crate::access::{self, Right};
+use crate::append;
 use crate::concurrency::{Concurrency, ProduceRequest};
 use crate::error::{Result, SqlResult, StreamError};
 use crate::locks;
@@ -248,7 +249,22 @@ pub fn produce_one(
                 }
             }
             partition::ensure(client, &stream, id, Need::Now)?;
-            partition::lock_for_insert(client, &stream, id, id)?;
+            let target = partition::lock_for_insert(client, &stream, id, id)?;
+            let message = append::Message {
+                id,
+                key: request.message_key,
+                payload: payload.into_datum().expect("a payload is a datum"),
+                headers: extras.headers.and_then(IntoDatum::into_datum),
+            };
+            let shared = append::Shared {
+                concurrency: request.concurrency,
+                compaction: request.compaction,
+                deliver_after: extras.deliver_after,
+            };
+            if append::append(&stream, &target, &[message], &shared) {
+                finish(client, &stream, &[id], &[request.message_key], request.compaction)?;
+                return Ok(Some(id));
+            }
             INSERT_ONE.run(
                 client,
                 stream.id,
@@ -343,32 +359,43 @@ pub fn produce_many(
                     )
                 }
             };
-            let written: Vec<(i64, Option<&str>)> = ids
+            let payload_datums = payloads.elements();
+            let header_datums = headers.map(RawJsonbArray::elements);
+            let messages: Vec<append::Message<'_>> = ids
                 .iter()
-                .zip(&keys)
-                .filter(|(id, _)| produced.as_ref().is_none_or(|p| p.contains(id)))
-                .map(|(id, key)| (*id, *key))
+                .enumerate()
+                .filter(|(_, id)| produced.as_ref().is_none_or(|p| p.contains(id)))
+                .map(|(i, &id)| append::Message {
+                    id,
+                    key: keys[i],
+                    payload: payload_datums[i].expect("no payload is NULL (checked above)"),
+                    headers: header_datums.as_ref().and_then(|h| h[i]),
+                })
                 .collect();
-            let Some(&(last, _)) = written.last() else {
+            let (Some(first), Some(last)) = (messages.first(), messages.last()) else {
                 return Ok(vec![None; ids.len()]);
             };
-            partition::ensure(client, &stream, last, Need::Now)?;
-            partition::lock_for_insert(client, &stream, written[0].0, last)?;
-            INSERT_MANY.run(
-                client,
-                stream.id,
-                &[
-                    ids.clone().into(),
-                    keys.clone().into(),
-                    policy.map(Concurrency::as_str).into(),
-                    compaction.into(),
-                    payloads.into(),
-                    stream.lanes.into(),
-                    produced.clone().into(),
-                    headers.into(),
-                    deliver_after.into(),
-                ],
-            )?;
+            partition::ensure(client, &stream, last.id, Need::Now)?;
+            let target = partition::lock_for_insert(client, &stream, first.id, last.id)?;
+            let shared = append::Shared { concurrency: policy, compaction, deliver_after };
+            if !append::append(&stream, &target, &messages, &shared) {
+                INSERT_MANY.run(
+                    client,
+                    stream.id,
+                    &[
+                        ids.clone().into(),
+                        keys.clone().into(),
+                        policy.map(Concurrency::as_str).into(),
+                        compaction.into(),
+                        payloads.into(),
+                        stream.lanes.into(),
+                        produced.clone().into(),
+                        headers.into(),
+                        deliver_after.into(),
+                    ],
+                )?;
+            }
+            let written: Vec<(i64, Option<&str>)> = messages.iter().map(|m| (m.id, m.key)).collect();
             let (written_ids, written_keys): (Vec<i64>, Vec<Option<&str>>) = written.into_iter().unzip();
             finish(client, &stream, &written_ids, &written_keys, compaction)?;
             Ok(ids.iter().map(|id| produced.as_ref().is_none_or(|p| p.contains(id)).then_some(*id)).collect())

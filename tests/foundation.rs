@@ -906,3 +906,164 @@ fn a_batch_with_idempotency_keys_produces_each_key_once() {
         .unwrap_err();
     assert_eq!(sqlstate(&err), "22023");
 }
+
+/// A batch and single produces write each partition's rows in one multi-insert (src/append.rs),
+/// and the rows hold what the log's `INSERT` writes: `sqlstreams.lane`, `now()`, `deliver_at`,
+/// keys, headers, payloads in order, across a partition boundary.
+#[test]
+fn produced_rows_are_written_as_the_insert_writes_them_one_wal_record_per_page() {
+    // A database of its own: pg_walinspect is created in it.
+    let (mut c, _) = own_database("append");
+    let s = Stream::create_sized(&mut c, "append", 1000);
+    c.execute(&format!("SELECT setval('{}_seq', 950)", s.table("message_log")), &[]).unwrap();
+    let walinspect: bool = c
+        .query_one("SELECT count(*) > 0 FROM pg_available_extensions WHERE name = 'pg_walinspect'", &[])
+        .unwrap()
+        .get(0);
+
+    let payloads: Vec<serde_json::Value> = (0..120).map(|i| json!({ "i": i, "pad": "x".repeat(i % 50) })).collect();
+    let keys: Vec<String> = (0..120).map(|i| format!("kéy-{}{}", i % 17, "z".repeat(i % 5))).collect();
+    let headers: Vec<Option<serde_json::Value>> = (0..120).map(|i| (i % 2 == 0).then(|| json!({ "h": i }))).collect();
+    let start: String = c.query_one("SELECT pg_current_wal_insert_lsn()::text", &[]).unwrap().get(0);
+    let mut tx = c.transaction().unwrap();
+    // Its commit waits for its WAL to be flushed, so pg_walinspect can read it.
+    tx.batch_execute("SET LOCAL synchronous_commit = on").unwrap();
+    let ids: Vec<i64> = tx
+        .query(
+            "SELECT sqlstreams.produce_batch($1, $2, $3, 'ordered', headers => $4, deliver_after => '5 minutes')",
+            &[&s.name, &payloads, &keys, &headers],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(ids, (951..=1070).collect::<Vec<i64>>(), "the batch crosses into the second partition");
+    let keyless = s.produce_many(&mut tx, 10, None);
+    let single: i64 = tx
+        .query_one(
+            "SELECT sqlstreams.produce($1, '{\"one\": 1}', 'single', 'exclusive', headers => '{\"x\": 1}')",
+            &[&s.name],
+        )
+        .unwrap()
+        .get(0);
+    let compacted: i64 =
+        tx.query_one("SELECT sqlstreams.produce($1, '{}', 'c', compaction => true)", &[&s.name]).unwrap().get(0);
+    let log = s.table("message_log");
+    let wrong: i64 = tx
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM {log} m, sqlstreams.stream s
+                 WHERE s.id = $1 AND (m.lane IS DISTINCT FROM sqlstreams.lane(m.message_key, m.id, s.lanes)
+                                      OR m.produced_at IS DISTINCT FROM now())"
+            ),
+            &[&s.id],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(wrong, 0, "every row's lane and produced_at are what the INSERT computes");
+    let rows = tx
+        .query(
+            &format!(
+                "SELECT id, message_key, concurrency, compaction, payload, headers, deliver_at = now() + '5 minutes'
+                 FROM {log} ORDER BY id"
+            ),
+            &[],
+        )
+        .unwrap();
+    assert_eq!(rows.len(), 132);
+    for (i, row) in rows[..120].iter().enumerate() {
+        assert_eq!(row.get::<_, i64>(0), ids[i]);
+        assert_eq!(row.get::<_, Option<String>>(1).as_deref(), Some(keys[i].as_str()));
+        assert_eq!(row.get::<_, Option<String>>(2).as_deref(), Some("ordered"));
+        assert!(!row.get::<_, bool>(3));
+        assert_eq!(row.get::<_, serde_json::Value>(4), payloads[i]);
+        assert_eq!(row.get::<_, Option<serde_json::Value>>(5), headers[i]);
+        assert_eq!(row.get::<_, Option<bool>>(6), Some(true), "deliver_at is the transaction's start plus the delay");
+    }
+    for row in &rows[120..130] {
+        assert!(keyless.contains(&row.get(0)));
+        let (key, concurrency, deliver_at): (Option<String>, Option<String>, Option<bool>) =
+            (row.get(1), row.get(2), row.get(6));
+        assert_eq!((key, concurrency, deliver_at), (None, None, None));
+    }
+    let (id, key, concurrency, headers): (i64, Option<String>, Option<String>, Option<serde_json::Value>) =
+        (rows[130].get(0), rows[130].get(1), rows[130].get(2), rows[130].get(5));
+    assert_eq!((id, key.as_deref(), concurrency.as_deref()), (single, Some("single"), Some("exclusive")));
+    assert_eq!(headers, Some(json!({ "x": 1 })));
+    assert_eq!((rows[131].get::<_, i64>(0), rows[131].get::<_, bool>(3)), (compacted, true));
+    tx.commit().unwrap();
+
+    if !walinspect {
+        eprintln!("pg_walinspect is not available here: the WAL records are not looked at");
+        return;
+    }
+    c.batch_execute("CREATE EXTENSION pg_walinspect").unwrap();
+    let records: Vec<(String, i64)> = c
+        .query(
+            &format!(
+                "SELECT w.record_type, count(*) FROM pg_get_wal_records_info($1::text::pg_lsn, pg_current_wal_flush_lsn()) w
+                 JOIN pg_inherits i ON i.inhparent = '{log}'::regclass
+                 WHERE w.block_ref LIKE '%/' || pg_relation_filenode(i.inhrelid) || ' fork main %'
+                 GROUP BY 1 ORDER BY 1"
+            ),
+            &[&start],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert!(
+        records.iter().all(|(kind, _)| kind.starts_with("MULTI_INSERT")),
+        "the log's rows are written by multi-inserts only: {records:?}"
+    );
+    let multi: i64 = records.iter().map(|(_, n)| n).sum();
+    assert!((3..=10).contains(&multi), "a record per heap page and call, not per row: {records:?}");
+}
+
+/// What a DBA adds to the log (a trigger, a check) sends produces to the log's `INSERT`, which
+/// honours it; so does a partition that was detached, which no `INSERT` routes to.
+#[test]
+fn a_log_with_a_trigger_or_a_check_or_a_detached_partition_is_written_by_its_insert() {
+    // A database of its own: what this test does to the log, maintain() elsewhere must not meet.
+    let (mut c, _) = own_database("append_insert");
+    let s = Stream::create_sized(&mut c, "append-insert", 1000);
+    let log = s.table("message_log");
+    let audit = format!("audit_{}", s.id);
+    c.batch_execute(&format!(
+        "CREATE TABLE {audit} (id bigint);
+         CREATE FUNCTION {audit}() RETURNS trigger LANGUAGE plpgsql AS
+             $$BEGIN INSERT INTO public.{audit} VALUES (NEW.id); RETURN NULL; END$$;
+         CREATE TRIGGER audit AFTER INSERT ON {log} FOR EACH ROW EXECUTE FUNCTION public.{audit}();"
+    ))
+    .unwrap();
+    let mut produced = s.produce_many(&mut c, 5, Some("k"));
+    produced.push(s.produce(&mut c, json!({}), None));
+    let audited: Vec<i64> =
+        c.query(&format!("SELECT id FROM {audit} ORDER BY id"), &[]).unwrap().iter().map(|r| r.get(0)).collect();
+    assert_eq!(audited, produced, "the trigger fired for every message");
+    c.batch_execute(&format!("DROP TRIGGER audit ON {log}")).unwrap();
+
+    c.batch_execute(&format!("ALTER TABLE {log} ADD CONSTRAINT small CHECK (pg_column_size(payload) < 100)")).unwrap();
+    let big = json!({ "pad": "x".repeat(200) });
+    let refused = c
+        .query("SELECT sqlstreams.produce_batch($1, ARRAY[$2::jsonb])", &[&s.name, &big])
+        .expect_err("the check refuses a big payload");
+    assert_eq!(sqlstate(&refused), "23514", "{}", describe(&refused));
+    let refused = s.produce_with(&mut c, big, None, None, false).expect_err("the check refuses a big payload");
+    assert_eq!(sqlstate(&refused), "23514", "{}", describe(&refused));
+    c.batch_execute(&format!("ALTER TABLE {log} DROP CONSTRAINT small")).unwrap();
+
+    let g = s.group(&mut c, "g", None);
+    assert_eq!(ids(&g.claim(&mut c, 100)), produced, "the messages written by the INSERT are claimed");
+
+    // A producer attaches partition 1 (ids 1001 to 2000); a DBA detaches it, and keeps the table.
+    c.execute(&format!("SELECT setval('{log}_seq', 998)"), &[]).unwrap();
+    s.produce_many(&mut c, 3, None);
+    c.batch_execute(&format!("ALTER TABLE {log} DETACH PARTITION {log}_p1")).unwrap();
+    let refused = c
+        .query("SELECT sqlstreams.produce_batch($1, ARRAY['{}', '{}']::jsonb[])", &[&s.name])
+        .expect_err("no partition of the log holds ids 1002 and 1003");
+    assert_eq!(sqlstate(&refused), "23514", "{}", describe(&refused));
+    let stray: i64 = c.query_one(&format!("SELECT count(*) FROM {log}_p1"), &[]).unwrap().get(0);
+    assert_eq!(stray, 1, "nothing more was written into the detached table");
+}

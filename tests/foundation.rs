@@ -961,6 +961,18 @@ fn produced_rows_are_written_as_the_insert_writes_them_one_wal_record_per_page()
         .unwrap()
         .get(0);
     assert_eq!(wrong, 0, "every row's lane and produced_at are what the INSERT computes");
+    let lane_order: bool = tx
+        .query_one(
+            &format!(
+                "SELECT bool_and(after) FROM (
+                     SELECT (lane, id) > lag((lane, id)) OVER (PARTITION BY tableoid ORDER BY ctid) AS after
+                     FROM {log} WHERE id <= $1) b"
+            ),
+            &[&ids[119]],
+        )
+        .unwrap()
+        .get(0);
+    assert!(lane_order, "the batch's rows lie in each partition in lane order");
     let rows = tx
         .query(
             &format!(

@@ -7,12 +7,17 @@
 //! work per row (a plan, `sqlstreams.lane` called in SQL, the partition routing). And the rows go
 //! in lane order, which an `INSERT` would pay a sort for.
 //!
-//! Only a partition of the shape the install script makes is written this way: attached to the
-//! log, the log's columns in their order, no trigger, rule or row security on it or on the log,
-//! no check but the concurrency one, and no deferred unique index. Anything a DBA added (an audit trigger, a
-//! check, a column) sends the produce to the `INSERT` (src/produce.rs), which honours it. The
-//! rows' values are what that `INSERT` writes: its defaults (`produced_at` is the transaction's
-//! start, `now()`) and `sqlstreams.lane` (src/lanes.rs `of_message`); a test compares the two.
+//! Only partitions of the shape the install script makes are written this way: attached to the
+//! log, the log's columns in their order with their NOT NULLs, no trigger, rule or row security on
+//! them or on the log, no check but the concurrency one, and no deferrable index. Anything a DBA
+//! added (an audit trigger, a check, a column, a constraint) sends the whole produce to the
+//! `INSERT` (src/produce.rs), which honours it; that is decided before the first row is written.
+//! The rows' values are what that `INSERT` writes: its defaults (`produced_at` is the
+//! transaction's start, `now()`) and `sqlstreams.lane` (src/lanes.rs `of_message`); a test
+//! compares the two. Rows go in chunks of `CHUNK`, as COPY flushes its buffers, so a large batch
+//! holds no more than a chunk's tuples and answers a cancel between chunks.
+
+use std::ops::Range;
 
 use pgrx::pg_sys;
 use pgrx::{IntoDatum, PgMemoryContexts, PgRelation};
@@ -38,21 +43,25 @@ pub struct Shared {
     pub deliver_after: Option<pgrx::datum::Interval>,
 }
 
-/// The log's columns, in their order in every partition (install script, `message_log_@id@`).
-const COLUMNS: [(&str, pg_sys::Oid); 9] = [
-    ("id", pg_sys::INT8OID),
-    ("message_key", pg_sys::TEXTOID),
-    ("concurrency", pg_sys::TEXTOID),
-    ("compaction", pg_sys::BOOLOID),
-    ("payload", pg_sys::JSONBOID),
-    ("produced_at", pg_sys::TIMESTAMPTZOID),
-    ("lane", pg_sys::INT4OID),
-    ("headers", pg_sys::JSONBOID),
-    ("deliver_at", pg_sys::TIMESTAMPTZOID),
+/// The log's columns, in their order in every partition, and whether each is NOT NULL (install
+/// script, `message_log_@id@`).
+const COLUMNS: [(&str, pg_sys::Oid, bool); 9] = [
+    ("id", pg_sys::INT8OID, true),
+    ("message_key", pg_sys::TEXTOID, false),
+    ("concurrency", pg_sys::TEXTOID, false),
+    ("compaction", pg_sys::BOOLOID, true),
+    ("payload", pg_sys::JSONBOID, true),
+    ("produced_at", pg_sys::TIMESTAMPTZOID, true),
+    ("lane", pg_sys::INT4OID, true),
+    ("headers", pg_sys::JSONBOID, false),
+    ("deliver_at", pg_sys::TIMESTAMPTZOID, false),
 ];
 
-/// Appends `messages` (ids in order, every partition locked for the insert); `false` when a
-/// partition or the log is not of the shape this writes, having written nothing: the caller
+/// Rows per `multi_insert` call (COPY's buffer holds up to 1,000).
+const CHUNK: usize = 1000;
+
+/// Appends `messages` (ids in order, every partition locked for the insert); `false` when the
+/// log or a partition is not of the shape this writes, having written nothing: the caller
 /// inserts them with SQL.
 pub fn append(stream: &StreamRef, target: &Writable, messages: &[Message<'_>], shared: &Shared) -> bool {
     if messages.is_empty() {
@@ -61,43 +70,60 @@ pub fn append(stream: &StreamRef, target: &Writable, messages: &[Message<'_>], s
     // SAFETY: the log and its partitions are locked ROW EXCLUSIVE by this transaction
     // (partition::lock_for_insert); they are opened without another lock and closed on drop.
     let log = unsafe { PgRelation::with_lock(target.log, pg_sys::NoLock as pg_sys::LOCKMODE) };
-    if !plain(&log, false, stream.id) {
+    if !plain(&log, None) {
         return false;
     }
-    let mut partitions = Vec::with_capacity(target.partitions.len());
+    // Each partition with its messages (ids in order, partitions oldest first).
+    let mut partitions: Vec<(PgRelation, Range<usize>)> = Vec::with_capacity(target.partitions.len());
+    let mut start = 0;
     for &(part, oid) in &target.partitions {
-        let Some(oid) = oid else { return false };
-        if !attached(&log, oid) {
-            return false;
+        let end = start + messages[start..].iter().take_while(|m| partition::of(stream, m.id) == part).count();
+        if end > start {
+            let Some(oid) = oid.filter(|&oid| attached(&log, oid)) else { return false };
+            // SAFETY: as above.
+            let relation = unsafe { PgRelation::with_lock(oid, pg_sys::NoLock as pg_sys::LOCKMODE) };
+            if !plain(&relation, Some(stream.id)) {
+                return false;
+            }
+            partitions.push((relation, start..end));
         }
-        // SAFETY: as above.
-        let relation = unsafe { PgRelation::with_lock(oid, pg_sys::NoLock as pg_sys::LOCKMODE) };
-        if !plain(&relation, true, stream.id) {
-            return false;
-        }
-        partitions.push((part, relation));
+        start = end;
     }
+    assert_eq!(start, messages.len(), "every message has a partition in the target");
     let mut scratch = PgMemoryContexts::new("sqlstreams append");
     // SAFETY: everything allocated in the scratch context is used before it is deleted (its
-    // drop), and the rows written are in the partitions' buffers by then.
+    // drop); the executor state and the indexes are set up as COPY sets them up, and closed.
     unsafe {
         scratch.switch_to(|_| {
-            let values = Values::new(shared);
-            let mut start = 0;
-            for (part, relation) in &partitions {
-                let end = start + messages[start..].iter().take_while(|m| partition::of(stream, m.id) == *part).count();
-                if !write(relation, &messages[start..end], &values, stream.lanes) {
-                    // Only before the first row of the first partition: `write` checks the
-                    // indexes before it writes.
-                    assert_eq!(start, 0, "a partition's indexes changed under its lock");
+            let estate = pg_sys::CreateExecutorState();
+            let mut opened = Vec::with_capacity(partitions.len());
+            for (relation, _) in &partitions {
+                let info = open_indexes(relation);
+                opened.push(info);
+                if !immediate(info) {
+                    opened.into_iter().for_each(|info| pg_sys::ExecCloseIndices(info));
+                    pg_sys::FreeExecutorState(estate);
                     return false;
                 }
-                start = end;
             }
-            assert_eq!(start, messages.len(), "every message has a partition in the target");
+            let values = Values::new(shared);
+            for ((relation, range), &info) in partitions.iter().zip(&opened) {
+                write(relation, info, estate, &messages[range.clone()], &values, stream.lanes);
+            }
+            opened.into_iter().for_each(|info| pg_sys::ExecCloseIndices(info));
+            pg_sys::FreeExecutorState(estate);
             true
         })
     }
+}
+
+/// A slice of `count` items at `items`, which Postgres leaves NULL for none.
+unsafe fn items<'a, T>(items: *const T, count: i32) -> &'a [T] {
+    if items.is_null() || count <= 0 {
+        return &[];
+    }
+    // SAFETY: the caller's array has `count` items.
+    unsafe { std::slice::from_raw_parts(items, count as usize) }
 }
 
 /// Whether `partition` is attached to `log` (not detached, nor being detached, as a table of
@@ -108,12 +134,13 @@ fn attached(log: &PgRelation, partition: pg_sys::Oid) -> bool {
     // relcache entry while the relation is open.
     unsafe {
         let desc = &*pg_sys::RelationGetPartitionDesc(log.as_ptr(), true);
-        std::slice::from_raw_parts(desc.oids, desc.nparts.max(0) as usize).iter().rev().any(|&oid| oid == partition)
+        items(desc.oids, desc.nparts).iter().rev().any(|&oid| oid == partition)
     }
 }
 
-/// Whether `relation` is a log (or partition) as the install script makes it.
-fn plain(relation: &PgRelation, partition: bool, stream_id: i64) -> bool {
+/// Whether `relation` is the log (`stream` `None`) or one of its partitions as the install script
+/// makes them.
+fn plain(relation: &PgRelation, stream: Option<i64>) -> bool {
     // SAFETY: reads an open relation's descriptor and catalog row.
     unsafe {
         // The relcache's triggers and rules, not pg_class's flags, which stay set until a vacuum
@@ -122,9 +149,7 @@ fn plain(relation: &PgRelation, partition: bool, stream_id: i64) -> bool {
         if !relation.trigdesc.is_null() || !relation.rd_rules.is_null() || form.relrowsecurity {
             return false;
         }
-        if !partition {
-            return true;
-        }
+        let Some(stream_id) = stream else { return true };
         if form.relkind != pg_sys::RELKIND_RELATION as std::ffi::c_char {
             return false;
         }
@@ -132,10 +157,11 @@ fn plain(relation: &PgRelation, partition: bool, stream_id: i64) -> bool {
         if desc.len() != COLUMNS.len() {
             return false;
         }
-        let columns_match = desc.iter().zip(COLUMNS).all(|(attribute, (name, type_oid))| {
+        let columns_match = desc.iter().zip(COLUMNS).all(|(attribute, (name, type_oid, not_null))| {
             !attribute.attisdropped
                 && attribute.attgenerated == 0
                 && attribute.atttypid == type_oid
+                && attribute.attnotnull == not_null
                 && std::ffi::CStr::from_ptr(attribute.attname.data.as_ptr()).to_bytes() == name.as_bytes()
         });
         if !columns_match {
@@ -144,13 +170,34 @@ fn plain(relation: &PgRelation, partition: bool, stream_id: i64) -> bool {
         // The concurrency check, and no other: the values are checked here (`Concurrency`).
         let constraints = (*relation.rd_att).constr;
         constraints.is_null() || {
-            let constraints = &*constraints;
             let concurrency_check = format!("message_log_{stream_id}_concurrency_check");
-            (0..constraints.num_check as usize).all(|i| {
-                let check = &*constraints.check.add(i);
-                std::ffi::CStr::from_ptr(check.ccname).to_bytes() == concurrency_check.as_bytes()
-            })
+            items((*constraints).check, i32::from((*constraints).num_check))
+                .iter()
+                .all(|check| std::ffi::CStr::from_ptr(check.ccname).to_bytes() == concurrency_check.as_bytes())
         }
+    }
+}
+
+/// A result relation for `relation` with its indexes open, as COPY sets one up.
+unsafe fn open_indexes(relation: &PgRelation) -> *mut pg_sys::ResultRelInfo {
+    // SAFETY: InitResultRelInfo initializes the zeroed node; the indexes are locked as an insert
+    // locks them, until the transaction ends.
+    unsafe {
+        let info = pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>()).cast::<pg_sys::ResultRelInfo>();
+        pg_sys::InitResultRelInfo(info, relation.as_ptr(), 1, std::ptr::null_mut(), 0);
+        pg_sys::ExecOpenIndices(info, false);
+        info
+    }
+}
+
+/// Whether every index of `info` checks at once (a deferrable unique or exclusion constraint's
+/// check waits for the executor's after-trigger queue).
+unsafe fn immediate(info: *mut pg_sys::ResultRelInfo) -> bool {
+    // SAFETY: the index relations ExecOpenIndices opened.
+    unsafe {
+        items((*info).ri_IndexRelationDescs, (*info).ri_NumIndices)
+            .iter()
+            .all(|&index| (*(*index).rd_index).indimmediate)
     }
 }
 
@@ -183,84 +230,108 @@ impl Values {
     }
 }
 
-/// Writes `messages` into one partition; `false` before writing anything when one of its
-/// indexes is not immediate (a deferred unique check needs the executor's after-trigger).
-unsafe fn write(relation: &PgRelation, messages: &[Message<'_>], values: &Values, lanes: i32) -> bool {
-    // SAFETY: a minimal executor state and result relation, as COPY sets up, for the indexes;
-    // slots of the relation's own kind; all freed before returning.
-    unsafe {
-        let raw = relation.as_ptr();
-        let estate = pg_sys::CreateExecutorState();
-        let info = pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>()).cast::<pg_sys::ResultRelInfo>();
-        pg_sys::InitResultRelInfo(info, raw, 1, std::ptr::null_mut(), 0);
-        pg_sys::ExecOpenIndices(info, false);
-        let indexes = std::slice::from_raw_parts((*info).ri_IndexRelationDescs, (*info).ri_NumIndices.max(0) as usize);
-        if indexes.iter().any(|index| !(*(**index).rd_index).indimmediate) {
-            pg_sys::ExecCloseIndices(info);
-            pg_sys::FreeExecutorState(estate);
-            return false;
-        }
-        // A lane's messages of the batch side by side in the heap: a claim reads its lane's next
-        // messages (src/message.rs), a keyed lane's every sixteenth or so, from fewer pages.
-        let mut rows: Vec<(i32, &Message<'_>)> =
-            messages.iter().map(|m| (crate::lanes::of_message(m.key, m.id, lanes), m)).collect();
-        rows.sort_unstable_by_key(|(lane, message)| (*lane, message.id));
-        let mut slots: Vec<*mut pg_sys::TupleTableSlot> = rows
-            .into_iter()
-            .map(|(lane, message)| {
-                let slot = pg_sys::table_slot_create(raw, std::ptr::null_mut());
-                let datums = std::slice::from_raw_parts_mut((*slot).tts_values, COLUMNS.len());
-                let nulls = std::slice::from_raw_parts_mut((*slot).tts_isnull, COLUMNS.len());
-                let row = [
-                    Some(pg_sys::Datum::from(message.id)),
-                    message.key.and_then(IntoDatum::into_datum),
-                    values.concurrency,
-                    Some(values.compaction),
-                    Some(message.payload),
-                    Some(values.produced_at),
-                    Some(pg_sys::Datum::from(lane)),
-                    message.headers,
-                    values.deliver_at,
-                ];
-                for (i, value) in row.into_iter().enumerate() {
-                    datums[i] = value.unwrap_or(pg_sys::Datum::from(0));
-                    nulls[i] = value.is_none();
+/// Writes `messages` into one partition, in lane order, a chunk at a time.
+unsafe fn write(
+    relation: &PgRelation,
+    info: *mut pg_sys::ResultRelInfo,
+    estate: *mut pg_sys::EState,
+    messages: &[Message<'_>],
+    values: &Values,
+    lanes: i32,
+) {
+    // A lane's messages of the batch side by side in the heap: a claim reads its lane's next
+    // messages (src/message.rs), a keyed lane's every sixteenth or so, from fewer pages.
+    let mut rows: Vec<(i32, &Message<'_>)> =
+        messages.iter().map(|m| (crate::lanes::of_message(m.key, m.id, lanes), m)).collect();
+    rows.sort_unstable_by_key(|(lane, message)| (*lane, message.id));
+    let mut chunk_memory = PgMemoryContexts::new("sqlstreams append chunk");
+    for chunk in rows.chunks(CHUNK) {
+        pgrx::check_for_interrupts!();
+        // SAFETY: slots of the relation's own kind, filled and stored as virtual tuples, handed
+        // to the table's multi_insert (which sets their tids) and then to the indexes; the
+        // chunk's allocations (slots, tuples, keys) go with the chunk.
+        unsafe {
+            chunk_memory.switch_to(|_| {
+                let raw = relation.as_ptr();
+                let mut slots: Vec<*mut pg_sys::TupleTableSlot> =
+                    chunk.iter().map(|&(lane, message)| fill(raw, message, lane, values)).collect();
+                let command = pg_sys::GetCurrentCommandId(true);
+                pg_sys::table_multi_insert(
+                    raw,
+                    slots.as_mut_ptr(),
+                    slots.len() as i32,
+                    command,
+                    0,
+                    std::ptr::null_mut(),
+                );
+                for &slot in &slots {
+                    insert_index_entries(info, slot, estate);
                 }
-                pg_sys::ExecStoreVirtualTuple(slot)
-            })
-            .collect();
-        let multi_insert = (*(*raw).rd_tableam).multi_insert.expect("a table access method inserts");
-        let command = pg_sys::GetCurrentCommandId(true);
-        multi_insert(raw, slots.as_mut_ptr(), slots.len() as i32, command, 0, std::ptr::null_mut());
-        for &slot in &slots {
-            #[cfg(feature = "pg15")]
-            let recheck = pg_sys::ExecInsertIndexTuples(
-                info,
-                slot,
-                estate,
-                false,
-                false,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-            );
-            #[cfg(not(feature = "pg15"))]
-            let recheck = pg_sys::ExecInsertIndexTuples(
-                info,
-                slot,
-                estate,
-                false,
-                false,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                false,
-            );
-            assert!(recheck.is_null(), "immediate indexes need no recheck");
+                slots.into_iter().for_each(|slot| pg_sys::ExecDropSingleTupleTableSlot(slot));
+            });
+            chunk_memory.reset();
         }
-        for slot in slots {
-            pg_sys::ExecDropSingleTupleTableSlot(slot);
+    }
+}
+
+/// A slot of `relation` holding `message`'s row.
+unsafe fn fill(
+    relation: pg_sys::Relation,
+    message: &Message<'_>,
+    lane: i32,
+    values: &Values,
+) -> *mut pg_sys::TupleTableSlot {
+    // SAFETY: a new slot has `natts` values and nulls (the partition's, checked by `plain`).
+    unsafe {
+        let slot = pg_sys::table_slot_create(relation, std::ptr::null_mut());
+        let datums = std::slice::from_raw_parts_mut((*slot).tts_values, COLUMNS.len());
+        let nulls = std::slice::from_raw_parts_mut((*slot).tts_isnull, COLUMNS.len());
+        let row = [
+            Some(pg_sys::Datum::from(message.id)),
+            message.key.and_then(IntoDatum::into_datum),
+            values.concurrency,
+            Some(values.compaction),
+            Some(message.payload),
+            Some(values.produced_at),
+            Some(pg_sys::Datum::from(lane)),
+            message.headers,
+            values.deliver_at,
+        ];
+        for (i, value) in row.into_iter().enumerate() {
+            datums[i] = value.unwrap_or(pg_sys::Datum::from(0));
+            nulls[i] = value.is_none();
         }
-        pg_sys::ExecCloseIndices(info);
-        pg_sys::FreeExecutorState(estate);
-        true
+        pg_sys::ExecStoreVirtualTuple(slot)
+    }
+}
+
+/// The index entries of the row in `slot`, written at its tid; its expression memory freed after.
+unsafe fn insert_index_entries(
+    info: *mut pg_sys::ResultRelInfo,
+    slot: *mut pg_sys::TupleTableSlot,
+    estate: *mut pg_sys::EState,
+) {
+    // SAFETY: the indexes are open (`open_indexes`) and immediate (`immediate`): nothing is
+    // left for a recheck.
+    unsafe {
+        #[cfg(feature = "pg15")]
+        let recheck =
+            pg_sys::ExecInsertIndexTuples(info, slot, estate, false, false, std::ptr::null_mut(), std::ptr::null_mut());
+        #[cfg(not(feature = "pg15"))]
+        let recheck = pg_sys::ExecInsertIndexTuples(
+            info,
+            slot,
+            estate,
+            false,
+            false,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            false,
+        );
+        assert!(recheck.is_null(), "immediate indexes need no recheck");
+        let per_tuple = (*estate).es_per_tuple_exprcontext;
+        if !per_tuple.is_null() {
+            pg_sys::MemoryContextReset((*per_tuple).ecxt_per_tuple_memory);
+        }
     }
 }

@@ -1121,3 +1121,30 @@ fn a_log_a_dba_changed_is_written_by_its_insert() {
     let refused = s.produce_with(&mut c, json!({}), None, None, false).expect_err("the log has no partition");
     assert_eq!(sqlstate(&refused), "23514", "{}", describe(&refused));
 }
+
+/// A serialization failure raised while the rows are written (the partition's write checks for
+/// read/write conflicts) is an ordinary error: 40001, nothing produced, the session usable.
+#[test]
+fn a_producer_in_a_serializable_write_skew_fails_with_40001_and_leaves_nothing() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "append-serializable");
+    s.produce(&mut c, json!({}), None);
+    let log = s.table("message_log");
+    let app = format!("app_{}", s.id);
+    c.batch_execute(&format!("CREATE TABLE {app} (id int)")).unwrap();
+    let (mut reader, mut producer) = (connect(), connect());
+    let mut t1 = reader.build_transaction().isolation_level(IsolationLevel::Serializable).start().unwrap();
+    let mut t2 = producer.build_transaction().isolation_level(IsolationLevel::Serializable).start().unwrap();
+    t1.query_one(&format!("SELECT count(*) FROM {log}"), &[]).unwrap();
+    t2.query_one(&format!("SELECT count(*) FROM {app}"), &[]).unwrap();
+    t1.execute(&format!("INSERT INTO {app} VALUES (1)"), &[]).unwrap();
+    t1.commit().unwrap();
+    let refused = t2
+        .query("SELECT sqlstreams.produce_batch($1, ARRAY['{}', '{}']::jsonb[])", &[&s.name])
+        .expect_err("the write completes a dangerous structure");
+    assert_eq!(sqlstate(&refused), "40001", "{}", describe(&refused));
+    drop(t2);
+    let count: i64 = producer.query_one(&format!("SELECT count(*) FROM {log}"), &[]).unwrap().get(0);
+    assert_eq!(count, 1, "nothing of the failed batch is there");
+    s.produce(&mut producer, json!({}), None);
+}

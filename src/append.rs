@@ -8,8 +8,9 @@
 //! in lane order, which an `INSERT` would pay a sort for.
 //!
 //! Only partitions of the shape the install script makes are written this way: attached to the
-//! log, the log's columns in their order with their NOT NULLs, no trigger, rule or row security on
-//! them or on the log, no check but the concurrency one, and no deferrable index. Anything a DBA
+//! log with bounds that hold their ids, the log's columns in their order with their NOT NULLs, no
+//! trigger, rule or row security on them or on the log, no check but the concurrency one, no
+//! deferrable index, and `produced_at` defaulting to `now()`. Anything a DBA
 //! added (an audit trigger, a check, a column, a constraint) sends the whole produce to the
 //! `INSERT` (src/produce.rs), which honours it; that is decided before the first row is written.
 //! The rows' values are what that `INSERT` writes: its defaults (`produced_at` is the
@@ -79,7 +80,8 @@ pub fn append(stream: &StreamRef, target: &Writable, messages: &[Message<'_>], s
     for &(part, oid) in &target.partitions {
         let end = start + messages[start..].iter().take_while(|m| partition::of(stream, m.id) == part).count();
         if end > start {
-            let Some(oid) = oid.filter(|&oid| attached(&log, oid)) else { return false };
+            let (first, last) = (messages[start].id, messages[end - 1].id);
+            let Some(oid) = oid.filter(|&oid| routes_to(&log, oid, first, last)) else { return false };
             // SAFETY: as above.
             let relation = unsafe { PgRelation::with_lock(oid, pg_sys::NoLock as pg_sys::LOCKMODE) };
             if !plain(&relation, Some(stream.id)) {
@@ -126,15 +128,34 @@ unsafe fn items<'a, T>(items: *const T, count: i32) -> &'a [T] {
     unsafe { std::slice::from_raw_parts(items, count as usize) }
 }
 
-/// Whether `partition` is attached to `log` (not detached, nor being detached, as a table of
-/// the partition's name may be): the partitions an `INSERT` into the log routes to. Partitions
-/// are in id order, so the ones a producer writes are found from the end.
-fn attached(log: &PgRelation, partition: pg_sys::Oid) -> bool {
+/// Whether an `INSERT` into `log` routes ids `first..=last` to `partition`: it is attached (a
+/// table of the partition's name may be detached, or being detached), and its bounds, which a DBA
+/// may have attached it with, hold them. Partitions are in id order, so the ones a producer
+/// writes are found from the end.
+fn routes_to(log: &PgRelation, partition: pg_sys::Oid, first: i64, last: i64) -> bool {
     // SAFETY: the descriptor of a partitioned table this transaction has locked, kept in its
-    // relcache entry while the relation is open.
+    // relcache entry while the relation is open; a range bound's arrays have `ndatums` entries
+    // of one datum (the log has one key column, `id`, an int8 passed by value).
     unsafe {
         let desc = &*pg_sys::RelationGetPartitionDesc(log.as_ptr(), true);
-        items(desc.oids, desc.nparts).iter().rev().any(|&oid| oid == partition)
+        let Some(index) = items(desc.oids, desc.nparts).iter().rposition(|&oid| oid == partition) else {
+            return false;
+        };
+        let Some(bounds) = desc.boundinfo.as_ref() else { return false };
+        if bounds.strategy as u32 != u32::from(b'r') {
+            return false;
+        }
+        // For range partitions, indexes[j] is the partition whose upper bound is datums[j]; its
+        // lower bound is datums[j - 1] (PostgreSQL's partbounds.c).
+        let (datums, kinds) = (items(bounds.datums, bounds.ndatums), items(bounds.kind, bounds.ndatums));
+        let Some(j) = items(bounds.indexes, bounds.nindexes).iter().rposition(|&i| i == index as i32) else {
+            return false;
+        };
+        let bound = |k: usize| {
+            (k < datums.len() && *kinds[k] == pg_sys::PartitionRangeDatumKind::PARTITION_RANGE_DATUM_VALUE)
+                .then(|| (*datums[k]).value() as i64)
+        };
+        matches!((j.checked_sub(1).and_then(bound), bound(j)), (Some(lower), Some(upper)) if lower <= first && last < upper)
     }
 }
 
@@ -149,7 +170,7 @@ fn plain(relation: &PgRelation, stream: Option<i64>) -> bool {
         if !relation.trigdesc.is_null() || !relation.rd_rules.is_null() || form.relrowsecurity {
             return false;
         }
-        let Some(stream_id) = stream else { return true };
+        let Some(stream_id) = stream else { return produced_at_is_now(relation) };
         if form.relkind != pg_sys::RELKIND_RELATION as std::ffi::c_char {
             return false;
         }
@@ -175,6 +196,32 @@ fn plain(relation: &PgRelation, stream: Option<i64>) -> bool {
                 .iter()
                 .all(|check| std::ffi::CStr::from_ptr(check.ccname).to_bytes() == concurrency_check.as_bytes())
         }
+    }
+}
+
+/// Whether the log's `produced_at` defaults to `now()`, as the install script makes it: an
+/// `INSERT` into the log takes the log's default, and this writes the transaction's start.
+fn produced_at_is_now(log: &PgRelation) -> bool {
+    // SAFETY: reads an open relation's descriptor and its defaults' node strings.
+    unsafe {
+        let desc = log.tuple_desc();
+        let Some(position) = desc.iter().position(|attribute| {
+            !attribute.attisdropped
+                && std::ffi::CStr::from_ptr(attribute.attname.data.as_ptr()).to_bytes() == b"produced_at"
+        }) else {
+            return false;
+        };
+        let constraints = (*log.rd_att).constr;
+        if constraints.is_null() {
+            return false;
+        }
+        let now = format!("{{FUNCEXPR :funcid {} ", pg_sys::F_NOW);
+        items((*constraints).defval, i32::from((*constraints).num_defval)).iter().any(|default| {
+            default.adnum as usize == position + 1 && {
+                let expression = std::ffi::CStr::from_ptr(default.adbin).to_string_lossy();
+                expression.starts_with(&now) && expression.contains(":args <>")
+            }
+        })
     }
 }
 

@@ -30,7 +30,8 @@ const NEXT_IDS: Statement = Statement {
     params: &[INT4OID],
 };
 
-/// `deliver_at` counts from the producer's transaction start, like `produced_at`.
+/// The `INSERT`s write a log a DBA changed (src/append.rs writes the others). `deliver_at`
+/// counts from the producer's transaction start, like `produced_at`.
 const INSERT_ONE: Statement = Statement {
     name: "produce_insert_one",
     sql: "INSERT INTO sqlstreams.message_log_@id@
@@ -261,24 +262,22 @@ pub fn produce_one(
                 compaction: request.compaction,
                 deliver_after: extras.deliver_after,
             };
-            if append::append(&stream, &target, &[message], &shared) {
-                finish(client, &stream, &[id], &[request.message_key], request.compaction)?;
-                return Ok(Some(id));
+            if !append::append(&stream, &target, &[message], &shared) {
+                INSERT_ONE.run(
+                    client,
+                    stream.id,
+                    &[
+                        id.into(),
+                        request.message_key.into(),
+                        request.concurrency.map(Concurrency::as_str).into(),
+                        request.compaction.into(),
+                        payload.into(),
+                        stream.lanes.into(),
+                        extras.headers.into(),
+                        extras.deliver_after.into(),
+                    ],
+                )?;
             }
-            INSERT_ONE.run(
-                client,
-                stream.id,
-                &[
-                    id.into(),
-                    request.message_key.into(),
-                    request.concurrency.map(Concurrency::as_str).into(),
-                    request.compaction.into(),
-                    payload.into(),
-                    stream.lanes.into(),
-                    extras.headers.into(),
-                    extras.deliver_after.into(),
-                ],
-            )?;
             finish(client, &stream, &[id], &[request.message_key], request.compaction)?;
             Ok(Some(id))
         })
@@ -395,8 +394,8 @@ pub fn produce_many(
                     ],
                 )?;
             }
-            let written: Vec<(i64, Option<&str>)> = messages.iter().map(|m| (m.id, m.key)).collect();
-            let (written_ids, written_keys): (Vec<i64>, Vec<Option<&str>>) = written.into_iter().unzip();
+            let (written_ids, written_keys): (Vec<i64>, Vec<Option<&str>>) =
+                messages.iter().map(|m| (m.id, m.key)).unzip();
             finish(client, &stream, &written_ids, &written_keys, compaction)?;
             Ok(ids.iter().map(|id| produced.as_ref().is_none_or(|p| p.contains(id)).then_some(*id)).collect())
         })

@@ -1051,8 +1051,8 @@ fn produced_rows_are_written_as_the_insert_writes_them_one_wal_record_per_page()
     assert!((2..=10).contains(&multi), "a record per heap page and call, not per row: {records:?}");
 }
 
-/// What a DBA adds to the log (a trigger, a check, a NOT NULL, a deferrable index) sends produces
-/// to the log's `INSERT`, which honours it; so does a partition that was detached, which no
+/// What a DBA adds to the log (a trigger, a check, a NOT NULL, a default, a deferrable index)
+/// sends produces to the log's `INSERT`, which honours it; so does a partition that was detached, which no
 /// `INSERT` routes to.
 #[test]
 fn a_log_a_dba_changed_is_written_by_its_insert() {
@@ -1065,6 +1065,14 @@ fn a_log_a_dba_changed_is_written_by_its_insert() {
     assert_eq!(sqlstate(&refused), "23502", "{}", describe(&refused));
     let mut produced = vec![s.produce(&mut c, json!({}), Some("k"))];
     c.batch_execute(&format!("ALTER TABLE {log} ALTER COLUMN message_key DROP NOT NULL")).unwrap();
+
+    c.batch_execute(&format!("ALTER TABLE {log} ALTER COLUMN produced_at SET DEFAULT '2000-01-01 UTC'")).unwrap();
+    let dated = s.produce(&mut c, json!({}), None);
+    produced.push(dated);
+    let produced_at: String =
+        c.query_one(&format!("SELECT produced_at::text FROM {log} WHERE id = $1"), &[&dated]).unwrap().get(0);
+    assert!(produced_at.starts_with("2000-01-01"), "the log's default is the DBA's: {produced_at}");
+    c.batch_execute(&format!("ALTER TABLE {log} ALTER COLUMN produced_at SET DEFAULT now()")).unwrap();
 
     let audit = format!("audit_{}", s.id);
     c.batch_execute(&format!(
@@ -1147,4 +1155,42 @@ fn a_producer_in_a_serializable_write_skew_fails_with_40001_and_leaves_nothing()
     let count: i64 = producer.query_one(&format!("SELECT count(*) FROM {log}"), &[]).unwrap().get(0);
     assert_eq!(count, 1, "nothing of the failed batch is there");
     s.produce(&mut producer, json!({}), None);
+}
+
+/// A partition a DBA attached again with other bounds gets only the ids its bounds hold, as the
+/// log's `INSERT` routes them, though its name says more.
+#[test]
+fn a_partition_attached_with_other_bounds_gets_only_its_ids() {
+    // A database of its own: maintain() elsewhere must not meet the log as it is left.
+    let (mut c, _) = own_database("append_bounds");
+    let s = Stream::create_sized(&mut c, "append-bounds", 1000);
+    let log = s.table("message_log");
+    c.execute("SELECT sqlstreams.add_partitions($1, 2500, true)", &[&s.id]).unwrap();
+    c.batch_execute(&format!(
+        "ALTER TABLE {log} DETACH PARTITION {log}_p1;
+         DROP TABLE {log}_p1;
+         CREATE TABLE {log}_p1 (LIKE {log} INCLUDING DEFAULTS INCLUDING CONSTRAINTS);
+         CREATE TABLE {log}_p1b (LIKE {log} INCLUDING DEFAULTS INCLUDING CONSTRAINTS);
+         ALTER TABLE {log} ATTACH PARTITION {log}_p1 FOR VALUES FROM (1001) TO (1500);
+         ALTER TABLE {log} ATTACH PARTITION {log}_p1b FOR VALUES FROM (1500) TO (2001);"
+    ))
+    .unwrap();
+    c.execute(&format!("SELECT setval('{log}_seq', 1700)"), &[]).unwrap();
+    let single = s.produce(&mut c, json!({}), None);
+    c.execute(&format!("SELECT setval('{log}_seq', 1497)"), &[]).unwrap();
+    let batch = s.produce_many(&mut c, 4, None);
+    let placed: Vec<(i64, String)> = c
+        .query(&format!("SELECT id, tableoid::regclass::text FROM {log} ORDER BY id"), &[])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let (p1, p1b) = (format!("{log}_p1"), format!("{log}_p1b"));
+    assert_eq!(
+        placed,
+        vec![(batch[0], p1.clone()), (batch[1], p1), (batch[2], p1b.clone()), (batch[3], p1b.clone()), (single, p1b)],
+        "each row is in the partition whose bounds hold it"
+    );
+    let found: i64 = c.query_one(&format!("SELECT count(*) FROM {log} WHERE id = $1"), &[&single]).unwrap().get(0);
+    assert_eq!(found, 1, "a query by id finds the row");
 }

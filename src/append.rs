@@ -10,13 +10,14 @@
 //! Only partitions of the shape the install script makes are written this way: attached to the
 //! log with bounds that hold their ids, the log's columns in their order with their NOT NULLs, no
 //! trigger, rule or row security on them or on the log, no check but the concurrency one, no
-//! deferrable index, and `produced_at` defaulting to `now()`. Anything a DBA
+//! identity or generated column, no deferrable index, heap storage, no partition being detached,
+//! and `produced_at` defaulting to `now()`. Anything a DBA
 //! added (an audit trigger, a check, a column, a constraint) sends the whole produce to the
 //! `INSERT` (src/produce.rs), which honours it; that is decided before the first row is written.
 //! The rows' values are what that `INSERT` writes: its defaults (`produced_at` is the
 //! transaction's start, `now()`) and `sqlstreams.lane` (src/lanes.rs `of_message`); a test
-//! compares the two. Rows go in chunks of `CHUNK`, as COPY flushes its buffers, so a large batch
-//! holds no more than a chunk's tuples and answers a cancel between chunks.
+//! compares the two. Rows go in chunks (`CHUNK`, `CHUNK_BYTES`), as COPY flushes its buffers, so
+//! a large batch holds no more than a chunk's tuples at once and answers a cancel between chunks.
 
 use std::ops::Range;
 
@@ -58,8 +59,10 @@ const COLUMNS: [(&str, pg_sys::Oid, bool); 9] = [
     ("deliver_at", pg_sys::TIMESTAMPTZOID, false),
 ];
 
-/// Rows per `multi_insert` call (COPY's buffer holds up to 1,000).
+/// Rows per `multi_insert` call, and bytes of payloads and headers after which a chunk ends (COPY
+/// flushes its buffers at 1,000 rows or 64 kB).
 const CHUNK: usize = 1000;
+const CHUNK_BYTES: usize = 64 * 1024;
 
 /// Appends `messages` (ids in order, every partition locked for the insert); `false` when the
 /// log or a partition is not of the shape this writes, having written nothing: the caller
@@ -71,7 +74,7 @@ pub fn append(stream: &StreamRef, target: &Writable, messages: &[Message<'_>], s
     // SAFETY: the log and its partitions are locked ROW EXCLUSIVE by this transaction
     // (partition::lock_for_insert); they are opened without another lock and closed on drop.
     let log = unsafe { PgRelation::with_lock(target.log, pg_sys::NoLock as pg_sys::LOCKMODE) };
-    if !plain(&log, None) {
+    if !plain(&log, None) || detaching(&log) {
         return false;
     }
     // Each partition with its messages (ids in order, partitions oldest first).
@@ -128,6 +131,13 @@ unsafe fn items<'a, T>(items: *const T, count: i32) -> &'a [T] {
     unsafe { std::slice::from_raw_parts(items, count as usize) }
 }
 
+/// Whether a partition of `log` is being detached (`DETACH PARTITION ... CONCURRENTLY`): whether an
+/// `INSERT` still routes to it depends on its snapshot, which is not this call's to take.
+fn detaching(log: &PgRelation) -> bool {
+    // SAFETY: as in `routes_to`.
+    unsafe { (*pg_sys::RelationGetPartitionDesc(log.as_ptr(), false)).detached_exist }
+}
+
 /// Whether an `INSERT` into `log` routes ids `first..=last` to `partition`: it is attached (a
 /// table of the partition's name may be detached, or being detached), and its bounds, which a DBA
 /// may have attached it with, hold them. Partitions are in id order, so the ones a producer
@@ -171,7 +181,7 @@ fn plain(relation: &PgRelation, stream: Option<i64>) -> bool {
             return false;
         }
         let Some(stream_id) = stream else { return produced_at_is_now(relation) };
-        if form.relkind != pg_sys::RELKIND_RELATION as std::ffi::c_char {
+        if form.relkind != pg_sys::RELKIND_RELATION as std::ffi::c_char || form.relam != pg_sys::HEAP_TABLE_AM_OID {
             return false;
         }
         let desc = relation.tuple_desc();
@@ -181,6 +191,7 @@ fn plain(relation: &PgRelation, stream: Option<i64>) -> bool {
         let columns_match = desc.iter().zip(COLUMNS).all(|(attribute, (name, type_oid, not_null))| {
             !attribute.attisdropped
                 && attribute.attgenerated == 0
+                && attribute.attidentity == 0
                 && attribute.atttypid == type_oid
                 && attribute.attnotnull == not_null
                 && std::ffi::CStr::from_ptr(attribute.attname.data.as_ptr()).to_bytes() == name.as_bytes()
@@ -227,8 +238,8 @@ fn produced_at_is_now(log: &PgRelation) -> bool {
 
 /// A result relation for `relation` with its indexes open, as COPY sets one up.
 unsafe fn open_indexes(relation: &PgRelation) -> *mut pg_sys::ResultRelInfo {
-    // SAFETY: InitResultRelInfo initializes the zeroed node; the indexes are locked as an insert
-    // locks them, until the transaction ends.
+    // SAFETY: InitResultRelInfo initializes the zeroed node; ExecOpenIndices opens the indexes
+    // with the lock an insert takes (ExecCloseIndices closes them).
     unsafe {
         let info = pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>()).cast::<pg_sys::ResultRelInfo>();
         pg_sys::InitResultRelInfo(info, relation.as_ptr(), 1, std::ptr::null_mut(), 0);
@@ -292,7 +303,15 @@ unsafe fn write(
         messages.iter().map(|m| (crate::lanes::of_message(m.key, m.id, lanes), m)).collect();
     rows.sort_unstable_by_key(|(lane, message)| (*lane, message.id));
     let mut chunk_memory = PgMemoryContexts::new("sqlstreams append chunk");
-    for chunk in rows.chunks(CHUNK) {
+    let mut begin = 0;
+    while begin < rows.len() {
+        let (mut end, mut bytes) = (begin, 0);
+        while end < rows.len() && end - begin < CHUNK && bytes < CHUNK_BYTES {
+            bytes += size(rows[end].1);
+            end += 1;
+        }
+        let chunk = &rows[begin..end];
+        begin = end;
         pgrx::check_for_interrupts!();
         // SAFETY: slots of the relation's own kind, filled and stored as virtual tuples, handed
         // to the table's multi_insert (which sets their tids) and then to the indexes; the
@@ -319,6 +338,13 @@ unsafe fn write(
             chunk_memory.reset();
         }
     }
+}
+
+/// The bytes of `message`'s payload and headers as they are in memory.
+fn size(message: &Message<'_>) -> usize {
+    // SAFETY: both are varlena datums (jsonb).
+    let varlena = |datum: pg_sys::Datum| unsafe { pgrx::varlena::varsize_any(datum.cast_mut_ptr()) };
+    varlena(message.payload) + message.headers.map_or(0, varlena)
 }
 
 /// A slot of `relation` holding `message`'s row.

@@ -39,7 +39,9 @@ mod inspect;
 mod key_gate;
 mod lanes;
 mod lease;
+
 mod locks;
+mod log_scan;
 mod message;
 mod names;
 mod notify;

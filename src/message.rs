@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use pgrx::datum::TimestampWithTimeZone;
-use pgrx::pg_sys::BuiltinOid::*;
+use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::spi::SpiClient;
 use pgrx::{FromDatum, IntoDatum};
 
@@ -12,6 +12,7 @@ use crate::concurrency::{self, Concurrency};
 use crate::error::{Result, StreamError};
 use crate::group::GroupRef;
 use crate::key_gate::Candidate;
+use crate::log_scan::{self, LaneRange};
 use crate::partition::{self, Log};
 use crate::payload::RawJsonb;
 use crate::statement::{Access, Columns, Deformed, Part, Row, Statement};
@@ -23,6 +24,19 @@ macro_rules! columns {
         "id, message_key, concurrency, compaction, lane, payload, produced_at, headers, deliver_at"
     };
 }
+
+/// `columns!()` with their types, for reading a partition without a statement (src/log_scan.rs).
+const TYPED_COLUMNS: [(&std::ffi::CStr, pg_sys::Oid); 9] = [
+    (c"id", pg_sys::INT8OID),
+    (c"message_key", pg_sys::TEXTOID),
+    (c"concurrency", pg_sys::TEXTOID),
+    (c"compaction", pg_sys::BOOLOID),
+    (c"lane", pg_sys::INT4OID),
+    (c"payload", pg_sys::JSONBOID),
+    (c"produced_at", pg_sys::TIMESTAMPTZOID),
+    (c"headers", pg_sys::JSONBOID),
+    (c"deliver_at", pg_sys::TIMESTAMPTZOID),
+];
 
 /// The position of each of `columns!()` in a row (1-based): a claim reads its messages by
 /// position, since a lookup by name costs a search of the row's columns per value.
@@ -165,16 +179,16 @@ fn candidate(row: &Row<'_>, group: &GroupRef) -> Result<Candidate> {
 }
 
 fn messages(rows: Deformed<'_>, group: &GroupRef) -> Result<Vec<Message>> {
-    rows.map(|row| {
-        Ok(Message {
-            candidate: candidate(row, group)?,
-            payload: required_at(row, Column::Payload)?,
-            meta: Meta {
-                produced_at: micros(required_at(row, Column::ProducedAt)?),
-                headers: at(row, Column::Headers)?,
-            },
-            deliver_at: at::<TimestampWithTimeZone>(row, Column::DeliverAt)?.map(micros),
-        })
+    rows.map(|row| message(row, group))
+}
+
+/// The message in `row`, read with `columns!()`.
+fn message(row: &Row<'_>, group: &GroupRef) -> Result<Message> {
+    Ok(Message {
+        candidate: candidate(row, group)?,
+        payload: required_at(row, Column::Payload)?,
+        meta: Meta { produced_at: micros(required_at(row, Column::ProducedAt)?), headers: at(row, Column::Headers)? },
+        deliver_at: at::<TimestampWithTimeZone>(row, Column::DeliverAt)?.map(micros),
     })
 }
 
@@ -257,8 +271,18 @@ pub fn after(
     for part in log.holding(client, after, upto, Access::Write)? {
         let part = part?;
         let room = limit - found.len() as i32;
-        let args = [after.into(), upto.into(), room.into(), lane.into()];
-        found.extend(messages(AFTER.exec_in_deformed(client, group.stream.id, part, &args, Access::Write)?, group)?);
+        let range = LaneRange { lane, after, upto, limit: room };
+        let read = match log.part_oid(part) {
+            Some(oid) => log_scan::lane_after(oid, &TYPED_COLUMNS, range, |row| message(row, group))?,
+            None => None,
+        };
+        found.extend(match read {
+            Some(messages) => messages,
+            None => {
+                let args = [after.into(), upto.into(), room.into(), lane.into()];
+                messages(AFTER.exec_in_deformed(client, group.stream.id, part, &args, Access::Write)?, group)?
+            }
+        });
         if found.len() as i32 == limit {
             break;
         }
@@ -359,5 +383,11 @@ mod tests {
         for (name, column) in positions {
             assert_eq!(names[column as usize - 1], name);
         }
+    }
+
+    #[test]
+    fn the_typed_columns_are_the_columns_read() {
+        let names: Vec<&str> = TYPED_COLUMNS.iter().map(|(name, _)| name.to_str().unwrap()).collect();
+        assert_eq!(names.join(", "), columns!());
     }
 }

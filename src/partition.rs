@@ -118,6 +118,11 @@ impl<'a> Log<'a> {
         self.cached_oid(part) != pg_sys::InvalidOid
     }
 
+    /// Partition `part`'s oid, when the syscache knows it (after `exists` said it exists).
+    pub fn part_oid(&self, part: Part) -> Option<pg_sys::Oid> {
+        Some(self.cached_oid(part)).filter(|oid| *oid != pg_sys::InvalidOid)
+    }
+
     fn cached_oid(&self, part: Part) -> pg_sys::Oid {
         // SAFETY: a syscache lookup.
         unsafe { pg_sys::get_relname_relid(self.name(part).as_ptr(), self.namespace) }

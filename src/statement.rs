@@ -383,7 +383,18 @@ pub struct Row<'a> {
     caller: pg_sys::MemoryContext,
 }
 
-impl Row<'_> {
+impl<'a> Row<'a> {
+    /// A row read without SPI (src/log_scan.rs): one value, null flag and type per column;
+    /// values the caller keeps are copied into `caller`.
+    pub fn of(
+        values: &'a [pg_sys::Datum],
+        nulls: &'a [bool],
+        types: &'a [pg_sys::Oid],
+        caller: pg_sys::MemoryContext,
+    ) -> Row<'a> {
+        Row { values, nulls, types, caller }
+    }
+
     /// The value at `ordinal` (1-based); `None` for SQL NULL.
     pub fn get<T: FromDatum + IntoDatum>(&self, ordinal: usize) -> Result<Option<T>> {
         let i = ordinal - 1;

@@ -631,3 +631,88 @@ fn a_claims_probe_stops_at_the_safe_head() {
     // messages it was 107.
     assert!(pages <= 50, "the probes read {pages} index pages");
 }
+
+/// The kept plans of this session whose SQL is the library statement `name`: SPI keeps each
+/// statement's plan in a memory context named after its SQL, which starts with its label.
+fn kept_plans(c: &mut Client, name: &str) -> i64 {
+    c.query_one(
+        "SELECT count(*) FROM pg_backend_memory_contexts
+         WHERE name = 'CachedPlanSource' AND ident LIKE '/* sqlstreams ' || $1 || ' */%'",
+        &[&name],
+    )
+    .unwrap()
+    .get(0)
+}
+
+/// Every row of every claim of group `g` of `stream` in batches of 7, each claim carrying the
+/// previous one's acks, as text: what a consumer sees of each message.
+fn claim_everything(c: &mut Client, stream: &str) -> Vec<String> {
+    let claim = "SELECT message_id, coalesce(message_key, '-'), concurrency, attempt, payload::text,
+                        lease_token, coalesce(run_after, 0), produced_at::text, coalesce(headers::text, '-')
+                 FROM sqlstreams.claim_with_metadata($1, 'g', 7, '1 minute', $2, $3)";
+    let (mut seen, mut acks) = (vec![], None::<(uuid::Uuid, Vec<i64>)>);
+    loop {
+        let (token, ids) = acks.take().unzip();
+        let rows = c.query(claim, &[&stream, &token, &ids]).unwrap();
+        if rows.is_empty() {
+            return seen;
+        }
+        for r in &rows {
+            let (id, key, concurrency, attempt): (i64, String, String, i32) = (r.get(0), r.get(1), r.get(2), r.get(3));
+            let (payload, run_after, at, headers): (String, i64, String, String) =
+                (r.get(4), r.get(6), r.get(7), r.get(8));
+            seen.push(format!("{id} {key} {concurrency} {attempt} {payload} {run_after} {at} {headers}"));
+        }
+        acks = Some((rows[0].get(5), rows.iter().map(|r| r.get(0)).collect()));
+    }
+}
+
+/// A claim reads a lane's next messages from the partition's key without a statement
+/// (src/log_scan.rs); a partition a DBA changed (row security here) is read by the statement.
+/// Both hand out the same rows: ordered keys, keyless and compacted messages, headers, messages
+/// held back by `deliver_after`, across a partition boundary.
+#[test]
+fn a_claim_reads_a_lanes_messages_from_its_key_as_the_statement_reads_them() {
+    let mut c = connect();
+    let (direct, changed) =
+        (Stream::create_sized(&mut c, "scan-key", 1000), Stream::create_sized(&mut c, "scan-sql", 1000));
+    direct.group(&mut c, "g", None);
+    changed.group(&mut c, "g", None);
+    let mut tx = c.transaction().unwrap();
+    for s in [&direct, &changed] {
+        tx.execute(&format!("SELECT setval('{}_seq', 940)", s.table("message_log")), &[]).unwrap();
+        let payloads: Vec<serde_json::Value> = (0..90).map(|i| json!({ "i": i, "pad": "é".repeat(i % 40) })).collect();
+        let keys: Vec<String> = (0..90).map(|i| format!("key-{}", i % 13)).collect();
+        let headers: Vec<Option<serde_json::Value>> =
+            (0..90).map(|i| (i % 2 == 0).then(|| json!({ "h": i }))).collect();
+        tx.execute(
+            "SELECT sqlstreams.produce_batch($1, $2, $3, 'ordered', headers => $4)",
+            &[&s.name, &payloads, &keys, &headers],
+        )
+        .unwrap();
+        tx.execute("SELECT sqlstreams.produce($1, '{\"late\": 1}', 'key-1', deliver_after => '1 hour')", &[&s.name])
+            .unwrap();
+        tx.execute("SELECT sqlstreams.produce($1, '{\"c\": 1}', 'solo', compaction => true)", &[&s.name]).unwrap();
+        s.produce_many(&mut tx, 20, None);
+        // Stored out of line (TOAST), read while the scan is on its row.
+        tx.execute(
+            "SELECT sqlstreams.produce($1, jsonb_build_object('big', repeat('x', 100000)), 'key-3')",
+            &[&s.name],
+        )
+        .unwrap();
+    }
+    for part in [0, 1] {
+        tx.batch_execute(&format!("ALTER TABLE {}_p{part} ENABLE ROW LEVEL SECURITY", changed.table("message_log")))
+            .unwrap();
+    }
+    tx.commit().unwrap();
+
+    // Sessions of their own, whose plans are this test's.
+    let (mut a, mut b) = (connect(), connect());
+    let from_key = claim_everything(&mut a, &direct.name);
+    let from_statement = claim_everything(&mut b, &changed.name);
+    assert_eq!(from_key.len(), 112, "every message but the one held back, once");
+    assert_eq!(from_key, from_statement, "the key's rows are the statement's");
+    assert_eq!(kept_plans(&mut a, "message_after"), 0, "no statement read the lanes of the plain partitions");
+    assert!(kept_plans(&mut b, "message_after") > 0, "the statement read the partitions with row security");
+}

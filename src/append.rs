@@ -25,7 +25,7 @@ use pgrx::pg_sys;
 use pgrx::{IntoDatum, PgMemoryContexts, PgRelation};
 
 use crate::concurrency::Concurrency;
-use crate::partition::{self, Writable};
+use crate::partition::{self, Writable, LOG_COLUMNS};
 use crate::stream::StreamRef;
 
 /// One message to append.
@@ -44,20 +44,6 @@ pub struct Shared {
     pub compaction: bool,
     pub deliver_after: Option<pgrx::datum::Interval>,
 }
-
-/// The log's columns, in their order in every partition, and whether each is NOT NULL (install
-/// script, `message_log_@id@`).
-const COLUMNS: [(&str, pg_sys::Oid, bool); 9] = [
-    ("id", pg_sys::INT8OID, true),
-    ("message_key", pg_sys::TEXTOID, false),
-    ("concurrency", pg_sys::TEXTOID, false),
-    ("compaction", pg_sys::BOOLOID, true),
-    ("payload", pg_sys::JSONBOID, true),
-    ("produced_at", pg_sys::TIMESTAMPTZOID, true),
-    ("lane", pg_sys::INT4OID, true),
-    ("headers", pg_sys::JSONBOID, false),
-    ("deliver_at", pg_sys::TIMESTAMPTZOID, false),
-];
 
 /// Rows per `multi_insert` call, and bytes of payloads and headers after which a chunk ends (COPY
 /// flushes its buffers at 1,000 rows or 64 kB).
@@ -185,10 +171,10 @@ fn plain(relation: &PgRelation, stream: Option<i64>) -> bool {
             return false;
         }
         let desc = relation.tuple_desc();
-        if desc.len() != COLUMNS.len() {
+        if desc.len() != LOG_COLUMNS.len() {
             return false;
         }
-        let columns_match = desc.iter().zip(COLUMNS).all(|(attribute, (name, type_oid, not_null))| {
+        let columns_match = desc.iter().zip(LOG_COLUMNS).all(|(attribute, (name, type_oid, not_null))| {
             !attribute.attisdropped
                 && attribute.attgenerated == 0
                 && attribute.attidentity == 0
@@ -357,8 +343,8 @@ unsafe fn fill(
     // SAFETY: a new slot has `natts` values and nulls (the partition's, checked by `plain`).
     unsafe {
         let slot = pg_sys::table_slot_create(relation, std::ptr::null_mut());
-        let datums = std::slice::from_raw_parts_mut((*slot).tts_values, COLUMNS.len());
-        let nulls = std::slice::from_raw_parts_mut((*slot).tts_isnull, COLUMNS.len());
+        let datums = std::slice::from_raw_parts_mut((*slot).tts_values, LOG_COLUMNS.len());
+        let nulls = std::slice::from_raw_parts_mut((*slot).tts_isnull, LOG_COLUMNS.len());
         let row = [
             Some(pg_sys::Datum::from(message.id)),
             message.key.and_then(IntoDatum::into_datum),

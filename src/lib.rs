@@ -41,7 +41,6 @@ mod lanes;
 mod lease;
 
 mod locks;
-mod log_scan;
 mod message;
 mod names;
 mod notify;

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use pgrx::datum::TimestampWithTimeZone;
-use pgrx::pg_sys::{self, BuiltinOid::*};
+use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::SpiClient;
 use pgrx::{FromDatum, IntoDatum};
 
@@ -12,7 +12,9 @@ use crate::concurrency::{self, Concurrency};
 use crate::error::{Result, StreamError};
 use crate::group::GroupRef;
 use crate::key_gate::Candidate;
-use crate::log_scan::{self, LaneRange};
+use scan::LaneRange;
+
+mod scan;
 use crate::partition::{self, Log};
 use crate::payload::RawJsonb;
 use crate::statement::{Access, Columns, Deformed, Part, Row, Statement};
@@ -25,18 +27,9 @@ macro_rules! columns {
     };
 }
 
-/// `columns!()` with their types, for reading a partition without a statement (src/log_scan.rs).
-const TYPED_COLUMNS: [(&std::ffi::CStr, pg_sys::Oid); 9] = [
-    (c"id", pg_sys::INT8OID),
-    (c"message_key", pg_sys::TEXTOID),
-    (c"concurrency", pg_sys::TEXTOID),
-    (c"compaction", pg_sys::BOOLOID),
-    (c"lane", pg_sys::INT4OID),
-    (c"payload", pg_sys::JSONBOID),
-    (c"produced_at", pg_sys::TIMESTAMPTZOID),
-    (c"headers", pg_sys::JSONBOID),
-    (c"deliver_at", pg_sys::TIMESTAMPTZOID),
-];
+/// `columns!()`, for reading a partition without a statement (`scan`).
+const READ_COLUMNS: [&str; 9] =
+    ["id", "message_key", "concurrency", "compaction", "lane", "payload", "produced_at", "headers", "deliver_at"];
 
 /// The position of each of `columns!()` in a row (1-based): a claim reads its messages by
 /// position, since a lookup by name costs a search of the row's columns per value.
@@ -84,7 +77,9 @@ const ARCHIVED: Statement = Statement {
     params: &[INT8ARRAYOID],
 };
 
-/// The next messages of a lane in one partition. The bounds are row comparisons on (lane, id),
+/// The next messages of a lane in one partition, for a partition a DBA changed: the others are
+/// read from their key without a statement (`scan`), whose scalar keys stop at the safe head and
+/// leave no plan to choose. The bounds here are row comparisons on (lane, id),
 /// the log's key: written as `lane = $4 AND id > $1 AND id <= $2`, the planner can estimate a
 /// handful of rows (no statistics yet on a new partition, or a narrow range) and choose a bitmap
 /// scan and a sort, which reads every message of the lane up to the safe head to return `$3`.
@@ -273,7 +268,7 @@ pub fn after(
         let room = limit - found.len() as i32;
         let range = LaneRange { lane, after, upto, limit: room };
         let read = match log.part_oid(part) {
-            Some(oid) => log_scan::lane_after(oid, &TYPED_COLUMNS, range, |row| message(row, group))?,
+            Some(oid) => scan::lane_after(oid, &READ_COLUMNS, range, |row| message(row, group))?,
             None => None,
         };
         found.extend(match read {
@@ -386,8 +381,10 @@ mod tests {
     }
 
     #[test]
-    fn the_typed_columns_are_the_columns_read() {
-        let names: Vec<&str> = TYPED_COLUMNS.iter().map(|(name, _)| name.to_str().unwrap()).collect();
-        assert_eq!(names.join(", "), columns!());
+    fn the_columns_read_without_a_statement_are_the_statements_and_the_logs() {
+        assert_eq!(READ_COLUMNS.join(", "), columns!());
+        for name in READ_COLUMNS {
+            assert!(crate::partition::LOG_COLUMNS.iter().any(|(column, _, _)| *column == name), "{name}");
+        }
     }
 }

@@ -2,10 +2,10 @@
 //! by `sqlstreams.add_partitions` (the DDL lives in the versioned install script), partition
 //! `n` (`message_log_<id>_p<n>`) holding ids `n * partition_size + 1 ..= (n + 1) * partition_size`.
 //!
-//! The claim path reads the partitions it needs by name (`Statement::run_in`), never through
-//! the partitioned log: PostgreSQL 15 locks every partition of the log at each execution of a
-//! cached plan over it, before run-time pruning skips them, and a lateral lookup into the log
-//! cannot be pruned at planning at all. A stream that keeps its history (retention not caught
+//! The claim path reads the partitions it needs by name (`Statement::exec_in`, or by oid from
+//! the partition's key, src/message/scan.rs), never through the partitioned log: PostgreSQL 15
+//! locks every partition of the log at each execution of a cached plan over it, before run-time
+//! pruning skips them, and a lateral lookup into the log cannot be pruned at planning at all. A stream that keeps its history (retention not caught
 //! up, a group far behind) would otherwise pay for every partition on every claim.
 
 use std::ffi::CString;
@@ -16,6 +16,21 @@ use pgrx::spi::SpiClient;
 use crate::error::{Result, StreamError};
 use crate::statement::{Access, Columns, Part, Statement};
 use crate::stream::StreamRef;
+
+/// The log's columns, in their order in every partition the install script makes, with their
+/// types and whether each is NOT NULL (`message_log_@id@`): what src/append.rs writes directly,
+/// and what src/message/scan.rs finds by name to read directly.
+pub const LOG_COLUMNS: [(&str, pg_sys::Oid, bool); 9] = [
+    ("id", pg_sys::INT8OID, true),
+    ("message_key", pg_sys::TEXTOID, false),
+    ("concurrency", pg_sys::TEXTOID, false),
+    ("compaction", pg_sys::BOOLOID, true),
+    ("payload", pg_sys::JSONBOID, true),
+    ("produced_at", pg_sys::TIMESTAMPTZOID, true),
+    ("lane", pg_sys::INT4OID, true),
+    ("headers", pg_sys::JSONBOID, false),
+    ("deliver_at", pg_sys::TIMESTAMPTZOID, false),
+];
 
 const ADD: Statement = Statement {
     name: "partition_add",

@@ -37,7 +37,8 @@ macro_rules! raw_datum {
                 if is_null {
                     return None;
                 }
-                // SAFETY: `datum` is a valid varlena of this type (SPI checked the column type);
+                // SAFETY: `datum` is a valid varlena of this type (SPI, or src/message/scan.rs,
+                // checked the column type);
                 // the copy lives as long as `memory_context`.
                 memory_context.switch_to(|_| unsafe {
                     let copy = pg_sys::pg_detoast_datum_copy(datum.cast_mut_ptr());

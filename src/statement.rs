@@ -7,7 +7,8 @@
 //! Postgres' plan cache, so a recreated stream with a reused id still works.
 //!
 //! Rows are read by column name (`Columns`); a claim reads its messages by position, each row
-//! deformed once (`Deformed`, src/message.rs), as many as a hundred rows of nine columns per call.
+//! deformed once (`Row`: from a statement's result, `Deformed`, or from a partition's key without
+//! a statement, src/message/scan.rs), as many as a hundred rows of nine columns per call.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -353,9 +354,7 @@ impl<'conn> Deformed<'conn> {
             // SAFETY: a valid tuple descriptor; attributes are 1-based for SPI.
             unsafe { (1..=(*tupdesc).natts).map(|i| pg_sys::SPI_gettypeid(tupdesc, i)).collect() }
         };
-        let caller =
-            PgMemoryContexts::CurrentMemoryContext.parent().expect("SPI runs in a context of its caller").value();
-        Deformed { _table: table, tupdesc, tuples, len, types, caller }
+        Deformed { _table: table, tupdesc, tuples, len, types, caller: caller_context() }
     }
 
     /// `f` of every row, in order.
@@ -375,7 +374,22 @@ impl<'conn> Deformed<'conn> {
     }
 }
 
-/// One row of a `Deformed` result.
+/// Where values read inside an SPI connection and kept past it are copied: the parent of SPI's
+/// procedure context (the transaction's, for pgrx's atomic connections), as pgrx does for the
+/// rows it reads. SPI's context is current inside a connection: nothing of the library switches
+/// to another around its reads.
+pub fn caller_context() -> pg_sys::MemoryContext {
+    debug_assert_eq!(
+        // SAFETY: the current context is valid and has a NUL-terminated name.
+        unsafe { std::ffi::CStr::from_ptr((*pg_sys::CurrentMemoryContext).name) },
+        c"SPI Proc",
+        "read inside an SPI connection"
+    );
+    // SAFETY: the current context is valid; its parent outlives it.
+    unsafe { PgMemoryContexts::CurrentMemoryContext.parent() }.expect("SPI runs in a context of its caller").value()
+}
+
+/// One row of a `Deformed` result, or of a scan (src/message/scan.rs).
 pub struct Row<'a> {
     values: &'a [pg_sys::Datum],
     nulls: &'a [bool],
@@ -384,9 +398,13 @@ pub struct Row<'a> {
 }
 
 impl<'a> Row<'a> {
-    /// A row read without SPI (src/log_scan.rs): one value, null flag and type per column;
+    /// A row read without SPI (src/message/scan.rs): one value, null flag and type per column;
     /// values the caller keeps are copied into `caller`.
-    pub fn of(
+    ///
+    /// # Safety
+    /// Each value that is not NULL is a valid datum of its column's type, and stays valid while
+    /// the row is used; `caller` is a live memory context.
+    pub unsafe fn of(
         values: &'a [pg_sys::Datum],
         nulls: &'a [bool],
         types: &'a [pg_sys::Oid],

@@ -637,7 +637,7 @@ fn a_claims_probe_stops_at_the_safe_head() {
 fn kept_plans(c: &mut Client, name: &str) -> i64 {
     c.query_one(
         "SELECT count(*) FROM pg_backend_memory_contexts
-         WHERE name = 'CachedPlanSource' AND ident LIKE '/* sqlstreams ' || $1 || ' */%'",
+         WHERE name = 'CachedPlanSource' AND starts_with(ident, '/* sqlstreams ' || $1 || ' */')",
         &[&name],
     )
     .unwrap()
@@ -668,7 +668,7 @@ fn claim_everything(c: &mut Client, stream: &str) -> Vec<String> {
 }
 
 /// A claim reads a lane's next messages from the partition's key without a statement
-/// (src/log_scan.rs); a partition a DBA changed (row security here) is read by the statement.
+/// (src/message/scan.rs); a partition a DBA changed (row security here) is read by the statement.
 /// Both hand out the same rows: ordered keys, keyless and compacted messages, headers, messages
 /// held back by `deliver_after`, across a partition boundary.
 #[test]
@@ -694,9 +694,9 @@ fn a_claim_reads_a_lanes_messages_from_its_key_as_the_statement_reads_them() {
             .unwrap();
         tx.execute("SELECT sqlstreams.produce($1, '{\"c\": 1}', 'solo', compaction => true)", &[&s.name]).unwrap();
         s.produce_many(&mut tx, 20, None);
-        // Stored out of line (TOAST), read while the scan is on its row.
+        // Stored out of line (TOAST: it does not compress), read while the scan is on its row.
         tx.execute(
-            "SELECT sqlstreams.produce($1, jsonb_build_object('big', repeat('x', 100000)), 'key-3')",
+            "SELECT sqlstreams.produce($1, (SELECT jsonb_agg(md5(g::text)) FROM generate_series(1, 4000) g), 'key-3')",
             &[&s.name],
         )
         .unwrap();
@@ -706,6 +706,14 @@ fn a_claim_reads_a_lanes_messages_from_its_key_as_the_statement_reads_them() {
             .unwrap();
     }
     tx.commit().unwrap();
+    for s in [&direct, &changed] {
+        let toast = format!(
+            "SELECT pg_relation_size(reltoastrelid) FROM pg_class WHERE oid = '{}_p1'::regclass",
+            s.table("message_log")
+        );
+        let toasted: i64 = c.query_one(&toast, &[]).unwrap().get(0);
+        assert!(toasted > 0, "a payload is stored out of line");
+    }
 
     // Sessions of their own, whose plans are this test's.
     let (mut a, mut b) = (connect(), connect());

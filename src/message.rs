@@ -12,13 +12,13 @@ use crate::concurrency::{self, Concurrency};
 use crate::error::{Result, StreamError};
 use crate::group::GroupRef;
 use crate::key_gate::Candidate;
-use scan::LaneRange;
-
-mod scan;
 use crate::partition::{self, Log};
 use crate::payload::RawJsonb;
 use crate::statement::{Access, Columns, Deformed, Part, Row, Statement};
 use crate::stream::StreamRef;
+use scan::LaneRange;
+
+mod scan;
 
 /// The columns a message is read with (`messages`), in the order of `Column`.
 macro_rules! columns {

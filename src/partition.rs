@@ -5,8 +5,9 @@
 //! The claim path reads the partitions it needs by name (`Statement::exec_in`, or by oid from
 //! the partition's key, src/message/scan.rs), never through the partitioned log: PostgreSQL 15
 //! locks every partition of the log at each execution of a cached plan over it, before run-time
-//! pruning skips them, and a lateral lookup into the log cannot be pruned at planning at all. A stream that keeps its history (retention not caught
-//! up, a group far behind) would otherwise pay for every partition on every claim.
+//! pruning skips them, and a lateral lookup into the log cannot be pruned at planning at all. A
+//! stream that keeps its history (retention not caught up, a group far behind) would otherwise
+//! pay for every partition on every claim.
 
 use std::ffi::CString;
 

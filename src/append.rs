@@ -180,7 +180,7 @@ fn plain(relation: &PgRelation, stream: Option<i64>) -> bool {
                 && attribute.attidentity == 0
                 && attribute.atttypid == type_oid
                 && attribute.attnotnull == not_null
-                && std::ffi::CStr::from_ptr(attribute.attname.data.as_ptr()).to_bytes() == name.as_bytes()
+                && partition::is_named(attribute, name)
         });
         if !columns_match {
             return false;
@@ -202,10 +202,9 @@ fn produced_at_is_now(log: &PgRelation) -> bool {
     // SAFETY: reads an open relation's descriptor and its defaults' node strings.
     unsafe {
         let desc = log.tuple_desc();
-        let Some(position) = desc.iter().position(|attribute| {
-            !attribute.attisdropped
-                && std::ffi::CStr::from_ptr(attribute.attname.data.as_ptr()).to_bytes() == b"produced_at"
-        }) else {
+        let Some(position) =
+            desc.iter().position(|attribute| !attribute.attisdropped && partition::is_named(attribute, "produced_at"))
+        else {
             return false;
         };
         let constraints = (*log.rd_att).constr;

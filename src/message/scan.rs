@@ -21,7 +21,7 @@ use pgrx::pg_sys;
 use pgrx::{PgRelation, PgTupleDesc};
 
 use crate::error::Result;
-use crate::partition::LOG_COLUMNS;
+use crate::partition::{self, LOG_COLUMNS};
 use crate::statement::{self, Row};
 
 /// Which messages of a lane to read: ids in `(after, upto]`, at most `limit` of them.
@@ -155,13 +155,7 @@ fn attnums(heap: &PgRelation, columns: &[&str]) -> Option<Vec<(usize, pg_sys::Oi
 /// The attribute number of the column `name` of type `type_oid`, neither dropped nor generated.
 fn attnum(desc: &PgTupleDesc<'_>, name: &str, type_oid: pg_sys::Oid) -> Option<usize> {
     desc.iter()
-        .position(|a| {
-            !a.attisdropped
-                && a.attgenerated == 0
-                && a.atttypid == type_oid
-                // SAFETY: attribute names are NUL-terminated.
-                && unsafe { std::ffi::CStr::from_ptr(a.attname.data.as_ptr()) }.to_bytes() == name.as_bytes()
-        })
+        .position(|a| !a.attisdropped && a.attgenerated == 0 && a.atttypid == type_oid && partition::is_named(a, name))
         .map(|i| i + 1)
 }
 

@@ -132,8 +132,10 @@ BEGIN
             claimed           bigint      NOT NULL,
             held_by           uuid,
             held_until        timestamptz,
-            PRIMARY KEY (consumer_group_id, lane),
-            CHECK ((held_by IS NULL) = (held_until IS NULL))
+            PRIMARY KEY (consumer_group_id, lane)
+            -- No CHECK that held_by and held_until are both set or both NULL: every statement
+            -- that writes them writes both (src/lanes/holds.rs), and a CHECK is compiled anew
+            -- by every statement that writes the table, as every claim does.
         );
 
         -- Open range claims: ids first_id .. last_id handed to one consumer under a lease.
@@ -150,8 +152,10 @@ BEGIN
             pending_keys      text[]      NOT NULL,
             -- 0.2.0: the lane every message of the range is in.
             lane              integer     NOT NULL,
-            PRIMARY KEY (consumer_group_id, first_id),
-            CHECK (cardinality(pending) = cardinality(pending_keys))
+            PRIMARY KEY (consumer_group_id, first_id)
+            -- One key (or NULL) per pending id: src/range.rs writes the two arrays together.
+            -- Not a CHECK: a CHECK is compiled anew by every statement that writes the table,
+            -- as every claim does.
         );
         -- 0.2.0: a claim's ranges, found by its token (outcomes, lane releases) in one probe
         -- however many ranges other claims opened and closed since the last vacuum.
@@ -633,8 +637,10 @@ BEGIN
                 claimed           bigint      NOT NULL,
                 held_by           uuid,
                 held_until        timestamptz,
-                PRIMARY KEY (consumer_group_id, lane),
-                CHECK ((held_by IS NULL) = (held_until IS NULL))
+                PRIMARY KEY (consumer_group_id, lane)
+                -- No CHECK that held_by and held_until are both set or both NULL: every statement
+                -- that writes them writes both (src/lanes/holds.rs), and a CHECK is compiled anew
+                -- by every statement that writes the table, as every claim does.
             );
             -- Created by this script, it would belong to the extension; a stream's tables do not
             -- (pg_dump keeps them).
@@ -642,7 +648,9 @@ BEGIN
             INSERT INTO sqlstreams.lane_@id@ (consumer_group_id, lane, claimed)
             SELECT c.consumer_group_id, l, c.claimed FROM sqlstreams.cursor_@id@ c, generate_series(0, @lanes@ - 1) l;
 
-            ALTER TABLE sqlstreams.range_lease_@id@ ADD COLUMN lane integer;
+            ALTER TABLE sqlstreams.range_lease_@id@ ADD COLUMN lane integer,
+                -- Every claim inserts a range: a CHECK would be compiled for each (as created).
+                DROP CONSTRAINT range_lease_@id@_check;
             -- Ranges open now were claimed across lanes: each becomes one range per lane of its
             -- pending messages, under the same token, expiry and reclaims, so that every range is
             -- in one lane. The row keeps the lane of its oldest pending message; the other lanes'

@@ -493,6 +493,8 @@ pub(crate) fn lease_args(
     token: pgrx::Uuid,
     expires: i64,
 ) -> Vec<DatumWithOid<'static>> {
+    // The table has no CHECK for it (the install script says why).
+    debug_assert_eq!(range.pending.len(), range.pending_keys.len(), "a key for each pending message");
     vec![
         group_id.into(),
         range.first_id.into(),
@@ -508,6 +510,7 @@ pub(crate) fn lease_args(
 
 /// Stores `rest`, split off range `first_id` (see `RangeLease::split_off`).
 pub fn split(client: &SpiClient<'_>, stream_id: i64, group_id: i64, first_id: i64, rest: &RangeLease) -> Result<()> {
+    debug_assert_eq!(rest.pending.len(), rest.pending_keys.len(), "a key for each pending message");
     SPLIT.run(
         client,
         stream_id,

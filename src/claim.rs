@@ -508,11 +508,17 @@ impl Claim<'_> {
         let mut first = None;
         let mut reads = 0;
         while lane.claimed < safe && room > 0 {
-            let mut read = message::after(client, self.group, lane.lane, lane.claimed, safe, room)?;
-            let full = read.len() as i32 == room;
+            let lane_read = message::after(client, self.group, lane.lane, lane.claimed, safe, room)?;
+            // What lies after this read: the next claim to take the lane knows without a probe.
+            if let Some(next) = lane_read.next {
+                lanes::saw_next(stream_id, lane_read.log, lane.lane, next);
+            }
+            let full = lane_read.next.is_some();
+            let mut read = lane_read.messages;
             first = first.or(read.first().map(|m| m.candidate.message_id));
-            // A full read ends at its last message; otherwise the lane is handed out up to the
-            // safe head, including ids of rolled-back producers that will never appear.
+            // A read with more after it ends at its last message; otherwise the lane is handed
+            // out up to the safe head, including ids of rolled-back producers that will never
+            // appear.
             lane.claimed = match read.last() {
                 Some(last) if full => last.candidate.message_id,
                 _ => safe,

@@ -36,6 +36,13 @@ mod next;
 
 pub use holds::{end_holds_with_ranges, release, store, store_with_new_range};
 
+/// A claim's read of lane `lane` of log `log` found message `id` after what it handed out, up to
+/// the safe head: the next claim to take the lane knows it has work without probing it (as a
+/// probe that found `id` would have learned, src/lanes/next.rs).
+pub fn saw_next(stream_id: i64, log: pg_sys::Oid, lane: i32, id: i64) {
+    next::learn(stream_id, log, lane, id);
+}
+
 /// The transaction committed: what its probes learned of lanes counts from now on
 /// (src/lanes/empty.rs, src/lanes/next.rs).
 pub fn committed() {

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use pgrx::datum::TimestampWithTimeZone;
-use pgrx::pg_sys::BuiltinOid::*;
+use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::spi::SpiClient;
 use pgrx::{FromDatum, IntoDatum};
 
@@ -252,7 +252,24 @@ pub fn candidates(client: &SpiClient<'_>, group: &GroupRef, addresses: &[Address
     Ok(by_id(client, group, addresses)?.into_iter().map(|m| m.candidate).collect())
 }
 
-/// Up to `limit` messages of `lane` with ids in `(after, upto]`, in id order, with payloads.
+/// What a claim read of a lane (`after`).
+pub struct LaneRead {
+    /// Up to the limit asked for, in id order, with payloads.
+    pub messages: Vec<Message>,
+    /// The lane's next message in the span, when there is one after `messages`: read with them,
+    /// one row more than asked for, its id alone.
+    pub next: Option<i64>,
+    /// The log read (what a backend learns of its lanes is kept by its oid, src/lanes/next.rs).
+    pub log: pg_sys::Oid,
+}
+
+/// A row of a lane's read: a message to hand out, or the id of the one after the limit.
+enum Read {
+    Message(Message),
+    Next(i64),
+}
+
+/// Up to `limit` messages of `lane` with ids in `(after, upto]`, and whether there are more.
 pub fn after(
     client: &SpiClient<'_>,
     group: &GroupRef,
@@ -260,29 +277,44 @@ pub fn after(
     after: i64,
     upto: i64,
     limit: i32,
-) -> Result<Vec<Message>> {
+) -> Result<LaneRead> {
     let log = Log::open(&group.stream)?;
     let mut found = Vec::new();
+    let mut next = None;
     for part in log.holding(client, after, upto, Access::Write)? {
         let part = part?;
-        let room = limit - found.len() as i32;
-        let range = LaneRange { lane, after, upto, limit: room };
-        let read = match log.part_oid(part) {
-            Some(oid) => scan::lane_after(oid, &READ_COLUMNS, range, |row| message(row, group))?,
+        let mut seen = found.len() as i32;
+        let mut read = |row: &Row<'_>| {
+            seen += 1;
+            if seen > limit {
+                Ok(Read::Next(required_at(row, Column::Id)?))
+            } else {
+                message(row, group).map(Read::Message)
+            }
+        };
+        let range = LaneRange { lane, after, upto, limit: limit + 1 - found.len() as i32 };
+        let rows = match log.part_oid(part) {
+            Some(oid) => scan::lane_after(oid, &READ_COLUMNS, range, &mut read)?,
             None => None,
         };
-        found.extend(match read {
-            Some(messages) => messages,
+        let rows = match rows {
+            Some(rows) => rows,
             None => {
-                let args = [after.into(), upto.into(), room.into(), lane.into()];
-                messages(AFTER.exec_in_deformed(client, group.stream.id, part, &args, Access::Write)?, group)?
+                let args = [after.into(), upto.into(), range.limit.into(), lane.into()];
+                AFTER.exec_in_deformed(client, group.stream.id, part, &args, Access::Write)?.map(&mut read)?
             }
-        });
-        if found.len() as i32 == limit {
+        };
+        for row in rows {
+            match row {
+                Read::Message(message) => found.push(message),
+                Read::Next(id) => next = Some(id),
+            }
+        }
+        if next.is_some() {
             break;
         }
     }
-    Ok(found)
+    Ok(LaneRead { messages: found, next, log: log.oid() })
 }
 
 /// When the message at `address` was produced (NULL when it is not in the log).

@@ -595,6 +595,68 @@ fn group_status_probes_a_lane_left_behind_the_head_once_per_backend() {
     assert_eq!(progress, (4, 4, 0));
 }
 
+/// A claim that reads a batch from a lane with more after it reads the next message's id too,
+/// so the claim that takes the lane next knows it has work without probing it: once every lane
+/// has been read, a claim of a backlog scans the log's key once for each lane it reads, and no
+/// more (before, a lane was probed again before each read, four lanes to a probe).
+#[test]
+fn a_claim_that_reads_a_full_batch_from_a_lane_tells_the_next_one_it_has_more() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "reads-next");
+    let g = s.group(&mut c, "g", Some("parallel"));
+    // Keyless messages go to the lanes in blocks of 64 ids: about 64 messages in each of the 16.
+    let produced = s.produce_many(&mut c, 1024, None);
+    let log = s.table("message_log");
+    let key: String = c
+        .query_one(
+            "SELECT indexrelid::regclass::text FROM pg_index WHERE indrelid = $1::text::regclass AND indisprimary",
+            &[&format!("{log}_p0")],
+        )
+        .unwrap()
+        .get(0);
+    let lanes: HashMap<i64, i32> =
+        c.query(&format!("SELECT id, lane FROM {log}"), &[]).unwrap().iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(lanes.len(), produced.len());
+    // A backend of its own: what it learns of the lanes is its own.
+    let mut claimer = connect();
+    let mut delivered: Vec<i64> = Vec::new();
+    let mut read: HashSet<i32> = HashSet::new();
+    let mut checked = 0;
+    for _ in 0..48 {
+        let mut tx = claimer.transaction().unwrap();
+        let before = own_scans(&mut tx, &key);
+        let rows =
+            tx.query("SELECT message_id, lease_token FROM sqlstreams.claim($1, $2, 10)", &[&s.name, &g.name]).unwrap();
+        let scans = own_scans(&mut tx, &key) - before;
+        tx.commit().unwrap();
+        let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+        assert_eq!(ids.len(), 10, "the backlog fills every batch");
+        let lanes_read: HashSet<i32> = ids.iter().map(|id| lanes[id]).collect();
+        if read.len() == 16 {
+            assert_eq!(scans, lanes_read.len() as i64, "one scan per lane read, no probe (ids {ids:?})");
+            checked += 1;
+        }
+        read.extend(&lanes_read);
+        claimer
+            .execute(
+                "SELECT sqlstreams.ack_batch($1, $2, $3, $4)",
+                &[&s.name, &g.name, &rows[0].get::<_, uuid::Uuid>(1), &ids],
+            )
+            .unwrap();
+        delivered.extend(ids);
+    }
+    assert!(checked >= 30, "most claims came after every lane was read ({checked})");
+    // Nothing twice, and in each lane its first messages, none passed over.
+    let unique: HashSet<i64> = delivered.iter().copied().collect();
+    assert_eq!(unique.len(), delivered.len());
+    for lane in 0..16 {
+        let all: Vec<i64> = produced.iter().copied().filter(|id| lanes[id] == lane).collect();
+        let mut got: Vec<i64> = delivered.iter().copied().filter(|id| lanes[id] == lane).collect();
+        got.sort();
+        assert_eq!(got, all[..got.len()], "lane {lane}");
+    }
+}
+
 /// A lane with nothing up to the safe head but many messages past it (committed behind an open
 /// producer the fence waits for) costs a claim's probe a page or two, not a read through those
 /// messages: the probe's scan stops at the safe head (on PostgreSQL 15 to 17 a row comparison as

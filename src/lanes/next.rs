@@ -1,7 +1,8 @@
 //! What this backend has seen of lanes with work: "lane L of the log has message X", learned
-//! from a probe that found X as the lane's next message up to a safe head. A probe looks at a
-//! few lanes at once and a claim takes one of them, so the next claims take the others without
-//! probing them again.
+//! from a probe that found X as the lane's next message up to a safe head, or from a claim's read
+//! of the lane that found X after the batch it handed out (src/message.rs reads one row more). A
+//! probe looks at a few lanes at once and a claim takes one of them, so the next claims take the
+//! others without probing them again; a lane read before is taken again without a probe.
 //!
 //! X is at or below a safe head, so it is final (src/fence.rs); retention keeps it while any
 //! group has not committed it. So while a lane's position is below X, the lane has work: X, at

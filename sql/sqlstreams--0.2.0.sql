@@ -267,9 +267,9 @@ BEGIN
             held_by           uuid,
             held_until        timestamptz,
             PRIMARY KEY (consumer_group_id, lane)
-            -- No CHECK that held_by and held_until are both set or both NULL: every statement
-            -- that writes them writes both (src/lanes/holds.rs), and a CHECK is compiled anew
-            -- by every statement that writes the table, as every claim does.
+            -- No CHECK that held_by and held_until are both set or both NULL: the statements
+            -- that write them keep it so (src/lanes/holds.rs, src/lease.rs, seek, maintain), and a
+            -- CHECK is compiled anew by every statement that writes the table, as every claim does.
         );
 
         -- Open range claims: ids first_id .. last_id handed to one consumer under a lease.

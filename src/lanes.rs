@@ -43,15 +43,15 @@ pub fn saw_next(stream_id: i64, log: pg_sys::Oid, lane: i32, id: i64) {
     next::learn(stream_id, log, lane, id);
 }
 
-/// The transaction committed: what its probes learned of lanes counts from now on
+/// The transaction committed: what its probes and reads learned of lanes counts from now on
 /// (src/lanes/empty.rs, src/lanes/next.rs).
 pub fn committed() {
     empty::committed();
     next::committed();
 }
 
-/// The transaction, or one of its savepoints, was rolled back or prepared: what its probes
-/// learned goes.
+/// The transaction, or one of its savepoints, was rolled back or prepared: what its probes and
+/// reads learned goes.
 pub fn rolled_back() {
     empty::rolled_back();
     next::rolled_back();

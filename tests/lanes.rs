@@ -657,6 +657,32 @@ fn a_claim_that_reads_a_full_batch_from_a_lane_tells_the_next_one_it_has_more() 
     }
 }
 
+/// A batch that takes the last of its lane's messages up to the safe head moves the lane there,
+/// past the other lanes' ids: its read looked one message further and found none. What the lane
+/// gets later is still handed out.
+#[test]
+fn a_batch_that_takes_a_lanes_last_messages_moves_the_lane_to_the_safe_head() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "lane-ends");
+    let g = s.group(&mut c, "g", Some("parallel"));
+    let keys = one_key_per_lane(&mut c, &s);
+    let first = s.produce_many(&mut c, 10, Some(&keys[0]));
+    let others: Vec<i64> = keys[1..].iter().map(|k| s.produce(&mut c, json!({}), Some(k))).collect();
+    let head = *others.last().unwrap();
+    let claimed = g.claim(&mut c, 10);
+    assert_eq!(ids(&claimed), first, "lane 0 first: its ten messages fill the batch");
+    let position: i64 =
+        c.query_one(&format!("SELECT claimed FROM {} WHERE lane = 0", s.table("lane")), &[]).unwrap().get(0);
+    assert!(position >= head, "lane 0 is at {position}, not at the safe head ({head} or later)");
+    g.ack_batch(&mut c, &claimed);
+    let later = s.produce_many(&mut c, 3, Some(&keys[0]));
+    let mut rest = g.drain(&mut c);
+    rest.sort();
+    let mut expected = others;
+    expected.extend(later);
+    assert_eq!(rest, expected, "the other lanes' messages and lane 0's later ones, each once");
+}
+
 /// A lane with nothing up to the safe head but many messages past it (committed behind an open
 /// producer the fence waits for) costs a claim's probe a page or two, not a read through those
 /// messages: the probe's scan stops at the safe head (on PostgreSQL 15 to 17 a row comparison as

@@ -34,8 +34,8 @@ pub fn known(stream_id: StreamId, log: pg_sys::Oid, lane: i32, claimed: i64, saf
     FACTS.with(|facts| facts.borrow().get(&(stream_id, log, lane)).is_some_and(|&id| claimed < id && id <= safe))
 }
 
-/// Records that a probe found message `id` in lane `lane`; it counts once the transaction
-/// commits (`committed`).
+/// Records that a probe, or a claim's read, found message `id` in lane `lane` after the lane's
+/// position; it counts once the transaction commits (`committed`).
 pub fn learn(stream_id: StreamId, log: pg_sys::Oid, lane: i32, id: i64) {
     LEARNED.with(|learned| {
         let mut learned = learned.borrow_mut();

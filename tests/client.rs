@@ -541,6 +541,83 @@ async fn a_claim_sent_ahead_is_given_back_when_the_consumer_stops() {
     assert!(calls.lock().unwrap().iter().all(|(_, attempt)| *attempt == 0), "a release spends no attempt");
 }
 
+/// Once a full claim's rows of parallel work have run, and the claim sent ahead of them is still
+/// with the server, the claim after it goes out too, queued behind it: the server does not wait a
+/// round trip for the consumer between the two. Here the server is held (the log locked) while it
+/// has the second claim after the first's rows: stopped then, the consumer runs the rows of the
+/// claim it is waiting for and gives back those of the one queued behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_claim_after_next_is_queued_once_a_full_claims_rows_have_run() {
+    let client = client();
+    let name = unique("queued");
+    let stream = client.stream::<Adjustment>(name.clone());
+    stream.register().await.unwrap();
+    let group = stream.consumer("g");
+    // Permits to spare: every claim asks for a whole batch, however many rows still run.
+    let settings = ConsumerConfig {
+        message_concurrency: 500,
+        batch_size: 100,
+        lease: Duration::from_secs(60),
+        handler_timeout: Duration::from_secs(10),
+        ..config(None)
+    };
+    let batch: Vec<Adjustment> = (0..400).map(|i| adjustment("a", i)).collect();
+    stream.producer().produce_batch(batch.iter().map(|m| (m, None)), BatchOptions::default()).await.unwrap();
+    // The first handler called (the first claim's first row: a claim takes lanes in no set
+    // order) holds the claim loop, synchronously, before its future, until the test has locked
+    // the log; the claim sent ahead of the first claim's rows has gone out before them. It
+    // blocks in place: the runtime's other tasks (the connections') go on meanwhile.
+    let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let gate = Mutex::new((started_tx, go_rx));
+    let first = std::sync::atomic::AtomicBool::new(true);
+    let running = group.register(settings.clone()).await.unwrap().start(move |_: Delivery<Adjustment>| {
+        if first.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            tokio::task::block_in_place(|| {
+                let gate = gate.lock().unwrap();
+                gate.0.send(()).unwrap();
+                gate.1.recv_timeout(Duration::from_secs(20)).unwrap();
+            });
+        }
+        std::future::ready(Ok(()))
+    });
+    started_rx.recv_timeout(Duration::from_secs(20)).unwrap();
+    let claims = || async {
+        let conn = client.pool().get().await.unwrap();
+        let sql = "SELECT count(DISTINCT lease_token) FROM sqlstreams.open_leases($1, 'g')";
+        conn.query_one(sql, &[&name]).await.unwrap().get::<_, i64>(0)
+    };
+    eventually_async("the claim sent ahead, committed", || async { claims().await == 2 }).await;
+    // Every claim from now on waits for the log.
+    let locker = client.pool().get().await.unwrap();
+    let id: i64 = locker.query_one("SELECT id FROM sqlstreams.streams WHERE name = $1", &[&name]).await.unwrap().get(0);
+    locker
+        .batch_execute(&format!("BEGIN; LOCK TABLE sqlstreams.message_log_{id} IN ACCESS EXCLUSIVE MODE"))
+        .await
+        .unwrap();
+    go_tx.send(()).unwrap();
+    // The third claim, sent once the first's rows have run, waits for the log; the second's
+    // rows run, and then the fourth claim is queued behind the third (before the rows are counted).
+    eventually("the first two claims' rows", || running.metrics().succeeded == 200).await;
+    let mut shutdown = Box::pin(running.shutdown(Duration::from_secs(20)));
+    let pending = std::future::poll_fn(|cx| std::task::Poll::Ready(shutdown.as_mut().poll(cx).is_pending())).await;
+    assert!(pending, "told to stop, still waiting for the third claim");
+    locker.batch_execute("COMMIT").await.unwrap();
+    let report = shutdown.await;
+    assert!(report.drained);
+    assert_eq!(
+        (report.metrics.succeeded, report.metrics.released),
+        (300, 100),
+        "the third claim's rows ran; the fourth, queued behind it, was given back"
+    );
+
+    let calls: Calls = Arc::default();
+    let next = group.register(settings).await.unwrap().start(record_calls(&calls));
+    eventually("the last 100, long before the lease ends", || calls.lock().unwrap().len() == 100).await;
+    next.shutdown(Duration::from_secs(5)).await;
+    assert!(calls.lock().unwrap().iter().all(|(_, attempt)| *attempt == 0), "a release spends no attempt");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn shutdown_past_its_grace_cancels_and_gives_back_the_rest() {
     let client = client();

@@ -72,6 +72,19 @@
 //! starts a message before every earlier message of the key succeeded or was dead-lettered, and
 //! an `Exclusive` key runs one delivery at a time. Same-key messages of one claim run in one
 //! task, in order, so a hot key stays serial whatever `message_concurrency` is.
+//!
+//! # Claims in flight
+//!
+//! A consumer never holds more rows, claimed and not finished, than `message_concurrency`:
+//! each claim asks for the rows it has room for. While a backlog of parallel work lasts (a claim
+//! came back full, with no same-key rows), it keeps the server busy: the next claim goes out
+//! before the rows of the last one run, on the connection that claim came back on, and once they
+//! have run, the claim after it goes out too, queued behind it, so that the server runs it as
+//! soon as the first is done instead of waiting a round trip for the consumer. Each carries the
+//! acks made before it was sent. With `message_concurrency` at least twice `batch_size`, both
+//! are whole batches. A claim of ordered or exclusive work is let finish before the next
+//! (claiming behind it would only park its successors), and a consumer that finds nothing
+//! holds no connection while it waits.
 
 //! The client's spans follow OpenTelemetry's messaging conventions: `produce <stream>` (a
 //! producer span, operation type `send`), `claim <stream>` (a client span, `receive`) and

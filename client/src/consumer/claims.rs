@@ -32,16 +32,21 @@ impl Claimed {
     }
 }
 
-/// Claims up to `batch` rows for the consumer of `ctx`, carrying `acks` (the previous claim's).
+/// A pooled connection that claims share: a claim sent while another is in flight goes out on
+/// the same one (see `ClaimLoop::send_ahead`).
+pub(super) type Conn = Arc<deadpool_postgres::Object>;
+
+/// Claims up to `batch` rows for the consumer of `ctx` on `conn`, carrying `acks` (the previous
+/// claim's).
 pub(super) async fn claim<T, H>(
     ctx: Arc<Ctx<T, H>>,
+    conn: Conn,
     batch: i32,
     acks: Option<(Uuid, Vec<i64>)>,
 ) -> Result<Vec<Claimed>> {
     let span = crate::trace_context::receive_span(&ctx.group.stream.name, &ctx.group.name, batch);
     async {
         let started = Instant::now();
-        let conn = ctx.group.stream.pool.conn().await?;
         let claim = conn.prepare_cached(sql::CLAIM).await?;
         let rows = conn
             .query(

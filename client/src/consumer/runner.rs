@@ -1,9 +1,12 @@
 //! The consumer loop: claim, split the result into same-key chains, run each chain (one
 //! message at a time, in id order) on the loop's own task until a handler waits, then on a
 //! task of its own; record outcomes. A full claim of parallel work sends the next claim before
-//! its rows run. The claim call and its chains are in claims.rs, running them in executor.rs,
-//! the idle wait in idle.rs; acks and failures are written by the writer (writer.rs).
+//! its rows run, and another once they have run, so that the server has the claim after it
+//! queued while it runs one. The claim call and its chains are in claims.rs, running them in
+//! executor.rs, the idle wait in idle.rs; acks and failures are written by the writer
+//! (writer.rs).
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, warn};
 use uuid::Uuid;
 
-use super::claims::{chains_of, claim, Claimed};
+use super::claims::{chains_of, claim, Claimed, Conn};
 use super::executor::{ChainTask, Inline, INLINE_BUDGET};
 use super::handler::Handle;
 use super::idle::{idle_wait, NextDue, IDLE_FLOOR};
@@ -139,22 +142,29 @@ where
     fatal.map_or(Ok(()), Err)
 }
 
-/// A claim sent before the rows of the claim before it ran (see `ClaimLoop::dispatch`), with
-/// what it holds.
+/// Claims in flight at once, at most: one the server runs, and the next, queued behind it on
+/// the same connection while the consumer runs the rows before them.
+const AHEAD: usize = 2;
+
+/// A claim sent before the rows of the claim before it finished (see `ClaimLoop::dispatch`),
+/// with what it holds.
 struct Ahead {
     claim: std::pin::Pin<Box<futures_util::future::MaybeDone<ClaimFuture>>>,
     permits: OwnedSemaphorePermit,
     acks: Option<(Uuid, Vec<i64>)>,
     claimed_at: Instant,
+    conn: Conn,
 }
 
 type ClaimFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<Claimed>>> + Send>>;
 
-/// A claim that came back: its rows (or error), the permits it asked with, the acks it carried.
+/// A claim that came back: its rows (or error), the permits it asked with, the acks it carried,
+/// the connection it went out on (none: the pool gave none).
 struct Sent {
     permits: OwnedSemaphorePermit,
     acks: Option<(Uuid, Vec<i64>)>,
     claimed_at: Instant,
+    conn: Option<Conn>,
     result: Result<Vec<Claimed>>,
 }
 
@@ -162,7 +172,7 @@ impl Ahead {
     async fn land(mut self) -> Sent {
         self.claim.as_mut().await;
         let result = self.claim.as_mut().take_output().expect("an awaited claim has its output");
-        Sent { permits: self.permits, acks: self.acks, claimed_at: self.claimed_at, result }
+        Sent { permits: self.permits, acks: self.acks, claimed_at: self.claimed_at, conn: Some(self.conn), result }
     }
 }
 
@@ -189,7 +199,8 @@ struct ClaimLoop<T, H> {
     /// Whether the last claim was parallel work only (no chains): then the next claim may
     /// overlap its handlers.
     pipelined: bool,
-    ahead: Option<Ahead>,
+    /// Claims in flight, oldest first (at most `AHEAD`).
+    ahead: VecDeque<Ahead>,
     /// An error that stops the consumer.
     fatal: Option<crate::Error>,
 }
@@ -210,7 +221,7 @@ where
             next_due: NextDue::Unknown,
             idle_after_flush: false,
             pipelined: true,
-            ahead: None,
+            ahead: VecDeque::with_capacity(AHEAD),
             fatal: None,
         }
     }
@@ -219,7 +230,7 @@ where
     async fn run(&mut self, stop: &CancellationToken) {
         while !stop.is_cancelled() {
             while self.chains.try_join_next().is_some() {}
-            let sent = match self.ahead.take() {
+            let sent = match self.ahead.pop_front() {
                 Some(ahead) => ahead.land().await,
                 None => match self.claim_now(stop).await {
                     Step::Go(sent) => sent,
@@ -227,22 +238,24 @@ where
                     Step::Stop => break,
                 },
             };
-            self.ctx.writer.claiming(false);
-            let step = match sent.result {
+            self.ctx.writer.claiming(!self.ahead.is_empty());
+            let Sent { permits, acks, claimed_at, conn, result } = sent;
+            let step = match result {
                 Err(e) => {
-                    drop(sent.permits);
-                    self.refused(e, sent.acks, stop).await
+                    drop((permits, conn));
+                    self.refused(e, acks, stop).await
+                }
+                Ok(rows) if rows.is_empty() => {
+                    // Not held while idle: the pool's connections are for whoever has work.
+                    drop((permits, conn));
+                    self.backoff.reset();
+                    self.idle(stop).await
                 }
                 Ok(rows) => {
                     self.backoff.reset();
-                    if rows.is_empty() {
-                        drop(sent.permits);
-                        self.idle(stop).await
-                    } else {
-                        self.idle_after_flush = false;
-                        self.dispatch(rows, sent.permits, sent.claimed_at, stop).await;
-                        Step::Again
-                    }
+                    self.idle_after_flush = false;
+                    self.dispatch(rows, permits, claimed_at, conn, stop).await;
+                    Step::Again
                 }
             };
             if let Step::Stop = step {
@@ -282,8 +295,13 @@ where
             ctx.writer.flush().await;
         }
         ctx.writer.claiming(true);
-        let result = claim(ctx.clone(), permits.num_permits() as i32, acks.clone()).await;
-        Step::Go(Sent { permits, acks, claimed_at, result })
+        // Taken after the flush: the writer may need the pool's last connection.
+        let conn = match ctx.group.stream.pool.conn().await {
+            Ok(conn) => Arc::new(conn),
+            Err(e) => return Step::Go(Sent { permits, acks, claimed_at, conn: None, result: Err(e) }),
+        };
+        let result = claim(ctx.clone(), conn.clone(), permits.num_permits() as i32, acks.clone()).await;
+        Step::Go(Sent { permits, acks, claimed_at, conn: Some(conn), result })
     }
 
     /// A claim failed: retried after a pause, unless retrying cannot help.
@@ -340,12 +358,15 @@ where
     }
 
     /// Runs a claim's rows: its chains first on this task, until their handler waits, then
-    /// spread over tasks; a full claim of parallel work sends the next claim first.
+    /// spread over tasks. A full claim of parallel work sends the next claim first (unless one
+    /// is in flight), on `conn`, the connection it came back on, and another once its rows
+    /// have run (`send_ahead`).
     async fn dispatch(
         &mut self,
         rows: Vec<Claimed>,
         mut permits: OwnedSemaphorePermit,
         claimed_at: Instant,
+        conn: Option<Conn>,
         stop: &CancellationToken,
     ) {
         let ctx = self.ctx.clone();
@@ -360,8 +381,9 @@ where
         // Claiming again while same-key rows of an ordered or exclusive key still run would
         // only park their successors; parallel work may overlap with the next claim.
         self.pipelined = split.iter().all(|chain| chain.len() == 1 && chain[0].concurrency == Concurrency::Parallel);
-        if self.pipelined && row_count == asked && !stop.is_cancelled() {
-            self.send_ahead().await;
+        let full = self.pipelined && row_count == asked;
+        if let Some(conn) = conn.filter(|_| full && self.ahead.is_empty() && !stop.is_cancelled()) {
+            self.send_ahead(conn).await;
         }
         // Chains first run here, on the claim loop's task, until their handler waits: a
         // handler that finishes when first polled (most do) then costs no task and no wake-up
@@ -382,16 +404,26 @@ where
             std::task::Poll::Ready(started.collect())
         })
         .await;
-        // Recorded once for all the rows that succeeded inline, before any task that follows
-        // one of them in its chain can record an outcome.
+        // Acked once for all the rows that succeeded inline, before any task that follows one of
+        // them in its chain can record an outcome.
         let acked = inline.acked.len();
         if acked > 0 {
             ctx.writer.ack_all(token, inline.acked);
-            ctx.counters.add(Event::Succeeded, acked as u64);
-            ctx.finished(token, acked);
         }
         // The permits of the chains finished here and of the rows the claim did not return.
         drop(permits);
+        // The claim sent above is the server's to run while this task waits for it: the one after
+        // it goes out now, behind it on its connection and with these acks, so that the server
+        // runs it as soon as the first is done instead of waiting a round trip for this consumer
+        // to ask. Before the rows are counted: whoever sees them counted sees it sent.
+        if full && (1..AHEAD).contains(&self.ahead.len()) && !stop.is_cancelled() {
+            let conn = self.ahead[self.ahead.len() - 1].conn.clone();
+            self.send_ahead(conn).await;
+        }
+        if acked > 0 {
+            ctx.counters.add(Event::Succeeded, acked as u64);
+            ctx.finished(token, acked);
+        }
         let tasks = self.workers.min(waiting.len());
         let mut buckets: Vec<Vec<_>> = (0..tasks).map(|_| Vec::new()).collect();
         for (i, chain) in waiting.into_iter().enumerate() {
@@ -405,9 +437,11 @@ where
         }
     }
 
-    /// A full claim of parallel work: more is likely waiting. The next claim goes out now, with
-    /// the acks made so far, and its round trip overlaps these rows' handlers.
-    async fn send_ahead(&mut self) {
+    /// A full claim of parallel work: more is likely waiting. The next claim goes out now on
+    /// `conn`, with the acks made so far, if there are permits for at least half a batch; its
+    /// round trip overlaps these rows' handlers. On a connection with a claim in flight, the
+    /// server runs it right after that one.
+    async fn send_ahead(&mut self, conn: Conn) {
         let ctx = &self.ctx;
         let wanted = ctx.semaphore.available_permits().min(ctx.config.batch_size as usize);
         if wanted < self.room {
@@ -416,20 +450,20 @@ where
         let Ok(permits) = ctx.semaphore.clone().try_acquire_many_owned(wanted as u32) else { return };
         let (acks, claimed_at) = (ctx.writer.take_acks(), Instant::now());
         ctx.writer.claiming(true);
-        let sent: ClaimFuture = Box::pin(claim(ctx.clone(), wanted as i32, acks.clone()));
+        let sent: ClaimFuture = Box::pin(claim(ctx.clone(), conn.clone(), wanted as i32, acks.clone()));
         let mut claim = Box::pin(futures_util::future::maybe_done(sent));
         // Its first poll sends it.
         let _sent = futures_util::poll!(claim.as_mut());
-        self.ahead = Some(Ahead { claim, permits, acks, claimed_at });
+        self.ahead.push_back(Ahead { claim, permits, acks, claimed_at, conn });
     }
 
-    /// After the loop: a claim sent ahead gives its rows back at once (not after their lease),
+    /// After the loop: claims sent ahead give their rows back at once (not after their lease),
     /// and every chain finishes. Returns the error that stopped the consumer, if one did.
     async fn finish(mut self) -> Option<crate::Error> {
         let ctx = self.ctx.clone();
-        if let Some(ahead) = self.ahead.take() {
+        while let Some(ahead) = self.ahead.pop_front() {
             let sent = ahead.land().await;
-            ctx.writer.claiming(false);
+            ctx.writer.claiming(!self.ahead.is_empty());
             match sent.result {
                 Ok(rows) if !rows.is_empty() => {
                     ctx.counters.add(Event::Claimed, rows.len() as u64);

@@ -76,15 +76,20 @@
 //! # Claims in flight
 //!
 //! A consumer never holds more rows, claimed and not finished, than `message_concurrency`:
-//! each claim asks for the rows it has room for. While a backlog of parallel work lasts (a claim
-//! came back full, with no same-key rows), it keeps the server busy: the next claim goes out
-//! before the rows of the last one run, on the connection that claim came back on, and once they
-//! have run, the claim after it goes out too, queued behind it, so that the server runs it as
-//! soon as the first is done instead of waiting a round trip for the consumer. Each carries the
-//! acks made before it was sent. With `message_concurrency` at least twice `batch_size`, both
-//! are whole batches. A claim of ordered or exclusive work is let finish before the next
-//! (claiming behind it would only park its successors), and a consumer that finds nothing
-//! holds no connection while it waits.
+//! each claim asks for the rows it has room for (up to `batch_size`, and only if there is room
+//! for half of that). While a backlog of parallel work lasts (a claim came back full, with no
+//! same-key rows), it keeps the server busy: the next claim goes out before the rows of the last
+//! one run, on the connection that claim came back on, and once they have run, the claim after it
+//! goes out too, queued behind it, so that the server runs it as soon as the first is done
+//! instead of waiting a round trip for the consumer. Each carries the acks made before it was
+//! sent (of one claim). With `message_concurrency` at least twice `batch_size` and handlers that
+//! finish without waiting, both are whole batches; with the defaults (64 and 100) a claim takes
+//! 64 rows and the next goes out once they have run. Claims queued behind one another keep
+//! their connection while the backlog lasts, so a pool of one connection (which the writer and
+//! the lease heartbeat need too) queues none. A claim that comes back with ordered or exclusive
+//! rows is let finish before the next is sent (claiming behind it would only park its
+//! successors), and a consumer that finds nothing lands what it had in flight and holds no
+//! connection while it waits.
 
 //! The client's spans follow OpenTelemetry's messaging conventions: `produce <stream>` (a
 //! producer span, operation type `send`), `claim <stream>` (a client span, `receive`) and

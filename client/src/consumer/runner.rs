@@ -201,6 +201,10 @@ struct ClaimLoop<T, H> {
     pipelined: bool,
     /// Claims in flight, oldest first (at most `AHEAD`).
     ahead: VecDeque<Ahead>,
+    /// Whether the pool has a connection besides the claims': the claims keep theirs while a
+    /// backlog lasts when one is queued behind another, and the writer, the lease heartbeat and
+    /// transactional handlers need one too.
+    spare_connection: bool,
     /// An error that stops the consumer.
     fatal: Option<crate::Error>,
 }
@@ -211,6 +215,7 @@ where
     H: Handle<T>,
 {
     fn new(ctx: Arc<Ctx<T, H>>, room: usize) -> Self {
+        let spare_connection = ctx.group.stream.pool.deadpool().status().max_size > 1;
         ClaimLoop {
             ctx,
             room,
@@ -222,6 +227,7 @@ where
             idle_after_flush: false,
             pipelined: true,
             ahead: VecDeque::with_capacity(AHEAD),
+            spare_connection,
             fatal: None,
         }
     }
@@ -249,7 +255,14 @@ where
                     // Not held while idle: the pool's connections are for whoever has work.
                     drop((permits, conn));
                     self.backoff.reset();
-                    self.idle(stop).await
+                    if self.ahead.is_empty() {
+                        self.idle(stop).await
+                    } else {
+                        // A claim queued behind this one came back too, or will: it is landed
+                        // before the consumer waits, so that a notification that comes meanwhile
+                        // wakes a consumer with nothing in flight, and the connection goes back.
+                        Step::Again
+                    }
                 }
                 Ok(rows) => {
                     self.backoff.reset();
@@ -317,6 +330,11 @@ where
             return Step::Stop;
         }
         warn!(error = %e, "sqlstreams: claim failed; retrying");
+        if !self.ahead.is_empty() {
+            // The claim queued behind it is landed first (its rows were handed out, or it failed
+            // as well); the pause comes when a claim fails with nothing in flight.
+            return Step::Again;
+        }
         tokio::select! {
             _ = tokio::time::sleep(self.backoff.next()) => Step::Again,
             _ = stop.cancelled() => Step::Stop,
@@ -416,7 +434,7 @@ where
         // it goes out now, behind it on its connection and with these acks, so that the server
         // runs it as soon as the first is done instead of waiting a round trip for this consumer
         // to ask. Before the rows are counted: whoever sees them counted sees it sent.
-        if full && (1..AHEAD).contains(&self.ahead.len()) && !stop.is_cancelled() {
+        if full && (1..AHEAD).contains(&self.ahead.len()) && self.spare_connection && !stop.is_cancelled() {
             let conn = self.ahead[self.ahead.len() - 1].conn.clone();
             self.send_ahead(conn).await;
         }
@@ -461,10 +479,16 @@ where
     /// and every chain finishes. Returns the error that stopped the consumer, if one did.
     async fn finish(mut self) -> Option<crate::Error> {
         let ctx = self.ctx.clone();
+        // Every claim in flight lands before any rows are released: the connection they share
+        // goes back to the pool first, where the writer finds it.
+        let mut landed = Vec::with_capacity(self.ahead.len());
         while let Some(ahead) = self.ahead.pop_front() {
-            let sent = ahead.land().await;
-            ctx.writer.claiming(!self.ahead.is_empty());
-            match sent.result {
+            let Sent { acks, result, .. } = ahead.land().await;
+            landed.push((acks, result));
+        }
+        ctx.writer.claiming(false);
+        for (acks, result) in landed {
+            match result {
                 Ok(rows) if !rows.is_empty() => {
                     ctx.counters.add(Event::Claimed, rows.len() as u64);
                     let released = ctx.writer.release(rows[0].token, rows.iter().map(|r| r.id).collect()).await;
@@ -473,7 +497,7 @@ where
                 }
                 Ok(_) => {}
                 Err(_) => {
-                    if let Some((token, ids)) = sent.acks {
+                    if let Some((token, ids)) = acks {
                         ctx.writer.return_acks(token, ids);
                     }
                 }

@@ -115,16 +115,25 @@ unsafe fn materialize(fcinfo: pg_sys::FunctionCallInfo) -> (*mut pg_sys::Tuplest
             );
         }
         let old = pg_sys::MemoryContextSwitchTo((*(*rsinfo).econtext).ecxt_per_query_memory);
-        let mut type_oid = pg_sys::InvalidOid;
-        let mut desc: pg_sys::TupleDesc = std::ptr::null_mut();
-        let desc = match pg_sys::get_call_result_type(fcinfo, &mut type_oid, &mut desc) {
-            pg_sys::TypeFuncClass::TYPEFUNC_COMPOSITE => pg_sys::CreateTupleDescCopy(desc),
-            pg_sys::TypeFuncClass::TYPEFUNC_SCALAR => {
-                let desc = pg_sys::CreateTemplateTupleDesc(1);
-                pg_sys::TupleDescInitEntry(desc, 1, c"value".as_ptr(), type_oid, -1, 0);
-                desc
+        // The row type the executor expects, as PostgreSQL's own set-returning functions take it
+        // (`MAT_SRF_USE_EXPECTED_DESC`): for a function with OUT parameters, working it out
+        // again from the catalog (`get_call_result_type`) costs every call a catalog lookup per
+        // column.
+        let expected = (*rsinfo).expectedDesc;
+        let desc = if !expected.is_null() {
+            pg_sys::CreateTupleDescCopy(expected)
+        } else {
+            let mut type_oid = pg_sys::InvalidOid;
+            let mut desc: pg_sys::TupleDesc = std::ptr::null_mut();
+            match pg_sys::get_call_result_type(fcinfo, &mut type_oid, &mut desc) {
+                pg_sys::TypeFuncClass::TYPEFUNC_COMPOSITE => pg_sys::CreateTupleDescCopy(desc),
+                pg_sys::TypeFuncClass::TYPEFUNC_SCALAR => {
+                    let desc = pg_sys::CreateTemplateTupleDesc(1);
+                    pg_sys::TupleDescInitEntry(desc, 1, c"value".as_ptr(), type_oid, -1, 0);
+                    desc
+                }
+                _ => pgrx::error!("a set-returning function of sqlstreams has no row type"),
             }
-            _ => pgrx::error!("a set-returning function of sqlstreams has no row type"),
         };
         let random = (*rsinfo).allowedModes & pg_sys::SetFunctionReturnMode::SFRM_Materialize_Random as i32 != 0;
         let store = pg_sys::tuplestore_begin_heap(random, false, pg_sys::work_mem);

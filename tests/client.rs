@@ -69,6 +69,32 @@ fn record_calls(
     }
 }
 
+/// A handler that succeeds, and at its first call (the first claim's first row) holds the claim
+/// loop, synchronously, before its future, until the test sends on `go`; `started` says it is
+/// holding. It blocks in place: the runtime's other tasks (the connections') go on meanwhile.
+#[allow(clippy::type_complexity)]
+fn holding_the_first_call() -> (
+    impl Fn(Delivery<Adjustment>) -> std::future::Ready<Result<(), HandlerError>> + Send + Sync + 'static,
+    std::sync::mpsc::Receiver<()>,
+    std::sync::mpsc::Sender<()>,
+) {
+    let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let gate = Mutex::new((started_tx, go_rx));
+    let first = std::sync::atomic::AtomicBool::new(true);
+    let handler = move |_: Delivery<Adjustment>| {
+        if first.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            tokio::task::block_in_place(|| {
+                let gate = gate.lock().unwrap();
+                gate.0.send(()).unwrap();
+                gate.1.recv_timeout(Duration::from_secs(20)).unwrap();
+            });
+        }
+        std::future::ready(Ok(()))
+    };
+    (handler, started_rx, go_tx)
+}
+
 /// Waits (bounded) until `done` holds.
 async fn eventually(what: &str, done: impl Fn() -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
@@ -508,19 +534,10 @@ async fn a_claim_sent_ahead_is_given_back_when_the_consumer_stops() {
     };
     let batch: Vec<Adjustment> = (0..300).map(|i| adjustment("a", i)).collect();
     stream.producer().produce_batch(batch.iter().map(|m| (m, None)), BatchOptions::default()).await.unwrap();
-    // The first message's handler holds the claim loop (synchronously, before its future) until
-    // the test has told the consumer to stop: by then the next claim has gone out.
-    let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
-    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
-    let gate = Mutex::new((started_tx, go_rx));
-    let running = group.register(settings.clone()).await.unwrap().start(move |d: Delivery<Adjustment>| {
-        if d.message.delta == 0 {
-            let gate = gate.lock().unwrap();
-            gate.0.send(()).unwrap();
-            gate.1.recv_timeout(Duration::from_secs(20)).unwrap();
-        }
-        std::future::ready(Ok(()))
-    });
+    // The first handler holds the claim loop until the test has told the consumer to stop: by
+    // then the next claim has gone out.
+    let (handler, started_rx, go_tx) = holding_the_first_call();
+    let running = group.register(settings.clone()).await.unwrap().start(handler);
     started_rx.recv_timeout(Duration::from_secs(20)).unwrap();
     let mut shutdown = Box::pin(running.shutdown(Duration::from_secs(10)));
     let pending = std::future::poll_fn(|cx| std::task::Poll::Ready(shutdown.as_mut().poll(cx).is_pending())).await;
@@ -563,24 +580,10 @@ async fn the_claim_after_next_is_queued_once_a_full_claims_rows_have_run() {
     };
     let batch: Vec<Adjustment> = (0..400).map(|i| adjustment("a", i)).collect();
     stream.producer().produce_batch(batch.iter().map(|m| (m, None)), BatchOptions::default()).await.unwrap();
-    // The first handler called (the first claim's first row: a claim takes lanes in no set
-    // order) holds the claim loop, synchronously, before its future, until the test has locked
-    // the log; the claim sent ahead of the first claim's rows has gone out before them. It
-    // blocks in place: the runtime's other tasks (the connections') go on meanwhile.
-    let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
-    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
-    let gate = Mutex::new((started_tx, go_rx));
-    let first = std::sync::atomic::AtomicBool::new(true);
-    let running = group.register(settings.clone()).await.unwrap().start(move |_: Delivery<Adjustment>| {
-        if first.swap(false, std::sync::atomic::Ordering::Relaxed) {
-            tokio::task::block_in_place(|| {
-                let gate = gate.lock().unwrap();
-                gate.0.send(()).unwrap();
-                gate.1.recv_timeout(Duration::from_secs(20)).unwrap();
-            });
-        }
-        std::future::ready(Ok(()))
-    });
+    // The first handler holds the claim loop until the test has locked the log; the claim sent
+    // ahead of the first claim's rows has gone out before them.
+    let (handler, started_rx, go_tx) = holding_the_first_call();
+    let running = group.register(settings.clone()).await.unwrap().start(handler);
     started_rx.recv_timeout(Duration::from_secs(20)).unwrap();
     let claims = || async {
         let conn = client.pool().get().await.unwrap();

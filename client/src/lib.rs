@@ -87,8 +87,8 @@
 //! 64 rows and the next goes out once they have run. Claims queued behind one another keep
 //! their connection while the backlog lasts, so a pool of one connection (which the writer and
 //! the lease heartbeat need too) queues none. A claim that comes back with ordered or exclusive
-//! rows is let finish before the next is sent (claiming behind it would only park its
-//! successors), and a consumer that finds nothing lands what it had in flight and holds no
+//! rows is let finish before another is sent (a claim already queued behind it is landed and
+//! run first), and a consumer that finds nothing lands what it had in flight and holds no
 //! connection while it waits.
 
 //! The client's spans follow OpenTelemetry's messaging conventions: `produce <stream>` (a

@@ -77,19 +77,23 @@
 //!
 //! A consumer never holds more rows, claimed and not finished, than `message_concurrency`:
 //! each claim asks for the rows it has room for (up to `batch_size`, and only if there is room
-//! for half of that). While a backlog of parallel work lasts (a claim came back full, with no
-//! same-key rows), it keeps the server busy: the next claim goes out before the rows of the last
-//! one run, on the connection that claim came back on, and once they have run, the claim after it
-//! goes out too, queued behind it, so that the server runs it as soon as the first is done
-//! instead of waiting a round trip for the consumer. Each carries the acks made before it was
-//! sent (of one claim). With `message_concurrency` at least twice `batch_size` and handlers that
-//! finish without waiting, both are whole batches; with the defaults (64 and 100) a claim takes
-//! 64 rows and the next goes out once they have run. Claims queued behind one another keep
-//! their connection while the backlog lasts, so a pool of one connection (which the writer and
-//! the lease heartbeat need too) queues none. A claim that comes back with ordered or exclusive
-//! rows is let finish before another is sent (a claim already queued behind it is landed and
-//! run first), and a consumer that finds nothing lands what it had in flight and holds no
-//! connection while it waits.
+//! for half of that). While a backlog lasts (a claim came back full), it keeps the server busy:
+//! the next claim goes out before the rows of the last one run, on the connection that claim came
+//! back on, and once they have run, the claim after it goes out too, queued behind it, so that
+//! the server runs it as soon as the first is done instead of waiting a round trip for the
+//! consumer. Each carries the acks made before it was sent (of one claim). With
+//! `message_concurrency` at least twice `batch_size` and handlers that finish without waiting,
+//! both are whole batches; with the defaults (64 and 100) a claim takes 64 rows and the next goes
+//! out once they have run. Claims queued behind one another keep their connection while the
+//! backlog lasts, so a pool of one connection (which the writer and the lease heartbeat need too)
+//! queues none. Ordered and exclusive work goes ahead too: the lanes of its keys stay held until
+//! its rows have outcomes, so a claim sent before they ran takes other lanes, never the next
+//! messages of those keys. Where no other lane has work (a stream of one lane, as many consumers
+//! as lanes) that claim comes back empty; then the consumer sends none ahead of such rows for a
+//! while (one claim, then twice as many each time it finds nothing, up to 64). A claim not sent
+//! ahead waits for the ordered rows before it to finish and for their acks to be written. A
+//! consumer that finds nothing lands what it had in flight and holds no connection while it
+//! waits.
 
 //! The client's spans follow OpenTelemetry's messaging conventions: `produce <stream>` (a
 //! producer span, operation type `send`), `claim <stream>` (a client span, `receive`) and

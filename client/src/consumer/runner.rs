@@ -1,8 +1,8 @@
 //! The consumer loop: claim, split the result into same-key chains, run each chain (one
 //! message at a time, in id order) on the loop's own task until a handler waits, then on a
-//! task of its own; record outcomes. A full claim of parallel work sends the next claim before
-//! its rows run, and another once they have run, so that the server has the claim after it
-//! queued while it runs one. The claim call and its chains are in claims.rs, running them in
+//! task of its own; record outcomes. A full claim sends the next claim before its rows run,
+//! and another once they have run, so that the server has the claim after it queued while it
+//! runs one. The claim call and its chains are in claims.rs, running them in
 //! executor.rs, the idle wait in idle.rs; acks and failures are written by the writer
 //! (writer.rs).
 
@@ -154,25 +154,66 @@ struct Ahead {
     acks: Option<(Uuid, Vec<i64>)>,
     claimed_at: Instant,
     conn: Conn,
+    /// Sent before the rows of a claim of ordered or exclusive work ran (see `Early`).
+    early: bool,
 }
 
 type ClaimFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<Claimed>>> + Send>>;
 
 /// A claim that came back: its rows (or error), the permits it asked with, the acks it carried,
-/// the connection it went out on (none: the pool gave none).
+/// the connection it went out on (none: the pool gave none), whether it was sent `early`.
 struct Sent {
     permits: OwnedSemaphorePermit,
     acks: Option<(Uuid, Vec<i64>)>,
     claimed_at: Instant,
     conn: Option<Conn>,
     result: Result<Vec<Claimed>>,
+    early: bool,
 }
 
 impl Ahead {
     async fn land(mut self) -> Sent {
         self.claim.as_mut().await;
         let result = self.claim.as_mut().take_output().expect("an awaited claim has its output");
-        Sent { permits: self.permits, acks: self.acks, claimed_at: self.claimed_at, conn: Some(self.conn), result }
+        let conn = Some(self.conn);
+        Sent { permits: self.permits, acks: self.acks, claimed_at: self.claimed_at, conn, result, early: self.early }
+    }
+}
+
+/// Whether a full claim of ordered or exclusive work sends the next claim before its rows run.
+/// That claim can find work only in lanes no claim holds (this claim's stay held until its rows
+/// have outcomes): where there are none (a stream of one lane, as many consumers as lanes) it
+/// comes back empty, and costs the server a claim for nothing. So after one came back empty the
+/// next such claims send none, one the first time, then twice as many each time (up to `MAX`),
+/// until one sent finds work again.
+#[derive(Debug, Default)]
+struct Early {
+    /// Full claims still to send none.
+    skip: u32,
+    /// How many to skip after the next miss.
+    next: u32,
+}
+
+impl Early {
+    const MAX: u32 = 64;
+
+    /// Whether this full claim sends one.
+    fn due(&mut self) -> bool {
+        if self.skip == 0 {
+            return true;
+        }
+        self.skip -= 1;
+        false
+    }
+
+    /// What the last claim sent early found.
+    fn found(&mut self, work: bool) {
+        if work {
+            self.next = 0;
+        } else {
+            self.next = (self.next * 2).clamp(1, Self::MAX);
+            self.skip = self.next;
+        }
     }
 }
 
@@ -196,11 +237,12 @@ struct ClaimLoop<T, H> {
     next_due: NextDue,
     /// Until idle (tests): a claim that found nothing after everything before it was written.
     idle_after_flush: bool,
-    /// Whether the last claim was parallel work only (no chains): then the next claim may
-    /// overlap its handlers.
+    /// Whether the last claim was parallel work only (no chains): then a claim not sent ahead
+    /// may overlap its handlers, and need not wait for the writer's acks.
     pipelined: bool,
     /// Claims in flight, oldest first (at most `AHEAD`).
     ahead: VecDeque<Ahead>,
+    early: Early,
     /// Whether the pool has a connection besides the claims': the claims keep theirs while a
     /// backlog lasts when one is queued behind another, and the writer, the lease heartbeat and
     /// transactional handlers need one too.
@@ -227,6 +269,7 @@ where
             idle_after_flush: false,
             pipelined: true,
             ahead: VecDeque::with_capacity(AHEAD),
+            early: Early::default(),
             spare_connection,
             fatal: None,
         }
@@ -245,7 +288,10 @@ where
                 },
             };
             self.ctx.writer.claiming(!self.ahead.is_empty());
-            let Sent { permits, acks, claimed_at, conn, result } = sent;
+            let Sent { permits, acks, claimed_at, conn, result, early } = sent;
+            if let (true, Ok(rows)) = (early, &result) {
+                self.early.found(!rows.is_empty());
+            }
             let step = match result {
                 Err(e) => {
                     drop((permits, conn));
@@ -279,8 +325,9 @@ where
 
     /// Claims now, once there is room: as soon as there is room for half a batch, so that the
     /// claim's round trip overlaps the handlers still running and the server never waits for
-    /// the consumer. A claim that came back as chains (same-key rows) is let finish first:
-    /// claiming behind it would only park its successors.
+    /// the consumer. After a claim with ordered or exclusive rows, it waits for those rows and
+    /// their acks, which free their lanes: little work is elsewhere then (that claim was not
+    /// full, or claims sent ahead of such rows found none, see `Early`).
     async fn claim_now(&mut self, stop: &CancellationToken) -> Step<Sent> {
         let ctx = &self.ctx;
         let outstanding = ctx.outstanding.load(Ordering::Acquire);
@@ -311,10 +358,10 @@ where
         // Taken after the flush: the writer may need the pool's last connection.
         let conn = match ctx.group.stream.pool.conn().await {
             Ok(conn) => Arc::new(conn),
-            Err(e) => return Step::Go(Sent { permits, acks, claimed_at, conn: None, result: Err(e) }),
+            Err(e) => return Step::Go(Sent { permits, acks, claimed_at, conn: None, result: Err(e), early: false }),
         };
         let result = claim(ctx.clone(), conn.clone(), permits.num_permits() as i32, acks.clone()).await;
-        Step::Go(Sent { permits, acks, claimed_at, conn: Some(conn), result })
+        Step::Go(Sent { permits, acks, claimed_at, conn: Some(conn), result, early: false })
     }
 
     /// A claim failed: retried after a pause, unless retrying cannot help.
@@ -376,9 +423,9 @@ where
     }
 
     /// Runs a claim's rows: its chains first on this task, until their handler waits, then
-    /// spread over tasks. A full claim of parallel work sends the next claim first (unless one
-    /// is in flight), on `conn`, the connection it came back on, and another once its rows
-    /// have run (`send_ahead`).
+    /// spread over tasks. A full claim sends the next claim first (unless one is in flight, or
+    /// `Early` says not to), on `conn`, the connection it came back on, and another once its
+    /// rows have run (`send_ahead`).
     async fn dispatch(
         &mut self,
         rows: Vec<Claimed>,
@@ -396,12 +443,17 @@ where
         let (token, row_count, asked) = (rows[0].token, rows.len(), permits.num_permits());
         ctx.leases.track(token, row_count, claimed_at);
         let split = chains_of(rows);
-        // Claiming again while same-key rows of an ordered or exclusive key still run would
-        // only park their successors; parallel work may overlap with the next claim.
+        // Claiming again while same-key rows of an ordered or exclusive key still run finds
+        // nothing of their keys (`claim_now` waits for them when nothing was sent ahead).
         self.pipelined = split.iter().all(|chain| chain.len() == 1 && chain[0].concurrency == Concurrency::Parallel);
-        let full = self.pipelined && row_count == asked;
+        // A full claim: more is likely waiting. Ordered and exclusive work in it holds its lanes
+        // until it has outcomes, so a claim sent ahead takes other lanes and never hands out its
+        // keys' next messages (docs/semantics.md, "Lanes").
+        let full = row_count == asked;
         if let Some(conn) = conn.filter(|_| full && self.ahead.is_empty() && !stop.is_cancelled()) {
-            self.send_ahead(conn).await;
+            if self.pipelined || self.early.due() {
+                self.send_ahead(conn, !self.pipelined).await;
+            }
         }
         // Chains first run here, on the claim loop's task, until their handler waits: a
         // handler that finishes when first polled (most do) then costs no task and no wake-up
@@ -436,7 +488,7 @@ where
         // to ask. Before the rows are counted: whoever sees them counted sees it sent.
         if full && (1..AHEAD).contains(&self.ahead.len()) && self.spare_connection && !stop.is_cancelled() {
             let conn = self.ahead[self.ahead.len() - 1].conn.clone();
-            self.send_ahead(conn).await;
+            self.send_ahead(conn, false).await;
         }
         if acked > 0 {
             ctx.counters.add(Event::Succeeded, acked as u64);
@@ -455,11 +507,11 @@ where
         }
     }
 
-    /// A full claim of parallel work: more is likely waiting. The next claim goes out now on
-    /// `conn`, with the acks made so far, if there are permits for at least half a batch; its
-    /// round trip overlaps these rows' handlers. On a connection with a claim in flight, the
-    /// server runs it right after that one.
-    async fn send_ahead(&mut self, conn: Conn) {
+    /// A full claim: more is likely waiting. The next claim goes out now on `conn`, with the
+    /// acks made so far, if there are permits for at least half a batch; its round trip overlaps
+    /// these rows' handlers. On a connection with a claim in flight, the server runs it right
+    /// after that one. `early`: sent before the rows of ordered or exclusive work ran.
+    async fn send_ahead(&mut self, conn: Conn, early: bool) {
         let ctx = &self.ctx;
         let wanted = ctx.semaphore.available_permits().min(ctx.config.batch_size as usize);
         if wanted < self.room {
@@ -472,7 +524,7 @@ where
         let mut claim = Box::pin(futures_util::future::maybe_done(sent));
         // Its first poll sends it.
         let _sent = futures_util::poll!(claim.as_mut());
-        self.ahead.push_back(Ahead { claim, permits, acks, claimed_at, conn });
+        self.ahead.push_back(Ahead { claim, permits, acks, claimed_at, conn, early });
     }
 
     /// After the loop: claims sent ahead give their rows back at once (not after their lease),
@@ -544,5 +596,45 @@ async fn read_lag(
             _ = tokio::time::sleep(every) => {}
             _ = stop.cancelled() => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Early;
+
+    /// Which of `n` full claims send one early, `found` saying what each one sent found.
+    fn sends(early: &mut Early, n: usize, found: bool) -> Vec<bool> {
+        (0..n)
+            .map(|_| {
+                let due = early.due();
+                if due {
+                    early.found(found);
+                }
+                due
+            })
+            .collect()
+    }
+
+    #[test]
+    fn claims_sent_early_back_off_while_they_find_nothing() {
+        let mut early = Early::default();
+        let (t, f) = (true, false);
+        assert_eq!(sends(&mut early, 3, true), [t, t, t]);
+        // Misses skip one claim, then two, then four.
+        assert_eq!(sends(&mut early, 11, false), [t, f, t, f, f, t, f, f, f, f, t]);
+        // A claim sent early that finds work again resets the pause.
+        assert_eq!(sends(&mut early, 8, true), [f; 8]);
+        assert_eq!(sends(&mut early, 2, true), [t, t]);
+        assert_eq!(sends(&mut early, 3, false), [t, f, t]);
+    }
+
+    #[test]
+    fn the_pause_is_bounded() {
+        let mut early = Early::default();
+        let sent = sends(&mut early, 1000, false).iter().filter(|&&s| s).count();
+        // Seven sent while the pause grows to 64 (after 1 + 2 + ... + 32 = 63 skipped, at the
+        // 70th claim), then one in every 65: 14 more.
+        assert_eq!(sent, 21);
     }
 }

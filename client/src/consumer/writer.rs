@@ -5,8 +5,8 @@
 //! consumer's next claim takes the buffered acks along (`claim(..., ack_lease_token,
 //! ack_message_ids)`: one round trip, one commit); when no claim comes soon, this task writes
 //! them as one `ack_batch` per lease token. "Soon" does not count the time a claim is in
-//! flight: a consumer running parallel work sends its next claim before (or while) the rows
-//! of the last one run, so acks made meanwhile ride along with a later claim instead of
+//! flight: a consumer draining a backlog sends its next claim before (or while) the rows of
+//! the last one run, so acks made meanwhile ride along with a later claim instead of
 //! costing a round trip of their own. Fails, delays and releases are answered (the chain
 //! needs to know whether a failure dead-lettered), and each is written after the acks buffered
 //! before it, so the server sees a chain's outcomes in order. A lost connection is retried with

@@ -730,6 +730,50 @@ async fn a_consumer_lands_the_claim_queued_behind_before_it_waits() {
     running.shutdown(Duration::from_secs(5)).await;
 }
 
+/// A claim sent ahead of ordered rows finds nothing when their lane is the only one with work:
+/// the consumer then waits for those rows and claims again with their acks, rather than for a
+/// notification (the client's sessions send none here) or a poll (a minute). Four claims of 100
+/// from one lane: the first and the third send one ahead (the second sends none after a miss).
+/// Two, as a consumer that went idle after the first would be woken anyway: by its listener,
+/// which wakes it once when it starts listening.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_sent_ahead_of_ordered_rows_that_finds_nothing_waits_for_them() {
+    let url = database_url();
+    let quiet = format!("{url}{}options=-c%20sqlstreams.notify%3Doff", if url.contains('?') { '&' } else { '?' });
+    let client = Client::connect(&quiet).unwrap();
+    client.pool().get().await.unwrap().batch_execute(sqlstreams_tests::CREATE_EXTENSION).await.unwrap();
+    let stream = client.stream::<Adjustment>(unique("one-lane"));
+    let create = "SELECT sqlstreams.create_stream($1, lanes => 1)";
+    client.pool().get().await.unwrap().execute(create, &[&stream.name()]).await.unwrap();
+    let batch: Vec<(Adjustment, String)> = (0..400).map(|i| (adjustment("a", i), format!("k{i}"))).collect();
+    let keys = batch.iter().map(|(m, key)| (m, Some(key.as_str())));
+    stream.producer().produce_batch(keys, BatchOptions::default()).await.unwrap();
+    let settings = ConsumerConfig {
+        message_concurrency: 200,
+        batch_size: 100,
+        poll_interval: Duration::from_secs(60),
+        lease: Duration::from_secs(60),
+        handler_timeout: Duration::from_secs(10),
+        ..config(Some(Concurrency::Ordered))
+    };
+    let calls: Calls = Arc::default();
+    let running = {
+        let calls = calls.clone();
+        // Each handler waits: a claim's rows are still running when the claim sent ahead of
+        // them comes back.
+        stream.consumer("g").register(settings).await.unwrap().start(move |d: Delivery<Adjustment>| {
+            let calls = calls.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                calls.lock().unwrap().push((d.id, d.attempt));
+                Ok(())
+            }
+        })
+    };
+    eventually("all 400, long before a poll", || calls.lock().unwrap().len() == 400).await;
+    running.shutdown(Duration::from_secs(5)).await;
+}
+
 /// On a pool of one connection, a consumer draining a backlog queues no claim behind another,
 /// and one told to stop gives back what it had in flight: the writer gets the connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -91,9 +91,9 @@
 //! messages of those keys. Where no other lane has work (a stream of one lane, as many consumers
 //! as lanes) that claim comes back empty; then the consumer sends none ahead of such rows for a
 //! while (one claim, then twice as many each time it finds nothing, up to 64). A claim not sent
-//! ahead waits for the ordered rows before it to finish and for their acks to be written. A
-//! consumer that finds nothing lands what it had in flight and holds no connection while it
-//! waits.
+//! ahead, or after one sent ahead found nothing, waits for the ordered and exclusive rows before
+//! it to finish and for their acks to be written. A consumer that finds nothing else lands what
+//! it had in flight and holds no connection while it waits.
 
 //! The client's spans follow OpenTelemetry's messaging conventions: `produce <stream>` (a
 //! producer span, operation type `send`), `claim <stream>` (a client span, `receive`) and

@@ -301,13 +301,19 @@ where
                     // Not held while idle: the pool's connections are for whoever has work.
                     drop((permits, conn));
                     self.backoff.reset();
-                    if self.ahead.is_empty() {
-                        self.idle(stop).await
-                    } else {
+                    if !self.ahead.is_empty() {
                         // A claim queued behind this one came back too, or will: it is landed
                         // before the consumer waits, so that a notification that comes meanwhile
                         // wakes a consumer with nothing in flight, and the connection goes back.
                         Step::Again
+                    } else if !self.pipelined && self.ctx.outstanding.load(Ordering::Acquire) > 0 {
+                        // Sent ahead of ordered or exclusive rows that still run: the work left
+                        // is likely in their lanes, which their outcomes free. The next claim
+                        // waits for them and carries their acks (`claim_now`), as no
+                        // notification need come.
+                        Step::Again
+                    } else {
+                        self.idle(stop).await
                     }
                 }
                 Ok(rows) => {
@@ -325,9 +331,9 @@ where
 
     /// Claims now, once there is room: as soon as there is room for half a batch, so that the
     /// claim's round trip overlaps the handlers still running and the server never waits for
-    /// the consumer. After a claim with ordered or exclusive rows, it waits for those rows and
-    /// their acks, which free their lanes: little work is elsewhere then (that claim was not
-    /// full, or claims sent ahead of such rows found none, see `Early`).
+    /// the consumer. After a claim with ordered or exclusive rows, it waits until every row
+    /// handed out has finished and the acks not carried are written: they free those rows'
+    /// lanes, where the next claim most likely finds work.
     async fn claim_now(&mut self, stop: &CancellationToken) -> Step<Sent> {
         let ctx = &self.ctx;
         let outstanding = ctx.outstanding.load(Ordering::Acquire);
@@ -451,7 +457,8 @@ where
         // keys' next messages (docs/semantics.md, "Lanes").
         let full = row_count == asked;
         if let Some(conn) = conn.filter(|_| full && self.ahead.is_empty() && !stop.is_cancelled()) {
-            if self.pipelined || self.early.due() {
+            // `Early` counts only claims that could send one.
+            if self.room_ahead().is_some() && (self.pipelined || self.early.due()) {
                 self.send_ahead(conn, !self.pipelined).await;
             }
         }
@@ -512,11 +519,8 @@ where
     /// these rows' handlers. On a connection with a claim in flight, the server runs it right
     /// after that one. `early`: sent before the rows of ordered or exclusive work ran.
     async fn send_ahead(&mut self, conn: Conn, early: bool) {
+        let Some(wanted) = self.room_ahead() else { return };
         let ctx = &self.ctx;
-        let wanted = ctx.semaphore.available_permits().min(ctx.config.batch_size as usize);
-        if wanted < self.room {
-            return;
-        }
         let Ok(permits) = ctx.semaphore.clone().try_acquire_many_owned(wanted as u32) else { return };
         let (acks, claimed_at) = (ctx.writer.take_acks(), Instant::now());
         ctx.writer.claiming(true);
@@ -525,6 +529,13 @@ where
         // Its first poll sends it.
         let _sent = futures_util::poll!(claim.as_mut());
         self.ahead.push_back(Ahead { claim, permits, acks, claimed_at, conn, early });
+    }
+
+    /// The rows a claim sent ahead would ask for: what the permits allow, up to a batch, if at
+    /// least half a batch.
+    fn room_ahead(&self) -> Option<usize> {
+        let wanted = self.ctx.semaphore.available_permits().min(self.ctx.config.batch_size as usize);
+        (wanted >= self.room).then_some(wanted)
     }
 
     /// After the loop: claims sent ahead give their rows back at once (not after their lease),

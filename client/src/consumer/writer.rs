@@ -9,7 +9,9 @@
 //! the last one run, so acks made meanwhile ride along with a later claim instead of
 //! costing a round trip of their own. Fails, delays and releases are answered (the chain
 //! needs to know whether a failure dead-lettered), and each is written after the acks buffered
-//! before it, so the server sees a chain's outcomes in order. A lost connection is retried with
+//! before it, so the server sees a chain's outcomes in order (but for an ack a claim queued
+//! behind another carries, which may land after a later row's failure: the earlier row, still
+//! unresolved, keeps the key's lane held meanwhile). A lost connection is retried with
 //! backoff; outcomes are idempotent per lease token.
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -47,6 +47,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         w4: vec![],
         w5: vec![],
         w7: vec![],
+        w7_side_by_side: vec![],
         w8: vec![],
         w10: vec![],
         w10_rounds: vec![],
@@ -177,7 +178,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if run("w7") {
         // Consumers are threads with blocking connections: off the async runtime.
         let (url, quick) = (url.clone(), bench.quick);
-        results.w7 = std::thread::spawn(move || scaling::run_all(&url, quick)).join().expect("W7");
+        (results.w7, results.w7_side_by_side) =
+            std::thread::spawn(move || (scaling::run_all(&url, quick), scaling::side_by_side(&url, quick)))
+                .join()
+                .expect("W7");
     }
 
     if run("w8") {

@@ -22,6 +22,8 @@ pub struct Results {
     pub w4: Vec<Latency>,
     pub w5: Vec<Idle>,
     pub w7: Vec<Scaling>,
+    /// W7's one-consumer drains without handler cost, side by side (`scaling::side_by_side`).
+    pub w7_side_by_side: Vec<Vec<Scaling>>,
     pub w8: Vec<crate::soak::Sample>,
     pub w10: Vec<crate::drain::Drain>,
     /// Every W10 round of every case, in `drain::CASES` order, for the paired ratios.
@@ -324,13 +326,32 @@ impl Results {
             }
         }
         for h in HANDLER_US {
+            let (exclusive, ordered) = match self.side_by_side(h) {
+                Some(rounds) => {
+                    let paired = |i: usize| crate::stats::paired_ratio(&rounds[i], &rounds[0], |s: &Scaling| s.rate);
+                    (paired(2), paired(1))
+                }
+                None => (
+                    rate(Policy::Exclusive, h, 1) / rate(Policy::Parallel, h, 1),
+                    rate(Policy::Ordered, h, 1) / rate(Policy::Parallel, h, 1),
+                ),
+            };
             lines.push(format!(
-                "W7 1 consumer, {h} µs handler: exclusive / parallel {} (target ≥ 0.85×), ordered / parallel {} (target ≥ 0.90×)",
-                ratio(rate(Policy::Exclusive, h, 1), rate(Policy::Parallel, h, 1)),
-                ratio(rate(Policy::Ordered, h, 1), rate(Policy::Parallel, h, 1))
+                "W7 1 consumer, {h} µs handler: exclusive / parallel {} (target ≥ 0.85×), ordered / parallel {} (target ≥ 0.90×){}",
+                ratio(exclusive, 1.0),
+                ratio(ordered, 1.0),
+                if self.side_by_side(h).is_some() { ", side by side" } else { "" }
             ));
         }
         lines
+    }
+
+    /// The side-by-side rounds of one consumer with `handler_us` (`scaling::SIDE_BY_SIDE` order),
+    /// if they were run.
+    fn side_by_side(&self, handler_us: u64) -> Option<&[Vec<Scaling>]> {
+        let ran = self.w7_side_by_side.len() == crate::scaling::SIDE_BY_SIDE.len()
+            && self.w7_side_by_side.iter().all(|r| r.first().is_some_and(|s| s.handler_us == handler_us));
+        ran.then_some(&self.w7_side_by_side[..])
     }
 
     fn scaling_section(&self) -> String {
@@ -382,6 +403,24 @@ impl Results {
                 sum(|s| s.duplicates),
                 sum(|s| s.order_violations),
                 sum(|s| s.overlaps),
+            );
+        }
+        if !self.w7_side_by_side.is_empty() {
+            let _ = writeln!(
+                md,
+                "\nOne consumer without handler cost, side by side: each policy drains the same backlog once per round, \
+                 every other round in reverse order. The one-consumer ratios printed above without handler cost take each \
+                 round's ratio, join each forward round's with the reversed round's after it and take the median of those \
+                 pairs (`stats::paired_ratio`), as W1 and W10 do; in the table above the policies' drains are minutes \
+                 apart.\n\n{}",
+                rounds_table(
+                    &self.w7_side_by_side,
+                    |s| s.policy.name().to_string(),
+                    &[
+                        ("msg/s", |s: &Scaling| format!("{:.0}", s.rate)),
+                        ("server µs/msg", |s: &Scaling| format!("{:.1}", s.server_us_per_message)),
+                    ]
+                )
             );
         }
         md

@@ -83,6 +83,32 @@ pub fn run_all(url: &str, quick: bool) -> Vec<Scaling> {
     results
 }
 
+/// Rounds of `side_by_side`.
+pub const SIDE_BY_SIDE_ROUNDS: usize = 4;
+/// The policies `side_by_side` drains, in the order of its result.
+pub const SIDE_BY_SIDE: [Policy; 3] = [Policy::Parallel, Policy::Ordered, Policy::Exclusive];
+
+/// One consumer without handler cost, each policy once per round, every other round in reverse
+/// order, so that the ratios between policies (`stats::paired_ratio`) compare drains run side by
+/// side. In `run_all` the same drains are minutes apart, and a one-consumer drain lasts a third of
+/// a second: the machine's drift between them moved the ratio by more than a change does (0.76 to
+/// 0.99 ordered / parallel over earlier runs). Returns each policy's rounds, in `SIDE_BY_SIDE`
+/// order.
+pub fn side_by_side(url: &str, quick: bool) -> Vec<Vec<Scaling>> {
+    let messages = if quick { 12_000 } else { 60_000 };
+    let mut rounds: Vec<Vec<Scaling>> = SIDE_BY_SIDE.iter().map(|_| Vec::new()).collect();
+    for round in 0..SIDE_BY_SIDE_ROUNDS {
+        let mut order: Vec<usize> = (0..SIDE_BY_SIDE.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for i in order {
+            rounds[i].push(report(drain(url, SIDE_BY_SIDE[i], KEYS, 0, 1, messages)));
+        }
+    }
+    rounds
+}
+
 fn report(s: Scaling) -> Scaling {
     println!(
         "W7 {:<9} {:>4} keys {:>3} µs handler {} consumers, {} messages: {:>8.0} msg/s, server {:>5.1} µs/msg, {} claims ({} empty), \

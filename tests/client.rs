@@ -803,6 +803,72 @@ async fn a_consumer_on_a_pool_of_one_stops_while_draining() {
     next.shutdown(Duration::from_secs(5)).await;
 }
 
+/// An outcome whose session the server ends (`pg_terminate_backend`, a fast shutdown: 57P01) is
+/// written again on a new connection, not dropped. Here an ordered key's two acks wait for a
+/// lock held by the test, which terminates every session waiting for it until one was writing
+/// them; once the lock goes they land, long before the lease (a minute) would run the key again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outcomes_whose_session_is_terminated_are_written_again() {
+    let client = client();
+    let name = unique("terminated");
+    let stream = client.stream::<Adjustment>(name.clone());
+    stream.register().await.unwrap();
+    let batch: Vec<Adjustment> = (0..2).map(|i| adjustment("k", i)).collect();
+    let ids =
+        stream.producer().produce_batch(batch.iter().map(|m| (m, Some("k"))), BatchOptions::default()).await.unwrap();
+    let settings = ConsumerConfig {
+        lease: Duration::from_secs(60),
+        poll_interval: Duration::from_secs(60),
+        ..config(Some(Concurrency::Ordered))
+    };
+    let calls: Calls = Arc::default();
+    let (holding, started_rx, go_tx) = holding_the_first_call();
+    let running = {
+        let calls = calls.clone();
+        stream.consumer("g").register(settings).await.unwrap().start(move |d: Delivery<Adjustment>| {
+            calls.lock().unwrap().push((d.id, d.attempt));
+            holding(d)
+        })
+    };
+    started_rx.recv_timeout(Duration::from_secs(20)).unwrap();
+    // Every outcome from now on waits for the range table. (The test's sessions are its own: a
+    // pool shared with the consumer could hand it one of those it terminates.)
+    let admin = self::client();
+    let locker = admin.pool().get().await.unwrap();
+    let id: i64 = locker.query_one("SELECT id FROM sqlstreams.streams WHERE name = $1", &[&name]).await.unwrap().get(0);
+    locker
+        .batch_execute(&format!("BEGIN; LOCK TABLE sqlstreams.range_lease_{id} IN ACCESS EXCLUSIVE MODE"))
+        .await
+        .unwrap();
+    let locker_pid: i32 = locker.query_one("SELECT pg_backend_pid()", &[]).await.unwrap().get(0);
+    go_tx.send(()).unwrap();
+    let killer = admin.pool().get().await.unwrap();
+    let waiting = "SELECT pid, query FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for the acks to wait for the lock");
+        let mut wrote_acks = false;
+        for row in killer.query(waiting, &[&locker_pid]).await.unwrap() {
+            killer.execute("SELECT pg_terminate_backend($1)", &[&row.get::<_, i32>(0)]).await.unwrap();
+            wrote_acks |= row.get::<_, &str>(1).contains("ack_batch");
+        }
+        if wrote_acks {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    locker.batch_execute("COMMIT").await.unwrap();
+    let settled = || async {
+        let conn = admin.pool().get().await.unwrap();
+        let sql = "SELECT lag = 0 AND NOT EXISTS (SELECT FROM sqlstreams.open_leases($1, 'g'))
+                   FROM sqlstreams.group_status($1, 'g')";
+        conn.query_one(sql, &[&name]).await.unwrap().get::<_, bool>(0)
+    };
+    eventually_async("both acks, long before the lease ends", settled).await;
+    running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(*calls.lock().unwrap(), vec![(ids[0], 0), (ids[1], 0)], "each ran once, in order");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn shutdown_past_its_grace_cancels_and_gives_back_the_rest() {
     let client = client();

@@ -83,14 +83,46 @@ impl Error {
         matches!(self, Error::PermissionDenied { .. })
     }
 
-    /// True when retrying later may succeed (a lost connection, a restarting server).
+    /// True when retrying later, on a new connection, may succeed: the connection was lost, the
+    /// session was ended by the server (terminated, shut down, a server still starting), or
+    /// the statement was rolled back for a passing reason (a serialization failure, a lock or
+    /// statement timeout, a server short of connections or memory).
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Pool(_) => true,
-            Error::Postgres(e) => e.is_closed() || e.as_db_error().is_none(),
+            Error::Postgres(e) => e.is_closed() || e.as_db_error().is_none_or(|db| is_transient_state(db.code())),
             _ => false,
         }
     }
+
+    /// True when the connection this came from is of no further use: its socket closed, it broke,
+    /// or the server ended its session.
+    pub(crate) fn ends_session(&self) -> bool {
+        match self {
+            Error::Postgres(e) => e.is_closed() || e.as_db_error().is_none_or(|db| is_session_end(db.code())),
+            _ => false,
+        }
+    }
+}
+
+/// Class 08 (connection exception), or the server ended the session.
+fn is_session_end(code: &SqlState) -> bool {
+    const SESSION_ENDED: [SqlState; 4] = [
+        SqlState::ADMIN_SHUTDOWN,
+        SqlState::CRASH_SHUTDOWN,
+        SqlState::CANNOT_CONNECT_NOW,
+        SqlState::IDLE_SESSION_TIMEOUT,
+    ];
+    code.code().starts_with("08") || SESSION_ENDED.contains(code)
+}
+
+/// SQLSTATEs that say nothing about the statement itself. A session's end arrives as an error
+/// of the statement it was running (`pg_terminate_backend`, a fast shutdown: 57P01), before the
+/// connection reads as closed.
+fn is_transient_state(code: &SqlState) -> bool {
+    const PASSING: [SqlState; 2] = [SqlState::LOCK_NOT_AVAILABLE, SqlState::QUERY_CANCELED];
+    // Classes 40 (transaction rollback) and 53 (insufficient resources).
+    is_session_end(code) || matches!(&code.code()[..2], "40" | "53") || PASSING.contains(code)
 }
 
 impl From<tokio_postgres::Error> for Error {
@@ -172,3 +204,19 @@ fn tls_refusal(err: &tokio_postgres::Error) -> Option<String> {
 
 /// The client's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_the_server_ended_is_transient_a_refusal_is_not() {
+        for code in ["57P01", "57P02", "57P03", "57P05", "08006", "08P01", "40001", "40P01", "53300", "55P03", "57014"]
+        {
+            assert!(is_transient_state(&SqlState::from_code(code)), "{code} is transient");
+        }
+        for code in ["42704", "22023", "42501", "23505", "P0001", "XX000", "57P04", "25006"] {
+            assert!(!is_transient_state(&SqlState::from_code(code)), "{code} is final");
+        }
+    }
+}

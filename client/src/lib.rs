@@ -58,6 +58,12 @@
 //! application role skips. A refused call is [`Error::PermissionDenied`] (SQLSTATE `42501`)
 //! and a refused certificate [`Error::Tls`]; neither is transient.
 //!
+//! A consumer writes an outcome again, on a new connection, after any error for which
+//! [`Error::is_transient`] holds: a lost connection, a session the server ended
+//! (`pg_terminate_backend`, a shutdown, a failover: `57P01` and the like), a serialization
+//! failure, a lock or statement timeout. Outcomes are idempotent per lease token, so nothing
+//! is recorded twice; a session the server ended is not given back to the pool.
+//!
 //! # Delivery guarantees
 //!
 //! Delivery is **at least once**. Each claim holds a lease; the consumer extends it while its

@@ -71,6 +71,15 @@ impl Pool {
         Ok(conn)
     }
 
+    /// Gives `conn` back, or drops it out of the pool when `error` ended its session: the pool
+    /// checks what it hands out only for a closed socket, which a session the server has just
+    /// ended (57P01) may not show yet, and the next caller would meet the same end.
+    pub fn give_back(conn: deadpool_postgres::Object, error: &Error) {
+        if error.ends_session() {
+            drop(deadpool_postgres::Object::take(conn));
+        }
+    }
+
     /// The deadpool pool itself.
     pub fn deadpool(&self) -> &deadpool_postgres::Pool {
         &self.inner.pool

@@ -33,6 +33,7 @@ use super::writer::Writer;
 use super::{ConsumerConfig, ConsumerGroup};
 use crate::backoff::Backoff;
 use crate::error::Result;
+use crate::pool::Pool;
 use crate::{sql, Concurrency};
 
 /// What happened to one delivery, kept when a test asks for it (`Consumer::work_until_idle`).
@@ -294,7 +295,11 @@ where
             }
             let step = match result {
                 Err(e) => {
-                    drop((permits, conn));
+                    // Another claim in flight on the connection gives it back when it lands.
+                    if let Some(conn) = conn.and_then(Arc::into_inner) {
+                        Pool::give_back(conn, &e);
+                    }
+                    drop(permits);
                     self.refused(e, acks, stop).await
                 }
                 Ok(rows) if rows.is_empty() => {

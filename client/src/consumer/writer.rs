@@ -11,8 +11,9 @@
 //! needs to know whether a failure dead-lettered), and each is written after the acks buffered
 //! before it, so the server sees a chain's outcomes in order (but for an ack a claim queued
 //! behind another carries, which may land after a later row's failure: the earlier row, still
-//! unresolved, keeps the key's lane held meanwhile). A lost connection is retried with
-//! backoff; outcomes are idempotent per lease token.
+//! unresolved, keeps the key's lane held meanwhile). An outcome is sent again with backoff
+//! after a transient error (`Error::is_transient`: a lost connection, a session the server ended,
+//! a lock timeout); outcomes are idempotent per lease token.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -313,7 +314,9 @@ impl WriterTask {
                 Ok(row) => return Some(row),
                 Err(e) if e.is_transient() => {
                     debug!(error = %e, "sqlstreams: outcome writer reconnecting");
-                    self.conn = None;
+                    if let Some(conn) = self.conn.take() {
+                        Pool::give_back(conn, &e);
+                    }
                     tokio::time::sleep(backoff.next()).await;
                 }
                 Err(e) => {

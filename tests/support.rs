@@ -130,6 +130,18 @@ pub fn index_pages_read(c: &mut impl postgres::GenericClient, table: &str) -> i6
     .get(0)
 }
 
+/// Index entries of `table` that this backend's scans returned and it has not reported yet (as
+/// `scans`: take differences, inside one transaction).
+pub fn index_entries_read(c: &mut impl postgres::GenericClient, table: &str) -> i64 {
+    c.query_one(
+        "SELECT coalesce(sum(pg_stat_get_xact_tuples_returned(indexrelid)), 0)::int8 FROM pg_index
+         WHERE indrelid = $1::text::regclass",
+        &[&table],
+    )
+    .unwrap()
+    .get(0)
+}
+
 /// An error from Postgres with its SQLSTATE and message, for assertion messages.
 pub fn describe(err: &postgres::Error) -> String {
     match err.as_db_error() {

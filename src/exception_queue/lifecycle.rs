@@ -371,37 +371,49 @@ pub fn succeed(
 /// ready or inflight row of its key precedes it. At most `$4` rows per key, in id order, which
 /// is what one claim can chain. Rows a claim holds are skipped: that claim is deciding them and
 /// sees this resolution (src/key_gate.rs, "Parking and wake-ups").
+///
+/// The candidates are found once (`MATERIALIZED`), by the key's index. Not inlined, a planner
+/// that believes the queue nearly empty (last analyzed while it was) may read them again for
+/// every parked row of the group; and with none, no row of the group is read again (`EXISTS`). In a group whose override is ordered (`$5`) the scan of a key
+/// stops at its first runnable row, so a key whose head fails again reads none of the rows parked
+/// behind it. (An exclusive row parked before the override changed to ordered then wakes as an
+/// ordered one.)
 const WAKE: Statement = Statement {
     name: "eq_wake",
-    sql: "WITH candidates AS (
+    sql: "WITH candidates AS MATERIALIZED (
               SELECT w.message_id
               FROM unnest($2::text[]) AS k(message_key)
+              -- The key's first row that runs or retries (one probe of the runnable index).
+              CROSS JOIN LATERAL (
+                  SELECT coalesce(
+                      (SELECT b.message_id FROM sqlstreams.exception_queue_@id@ b
+                       WHERE b.consumer_group_id = $1
+                         AND (b.message_key, b.message_id) > (k.message_key, 0)
+                         AND (b.message_key, b.message_id) <= (k.message_key, 9223372036854775807)
+                         AND b.status IN ('ready', 'inflight') AND NOT b.parked
+                       ORDER BY b.message_key, b.message_id LIMIT 1),
+                      9223372036854775807) AS id) head
               CROSS JOIN LATERAL (
                   SELECT p.message_id FROM sqlstreams.exception_queue_@id@ p
                   -- Row comparisons on (key, id): only the key's indexes answer them.
                   WHERE p.consumer_group_id = $1 AND p.parked
                     AND (p.message_key, p.message_id) > (k.message_key, 0)
-                    AND (p.message_key, p.message_id) <= (k.message_key, 9223372036854775807)
-                    AND (p.concurrency <> 'ordered' OR p.message_id < coalesce(
-                            (SELECT b.message_id FROM sqlstreams.exception_queue_@id@ b
-                             WHERE b.consumer_group_id = $1
-                               AND (b.message_key, b.message_id) > (k.message_key, 0)
-                               AND (b.message_key, b.message_id) <= (k.message_key, 9223372036854775807)
-                               AND b.status IN ('ready', 'inflight') AND NOT b.parked
-                             ORDER BY b.message_key, b.message_id LIMIT 1),
-                            9223372036854775807))
+                    AND (p.message_key, p.message_id)
+                        <= (k.message_key, CASE WHEN $5 THEN head.id - 1 ELSE 9223372036854775807 END)
+                    AND (p.concurrency <> 'ordered' OR p.message_id < head.id)
                   ORDER BY p.message_key, p.message_id
                   LIMIT $4) w
           ), free AS (
               SELECT e.message_id FROM sqlstreams.exception_queue_@id@ e
-              WHERE e.consumer_group_id = $1 AND e.message_id IN (SELECT message_id FROM candidates) AND e.parked
+              WHERE e.consumer_group_id = $1 AND e.message_id = ANY (ARRAY(SELECT message_id FROM candidates))
+                AND e.parked AND EXISTS (SELECT FROM candidates)
               FOR UPDATE SKIP LOCKED
           )
           UPDATE sqlstreams.exception_queue_@id@ e
           SET parked = false, can_run_after = $3, updated_at = $3
-          FROM free
-          WHERE e.consumer_group_id = $1 AND e.message_id = free.message_id",
-    params: &[INT8OID, TEXTARRAYOID, TIMESTAMPTZOID, INT4OID],
+          WHERE e.consumer_group_id = $1 AND e.message_id = ANY (ARRAY(SELECT message_id FROM free))
+            AND EXISTS (SELECT FROM free)",
+    params: &[INT8OID, TEXTARRAYOID, TIMESTAMPTZOID, INT4OID, BOOLOID],
 };
 
 /// Whether group `$1` has any parked row, read after the keys' locks as `WAKE` would read it: a
@@ -459,8 +471,12 @@ pub fn after_resolution(
     if keys.is_empty() || !ANY_PARKED.run(client, stream_id, &[group.id.into()])?.first().required::<bool>("any")? {
         return Ok(());
     }
-    let woken =
-        WAKE.run(client, stream_id, &[group.id.into(), keys.into(), statement::timestamptz(now), WAKE_PER_KEY.into()])?;
+    let ordered = group.concurrency_override == Some(Concurrency::Ordered);
+    let woken = WAKE.run(
+        client,
+        stream_id,
+        &[group.id.into(), keys.into(), statement::timestamptz(now), WAKE_PER_KEY.into(), ordered.into()],
+    )?;
     if !woken.is_empty() {
         notify::signal(client, stream_id)?;
     }

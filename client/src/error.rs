@@ -84,9 +84,11 @@ impl Error {
     }
 
     /// True when retrying later, on a new connection, may succeed: the connection was lost, the
-    /// session was ended by the server (terminated, shut down, a server still starting), or
-    /// the statement was rolled back for a passing reason (a serialization failure, a lock or
-    /// statement timeout, a server short of connections or memory).
+    /// session was ended by the server (terminated, shut down, a server still starting), the
+    /// server is a standby now (`25006`, after a failover), or the statement was rolled back for a
+    /// passing reason (a serialization failure, a lock or statement timeout, a server short of
+    /// connections or memory). The SQLSTATEs are those docs/sql-api.md tells any consumer to
+    /// retry ("The consumer loop").
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Pool(_) => true,
@@ -105,13 +107,15 @@ impl Error {
     }
 }
 
-/// Class 08 (connection exception), or the server ended the session.
+/// Class 08 (connection exception), the server ended the session, or it is a standby now (after
+/// a failover: a new connection may reach the new primary, as `target_session_attrs` picks it).
 fn is_session_end(code: &SqlState) -> bool {
-    const SESSION_ENDED: [SqlState; 4] = [
+    const SESSION_ENDED: [SqlState; 5] = [
         SqlState::ADMIN_SHUTDOWN,
         SqlState::CRASH_SHUTDOWN,
         SqlState::CANNOT_CONNECT_NOW,
         SqlState::IDLE_SESSION_TIMEOUT,
+        SqlState::READ_ONLY_SQL_TRANSACTION,
     ];
     code.code().starts_with("08") || SESSION_ENDED.contains(code)
 }
@@ -215,7 +219,7 @@ mod tests {
         {
             assert!(is_transient_state(&SqlState::from_code(code)), "{code} is transient");
         }
-        for code in ["42704", "22023", "42501", "23505", "P0001", "XX000", "57P04", "25006"] {
+        for code in ["42704", "22023", "42501", "23505", "P0001", "XX000", "57P04", "55000"] {
             assert!(!is_transient_state(&SqlState::from_code(code)), "{code} is final");
         }
     }

@@ -871,6 +871,32 @@ fn next_due_is_when_the_earliest_waiting_work_comes_due() {
     assert!(due_in(&mut c, &g).unwrap() <= 0.0);
 }
 
+/// A retry due in a lane another delivery holds is due when the hold ends, not now: a claim
+/// could not hand it out before (after a crash, the others would claim nothing until their poll
+/// interval instead of sleeping until they can take the lane over).
+#[test]
+fn next_due_counts_a_retry_in_a_held_lane_from_the_end_of_the_hold() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "due-held");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let lane_a = s.lane(&mut c, "a");
+    let b = (0..).map(|i| format!("b{i}")).find(|k| s.lane(&mut c, k) == lane_a).unwrap();
+    let a1 = s.produce(&mut c, json!({}), Some("a"));
+    let b1 = s.produce(&mut c, json!({}), Some(&b));
+    let batch = g.try_claim(&mut c, 10, "10 minutes").unwrap();
+    assert_eq!(ids(&batch), vec![a1, b1], "one lane, both keys");
+    // a1's retry is due at once, in the lane b1's delivery holds for ten minutes.
+    assert_eq!(g.fail(&mut c, &batch[0], "again", false, Some("0 seconds")).as_deref(), Some("ready"));
+    assert!(g.try_claim(&mut c, 10, "10 minutes").unwrap().is_empty(), "the lane is held");
+    let due = due_in(&mut c, &g).expect("the hold ends");
+    assert!((599.0..=600.5).contains(&due), "due when the hold ends: {due}");
+
+    // The hold runs out (the consumer crashed): due now, and the next claim takes the lane over.
+    g.expire_leases(&mut c);
+    assert!(due_in(&mut c, &g).unwrap() <= 0.0);
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![a1, b1]);
+}
+
 #[test]
 fn next_due_needs_the_right_to_inspect_the_group() {
     let mut c = connect();

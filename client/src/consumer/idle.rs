@@ -8,8 +8,9 @@ use tracing::debug;
 use super::runner::Ctx;
 use crate::sql;
 
-/// The shortest idle wait. Work that is due but that a claim did not hand out (a retry in a
-/// lane another consumer holds) doubles it, up to `poll_interval`, until a claim finds work.
+/// The shortest idle wait. Work that `next_due` called due but that a claim did not hand out
+/// doubles it, up to `poll_interval`, until a claim finds work. (A retry in a lane another
+/// consumer holds is not called due before the hold ends.)
 pub(super) const IDLE_FLOOR: Duration = Duration::from_millis(20);
 
 /// What `sqlstreams.next_due` last said, kept until something may have changed it: a

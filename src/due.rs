@@ -16,21 +16,34 @@ use crate::statement::{Access, Columns, Statement};
 /// The earliest time a waiting row, lease or lane hold of group `$1` comes due (each probe is
 /// an index's first entry); none for a paused group, which `resume_group` wakes with a NOTIFY.
 /// A row parked behind a held dead row waits for no time (`infinity`): what frees it notifies.
-/// A waiting row in a lane another delivery holds at `$2` (now) waits for the hold: its
-/// `held_until`, or the outcomes that free it (which notify). So after a consumer crashed
-/// holding lanes with retries due in them, the others sleep until its holds run out, rather
-/// than claiming nothing, again and again, until their poll interval.
+/// In a group whose lanes are held (`$3`), a waiting row in a lane another delivery holds at `$2`
+/// (now) waits for the hold: its `held_until`, or the outcomes that free it (which notify). So
+/// after a consumer crashed holding lanes with retries due in them, the others sleep until its
+/// holds run out, rather than claiming nothing, again and again, until their poll interval.
+/// When the earliest waiting row's lane is held, the earliest of each free lane is read instead
+/// (one probe a lane).
 const NEXT_DUE: Statement = Statement {
     name: "due_next",
     sql: concat!(
         "SELECT CASE WHEN g.paused THEN NULL ELSE least(
-                (SELECT e.can_run_after FROM sqlstreams.exception_queue_@id@ e
-                 WHERE e.consumer_group_id = $1 AND ",
+                (SELECT CASE WHEN NOT $3 OR NOT EXISTS (SELECT FROM sqlstreams.lane_@id@ l
+                                                        WHERE l.consumer_group_id = $1 AND l.lane = f.lane
+                                                          AND l.held_until > $2)
+                             THEN f.can_run_after
+                             ELSE (SELECT min(d.can_run_after) FROM sqlstreams.lane_@id@ l
+                                   CROSS JOIN LATERAL (
+                                       SELECT e.can_run_after FROM sqlstreams.exception_queue_@id@ e
+                                       WHERE e.consumer_group_id = $1 AND e.lane = l.lane AND ",
         crate::exception_queue::waiting!("e"),
         " AND e.can_run_after < 'infinity'
-                   AND NOT EXISTS (SELECT FROM sqlstreams.lane_@id@ l
-                                   WHERE l.consumer_group_id = $1 AND l.lane = e.lane AND l.held_until > $2)
-                 ORDER BY e.can_run_after LIMIT 1),
+                                       ORDER BY e.lane, e.can_run_after LIMIT 1) d
+                                   WHERE l.consumer_group_id = $1 AND (l.held_until IS NULL OR l.held_until <= $2))
+                        END
+                 FROM (SELECT e.lane, e.can_run_after FROM sqlstreams.exception_queue_@id@ e
+                       WHERE e.consumer_group_id = $1 AND ",
+        crate::exception_queue::waiting!("e"),
+        " AND e.can_run_after < 'infinity'
+                       ORDER BY e.can_run_after LIMIT 1) f),
                 (SELECT min(lease_expires_at) FROM sqlstreams.exception_queue_@id@
                  WHERE consumer_group_id = $1 AND ",
         crate::exception_queue::in_flight!(),
@@ -40,7 +53,7 @@ const NEXT_DUE: Statement = Statement {
                  WHERE consumer_group_id = $1 AND held_by IS NOT NULL)) END AS due
           FROM sqlstreams.consumer_group g WHERE g.id = $1"
     ),
-    params: &[INT8OID, TIMESTAMPTZOID],
+    params: &[INT8OID, TIMESTAMPTZOID, BOOLOID],
 };
 
 /// `NEXT_DUE` for a quiet claim (src/quiet.rs): the earliest of those times after `$2` (now).
@@ -82,8 +95,9 @@ fn next_due(stream: Option<&str>, group_name: Option<&str>) -> SqlResult<Option<
     Ok(access::as_owner(|caller| {
         Spi::connect(|client| {
             let group = resolve(client, caller, stream, group_name)?;
-            let now = crate::statement::timestamptz(crate::clock::now());
-            NEXT_DUE.exec(client, group.stream.id, &[group.id.into(), now], Access::Read)?.first().value("due")
+            let (now, holds) = (crate::statement::timestamptz(crate::clock::now()), crate::lanes::holds(&group));
+            let args = [group.id.into(), now, holds.into()];
+            NEXT_DUE.exec(client, group.stream.id, &args, Access::Read)?.first().value("due")
         })
     })?)
 }

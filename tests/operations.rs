@@ -894,7 +894,15 @@ fn next_due_counts_a_retry_in_a_held_lane_from_the_end_of_the_hold() {
     // The hold runs out (the consumer crashed): due now, and the next claim takes the lane over.
     g.expire_leases(&mut c);
     assert!(due_in(&mut c, &g).unwrap() <= 0.0);
-    assert_eq!(ids(&g.claim(&mut c, 10)), vec![a1, b1]);
+    let again = g.try_claim(&mut c, 10, "10 minutes").unwrap();
+    assert_eq!(ids(&again), vec![a1, b1]);
+
+    // A group that holds no lanes (its override is parallel now) may take the retry at once.
+    assert_eq!(g.fail(&mut c, &again[0], "again", false, Some("0 seconds")).as_deref(), Some("ready"));
+    assert!(due_in(&mut c, &g).unwrap() > 599.0, "held again");
+    c.query_one("SELECT sqlstreams.alter_group($1, 'g', concurrency_override => 'parallel')", &[&s.name]).unwrap();
+    assert!(due_in(&mut c, &g).unwrap() <= 0.0, "a parallel group does not wait for holds");
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![a1]);
 }
 
 #[test]

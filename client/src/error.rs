@@ -84,11 +84,11 @@ impl Error {
     }
 
     /// True when retrying later, on a new connection, may succeed: the connection was lost, the
-    /// session was ended by the server (terminated, shut down, a server still starting), the
-    /// server is a standby now (`25006`, after a failover), or the statement was rolled back for a
-    /// passing reason (a serialization failure, a lock or statement timeout, a server short of
-    /// connections or memory). The SQLSTATEs are those docs/sql-api.md tells any consumer to
-    /// retry ("The consumer loop").
+    /// server ended the session (terminated, shut down, still starting) or refused it for want
+    /// of connections (`53300`), the server is a standby now (`25006`, after a failover), or the
+    /// statement was rolled back for a conflict that passes (`40001`, `40P01`) or a lock timeout
+    /// (`55P03`). These are what docs/sql-api.md ("The consumer loop") tells any consumer to
+    /// retry. Not a statement timeout or a resource limit, which may fail the same way for ever.
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Pool(_) => true,
@@ -124,9 +124,13 @@ fn is_session_end(code: &SqlState) -> bool {
 /// of the statement it was running (`pg_terminate_backend`, a fast shutdown: 57P01), before the
 /// connection reads as closed.
 fn is_transient_state(code: &SqlState) -> bool {
-    const PASSING: [SqlState; 2] = [SqlState::LOCK_NOT_AVAILABLE, SqlState::QUERY_CANCELED];
-    // Classes 40 (transaction rollback) and 53 (insufficient resources).
-    is_session_end(code) || matches!(&code.code()[..2], "40" | "53") || PASSING.contains(code)
+    const PASSING: [SqlState; 4] = [
+        SqlState::T_R_SERIALIZATION_FAILURE,
+        SqlState::T_R_DEADLOCK_DETECTED,
+        SqlState::LOCK_NOT_AVAILABLE,
+        SqlState::TOO_MANY_CONNECTIONS,
+    ];
+    is_session_end(code) || PASSING.contains(code)
 }
 
 impl From<tokio_postgres::Error> for Error {
@@ -215,11 +219,14 @@ mod tests {
 
     #[test]
     fn a_session_the_server_ended_is_transient_a_refusal_is_not() {
-        for code in ["57P01", "57P02", "57P03", "57P05", "08006", "08P01", "40001", "40P01", "53300", "55P03", "57014"]
-        {
+        let transient =
+            ["57P01", "57P02", "57P03", "57P05", "08006", "08P01", "25006", "40001", "40P01", "53300", "55P03"];
+        for code in transient {
             assert!(is_transient_state(&SqlState::from_code(code)), "{code} is transient");
         }
-        for code in ["42704", "22023", "42501", "23505", "P0001", "XX000", "57P04", "55000"] {
+        let for_ever =
+            ["42704", "22023", "42501", "23505", "P0001", "XX000", "57P04", "55000", "57014", "53100", "40002"];
+        for code in for_ever {
             assert!(!is_transient_state(&SqlState::from_code(code)), "{code} is final");
         }
     }

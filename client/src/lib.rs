@@ -61,7 +61,7 @@
 //! A consumer writes an outcome again, on a new connection, after any error for which
 //! [`Error::is_transient`] holds: a lost connection, a session the server ended
 //! (`pg_terminate_backend`, a shutdown: `57P01` and the like), a server that became a standby
-//! (`25006`), a serialization failure, a lock or statement timeout. Outcomes are idempotent per lease token, so nothing
+//! (`25006`), a serialization failure or deadlock, a lock timeout. Outcomes are idempotent per lease token, so nothing
 //! is recorded twice; a session the server ended is not given back to the pool.
 //!
 //! # Delivery guarantees

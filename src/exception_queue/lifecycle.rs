@@ -376,8 +376,8 @@ pub fn succeed(
 /// that believes the queue nearly empty (last analyzed while it was) may read them again for
 /// every parked row of the group; and with none, no row of the group is read again (`EXISTS`). In a group whose override is ordered (`$5`) the scan of a key
 /// stops at its first runnable row, so a key whose head fails again reads none of the rows parked
-/// behind it. (An exclusive row parked before the override changed to ordered then wakes as an
-/// ordered one.)
+/// behind it. (An exclusive row parked there before the override changed to ordered is then
+/// woken by its timer, the lease of what blocked it, not by the outcome.)
 const WAKE: Statement = Statement {
     name: "eq_wake",
     sql: "WITH candidates AS MATERIALIZED (

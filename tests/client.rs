@@ -809,6 +809,16 @@ async fn a_consumer_on_a_pool_of_one_stops_while_draining() {
 /// them; once the lock goes they land, long before the lease (a minute) would run the key again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outcomes_whose_session_is_terminated_are_written_again() {
+    outcomes_interrupted_are_written_again("pg_terminate_backend").await;
+}
+
+/// The same with the statement cancelled (`pg_cancel_backend`: 57014), which is sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outcomes_cancelled_are_written_again() {
+    outcomes_interrupted_are_written_again("pg_cancel_backend").await;
+}
+
+async fn outcomes_interrupted_are_written_again(interrupt: &str) {
     let client = client();
     let name = unique("terminated");
     let stream = client.stream::<Adjustment>(name.clone());
@@ -849,7 +859,7 @@ async fn outcomes_whose_session_is_terminated_are_written_again() {
         assert!(tokio::time::Instant::now() < deadline, "timed out waiting for the acks to wait for the lock");
         let mut wrote_acks = false;
         for row in killer.query(waiting, &[&locker_pid]).await.unwrap() {
-            killer.execute("SELECT pg_terminate_backend($1)", &[&row.get::<_, i32>(0)]).await.unwrap();
+            killer.execute(&format!("SELECT {interrupt}($1)"), &[&row.get::<_, i32>(0)]).await.unwrap();
             wrote_acks |= row.get::<_, &str>(1).contains("ack_batch");
         }
         if wrote_acks {

@@ -578,16 +578,15 @@ fn a_key_blocked_behind_thousands_of_deferred_rows_keeps_its_order() {
     assert_eq!((status.get::<_, i64>(0), status.get::<_, i64>(1)), (0, 0));
 }
 
-/// A wake-up reads the rows it wakes, not every row parked behind the key: the key's head failing
-/// again reads none of the rows parked behind it, and its success reads each row it wakes a few
-/// times. While the planner believes the queue nearly empty (last analyzed while it was), the
-/// cost stays linear in the rows parked (before, it read every parked row again for each row it
-/// woke, and a failing head read them all).
+/// A wake-up reads each parked row of its key once at most, and each row it wakes a few times,
+/// also while the planner believes the queue nearly empty (last analyzed while it was). Before, it
+/// then read every parked row of the group again for each one it read: with 3,000 parked behind a
+/// key's head, 9 million index entries when the head failed again, 2.5 million when it succeeded.
 #[test]
-fn a_wake_up_reads_the_rows_it_wakes_not_every_row_parked() {
+fn a_wake_up_reads_each_parked_row_once_at_most() {
     let (stale, analyzed) = (wake_costs(false), wake_costs(true));
     let behind = WAKE_BEHIND as i64;
-    assert!(analyzed.0 < 50, "a failing head read {} index entries of the queue, {behind} rows parked", analyzed.0);
+    assert!(analyzed.0 <= behind + 100, "a failing head read {} index entries, {behind} rows parked", analyzed.0);
     assert!(analyzed.1 < 5 * WAKE_PER_KEY, "waking {WAKE_PER_KEY} rows read {} index entries", analyzed.1);
     assert!(stale.0 < 4 * behind, "stale statistics: a failing head read {} index entries", stale.0);
     assert!(stale.1 < 8 * behind, "stale statistics: waking {WAKE_PER_KEY} rows read {} index entries", stale.1);
@@ -654,4 +653,46 @@ fn wake_costs(analyze_parked: bool) -> (i64, i64) {
     }
     assert_eq!(ran, behind, "every parked message ran once, in order");
     (failing, succeeding)
+}
+
+/// Rows parked for good behind a held dead message, before the group's override became
+/// parallel, are woken when the key is released: a group that parks nothing now still wakes what
+/// it parked before (it skipped the wake-up, and they stayed parked with nothing due).
+#[test]
+fn rows_parked_before_the_override_became_parallel_are_still_woken() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "parked-then-parallel");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    c.query_one("SELECT sqlstreams.alter_group($1, 'g', on_dead => 'hold')", &[&s.name]).unwrap();
+    let produced = s.produce_many(&mut c, 4, Some("k"));
+    let first = g.claim(&mut c, 10);
+    assert_eq!(ids(&first), vec![produced[0]]);
+    assert_eq!(g.fail(&mut c, &first[0], "poison", true, None).as_deref(), Some("dead"));
+    assert!(g.claim(&mut c, 10).is_empty(), "the key stops at its dead message");
+    c.query_one("SELECT sqlstreams.alter_group($1, 'g', concurrency_override => 'parallel')", &[&s.name]).unwrap();
+    c.query_one("SELECT sqlstreams.alter_group($1, 'g', on_dead => 'release')", &[&s.name]).unwrap();
+    assert_eq!(ids(&g.claim(&mut c, 10)), produced[1..].to_vec(), "released, and run");
+}
+
+/// Exclusive rows parked behind their key's delivery are woken by its outcome, also after the
+/// group's override became ordered (the rows keep their own policy): here the delivery fails
+/// with a retry in an hour, and they run at once, not at their timer (the delivery's lease).
+#[test]
+fn exclusive_rows_parked_before_the_override_became_ordered_wake_at_the_outcome() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "exclusive-then-ordered");
+    let g = s.group(&mut c, "g", None);
+    let head = s.produce_with(&mut c, json!({}), Some("k"), Some("parallel"), false).unwrap().unwrap();
+    let first = g.try_claim(&mut c, 1, "10 minutes").unwrap();
+    assert_eq!(ids(&first), vec![head]);
+    let exclusive: Vec<i64> = (0..3)
+        .map(|_| s.produce_with(&mut c, json!({}), Some("k"), Some("exclusive"), false).unwrap().unwrap())
+        .collect();
+    assert!(g.claim(&mut c, 10).is_empty(), "they wait for the key");
+    let parked: i64 =
+        c.query_one(&format!("SELECT count(*) FROM {} WHERE parked", s.table("exception_queue")), &[]).unwrap().get(0);
+    assert_eq!(parked, 3);
+    c.query_one("SELECT sqlstreams.alter_group($1, 'g', concurrency_override => 'ordered')", &[&s.name]).unwrap();
+    assert_eq!(g.fail(&mut c, &first[0], "later", false, Some("1 hour")).as_deref(), Some("ready"));
+    assert_eq!(ids(&g.claim(&mut c, 10)), exclusive, "woken by the outcome");
 }

@@ -97,6 +97,11 @@ impl Error {
         }
     }
 
+    /// True for a cancelled statement (`57014`: `pg_cancel_backend`, a `statement_timeout`).
+    pub(crate) fn is_cancel(&self) -> bool {
+        matches!(self, Error::Postgres(e) if e.code() == Some(&SqlState::QUERY_CANCELED))
+    }
+
     /// True when the connection this came from is of no further use: its socket closed, it broke,
     /// or the server ended its session.
     pub(crate) fn ends_session(&self) -> bool {

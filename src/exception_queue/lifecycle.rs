@@ -372,12 +372,10 @@ pub fn succeed(
 /// is what one claim can chain. Rows a claim holds are skipped: that claim is deciding them and
 /// sees this resolution (src/key_gate.rs, "Parking and wake-ups").
 ///
-/// The candidates are found once (`MATERIALIZED`), by the key's index. Not inlined, a planner
-/// that believes the queue nearly empty (last analyzed while it was) may read them again for
-/// every parked row of the group; and with none, no row of the group is read again (`EXISTS`). In a group whose override is ordered (`$5`) the scan of a key
-/// stops at its first runnable row, so a key whose head fails again reads none of the rows parked
-/// behind it. (An exclusive row parked there before the override changed to ordered is then
-/// woken by its timer, the lease of what blocked it, not by the outcome.)
+/// The candidates are found once (`MATERIALIZED`), by the key's index, each parked row of the
+/// key read once at most. Not inlined, a planner that believes the queue nearly empty (last
+/// analyzed while it was) may read them again for every parked row of the group; and with none,
+/// no row of the group is read again (`EXISTS`).
 const WAKE: Statement = Statement {
     name: "eq_wake",
     sql: "WITH candidates AS MATERIALIZED (
@@ -398,8 +396,7 @@ const WAKE: Statement = Statement {
                   -- Row comparisons on (key, id): only the key's indexes answer them.
                   WHERE p.consumer_group_id = $1 AND p.parked
                     AND (p.message_key, p.message_id) > (k.message_key, 0)
-                    AND (p.message_key, p.message_id)
-                        <= (k.message_key, CASE WHEN $5 THEN head.id - 1 ELSE 9223372036854775807 END)
+                    AND (p.message_key, p.message_id) <= (k.message_key, 9223372036854775807)
                     AND (p.concurrency <> 'ordered' OR p.message_id < head.id)
                   ORDER BY p.message_key, p.message_id
                   LIMIT $4) w
@@ -413,7 +410,7 @@ const WAKE: Statement = Statement {
           SET parked = false, can_run_after = $3, updated_at = $3
           WHERE e.consumer_group_id = $1 AND e.message_id = ANY (ARRAY(SELECT message_id FROM free))
             AND EXISTS (SELECT FROM free)",
-    params: &[INT8OID, TEXTARRAYOID, TIMESTAMPTZOID, INT4OID, BOOLOID],
+    params: &[INT8OID, TEXTARRAYOID, TIMESTAMPTZOID, INT4OID],
 };
 
 /// Whether group `$1` has any parked row, read after the keys' locks as `WAKE` would read it: a
@@ -451,10 +448,17 @@ pub fn after_resolution(
     now: i64,
     waker: Waker<'_>,
 ) -> Result<()> {
-    if keys.is_empty() || !group.may_park() {
+    if keys.is_empty() {
         return Ok(());
     }
     let stream_id = group.stream.id;
+    let any_parked =
+        || -> Result<bool> { ANY_PARKED.run(client, stream_id, &[group.id.into()])?.first().required("any") };
+    // A group that parks no rows may still hold some parked before its override became
+    // parallel (behind a held dead row, for good): one probe, and the keys' locks only if so.
+    if !group.may_park() && !any_parked()? {
+        return Ok(());
+    }
     // Before anything is woken (src/key_gate.rs, "Parking and wake-ups").
     let keys = match waker {
         Waker::Outcome => {
@@ -468,15 +472,11 @@ pub fn after_resolution(
         }
         Waker::Claim => locks::try_keys_shared(group.id, keys),
     };
-    if keys.is_empty() || !ANY_PARKED.run(client, stream_id, &[group.id.into()])?.first().required::<bool>("any")? {
+    if keys.is_empty() || !any_parked()? {
         return Ok(());
     }
-    let ordered = group.concurrency_override == Some(Concurrency::Ordered);
-    let woken = WAKE.run(
-        client,
-        stream_id,
-        &[group.id.into(), keys.into(), statement::timestamptz(now), WAKE_PER_KEY.into(), ordered.into()],
-    )?;
+    let woken =
+        WAKE.run(client, stream_id, &[group.id.into(), keys.into(), statement::timestamptz(now), WAKE_PER_KEY.into()])?;
     if !woken.is_empty() {
         notify::signal(client, stream_id)?;
     }

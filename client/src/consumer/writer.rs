@@ -62,6 +62,9 @@ pub(crate) enum Command {
 /// How long buffered acks wait for a claim to carry them before this task writes them.
 const ACK_GRACE: Duration = Duration::from_millis(20);
 
+/// How many times an outcome is sent again after a cancel (`57014`).
+const CANCELS_RETRIED: u32 = 3;
+
 /// How long buffered acks wait behind a slow claim (one waiting on a lock, say) at most.
 const ACK_WAIT_LIMIT: Duration = Duration::from_millis(250);
 
@@ -287,8 +290,11 @@ impl WriterTask {
         }
         let (stream, group) = (self.stream.clone(), self.group.clone());
         for (token, ids) in by_token {
-            let row = self.query_one(sql::ACK_BATCH, &[&stream, &group, &token, &ids]).await;
-            let recorded = row.map(|r| r.get::<_, Vec<i64>>(0).len()).unwrap_or(0);
+            // Refused (logged by `query_one`): the messages run again after their lease.
+            let Some(row) = self.query_one(sql::ACK_BATCH, &[&stream, &group, &token, &ids]).await else {
+                continue;
+            };
+            let recorded = row.get::<_, Vec<i64>>(0).len();
             if recorded < ids.len() {
                 let lost = (ids.len() - recorded) as u64;
                 self.counters.add(Event::LeaseLost, lost);
@@ -298,10 +304,13 @@ impl WriterTask {
         self.acks.lock().unwrap().writing = false;
     }
 
-    /// Runs one statement, retrying with backoff across lost connections. A refusal by the
-    /// server (not a connection problem) is final: it is logged and `None` is returned.
+    /// Runs one statement, retrying with backoff across lost connections and other transient
+    /// errors, and a few times after a cancel (`57014`: `pg_cancel_backend`, or a
+    /// `statement_timeout` that may well cancel it every time). A refusal by the server is final:
+    /// it is logged and `None` is returned.
     async fn query_one(&mut self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Option<Row> {
         let mut backoff = Backoff::new();
+        let mut cancels = 0;
         loop {
             let result = match self.connection().await {
                 Ok(conn) => match conn.prepare_cached(statement).await {
@@ -317,6 +326,11 @@ impl WriterTask {
                     if let Some(conn) = self.conn.take() {
                         Pool::give_back(conn, &e);
                     }
+                    tokio::time::sleep(backoff.next()).await;
+                }
+                Err(e) if e.is_cancel() && cancels < CANCELS_RETRIED => {
+                    debug!(error = %e, "sqlstreams: outcome cancelled; sending it again");
+                    cancels += 1;
                     tokio::time::sleep(backoff.next()).await;
                 }
                 Err(e) => {

@@ -61,8 +61,9 @@
 //! A consumer writes an outcome again, on a new connection, after any error for which
 //! [`Error::is_transient`] holds: a lost connection, a session the server ended
 //! (`pg_terminate_backend`, a shutdown: `57P01` and the like), a server that became a standby
-//! (`25006`), a serialization failure or deadlock, a lock timeout. Outcomes are idempotent per lease token, so nothing
-//! is recorded twice; a session the server ended is not given back to the pool.
+//! (`25006`), a serialization failure or deadlock, a lock timeout; and up to three times after a
+//! cancel (`57014`). Outcomes are idempotent per lease token, so nothing is recorded twice; a
+//! session the server ended is not given back to the pool.
 //!
 //! # Delivery guarantees
 //!

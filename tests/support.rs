@@ -121,25 +121,21 @@ pub fn scans(c: &mut impl postgres::GenericClient, table: &str) -> i64 {
 /// far, and perhaps earlier ones' (read it on a backend of its own, or after
 /// `pg_stat_force_next_flush()` and a commit).
 pub fn index_pages_read(c: &mut impl postgres::GenericClient, table: &str) -> i64 {
-    c.query_one(
-        "SELECT coalesce(sum(pg_stat_get_xact_blocks_fetched(indexrelid)), 0)::int8 FROM pg_index
-         WHERE indrelid = $1::text::regclass",
-        &[&table],
-    )
-    .unwrap()
-    .get(0)
+    over_indexes(c, table, "pg_stat_get_xact_blocks_fetched")
 }
 
 /// Index entries of `table` that this backend's scans returned and it has not reported yet (as
 /// `scans`: take differences, inside one transaction).
 pub fn index_entries_read(c: &mut impl postgres::GenericClient, table: &str) -> i64 {
-    c.query_one(
-        "SELECT coalesce(sum(pg_stat_get_xact_tuples_returned(indexrelid)), 0)::int8 FROM pg_index
-         WHERE indrelid = $1::text::regclass",
-        &[&table],
-    )
-    .unwrap()
-    .get(0)
+    over_indexes(c, table, "pg_stat_get_xact_tuples_returned")
+}
+
+/// The sum of a `pg_stat_get_xact_*` counter over the indexes of `table`.
+fn over_indexes(c: &mut impl postgres::GenericClient, table: &str, counter: &str) -> i64 {
+    let sql = format!(
+        "SELECT coalesce(sum({counter}(indexrelid)), 0)::int8 FROM pg_index WHERE indrelid = $1::text::regclass"
+    );
+    c.query_one(&sql, &[&table]).unwrap().get(0)
 }
 
 /// An error from Postgres with its SQLSTATE and message, for assertion messages.

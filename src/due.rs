@@ -13,41 +13,51 @@ use crate::error::{Result, SqlResult};
 use crate::inspect::resolve;
 use crate::statement::{Access, Columns, Statement};
 
-/// The earliest time a waiting row, lease or lane hold of group `$1` comes due (each probe is
-/// an index's first entry); none for a paused group, which `resume_group` wakes with a NOTIFY.
-/// A row parked behind a held dead row waits for no time (`infinity`): what frees it notifies.
-/// In a group whose lanes are held (`$3`), a waiting row in a lane another delivery holds at `$2`
-/// (now) waits for the hold: its `held_until`, or the outcomes that free it (which notify). So
-/// after a consumer crashed holding lanes with retries due in them, the others sleep until its
-/// holds run out, rather than claiming nothing, again and again, until their poll interval.
-/// When the earliest waiting row's lane is held, the earliest of each free lane is read instead
-/// (one probe a lane).
+/// The earliest `$column` of group `$1`'s queue rows (alias `e`) that match the predicate, among
+/// those a claim could take: in a group whose lanes are held (`$3`), not in a lane another
+/// delivery holds at `$2` (now). One probe of an index when the earliest row's lane is free;
+/// otherwise one probe a free lane.
+macro_rules! earliest_claimable {
+    ($column:literal, $($predicate:tt)+) => {
+        concat!(
+            "(SELECT CASE WHEN NOT $3 OR NOT EXISTS (SELECT FROM sqlstreams.lane_@id@ l
+                                                     WHERE l.consumer_group_id = $1 AND l.lane = f.lane
+                                                       AND l.held_until > $2)
+                          THEN f.t
+                          ELSE (SELECT min(d.t) FROM sqlstreams.lane_@id@ l
+                                CROSS JOIN LATERAL (
+                                    SELECT e.", $column, " AS t FROM sqlstreams.exception_queue_@id@ e
+                                    WHERE e.consumer_group_id = $1 AND e.lane = l.lane AND ", $($predicate)+, "
+                                    ORDER BY e.lane, e.", $column, " LIMIT 1) d
+                                WHERE l.consumer_group_id = $1 AND (l.held_until IS NULL OR l.held_until <= $2))
+                     END
+              FROM (SELECT e.lane, e.", $column, " AS t FROM sqlstreams.exception_queue_@id@ e
+                    WHERE e.consumer_group_id = $1 AND ", $($predicate)+, "
+                    ORDER BY e.", $column, " LIMIT 1) f)"
+        )
+    };
+}
+
+/// The earliest time a waiting row, lease or lane hold of group `$1` comes due; none for a
+/// paused group, which `resume_group` wakes with a NOTIFY. A row parked behind a held dead row
+/// waits for no time (`infinity`): what frees it notifies. A waiting row, or an inflight row
+/// whose lease ran out, in a lane another delivery holds waits for the hold: its `held_until`,
+/// or the outcomes that free it (which notify). So after a consumer crashed holding lanes with
+/// retries due in them, the others sleep until its holds run out, rather than claiming
+/// nothing, again and again, until their poll interval.
 const NEXT_DUE: Statement = Statement {
     name: "due_next",
     sql: concat!(
-        "SELECT CASE WHEN g.paused THEN NULL ELSE least(
-                (SELECT CASE WHEN NOT $3 OR NOT EXISTS (SELECT FROM sqlstreams.lane_@id@ l
-                                                        WHERE l.consumer_group_id = $1 AND l.lane = f.lane
-                                                          AND l.held_until > $2)
-                             THEN f.can_run_after
-                             ELSE (SELECT min(d.can_run_after) FROM sqlstreams.lane_@id@ l
-                                   CROSS JOIN LATERAL (
-                                       SELECT e.can_run_after FROM sqlstreams.exception_queue_@id@ e
-                                       WHERE e.consumer_group_id = $1 AND e.lane = l.lane AND ",
-        crate::exception_queue::waiting!("e"),
-        " AND e.can_run_after < 'infinity'
-                                       ORDER BY e.lane, e.can_run_after LIMIT 1) d
-                                   WHERE l.consumer_group_id = $1 AND (l.held_until IS NULL OR l.held_until <= $2))
-                        END
-                 FROM (SELECT e.lane, e.can_run_after FROM sqlstreams.exception_queue_@id@ e
-                       WHERE e.consumer_group_id = $1 AND ",
-        crate::exception_queue::waiting!("e"),
-        " AND e.can_run_after < 'infinity'
-                       ORDER BY e.can_run_after LIMIT 1) f),
-                (SELECT min(lease_expires_at) FROM sqlstreams.exception_queue_@id@
-                 WHERE consumer_group_id = $1 AND ",
-        crate::exception_queue::in_flight!(),
-        "),
+        "SELECT CASE WHEN g.paused THEN NULL ELSE least(",
+        earliest_claimable!(
+            "can_run_after",
+            crate::exception_queue::waiting!("e"),
+            " AND e.can_run_after < 'infinity'"
+        ),
+        ",
+                ",
+        earliest_claimable!("lease_expires_at", crate::exception_queue::in_flight!("e")),
+        ",
                 (SELECT min(lease_expires_at) FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1),
                 (SELECT min(held_until) FROM sqlstreams.lane_@id@
                  WHERE consumer_group_id = $1 AND held_by IS NOT NULL)) END AS due

@@ -879,6 +879,41 @@ async fn outcomes_interrupted_are_written_again(interrupt: &str) {
     assert_eq!(*calls.lock().unwrap(), vec![(ids[0], 0), (ids[1], 0)], "each ran once, in order");
 }
 
+/// A consumer stopped past its grace stops even when the database cannot take its outcomes:
+/// they have two more seconds, and are then given up (their messages run again after their
+/// lease). Here its ack waits for a row the test keeps locked until the consumer has stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_past_its_grace_does_not_wait_for_outcomes_the_database_cannot_take() {
+    let client = client();
+    let name = unique("untaken");
+    let stream = client.stream::<Adjustment>(name.clone());
+    stream.register().await.unwrap();
+    stream.producer().produce(&adjustment("a", 1), ProduceOptions::default()).await.unwrap();
+    let settings =
+        ConsumerConfig { lease: Duration::from_secs(60), poll_interval: Duration::from_secs(60), ..config(None) };
+    let (handler, started_rx, go_tx) = holding_the_first_call();
+    let running = stream.consumer("g").register(settings).await.unwrap().start(handler);
+    started_rx.recv_timeout(Duration::from_secs(20)).unwrap();
+    // The claim's range row, locked: its ack waits; the consumer's empty claims do not.
+    let admin = self::client();
+    let locker = admin.pool().get().await.unwrap();
+    let id: i64 = locker.query_one("SELECT id FROM sqlstreams.streams WHERE name = $1", &[&name]).await.unwrap().get(0);
+    locker.batch_execute(&format!("BEGIN; SELECT FROM sqlstreams.range_lease_{id} FOR UPDATE")).await.unwrap();
+    let locker_pid: i32 = locker.query_one("SELECT pg_backend_pid()", &[]).await.unwrap().get(0);
+    go_tx.send(()).unwrap();
+    let waiting = || async {
+        let conn = admin.pool().get().await.unwrap();
+        let sql = "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))";
+        conn.query_one(sql, &[&locker_pid]).await.unwrap().get::<_, i64>(0) > 0
+    };
+    eventually_async("the ack, waiting for the locked row", waiting).await;
+    let report = tokio::time::timeout(Duration::from_secs(20), running.shutdown(Duration::from_millis(100)))
+        .await
+        .expect("the consumer stops while its ack still waits");
+    assert!(!report.drained);
+    locker.batch_execute("ROLLBACK").await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn shutdown_past_its_grace_cancels_and_gives_back_the_rest() {
     let client = client();

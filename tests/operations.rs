@@ -905,6 +905,29 @@ fn next_due_counts_a_retry_in_a_held_lane_from_the_end_of_the_hold() {
     assert_eq!(ids(&g.claim(&mut c, 10)), vec![a1]);
 }
 
+/// The same for a retry's delivery whose lease ran out in a lane a later claim holds.
+#[test]
+fn next_due_counts_an_expired_lease_in_a_held_lane_from_the_end_of_the_hold() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "due-held-expired");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let lane_a = s.lane(&mut c, "a");
+    let b = (0..).map(|i| format!("b{i}")).find(|k| s.lane(&mut c, k) == lane_a).unwrap();
+    let a1 = s.produce(&mut c, json!({}), Some("a"));
+    let b1 = s.produce(&mut c, json!({}), Some(&b));
+    // Both become retries, delivered again (inflight rows of the queue), and their lease runs out.
+    for d in g.claim(&mut c, 10) {
+        assert_eq!(g.fail(&mut c, &d, "again", false, Some("0 seconds")).as_deref(), Some("ready"));
+    }
+    assert_eq!(ids(&g.try_claim(&mut c, 10, "10 minutes").unwrap()), vec![a1, b1]);
+    g.expire_leases(&mut c);
+    // A claim of one takes a1 and holds the lane for ten minutes; b1's lease has run out.
+    assert_eq!(ids(&g.try_claim(&mut c, 1, "10 minutes").unwrap()), vec![a1]);
+    assert!(g.try_claim(&mut c, 10, "10 minutes").unwrap().is_empty(), "the lane is held");
+    let due = due_in(&mut c, &g).expect("the hold ends");
+    assert!((599.0..=600.5).contains(&due), "due when the hold ends: {due}");
+}
+
 #[test]
 fn next_due_needs_the_right_to_inspect_the_group() {
     let mut c = connect();

@@ -5,6 +5,7 @@ mod delivery;
 mod executor;
 mod handler;
 mod idle;
+mod last_chance;
 mod leases;
 mod listener;
 mod metrics;
@@ -352,7 +353,9 @@ impl RunningConsumer {
 
     /// Stops claiming, lets in-flight handlers finish for up to `grace`, then cancels the rest
     /// (their deliveries count as failed and run again later) and gives back every claimed
-    /// message that did not start. Every outcome is recorded before this returns.
+    /// message that did not start. Every outcome is recorded before this returns, but for those
+    /// the database does not take within two seconds after `grace` (it is down, or ends every
+    /// session): they are logged and given up, and their messages run again after their lease.
     pub async fn shutdown(self, grace: Duration) -> Shutdown {
         self.stop.cancel();
         let mut task = self.task;

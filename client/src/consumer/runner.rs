@@ -26,6 +26,7 @@ use super::claims::{chains_of, claim, Claimed, Conn};
 use super::executor::{ChainTask, Inline, INLINE_BUDGET};
 use super::handler::Handle;
 use super::idle::{idle_wait, NextDue, IDLE_FLOOR};
+use super::last_chance::LastChance;
 use super::leases::LeaseBook;
 use super::listener;
 use super::metrics::{Counters, Event};
@@ -59,6 +60,8 @@ pub(super) struct Ctx<T, H> {
     pub leases: Arc<LeaseBook>,
     /// Cancels running handlers (shutdown past its grace period).
     pub cancel: CancellationToken,
+    /// How long claims in flight are still waited for after `cancel`.
+    pub last_chance: LastChance,
     /// Rows claimed and not finished, and a signal when that number drops.
     pub outstanding: AtomicUsize,
     pub progress: Notify,
@@ -100,7 +103,9 @@ where
     let Stops { stop, cancel } = stops;
     let pool = group.stream.pool.clone();
     let (stream, group_name) = (group.stream.name.clone(), group.name.clone());
-    let (writer, writer_task) = Writer::spawn(pool.clone(), stream.clone(), group_name.clone(), counters.clone());
+    let last_chance = LastChance::new(cancel.clone());
+    let (writer, writer_task) =
+        Writer::spawn(pool.clone(), stream.clone(), group_name.clone(), counters.clone(), last_chance.clone());
     let leases = Arc::new(LeaseBook::new(pool.clone(), stream, group_name, config.lease));
     let wake = Arc::new(Notify::new());
     let background = CancellationToken::new();
@@ -123,6 +128,7 @@ where
         writer,
         leases,
         cancel,
+        last_chance,
         outstanding: AtomicUsize::new(0),
         progress: Notify::new(),
         wake,
@@ -281,7 +287,10 @@ where
         while !stop.is_cancelled() {
             while self.chains.try_join_next().is_some() {}
             let sent = match self.ahead.pop_front() {
-                Some(ahead) => ahead.land().await,
+                Some(ahead) => match land_within_last_chance(&self.ctx.last_chance, ahead).await {
+                    Some(sent) => sent,
+                    None => break,
+                },
                 None => match self.claim_now(stop).await {
                     Step::Go(sent) => sent,
                     Step::Again => continue,
@@ -371,7 +380,12 @@ where
             Ok(conn) => Arc::new(conn),
             Err(e) => return Step::Go(Sent { permits, acks, claimed_at, conn: None, result: Err(e), early: false }),
         };
-        let result = claim(ctx.clone(), conn.clone(), permits.num_permits() as i32, acks.clone()).await;
+        let claiming = claim(ctx.clone(), conn.clone(), permits.num_permits() as i32, acks.clone());
+        let Some(result) = ctx.last_chance.within(claiming).await else {
+            abandoned();
+            discard(conn);
+            return Step::Stop;
+        };
         Step::Go(Sent { permits, acks, claimed_at, conn: Some(conn), result, early: false })
     }
 
@@ -551,7 +565,9 @@ where
         // goes back to the pool first, where the writer finds it.
         let mut landed = Vec::with_capacity(self.ahead.len());
         while let Some(ahead) = self.ahead.pop_front() {
-            let Sent { acks, result, .. } = ahead.land().await;
+            let Some(Sent { acks, result, .. }) = land_within_last_chance(&ctx.last_chance, ahead).await else {
+                break;
+            };
             landed.push((acks, result));
         }
         ctx.writer.claiming(false);
@@ -577,6 +593,30 @@ where
             }
         }
         self.fatal
+    }
+}
+
+/// Lands a claim sent ahead, unless the last chance ends first (see `abandoned`).
+async fn land_within_last_chance(last_chance: &LastChance, ahead: Ahead) -> Option<Sent> {
+    let conn = ahead.conn.clone();
+    let landed = last_chance.within(ahead.land()).await;
+    if landed.is_none() {
+        abandoned();
+        discard(conn);
+    }
+    landed
+}
+
+/// A claim in flight not waited for: the database did not answer within the last chance.
+fn abandoned() {
+    warn!("sqlstreams: a claim in flight was not waited for: the consumer stopped past its grace and the database did not answer in time (what it hands out runs after its lease)");
+}
+
+/// Drops a connection out of the pool once no claim in flight shares it (a statement may still
+/// run on it).
+fn discard(conn: Conn) {
+    if let Some(conn) = Arc::into_inner(conn) {
+        drop(deadpool_postgres::Object::take(conn));
     }
 }
 

@@ -16,10 +16,8 @@
 //! a lock timeout); outcomes are idempotent per lease token.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-use std::sync::Mutex;
 
 use tokio::sync::{mpsc, oneshot, Notify};
 use tracing::{debug, warn};
@@ -29,6 +27,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
 use crate::backoff::Backoff;
+use crate::consumer::last_chance::LastChance;
 use crate::consumer::metrics::{Counters, Event};
 use crate::error::Result;
 use crate::pool::Pool;
@@ -93,6 +92,7 @@ impl Writer {
         stream: String,
         group: String,
         counters: Arc<Counters>,
+        last_chance: LastChance,
     ) -> (Writer, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let acks = AckBuffer::default();
@@ -108,6 +108,7 @@ impl Writer {
             acks_waiting: acks_waiting.clone(),
             claiming: claiming.clone(),
             conn: None,
+            last_chance,
         };
         (Writer { tx, acks, acks_waiting, claiming }, tokio::spawn(task.run()))
     }
@@ -206,6 +207,7 @@ struct WriterTask {
     acks_waiting: Arc<Notify>,
     claiming: Arc<AtomicBool>,
     conn: Option<deadpool_postgres::Object>,
+    last_chance: LastChance,
 }
 
 impl WriterTask {
@@ -311,34 +313,49 @@ impl WriterTask {
     async fn query_one(&mut self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Option<Row> {
         let mut backoff = Backoff::new();
         let mut cancels = 0;
+        let last_chance = self.last_chance.clone();
         loop {
-            let result = match self.connection().await {
-                Ok(conn) => match conn.prepare_cached(statement).await {
-                    Ok(prepared) => conn.query_one(&prepared, params).await.map_err(crate::Error::from),
-                    Err(e) => Err(e.into()),
-                },
-                Err(e) => Err(e),
+            let attempt = async {
+                let conn = self.connection().await?;
+                let prepared = conn.prepare_cached(statement).await?;
+                Ok::<_, crate::Error>(conn.query_one(&prepared, params).await?)
             };
-            match result {
+            let Some(result) = last_chance.within(attempt).await else {
+                return self.abandon(statement);
+            };
+            let pause = match result {
                 Ok(row) => return Some(row),
                 Err(e) if e.is_transient() => {
                     debug!(error = %e, "sqlstreams: outcome writer reconnecting");
                     if let Some(conn) = self.conn.take() {
                         Pool::give_back(conn, &e);
                     }
-                    tokio::time::sleep(backoff.next()).await;
+                    backoff.next()
                 }
                 Err(e) if e.is_cancel() && cancels < CANCELS_RETRIED => {
                     debug!(error = %e, "sqlstreams: outcome cancelled; sending it again");
                     cancels += 1;
-                    tokio::time::sleep(backoff.next()).await;
+                    backoff.next()
                 }
                 Err(e) => {
                     warn!(error = %e, statement, "sqlstreams: outcome refused");
                     return None;
                 }
+            };
+            if last_chance.within(tokio::time::sleep(pause)).await.is_none() {
+                return self.abandon(statement);
             }
         }
+    }
+
+    /// Gives up on an outcome whose last chance ended (a statement still running is left to
+    /// the server: its connection is closed).
+    fn abandon(&mut self, statement: &str) -> Option<Row> {
+        if let Some(conn) = self.conn.take() {
+            drop(deadpool_postgres::Object::take(conn));
+        }
+        warn!(statement, "sqlstreams: outcome not recorded: the consumer stopped past its grace and the database did not take it in time (the message runs again after its lease)");
+        None
     }
 
     async fn connection(&mut self) -> Result<&deadpool_postgres::Object> {

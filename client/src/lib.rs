@@ -62,8 +62,9 @@
 //! [`Error::is_transient`] holds: a lost connection, a session the server ended
 //! (`pg_terminate_backend`, a shutdown: `57P01` and the like), a server that became a standby
 //! (`25006`), a serialization failure or deadlock, a lock timeout; and up to three times after a
-//! cancel (`57014`). Outcomes are idempotent per lease token, so nothing is recorded twice; a
-//! session the server ended is not given back to the pool.
+//! cancel (`57014`: a fourth gives it up, and its message runs again after its lease, possibly
+//! after later messages of its key). Outcomes are idempotent per lease token, so nothing is
+//! recorded twice; a session the server ended is not given back to the pool.
 //!
 //! # Delivery guarantees
 //!

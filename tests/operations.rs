@@ -871,18 +871,24 @@ fn next_due_is_when_the_earliest_waiting_work_comes_due() {
     assert!(due_in(&mut c, &g).unwrap() <= 0.0);
 }
 
+/// An ordered group's stream with one message on each of two keys that share a lane.
+fn two_keys_in_one_lane(c: &mut Client, prefix: &str) -> (Stream, Group, i64, i64) {
+    let s = Stream::create(c, prefix);
+    let g = s.group(c, "g", Some("ordered"));
+    let lane_a = s.lane(c, "a");
+    let b = (0..).map(|i| format!("b{i}")).find(|k| s.lane(c, k) == lane_a).unwrap();
+    let a1 = s.produce(c, json!({}), Some("a"));
+    let b1 = s.produce(c, json!({}), Some(&b));
+    (s, g, a1, b1)
+}
+
 /// A retry due in a lane another delivery holds is due when the hold ends, not now: a claim
 /// could not hand it out before (after a crash, the others would claim nothing until their poll
 /// interval instead of sleeping until they can take the lane over).
 #[test]
 fn next_due_counts_a_retry_in_a_held_lane_from_the_end_of_the_hold() {
     let mut c = connect();
-    let s = Stream::create(&mut c, "due-held");
-    let g = s.group(&mut c, "g", Some("ordered"));
-    let lane_a = s.lane(&mut c, "a");
-    let b = (0..).map(|i| format!("b{i}")).find(|k| s.lane(&mut c, k) == lane_a).unwrap();
-    let a1 = s.produce(&mut c, json!({}), Some("a"));
-    let b1 = s.produce(&mut c, json!({}), Some(&b));
+    let (s, g, a1, b1) = two_keys_in_one_lane(&mut c, "due-held");
     let batch = g.try_claim(&mut c, 10, "10 minutes").unwrap();
     assert_eq!(ids(&batch), vec![a1, b1], "one lane, both keys");
     // a1's retry is due at once, in the lane b1's delivery holds for ten minutes.
@@ -909,12 +915,7 @@ fn next_due_counts_a_retry_in_a_held_lane_from_the_end_of_the_hold() {
 #[test]
 fn next_due_counts_an_expired_lease_in_a_held_lane_from_the_end_of_the_hold() {
     let mut c = connect();
-    let s = Stream::create(&mut c, "due-held-expired");
-    let g = s.group(&mut c, "g", Some("ordered"));
-    let lane_a = s.lane(&mut c, "a");
-    let b = (0..).map(|i| format!("b{i}")).find(|k| s.lane(&mut c, k) == lane_a).unwrap();
-    let a1 = s.produce(&mut c, json!({}), Some("a"));
-    let b1 = s.produce(&mut c, json!({}), Some(&b));
+    let (_, g, a1, b1) = two_keys_in_one_lane(&mut c, "due-held-expired");
     // Both become retries, delivered again (inflight rows of the queue), and their lease runs out.
     for d in g.claim(&mut c, 10) {
         assert_eq!(g.fail(&mut c, &d, "again", false, Some("0 seconds")).as_deref(), Some("ready"));

@@ -7,7 +7,8 @@
 //!   message of an open range, and below the lowest unresolved exception row.
 //!
 //! `group_status` computes both live; `maintain()` stores them, and `greatest()` keeps
-//! `committed` from ever moving backward. Claims do not write them: claims of different lanes
+//! `committed` from moving backward: only a seek and a redrive (src/admin/dead_letters.rs) move
+//! the stored value back. Claims do not write them: claims of different lanes
 //! never wait for one row. The fence is stored here too (src/fence.rs), and claims update it
 //! only when they can take the row without waiting.
 

@@ -317,7 +317,16 @@ pub fn after(
     Ok(LaneRead { messages: found, next, log: log.oid() })
 }
 
-/// When the message at `address` was produced (NULL when it is not in the log).
+/// When a message was produced, from the archive (retention copies there the messages of a
+/// dropped partition that exception rows still refer to).
+const ARCHIVED_AT: Statement = Statement {
+    name: "message_archived_at",
+    sql: "SELECT produced_at FROM sqlstreams.message_archive_@id@ WHERE id = $1",
+    params: &[INT8OID],
+};
+
+/// When the message at `address` was produced: from the log, else from the archive (NULL when
+/// it is in neither).
 pub fn produced_at(
     client: &SpiClient<'_>,
     stream: &StreamRef,
@@ -332,7 +341,11 @@ pub fn produced_at(
             return row.first().value("produced_at");
         }
     }
-    Ok(None)
+    let row = ARCHIVED_AT.exec(client, stream.id, &[address.id.into()], access)?;
+    if row.is_empty() {
+        return Ok(None);
+    }
+    row.first().value("produced_at")
 }
 
 /// When the first message with an id in `(after, upto]` was produced (NULL when none is left).

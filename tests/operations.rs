@@ -231,6 +231,80 @@ fn retention_drops_partitions_every_group_is_done_with_and_keeps_what_any_group_
     assert_eq!(ids(&fast.claim(&mut c, 10)), vec![next]);
 }
 
+/// A redriven dead letter is unresolved again: the group's `committed` moves back below it, and
+/// `group_status` (its lag, `oldest_unresolved_at`) counts it until it resolves, whether retention
+/// dropped its partition (when it was produced is then read from the archive) or not.
+#[test]
+fn a_redriven_dead_letter_holds_the_cursor_until_it_resolves() {
+    let mut c = connect();
+    let s = Stream::create_sized(&mut c, "redrive-cursor", 1000);
+    let g = s.group(&mut c, "g", None);
+    let produced = s.produce_many(&mut c, 2500, None);
+    let head = *produced.last().unwrap();
+    // One dies in the first partition, which retention drops; one in the head's, which stays.
+    let (gone, kept) = (produced[10], produced[2100]);
+    loop {
+        let batch = g.claim(&mut c, 100);
+        if batch.is_empty() {
+            break;
+        }
+        for d in &batch {
+            if d.message_id == gone || d.message_id == kept {
+                g.fail(&mut c, d, "poison", true, None);
+            } else {
+                assert!(g.ack(&mut c, d));
+            }
+        }
+    }
+    assert_eq!(maintain(&mut c, &s), (2, 0), "dead letters keep no partition");
+    assert_eq!(g.stored_cursor(&mut c).1, head);
+    let status = |c: &mut Client| -> (i64, i64, Option<std::time::SystemTime>) {
+        let row = c
+            .query_one("SELECT committed, lag, oldest_unresolved_at FROM sqlstreams.group_status($1, 'g')", &[&s.name])
+            .unwrap();
+        (row.get(0), row.get(1), row.get(2))
+    };
+    assert_eq!(status(&mut c), (head, 0, None), "everything is resolved");
+    let produced_at = |c: &mut Client, table: &str, id: i64| -> std::time::SystemTime {
+        c.query_one(&format!("SELECT produced_at FROM {} WHERE id = $1", s.table(table)), &[&id]).unwrap().get(0)
+    };
+    let redrive = |c: &mut Client, id: i64| {
+        let redriven: Vec<i64> =
+            c.query_one("SELECT sqlstreams.redrive($1, 'g', ARRAY[$2::int8])", &[&s.name, &id]).unwrap().get(0);
+        assert_eq!(redriven, vec![id]);
+    };
+
+    redrive(&mut c, kept);
+    let at = produced_at(&mut c, "message_log", kept);
+    assert_eq!(status(&mut c), (kept - 1, head - (kept - 1), Some(at)), "the redriven message is unresolved");
+    assert_eq!(maintain(&mut c, &s), (0, 0));
+    assert_eq!(g.stored_cursor(&mut c).1, kept - 1, "maintain() does not move the cursor past it");
+
+    // Its partition gone, the message is in the archive: when it was produced is read there (made
+    // distinct from every message still in the log, so that a read of the log's next one shows).
+    let archive = s.table("message_archive");
+    c.execute(&format!("UPDATE {archive} SET produced_at = produced_at - interval '1 hour' WHERE id = $1"), &[&gone])
+        .unwrap();
+    redrive(&mut c, gone);
+    let at = produced_at(&mut c, "message_archive", gone);
+    assert_eq!(status(&mut c), (gone - 1, head - (gone - 1), Some(at)), "the archived message is unresolved");
+    assert_eq!(maintain(&mut c, &s), (0, 0));
+    assert_eq!(g.stored_cursor(&mut c).1, gone - 1);
+
+    let mut again = vec![];
+    for _ in 0..3 {
+        for d in g.claim(&mut c, 10) {
+            assert!(g.ack(&mut c, &d));
+            again.push(d.message_id);
+        }
+    }
+    again.sort_unstable();
+    assert_eq!(again, vec![gone, kept], "both run again");
+    assert_eq!(status(&mut c), (head, 0, None), "resolved: group_status shows it at once");
+    maintain(&mut c, &s);
+    assert_eq!(g.stored_cursor(&mut c).1, head, "and maintain() stores it");
+}
+
 #[test]
 fn a_group_with_no_consumer_yet_keeps_everything() {
     let mut c = connect();

@@ -12,13 +12,23 @@ use crate::names::{message_id, validate_name};
 use crate::notify;
 use crate::statement::{self, Columns, Statement};
 
+/// The dead rows become ready, and the group's stored `committed` moves back below the first
+/// of them: a redriven message is unresolved again, so `group_status`, its lag and
+/// `oldest_unresolved_age` count it, and `maintain()` keeps the cursor there until it resolves
+/// (its `greatest()` never moves a stored `committed` back). Its partition may be gone: retention
+/// archived the message with its row, and retention only ever drops what is below every group's
+/// stored position. The cursor row comes after the exception rows, as in a seek.
 const REDRIVE: Statement = Statement {
     name: "dead_redrive",
-    sql: "UPDATE sqlstreams.exception_queue_@id@
-          SET status = 'ready', attempts = 0, delays = 0, can_run_after = $3, parked = false,
-              lease_token = NULL, lease_expires_at = NULL, updated_at = $3
-          WHERE consumer_group_id = $1 AND status = 'dead' AND ($2::bigint[] IS NULL OR message_id = ANY($2))
-          RETURNING message_id",
+    sql: "WITH r AS (UPDATE sqlstreams.exception_queue_@id@
+                     SET status = 'ready', attempts = 0, delays = 0, can_run_after = $3, parked = false,
+                         lease_token = NULL, lease_expires_at = NULL, updated_at = $3
+                     WHERE consumer_group_id = $1 AND status = 'dead'
+                       AND ($2::bigint[] IS NULL OR message_id = ANY($2))
+                     RETURNING message_id),
+               c AS (UPDATE sqlstreams.cursor_@id@ SET committed = (SELECT min(message_id) - 1 FROM r)
+                     WHERE consumer_group_id = $1 AND committed >= (SELECT min(message_id) FROM r))
+          SELECT message_id FROM r",
     params: &[INT8OID, INT8ARRAYOID, TIMESTAMPTZOID],
 };
 

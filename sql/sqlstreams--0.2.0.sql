@@ -238,7 +238,8 @@ BEGIN
         -- One row per consumer group: the group's cursor and its claim fence (src/fence.rs).
         --   claimed:   every id <= claimed has been handed out in some range (the lanes' lowest
         --              position; stored by maintain(), computed live by group_status).
-        --   committed: every id <= committed is resolved for the group; never moves backward.
+        --   committed: every id <= committed is resolved for the group; never moves backward but
+        --              for a seek, or a redrive of a dead message at or below it.
         --   fence_head/fence_xid: a pending observation, "ids <= fence_head are safe once every
         --              transaction older than fence_xid has ended".
         --   fence_safe: every id <= fence_safe is proven safe (committed or rolled back).

@@ -17,7 +17,11 @@ use crate::statement::{self, Columns, Statement};
 /// `oldest_unresolved_age` count it, and `maintain()` keeps the cursor there until it resolves
 /// (its `greatest()` never moves a stored `committed` back). Its partition may be gone: retention
 /// archived the message with its row, and retention only ever drops what is below every group's
-/// stored position. The cursor row comes after the exception rows, as in a seek.
+/// stored position. The cursor row comes after the exception rows, as in a seek, and is locked
+/// whenever a row was redriven, even when `committed` is below it now: a `maintain()` step
+/// (`cursor::advance`, which takes the row only if free) whose snapshot still sees the row dead
+/// would otherwise store a `committed` past it as this commits. One that holds the row first is
+/// waited for, and `least()` then applies to what it stored.
 const REDRIVE: Statement = Statement {
     name: "dead_redrive",
     sql: "WITH r AS (UPDATE sqlstreams.exception_queue_@id@
@@ -26,8 +30,9 @@ const REDRIVE: Statement = Statement {
                      WHERE consumer_group_id = $1 AND status = 'dead'
                        AND ($2::bigint[] IS NULL OR message_id = ANY($2))
                      RETURNING message_id),
-               c AS (UPDATE sqlstreams.cursor_@id@ SET committed = (SELECT min(message_id) - 1 FROM r)
-                     WHERE consumer_group_id = $1 AND committed >= (SELECT min(message_id) FROM r))
+               c AS (UPDATE sqlstreams.cursor_@id@
+                     SET committed = least(committed, (SELECT min(message_id) - 1 FROM r))
+                     WHERE consumer_group_id = $1 AND EXISTS (SELECT FROM r))
           SELECT message_id FROM r",
     params: &[INT8OID, INT8ARRAYOID, TIMESTAMPTZOID],
 };

@@ -39,7 +39,7 @@ impl Rates {
     }
 
     /// Messages resolved (`committed` moving) and produced (`head` moving) per second between
-    /// consecutive samples, oldest first. A seek back moves `committed` back: that counts as 0.
+    /// consecutive samples, oldest first. A seek back, or a redrive of an old dead letter, moves `committed` back: that counts as 0.
     pub fn per_second(&self, stream: &str, group: &str) -> (Vec<f64>, Vec<f64>) {
         let Some(samples) = self.samples.get(&(stream.to_string(), group.to_string())) else {
             return (vec![], vec![]);

@@ -16,6 +16,23 @@ fn maintain(c: &mut Client, s: &Stream) -> (i64, i64) {
     (row.get(0), row.get(1))
 }
 
+/// Drains group `g`, failing the messages of `dead` for good and acking every other one.
+fn drain_failing(c: &mut Client, g: &Group, dead: &[i64]) {
+    loop {
+        let batch = g.claim(c, 100);
+        if batch.is_empty() {
+            break;
+        }
+        for d in &batch {
+            if dead.contains(&d.message_id) {
+                g.fail(c, d, "poison", true, None);
+            } else {
+                assert!(g.ack(c, d));
+            }
+        }
+    }
+}
+
 #[test]
 fn a_redriven_compacted_dead_letter_is_still_superseded_after_its_partition_goes() {
     let mut c = connect();
@@ -177,19 +194,7 @@ fn retention_drops_partitions_every_group_is_done_with_and_keeps_what_any_group_
     };
     let (poison, older) = (1500i64, 2500i64);
     let poison_payload = payload_of(&mut c, poison);
-    loop {
-        let batch = slow.claim(&mut c, 100);
-        if batch.is_empty() {
-            break;
-        }
-        for d in &batch {
-            if d.message_id == poison || d.message_id == older {
-                slow.fail(&mut c, d, "poison", true, None);
-            } else {
-                assert!(slow.ack(&mut c, d));
-            }
-        }
-    }
+    drain_failing(&mut c, &slow, &[poison, older]);
     // Dead letters keep no partition: every group committed past the first three.
     assert_eq!(maintain(&mut c, &s), (3, 0));
     assert_eq!(s.partitions(&mut c), before[3..], "the partition holding the head stays");
@@ -267,19 +272,7 @@ fn a_redriven_dead_letter_holds_the_cursor_until_it_resolves() {
     let head = *produced.last().unwrap();
     // One dies in the first partition, which retention drops; one in the head's, which stays.
     let (gone, kept) = (produced[10], produced[2100]);
-    loop {
-        let batch = g.claim(&mut c, 100);
-        if batch.is_empty() {
-            break;
-        }
-        for d in &batch {
-            if d.message_id == gone || d.message_id == kept {
-                g.fail(&mut c, d, "poison", true, None);
-            } else {
-                assert!(g.ack(&mut c, d));
-            }
-        }
-    }
+    drain_failing(&mut c, &g, &[gone, kept]);
     assert_eq!(maintain_own(&mut c, &s), (2, 0), "dead letters keep no partition");
     assert_eq!(g.stored_cursor(&mut c).1, head);
     assert_eq!(unresolved(&mut c, &s), (head, 0, None), "everything is resolved");

@@ -20,7 +20,7 @@
 //! (autocommit), never in a transaction block the caller may leave open, where it holds
 //! nothing but its own lanes and rows.
 //!
-//! A claim never waits for a row or key lock (src/locks.rs): lanes, rows and key locks are all
+//! A claim never waits for a row or wake lock (src/locks.rs): lanes, rows and wake locks are all
 //! taken only when free. Its waits of its own, for a capped group's turn and for the log's lock
 //! while retention drops partitions, come first, before it holds anything or reads the clock. So
 //! the fence and the clock it reads are never older than what it claims against, and no outcome
@@ -129,8 +129,8 @@ struct Claim<'a> {
     expires: i64,
     batch: i32,
     work: Vec<Work>,
-    /// Keys whose waiting rows may be parked: this claim holds their key locks.
-    parkable: Vec<String>,
+    /// Lanes whose waiting rows may be parked: this claim holds their wake locks.
+    parkable: Vec<i32>,
     changes: Vec<Change>,
     /// Exception rows this claim resolves before gating (expired deliveries that went dead).
     dead_on_expiry: Vec<i64>,
@@ -340,13 +340,14 @@ impl Claim<'_> {
             key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now, hold);
         let waiting = key_gate::deferred_keys(&candidates, &verdicts);
         if !waiting.is_empty() {
-            // Lock the keys about to be parked, then look again: a resolution that committed
-            // meanwhile is seen now, and one that commits later waits for this claim before its
-            // wake-up runs (src/key_gate.rs). A key whose lock an outcome holds right now is
-            // not waited for: its rows are left due instead of parked, and the next claim looks
-            // again. Facts only shrink between the two looks, so the second can only turn
-            // waits into runs.
-            self.parkable = locks::try_keys_exclusive(self.group.id, &waiting);
+            // Lock the lanes of the keys about to be parked, then look again: a resolution that
+            // committed meanwhile is seen now, and one that commits later waits for this claim
+            // before its wake-up runs (src/key_gate.rs). A lane whose wake lock an outcome holds
+            // right now is not waited for: its keys' rows are left due instead of parked, and
+            // the next claim looks again. Facts only shrink between the two looks, so the
+            // second can only turn waits into runs.
+            let waiting_lanes = lanes::of_keys(&waiting, self.group.stream.lanes);
+            self.parkable = locks::try_lanes_exclusive(self.group.id, &waiting_lanes);
             verdicts = key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now, hold);
         }
 
@@ -355,6 +356,12 @@ impl Claim<'_> {
             self.token,
             own_claims::Facts { held_lanes: !holding.is_empty(), rows_in_flight: self.work_in_flight },
             pending.iter().map(|(id, ..)| *id).collect(),
+            pending
+                .iter()
+                .filter(|(_, key, _)| key.is_some())
+                .filter_map(|(_, _, first)| self.ranges.iter().find(|r| r.first_id == *first))
+                .map(|r| r.lane)
+                .collect(),
         );
         exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;
         // Hold a lane while a key it handed out may need it: ordered and exclusive deliveries.
@@ -605,8 +612,9 @@ impl Claim<'_> {
                     });
                 }
                 Verdict::Defer { until } => {
-                    // Parked only under this claim's key lock; otherwise due now (src/key_gate.rs).
-                    let parked = c.key.as_ref().is_some_and(|k| self.parkable.contains(k));
+                    // Parked only under this claim's wake lock of the lane; otherwise due now
+                    // (src/key_gate.rs).
+                    let parked = c.key.is_some() && self.parkable.contains(&c.lane);
                     let until = if parked { until } else { self.now };
                     self.changes.push(exception_queue::defer_behind(&work.held, &c, work.attempt, until, parked));
                 }

@@ -21,16 +21,17 @@
 //! A waiting row is parked until its blocker could clear on its own, and every resolution wakes
 //! the key's parked rows (src/exception_queue/lifecycle.rs). A wake-up must not be lost between
 //! a claim that parks rows of a key and an outcome that resolves that key at the same moment,
-//! each unable to see the other's uncommitted rows. So both take the key's lock
-//! (src/locks.rs): an outcome shared, before it wakes anything; a claim exclusive, before it
-//! parks, and then it gathers the facts again. If the claim got the lock, every earlier outcome
-//! on the key has committed (the claim's second look sees it) and every later one waits for the
-//! claim to commit (its wake-up sees the parked rows). If an outcome holds the lock right now,
-//! the claim does not wait (a claim never waits): it leaves the row due instead of parked, and
-//! the next claim looks again. An outcome that holds, locked and still held by its token, the
-//! lane of a key needs no lock of the key: no claim can have parked its rows since, or park
-//! them before the outcome commits (`Waker::HeldLanes` in src/exception_queue/lifecycle.rs; the
-//! proof is in docs/semantics.md, "One lock order", outcome step 4).
+//! each unable to see the other's uncommitted rows. So both take the key's wake lock, which is
+//! its lane's (src/locks.rs): an outcome shared, before it wakes anything; a claim exclusive,
+//! before it parks, and then it gathers the facts again. If the claim got the lock, every
+//! earlier outcome on the lane's keys has committed (the claim's second look sees it) and every
+//! later one waits for the claim to commit (its wake-up sees the parked rows). If an outcome
+//! holds the lock right now, the claim does not wait (a claim never waits): it leaves the row
+//! due instead of parked, and the next claim looks again. An outcome that holds, locked and
+//! still held by its token, the lane of a key needs no wake lock: no claim can have parked its
+//! rows since, or park them before the outcome commits (`Waker::HeldLanes` in
+//! src/exception_queue/lifecycle.rs; the proof is in docs/semantics.md, "One lock order",
+//! outcome step 4).
 
 use std::collections::HashMap;
 

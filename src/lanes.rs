@@ -74,6 +74,14 @@ pub fn of_message(key: Option<&str>, id: i64, lanes: i32) -> i32 {
     lane as i32
 }
 
+/// The lanes of `keys`, sorted, each once.
+pub fn of_keys<'a>(keys: impl IntoIterator<Item = &'a String>, lanes: i32) -> Vec<i32> {
+    let mut of: Vec<i32> = keys.into_iter().map(|key| of_message(Some(key), 0, lanes)).collect();
+    of.sort_unstable();
+    of.dedup();
+    of
+}
+
 /// A lane a claim holds (its row is locked until the claim commits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Lane {

@@ -20,8 +20,9 @@ use pgrx::pg_sys;
 
 /// The producer lock of a stream: `(stream id high 32 bits, low 32 bits)`.
 pub const PRODUCER_CLASS: u16 = 0x5350; // 'SP'
-/// The per-(group, key) lock that orders parking against wake-ups (`src/key_gate.rs`).
-pub const KEY_CLASS: u16 = 0x534B; // 'SK'
+/// The per-(group, lane) lock that orders parking against wake-ups (`src/key_gate.rs`): a key's
+/// lock is its lane's (a key is in one lane, and a stream's lanes never change).
+pub const WAKE_CLASS: u16 = 0x534C; // 'SL'
 /// The per-lease-token lock that serializes outcomes of one token.
 pub const TOKEN_CLASS: u16 = 0x5354; // 'ST'
 /// The per-stream lock that orders `drop_stream` against everything else on the stream.
@@ -338,28 +339,30 @@ pub fn try_retention(stream_id: i64) -> bool {
     acquire(&tag(RETENTION_CLASS, high, low), pg_sys::ExclusiveLock, false)
 }
 
-fn key_tag(group_id: i64, key: &str) -> pg_sys::LOCKTAG {
-    tag(KEY_CLASS, group_id as u32, hash(key.as_bytes()))
+fn wake_tag(group_id: i64, lane: i32) -> pg_sys::LOCKTAG {
+    tag(WAKE_CLASS, group_id as u32, lane as u32)
 }
 
-/// An outcome's key locks (step 4): shared, in key order (`keys` sorted); waits for a claim that
-/// is parking one of them to commit.
-pub fn keys_shared(group_id: i64, keys: &[String]) {
-    for key in keys {
-        acquire(&key_tag(group_id, key), pg_sys::ShareLock, true);
+/// The wake locks of `lanes` (those of the keys resolved), shared, in lane order (`lanes`
+/// sorted): an outcome's step 4. Waits for a claim that is parking rows in one of them to
+/// commit.
+pub fn lanes_shared(group_id: i64, lanes: &[i32]) {
+    for &lane in lanes {
+        acquire(&wake_tag(group_id, lane), pg_sys::ShareLock, true);
     }
 }
 
-/// A claim's key locks for parking: exclusive, never waiting. Returns the keys this transaction
-/// now holds; a key another transaction holds (an outcome resolving it right now) is left out.
-pub fn try_keys_exclusive(group_id: i64, keys: &[String]) -> Vec<String> {
-    keys.iter().filter(|key| acquire(&key_tag(group_id, key), pg_sys::ExclusiveLock, false)).cloned().collect()
+/// A claim's wake locks for parking: exclusive, never waiting. Returns the lanes this
+/// transaction now holds; a lane another transaction holds (an outcome resolving a key of it
+/// right now) is left out.
+pub fn try_lanes_exclusive(group_id: i64, lanes: &[i32]) -> Vec<i32> {
+    lanes.iter().copied().filter(|&lane| acquire(&wake_tag(group_id, lane), pg_sys::ExclusiveLock, false)).collect()
 }
 
-/// A claim's key locks for waking: shared, never waiting. Returns the keys this transaction now
-/// holds; a key another claim is parking right now is left out.
-pub fn try_keys_shared(group_id: i64, keys: &[String]) -> Vec<String> {
-    keys.iter().filter(|key| acquire(&key_tag(group_id, key), pg_sys::ShareLock, false)).cloned().collect()
+/// A claim's wake locks for waking: shared, never waiting. Returns the lanes this transaction
+/// now holds; a lane another claim is parking rows in right now is left out.
+pub fn try_lanes_shared(group_id: i64, lanes: &[i32]) -> Vec<i32> {
+    lanes.iter().copied().filter(|&lane| acquire(&wake_tag(group_id, lane), pg_sys::ShareLock, false)).collect()
 }
 
 #[cfg(test)]
@@ -375,7 +378,7 @@ mod tests {
     fn classes_are_out_of_reach_of_sql_advisory_locks() {
         // pg_advisory_lock(bigint) uses class 1, pg_advisory_lock(int, int) class 2.
         for class in
-            [PRODUCER_CLASS, KEY_CLASS, TOKEN_CLASS, RETENTION_CLASS, STREAM_CLASS, GROUP_CLASS, INFLIGHT_CLASS]
+            [PRODUCER_CLASS, WAKE_CLASS, TOKEN_CLASS, RETENTION_CLASS, STREAM_CLASS, GROUP_CLASS, INFLIGHT_CLASS]
         {
             assert!(class > 2);
         }

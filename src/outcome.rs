@@ -60,8 +60,8 @@ pub(crate) fn settle(
     released: Option<range::Released>,
 ) -> Result<Vec<i32>> {
     let waker = match &released {
-        Some(r) if !r.keys.is_empty() => Waker::HeldLanes(&r.keys),
-        _ => Waker::Outcome,
+        Some(r) => Waker::HeldLanes(&r.lanes),
+        None => Waker::Outcome,
     };
     exception_queue::after_resolution(client, group, keys, now, waker)?;
     let released = match released {
@@ -91,7 +91,8 @@ pub fn ack_in(
         let mut rest: Vec<i64> = ids.iter().copied().filter(|id| !done.iter().any(|(d, _)| d == id)).collect();
         if range::may_cover(token, &rest) {
             let end_holds = lanes::end_holds_with_ranges(group, token);
-            let covered = range::resolve_covered(client, stream_id, group.id, token, group.may_park(), end_holds)?;
+            let keys = range::covered_keys(group, token, end_holds.is_some());
+            let covered = range::resolve_covered(client, stream_id, group.id, token, keys, end_holds)?;
             done.extend(covered.resolved);
             rest.retain(|id| !covered.answered.contains(id));
             released = covered.released;

@@ -33,8 +33,9 @@ pub struct Facts {
     pub rows_in_flight: bool,
 }
 
-/// A claim's facts, and the messages it handed out from ranges, in id order.
-type Claim = (pgrx::Uuid, Facts, Box<[i64]>);
+/// A claim's facts, the messages it handed out from ranges, in id order, and the lanes of those
+/// of its ranges that handed out a message with a key (sorted).
+type Claim = (pgrx::Uuid, Facts, Box<[i64]>, Box<[i32]>);
 
 thread_local! {
     /// Claims of the transaction in progress.
@@ -44,25 +45,34 @@ thread_local! {
 }
 
 /// A claim of the transaction in progress handed out work under `token`, and `range_ids` from
-/// ranges.
-pub fn made(token: pgrx::Uuid, facts: Facts, mut range_ids: Vec<i64>) {
+/// ranges, those with a key from ranges in `keyed_lanes`.
+pub fn made(token: pgrx::Uuid, facts: Facts, mut range_ids: Vec<i64>, mut keyed_lanes: Vec<i32>) {
     if range_ids.len() > RANGE_IDS_KEPT {
         range_ids = vec![];
     }
     range_ids.sort_unstable();
+    keyed_lanes.sort_unstable();
+    keyed_lanes.dedup();
     MADE.with(|made| {
         let mut made = made.borrow_mut();
         // A transaction that claims many times (a loop in a DO block) counts its last claims only.
         if made.len() == KEPT {
             made.remove(0);
         }
-        made.push((token, facts, range_ids.into_boxed_slice()))
+        made.push((token, facts, range_ids.into_boxed_slice(), keyed_lanes.into_boxed_slice()))
     });
 }
 
 /// What the committed claim of `token` handed out, if this backend made it.
 pub fn facts(token: pgrx::Uuid) -> Option<Facts> {
-    KNOWN.with(|known| known.borrow().iter().rev().find(|(t, ..)| *t == token).map(|(_, f, _)| *f))
+    KNOWN.with(|known| known.borrow().iter().rev().find(|(t, ..)| *t == token).map(|(_, f, ..)| *f))
+}
+
+/// The lanes of the ranges with a keyed message that this backend's committed claim of `token`
+/// handed out, sorted: every range row under the token that lists a keyed message is in one of
+/// them (a range split off stays in its lane).
+pub fn keyed_lanes(token: pgrx::Uuid) -> Option<Vec<i32>> {
+    KNOWN.with(|known| known.borrow().iter().rev().find(|(t, ..)| *t == token).map(|(.., lanes)| lanes.to_vec()))
 }
 
 /// Whether `ids` name every message this backend's committed claim of `token` handed out from
@@ -71,7 +81,7 @@ pub fn facts(token: pgrx::Uuid) -> Option<Facts> {
 pub fn covers(token: pgrx::Uuid, ids: &[i64]) -> bool {
     KNOWN.with(|known| {
         let known = known.borrow();
-        let Some((_, _, range_ids)) = known.iter().rev().find(|(t, ..)| *t == token) else { return false };
+        let Some((_, _, range_ids, _)) = known.iter().rev().find(|(t, ..)| *t == token) else { return false };
         if range_ids.is_empty() || ids.len() < range_ids.len() {
             return false;
         }
@@ -116,7 +126,7 @@ mod tests {
 
     #[test]
     fn a_claim_counts_once_committed() {
-        made(token(1), NOTHING, vec![]);
+        made(token(1), NOTHING, vec![], vec![]);
         assert_eq!(facts(token(1)), None, "not before the commit");
         committed();
         assert_eq!(facts(token(1)), Some(NOTHING));
@@ -124,7 +134,7 @@ mod tests {
 
     #[test]
     fn a_rolled_back_claim_is_not_known() {
-        made(token(2), NOTHING, vec![]);
+        made(token(2), NOTHING, vec![], vec![]);
         rolled_back();
         committed();
         assert_eq!(facts(token(2)), None);
@@ -133,7 +143,7 @@ mod tests {
     #[test]
     fn the_oldest_claims_are_forgotten() {
         for n in 10..10 + KEPT as u8 + 1 {
-            made(token(n), NOTHING, vec![]);
+            made(token(n), NOTHING, vec![], vec![]);
         }
         committed();
         assert_eq!(facts(token(10)), None);
@@ -142,7 +152,7 @@ mod tests {
 
     #[test]
     fn an_ack_covers_a_claim_when_it_names_every_message_of_its_ranges() {
-        made(token(100), NOTHING, vec![7, 5, 6]);
+        made(token(100), NOTHING, vec![7, 5, 6], vec![]);
         assert!(!covers(token(100), &[5, 6, 7]), "not before the commit");
         committed();
         assert!(covers(token(100), &[7, 6, 5]), "in any order");
@@ -150,8 +160,17 @@ mod tests {
         assert!(!covers(token(100), &[5, 6]), "not a part");
         assert!(!covers(token(100), &[5, 6, 6]), "not a part, named twice");
         assert!(!covers(token(101), &[5, 6, 7]), "not an unknown token");
-        made(token(102), NOTHING, vec![]);
+        made(token(102), NOTHING, vec![], vec![]);
         committed();
         assert!(!covers(token(102), &[1]), "not a claim that handed out no range");
+    }
+
+    #[test]
+    fn a_claim_remembers_the_lanes_of_its_keyed_ranges() {
+        made(token(103), NOTHING, vec![1, 2, 3], vec![5, 1, 5]);
+        assert_eq!(keyed_lanes(token(103)), None, "not before the commit");
+        committed();
+        assert_eq!(keyed_lanes(token(103)), Some(vec![1, 5]), "sorted, each once");
+        assert_eq!(keyed_lanes(token(104)), None, "not an unknown token");
     }
 }

@@ -237,6 +237,19 @@ const DELETE_TOKEN: Statement = Statement {
     params: &[INT8OID, UUIDOID],
 };
 
+/// `DELETE_TOKEN` returning the keys only while the group has a parked row, for an ack that took
+/// the wake locks of every lane the token's ranges are in before the statement
+/// (`CoveredKeys::IfParked`).
+const DELETE_TOKEN_KEYS_IF_PARKED: Statement = Statement {
+    name: "range_delete_token_keys_if_parked",
+    sql: delete_token!(
+        "",
+        concat!("CASE WHEN ", crate::exception_queue::any_parked!(), " THEN r.pending_keys END"),
+        "NULL::int4[]"
+    ),
+    params: &[INT8OID, UUIDOID],
+};
+
 /// Outcomes no open range refers to any more: left by a transaction whose snapshot did not see
 /// them when it deleted their range (REPEATABLE READ). They are never read (their token leases
 /// nothing any more); `maintain()` deletes them.
@@ -374,11 +387,9 @@ pub struct Covered {
 
 /// Lane holds an outcome ended while deleting its token's ranges.
 pub struct Released {
+    /// Sorted. No claim can park rows of their keys before this transaction ends
+    /// (`exception_queue::Waker::HeldLanes`).
     pub lanes: Vec<i32>,
-    /// The keys of the messages resolved now in those lanes, sorted: no claim can park rows of
-    /// them before this transaction ends (`exception_queue::Waker::HeldLanes`). Empty when the
-    /// statement found no parked row in the group: then none of them has a row to wake.
-    pub keys: Vec<String>,
 }
 
 /// Resolves the ranges under `token` whole, in one statement, for an outcome of `ids` that
@@ -390,7 +401,7 @@ pub struct Released {
 /// the outcomes it stored are seen and deleted with their ranges (the module documentation says
 /// why the general path reads them apart). A range another claim handed out again meanwhile
 /// has another token when its row's lock is granted, and is left alone. The resolved messages'
-/// keys are read `with_keys` only: a group that parks nothing wakes nothing by key.
+/// keys are read as `keys` says.
 ///
 /// `end_holds` (`lanes::end_holds_with_ranges`), when the token's claim put no row in flight:
 /// once its ranges are gone nothing of it is left unresolved, and that statement, run instead
@@ -403,38 +414,70 @@ pub fn resolve_covered(
     stream_id: i64,
     group_id: i64,
     token: pgrx::Uuid,
-    with_keys: bool,
+    keys: CoveredKeys,
     end_holds: Option<&Statement>,
 ) -> Result<Covered> {
     let mut covered = Covered { resolved: vec![], answered: HashSet::new(), released: None };
-    let statement = end_holds.unwrap_or(&DELETE_TOKEN);
+    let statement = match (end_holds, keys) {
+        (Some(statement), _) => statement,
+        (None, CoveredKeys::IfParked) => &DELETE_TOKEN_KEYS_IF_PARKED,
+        (None, _) => &DELETE_TOKEN,
+    };
+    let with_keys = keys != CoveredKeys::None;
     let rows = statement.exec_deformed(client, stream_id, &[group_id.into(), token.into()], Access::Write)?;
-    let mut lane_of_key = Vec::new();
     let mut released_lanes = None;
-    for (pending, keys, done, lanes, lane) in rows.map(|row| {
+    for (pending, keys, done, lanes) in rows.map(|row| {
         let keys: Option<Vec<Option<String>>> = if with_keys { row.get(2)? } else { None };
         let done: HashSet<i64> = row.get::<Vec<i64>>(3)?.unwrap_or_default().into_iter().collect();
-        Ok((row.get::<Vec<i64>>(1)?.unwrap_or_default(), keys, done, row.get::<Vec<i32>>(4)?, row.get::<i32>(5)?))
+        Ok((row.get::<Vec<i64>>(1)?.unwrap_or_default(), keys, done, row.get::<Vec<i32>>(4)?))
     })? {
         // Every row carries the lanes (and one row comes when no range was left).
         released_lanes = released_lanes.or(lanes);
         covered.answered.extend(&pending);
         let keys = keys.unwrap_or_else(|| vec![None; pending.len()]);
-        for (id, key) in pending.into_iter().zip(keys).filter(|(id, _)| !done.contains(id)) {
-            if let (Some(key), Some(lane)) = (&key, lane) {
-                lane_of_key.push((lane, key.clone()));
-            }
-            covered.resolved.push((id, key));
-        }
+        covered.resolved.extend(pending.into_iter().zip(keys).filter(|(id, _)| !done.contains(id)));
     }
-    covered.released = released_lanes.map(|lanes| {
-        let mut keys: Vec<String> =
-            lane_of_key.into_iter().filter(|(lane, _)| lanes.contains(lane)).map(|(_, key)| key).collect();
-        keys.sort_unstable();
-        keys.dedup();
-        Released { lanes, keys }
+    covered.released = released_lanes.map(|mut lanes| {
+        lanes.sort_unstable();
+        Released { lanes }
     });
     Ok(covered)
+}
+
+/// Which keys `resolve_covered` reads: those a wake-up of the resolved messages needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CoveredKeys {
+    /// None: the group parks nothing, so it wakes nothing by key.
+    None,
+    /// Every resolved message's.
+    All,
+    /// Only while the group has a parked row: the caller holds the wake locks of the lanes of
+    /// every range under the token (`covered_keys`).
+    IfParked,
+}
+
+/// The keys an ack of a whole claim of `token` reads (`resolve_covered`), `end_holds` or not.
+///
+/// A claim this backend made remembers the lanes of its ranges that handed out keyed messages
+/// (none: nothing to wake by key). The ack takes their wake locks, shared, before the statement
+/// (outcome step 4, taken early; docs/semantics.md, "One lock order"), and reads the keys only
+/// while the group has a parked row. Every claim that parked a
+/// row of those lanes' keys has committed once the locks are granted, so the statement's
+/// snapshot sees its row; a later one cannot park until this transaction ends. A group with no
+/// parked row, the usual case, then has nothing to wake: the ack reads, sorts and locks no key.
+/// The statement that ends the token's lane holds decides for itself (`END_HOLDS_WITH_RANGES`).
+pub fn covered_keys(group: &crate::group::GroupRef, token: pgrx::Uuid, end_holds: bool) -> CoveredKeys {
+    if !group.may_park() {
+        return CoveredKeys::None;
+    }
+    match crate::own_claims::keyed_lanes(token) {
+        Some(lanes) if lanes.is_empty() => CoveredKeys::None,
+        Some(lanes) if !end_holds => {
+            crate::locks::lanes_shared(group.id, &lanes);
+            CoveredKeys::IfParked
+        }
+        _ => CoveredKeys::All,
+    }
 }
 
 /// Whether `resolve_covered` may run for an outcome of `ids` under `token`: under READ

@@ -97,8 +97,8 @@ struct Made {
     done_scans: i64,
     /// Scans of the range leases.
     range_scans: i64,
-    /// Key locks (src/locks.rs, `KEY_CLASS`) the ack's transaction holds.
-    key_locks: i64,
+    /// Wake locks (src/locks.rs, `WAKE_CLASS`: a key's is its lane's) the ack's transaction holds.
+    wake_locks: i64,
 }
 
 /// Acks `ds` on `c` in a transaction that counts what the ack does.
@@ -114,10 +114,10 @@ fn ack_measured(c: &mut Client, s: &Stream, g: &Group, ds: &[Delivery]) -> Made 
             queue_scans: scans(tx, &queue),
             done_scans: scans(tx, &done),
             range_scans: scans(tx, &range),
-            key_locks: tx
+            wake_locks: tx
                 .query_one(
-                    // Key locks: advisory locks of class 'SK' (src/locks.rs, KEY_CLASS).
-                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = x'534B'::int
+                    // Wake locks: advisory locks of class 'SL' (src/locks.rs, WAKE_CLASS).
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = x'534C'::int
                    AND pid = pg_backend_pid()",
                     &[],
                 )
@@ -140,7 +140,7 @@ fn ack_measured(c: &mut Client, s: &Stream, g: &Group, ds: &[Delivery]) -> Made 
         queue_scans: after.queue_scans - before.queue_scans,
         done_scans: after.done_scans - before.done_scans,
         range_scans: after.range_scans - before.range_scans,
-        key_locks: after.key_locks - before.key_locks,
+        wake_locks: after.wake_locks - before.wake_locks,
     }
 }
 
@@ -219,15 +219,47 @@ fn an_ack_of_a_whole_ordered_claim_ends_its_lane_holds_with_its_ranges() {
         let made = ack_measured(if on_claims_connection { &mut c } else { &mut other }, &s, &g, &claimed);
         if on_claims_connection {
             assert_eq!(made.range_scans, 1, "{name}: one statement deletes the ranges and ends the holds");
-            assert_eq!(made.key_locks, 0, "{name}: the lanes' locked rows keep claims off the keys");
+            assert_eq!(made.wake_locks, 0, "{name}: the lanes' locked rows keep claims off the keys");
         } else {
             assert!(made.range_scans >= 2, "{name}: the ranges are read, then the lanes released: {made:?}");
-            let keys: std::collections::HashSet<_> = claimed.iter().map(|d| d.message_key.clone()).collect();
-            assert_eq!(made.key_locks, keys.len() as i64, "{name}: each key resolved is locked before wake-ups");
+            let keys: Vec<String> = claimed.iter().filter_map(|d| d.message_key.clone()).collect();
+            let lanes: i64 = c
+                .query_one(
+                    "SELECT count(DISTINCT sqlstreams.lane(k, 0, s.lanes)) FROM unnest($1::text[]) k, sqlstreams.streams s
+                     WHERE s.name = $2",
+                    &[&keys, &s.name],
+                )
+                .unwrap()
+                .get(0);
+            assert_eq!(made.wake_locks, lanes, "{name}: each lane of a key resolved is locked before wake-ups");
         }
         assert!(held_by(&mut c, &s, &g).is_empty(), "{name}: the ack freed every lane");
         assert!(arrived(&mut listener) >= 1, "{name}: the freed lanes woke the stream's consumers");
     }
+    assert_eq!(g.drain(&mut c), Vec::<i64>::new(), "everything was acked");
+}
+
+/// A key's wake lock is its lane's (src/locks.rs, `WAKE_CLASS`): an ack of keyed work in a group
+/// that may park rows takes one lock per lane of the keys it resolved before its wake-up, not one
+/// per key (40 keys, 2 lanes).
+#[test]
+fn an_ack_of_many_keys_locks_each_of_their_lanes_once() {
+    let mut c = connect();
+    let name = unique("own-wake-lanes");
+    let id = c.query_one("SELECT sqlstreams.create_stream($1, lanes => 2)", &[&name]).unwrap().get(0);
+    let s = Stream { name, id };
+    let g = s.group(&mut c, "g", None);
+    for i in 0..40 {
+        s.produce(&mut c, serde_json::json!({ "i": i }), Some(&format!("k{i}")));
+    }
+    let claimed = g.claim(&mut c, 40);
+    assert_eq!(claimed.len(), 40);
+    let mut lanes: Vec<i32> =
+        claimed.iter().map(|d| s.lane(&mut c, d.message_key.as_deref().expect("a key"))).collect();
+    lanes.sort_unstable();
+    lanes.dedup();
+    let made = ack_measured(&mut c, &s, &g, &claimed);
+    assert_eq!(made.wake_locks, lanes.len() as i64, "one wake lock per lane of the 40 keys: {lanes:?}");
     assert_eq!(g.drain(&mut c), Vec::<i64>::new(), "everything was acked");
 }
 

@@ -193,7 +193,7 @@ fn a_role_without_grants_cannot_hold_a_stream_back() {
     // Every advisory lock SQL can take on the numbers a stream or key could hash to, an xid held
     // open, and every row of the extension it could try to lock.
     x.batch_execute("BEGIN").unwrap();
-    for (a, b) in [(0i64, s.id), (s.id, 0), (0x5350, s.id), (0x534B, s.id), (0x5354, s.id)] {
+    for (a, b) in [(0i64, s.id), (s.id, 0), (0x5350, s.id), (0x534C, s.id), (0x5354, s.id)] {
         x.query("SELECT pg_advisory_xact_lock($1::int8), pg_advisory_xact_lock_shared($2::int8)", &[&a, &b]).unwrap();
         x.query("SELECT pg_advisory_xact_lock($1::int4, $2::int4)", &[&(a as i32), &(b as i32)]).unwrap();
     }

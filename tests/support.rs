@@ -173,7 +173,6 @@ impl Stream {
         Stream { name, id }
     }
 
-    /// The lane of `key` in this stream.
     /// The names of its log's partitions, in name order.
     pub fn partitions(&self, c: &mut Client) -> Vec<String> {
         c.query(
@@ -187,6 +186,7 @@ impl Stream {
         .collect()
     }
 
+    /// The lane of `key` in this stream.
     pub fn lane(&self, c: &mut Client, key: &str) -> i32 {
         c.query_one("SELECT sqlstreams.lane($1, 0, lanes) FROM sqlstreams.streams WHERE name = $2", &[&key, &self.name])
             .expect("lane")

@@ -413,7 +413,7 @@ const WAKE: Statement = Statement {
     params: &[INT8OID, TEXTARRAYOID, TIMESTAMPTZOID, INT4OID],
 };
 
-/// Whether group `$1` has any parked row, read after the keys' locks as `WAKE` would read it: a
+/// Whether group `$1` has any parked row, read after the wake locks as `WAKE` would read it: a
 /// group with none (as a rule, while it keeps up) updates nothing, and no statement fires the
 /// queue's count triggers.
 const ANY_PARKED: Statement =
@@ -422,20 +422,20 @@ const ANY_PARKED: Statement =
 /// Rows one claim can chain per key; also the wake batch.
 pub const WAKE_PER_KEY: i32 = 1000;
 
-/// Who wakes parked rows, and so how it takes the keys' locks.
+/// Who wakes parked rows, and so how it takes the wake locks of the keys' lanes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Waker<'a> {
-    /// An outcome: waits for a claim that is parking one of the keys to commit.
+    /// An outcome: waits for a claim that is parking rows in one of the lanes to commit.
     Outcome,
-    /// An outcome that ended its token's holds of the lanes of these keys (sorted) in an
-    /// update it has not committed (`range::resolve_covered`): it takes no lock of them, since
-    /// no claim can have parked their rows since the token's claim, nor park them before this
-    /// transaction ends (why: docs/semantics.md, "One lock order", outcome step 4). Other keys
+    /// An outcome that ended its token's holds of these lanes (sorted) in an update it has not
+    /// committed (`range::resolve_covered`): it takes no wake lock of them, since no claim can
+    /// have parked rows of their keys since the token's claim, nor park them before this
+    /// transaction ends (why: docs/semantics.md, "One lock order", outcome step 4). Other lanes
     /// are locked as by `Outcome`.
-    HeldLanes(&'a [String]),
-    /// A claim, which never waits: a key another claim is parking right now is left alone. That
-    /// claim's rows of the key are parked until their blocker could clear on its own (an
-    /// expired lease: at once), so the next claim looks at them again.
+    HeldLanes(&'a [i32]),
+    /// A claim, which never waits: a lane another claim is parking rows in right now is left
+    /// alone. That claim's rows of the lane's keys are parked until their blocker could clear on
+    /// its own (an expired lease: at once), so the next claim looks at them again.
     Claim,
 }
 
@@ -455,22 +455,28 @@ pub fn after_resolution(
     let any_parked =
         || -> Result<bool> { ANY_PARKED.run(client, stream_id, &[group.id.into()])?.first().required("any") };
     // A group that parks no rows may still hold some parked before its override became
-    // parallel (behind a held dead row, for good): one probe, and the keys' locks only if so.
+    // parallel (behind a held dead row, for good): one probe, and the locks only if so.
     if !group.may_park() && !any_parked()? {
         return Ok(());
     }
-    // Before anything is woken (src/key_gate.rs, "Parking and wake-ups").
+    // Before anything is woken (src/key_gate.rs, "Parking and wake-ups"): a key's wake lock is
+    // its lane's, so the keys of one lane take one lock.
+    let lanes = crate::lanes::of_keys(keys, group.stream.lanes);
     let keys = match waker {
         Waker::Outcome => {
-            locks::keys_shared(group.id, keys);
+            locks::lanes_shared(group.id, &lanes);
             keys.to_vec()
         }
         Waker::HeldLanes(held) => {
-            let unheld: Vec<String> = keys.iter().filter(|k| held.binary_search(k).is_err()).cloned().collect();
-            locks::keys_shared(group.id, &unheld);
+            let unheld: Vec<i32> = lanes.into_iter().filter(|lane| held.binary_search(lane).is_err()).collect();
+            locks::lanes_shared(group.id, &unheld);
             keys.to_vec()
         }
-        Waker::Claim => locks::try_keys_shared(group.id, keys),
+        Waker::Claim => {
+            let got = locks::try_lanes_shared(group.id, &lanes);
+            let lanes = group.stream.lanes;
+            keys.iter().filter(|key| got.contains(&crate::lanes::of_message(Some(key), 0, lanes))).cloned().collect()
+        }
     };
     if keys.is_empty() || !any_parked()? {
         return Ok(());

@@ -15,7 +15,7 @@
 //! added (an audit trigger, a check, a column, a constraint) sends the whole produce to the
 //! `INSERT` (src/produce.rs), which honours it; that is decided before the first row is written.
 //! The rows' values are what that `INSERT` writes: its defaults (`produced_at` is the
-//! transaction's start, `now()`) and `sqlstreams.lane` (src/lanes.rs `of_message`); a test
+//! transaction's start, `now()`) and `sqlstreams.lane` (src/stream.rs `lane`); a test
 //! compares the two. Rows go in chunks (`CHUNK`, `CHUNK_BYTES`), as COPY flushes its buffers, so
 //! a large batch holds no more than a chunk's tuples at once and answers a cancel between chunks.
 
@@ -285,7 +285,7 @@ unsafe fn write(
     // A lane's messages of the batch side by side in the heap: a claim reads its lane's next
     // messages (src/message.rs), a keyed lane's every sixteenth or so, from fewer pages.
     let mut rows: Vec<(i32, &Message<'_>)> =
-        messages.iter().map(|m| (crate::lanes::of_message(m.key, m.id, lanes), m)).collect();
+        messages.iter().map(|m| (crate::stream::lane(m.key, m.id, lanes), m)).collect();
     rows.sort_unstable_by_key(|(lane, message)| (*lane, message.id));
     let mut chunk_memory = PgMemoryContexts::new("sqlstreams append chunk");
     let mut begin = 0;

@@ -346,8 +346,7 @@ impl Claim<'_> {
             // right now is not waited for: its keys' rows are left due instead of parked, and
             // the next claim looks again. Facts only shrink between the two looks, so the
             // second can only turn waits into runs.
-            let waiting_lanes = lanes::of_keys(&waiting, self.group.stream.lanes);
-            self.parkable = locks::try_lanes_exclusive(self.group.id, &waiting_lanes);
+            self.parkable = locks::try_lanes_exclusive(self.group.id, &self.group.stream.lanes_of(&waiting));
             verdicts = key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now, hold);
         }
 
@@ -356,12 +355,7 @@ impl Claim<'_> {
             self.token,
             own_claims::Facts { held_lanes: !holding.is_empty(), rows_in_flight: self.work_in_flight },
             pending.iter().map(|(id, ..)| *id).collect(),
-            pending
-                .iter()
-                .filter(|(_, key, _)| key.is_some())
-                .filter_map(|(_, _, first)| self.ranges.iter().find(|r| r.first_id == *first))
-                .map(|r| r.lane)
-                .collect(),
+            self.keyed_lanes(&pending),
         );
         exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;
         // Hold a lane while a key it handed out may need it: ordered and exclusive deliveries.
@@ -578,6 +572,17 @@ impl Claim<'_> {
             meta: m.meta,
             range: Some(first_id),
         }));
+    }
+
+    /// The lanes of the ranges that hand out a message with a key (`pending`: what `record`
+    /// returns).
+    fn keyed_lanes(&self, pending: &[(i64, Option<String>, i64)]) -> Vec<i32> {
+        pending
+            .iter()
+            .filter(|(_, key, _)| key.is_some())
+            .filter_map(|(_, _, first)| self.ranges.iter().find(|r| r.first_id == *first))
+            .map(|r| r.lane)
+            .collect()
     }
 
     /// Turns verdicts into queue changes; returns the deliveries, the ranges' pending messages

@@ -63,25 +63,6 @@ pub fn forget(stream_id: i64) {
     next::forget(stream_id);
 }
 
-/// The lane of a message, as `sqlstreams.lane(message_key, message_id, lanes)` computes it (the
-/// install script; `lanes` is a stream's, 1 to 1024): its key's `hashtext`, or blocks of 64 ids.
-pub fn of_message(key: Option<&str>, id: i64, lanes: i32) -> i32 {
-    let lanes = i64::from(lanes);
-    let lane = match key {
-        Some(key) => i64::from(crate::locks::hash(key.as_bytes())) % lanes,
-        None => (id / 64) % lanes,
-    };
-    lane as i32
-}
-
-/// The lanes of `keys`, sorted, each once.
-pub fn of_keys<'a>(keys: impl IntoIterator<Item = &'a String>, lanes: i32) -> Vec<i32> {
-    let mut of: Vec<i32> = keys.into_iter().map(|key| of_message(Some(key), 0, lanes)).collect();
-    of.sort_unstable();
-    of.dedup();
-    of
-}
-
 /// A lane a claim holds (its row is locked until the claim commits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Lane {

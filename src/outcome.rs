@@ -90,9 +90,11 @@ pub fn ack_in(
     if done.len() < ids.len() {
         let mut rest: Vec<i64> = ids.iter().copied().filter(|id| !done.iter().any(|(d, _)| d == id)).collect();
         if range::may_cover(token, &rest) {
-            let end_holds = lanes::end_holds_with_ranges(group, token);
-            let keys = range::covered_keys(group, token, end_holds.is_some());
-            let covered = range::resolve_covered(client, stream_id, group.id, token, keys, end_holds)?;
+            let (with_keys, instead) = match lanes::end_holds_with_ranges(group, token) {
+                Some(end_holds) => (group.may_park(), Some(end_holds)),
+                None => exception_queue::whole_ack_keys(group, token),
+            };
+            let covered = range::resolve_covered(client, stream_id, group.id, token, with_keys, instead)?;
             done.extend(covered.resolved);
             rest.retain(|id| !covered.answered.contains(id));
             released = covered.released;

@@ -237,19 +237,6 @@ const DELETE_TOKEN: Statement = Statement {
     params: &[INT8OID, UUIDOID],
 };
 
-/// `DELETE_TOKEN` returning the keys only while the group has a parked row, for an ack that took
-/// the wake locks of every lane the token's ranges are in before the statement
-/// (`CoveredKeys::IfParked`).
-const DELETE_TOKEN_KEYS_IF_PARKED: Statement = Statement {
-    name: "range_delete_token_keys_if_parked",
-    sql: delete_token!(
-        "",
-        concat!("CASE WHEN ", crate::exception_queue::any_parked!(), " THEN r.pending_keys END"),
-        "NULL::int4[]"
-    ),
-    params: &[INT8OID, UUIDOID],
-};
-
 /// Outcomes no open range refers to any more: left by a transaction whose snapshot did not see
 /// them when it deleted their range (REPEATABLE READ). They are never read (their token leases
 /// nothing any more); `maintain()` deletes them.
@@ -401,29 +388,27 @@ pub struct Released {
 /// the outcomes it stored are seen and deleted with their ranges (the module documentation says
 /// why the general path reads them apart). A range another claim handed out again meanwhile
 /// has another token when its row's lock is granted, and is left alone. The resolved messages'
-/// keys are read as `keys` says.
+/// keys are read `with_keys` only: a group that parks nothing wakes nothing by key.
 ///
-/// `end_holds` (`lanes::end_holds_with_ranges`), when the token's claim put no row in flight:
-/// once its ranges are gone nothing of it is left unresolved, and that statement, run instead
-/// of `DELETE_TOKEN` and returning the same columns, also ends the holds of its lanes (in its
-/// `lanes` column). A lane another claim took over meanwhile has another holder when its row's
-/// lock is granted, and is left alone. The keys resolved in the lanes it did end take no lock
-/// before their wake-up (`Released`; docs/semantics.md, "One lock order", outcome step 4).
+/// `instead`, a statement run instead of `DELETE_TOKEN` that returns the same columns:
+/// - `lanes::end_holds_with_ranges`, when the token's claim put no row in flight: once its
+///   ranges are gone nothing of it is left unresolved, and the statement also ends the holds of
+///   its lanes (in its `lanes` column). A lane another claim took over meanwhile has another
+///   holder when its row's lock is granted, and is left alone. The keys resolved in the lanes it
+///   did end take no lock before their wake-up (`Released`; docs/semantics.md, "One lock order",
+///   outcome step 4).
+/// - `exception_queue::whole_ack_keys`'s, which returns the keys only while the group has a
+///   parked row.
 pub fn resolve_covered(
     client: &SpiClient<'_>,
     stream_id: i64,
     group_id: i64,
     token: pgrx::Uuid,
-    keys: CoveredKeys,
-    end_holds: Option<&Statement>,
+    with_keys: bool,
+    instead: Option<&Statement>,
 ) -> Result<Covered> {
     let mut covered = Covered { resolved: vec![], answered: HashSet::new(), released: None };
-    let statement = match (end_holds, keys) {
-        (Some(statement), _) => statement,
-        (None, CoveredKeys::IfParked) => &DELETE_TOKEN_KEYS_IF_PARKED,
-        (None, _) => &DELETE_TOKEN,
-    };
-    let with_keys = keys != CoveredKeys::None;
+    let statement = instead.unwrap_or(&DELETE_TOKEN);
     let rows = statement.exec_deformed(client, stream_id, &[group_id.into(), token.into()], Access::Write)?;
     let mut released_lanes = None;
     for (pending, keys, done, lanes) in rows.map(|row| {
@@ -442,42 +427,6 @@ pub fn resolve_covered(
         Released { lanes }
     });
     Ok(covered)
-}
-
-/// Which keys `resolve_covered` reads: those a wake-up of the resolved messages needs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CoveredKeys {
-    /// None: the group parks nothing, so it wakes nothing by key.
-    None,
-    /// Every resolved message's.
-    All,
-    /// Only while the group has a parked row: the caller holds the wake locks of the lanes of
-    /// every range under the token (`covered_keys`).
-    IfParked,
-}
-
-/// The keys an ack of a whole claim of `token` reads (`resolve_covered`), `end_holds` or not.
-///
-/// A claim this backend made remembers the lanes of its ranges that handed out keyed messages
-/// (none: nothing to wake by key). The ack takes their wake locks, shared, before the statement
-/// (outcome step 4, taken early; docs/semantics.md, "One lock order"), and reads the keys only
-/// while the group has a parked row. Every claim that parked a
-/// row of those lanes' keys has committed once the locks are granted, so the statement's
-/// snapshot sees its row; a later one cannot park until this transaction ends. A group with no
-/// parked row, the usual case, then has nothing to wake: the ack reads, sorts and locks no key.
-/// The statement that ends the token's lane holds decides for itself (`END_HOLDS_WITH_RANGES`).
-pub fn covered_keys(group: &crate::group::GroupRef, token: pgrx::Uuid, end_holds: bool) -> CoveredKeys {
-    if !group.may_park() {
-        return CoveredKeys::None;
-    }
-    match crate::own_claims::keyed_lanes(token) {
-        Some(lanes) if lanes.is_empty() => CoveredKeys::None,
-        Some(lanes) if !end_holds => {
-            crate::locks::lanes_shared(group.id, &lanes);
-            CoveredKeys::IfParked
-        }
-        _ => CoveredKeys::All,
-    }
 }
 
 /// Whether `resolve_covered` may run for an outcome of `ids` under `token`: under READ

@@ -24,6 +24,28 @@ pub struct StreamRef {
     pub lanes: i32,
 }
 
+impl StreamRef {
+    /// The lanes of `keys` in this stream, sorted, each once.
+    pub fn lanes_of<'a>(&self, keys: impl IntoIterator<Item = &'a String>) -> Vec<i32> {
+        let mut of: Vec<i32> = keys.into_iter().map(|key| lane(Some(key), 0, self.lanes)).collect();
+        of.sort_unstable();
+        of.dedup();
+        of
+    }
+}
+
+/// The lane of a message, as `sqlstreams.lane(message_key, message_id, lanes)` computes it (the
+/// install script; `lanes` is a stream's, 1 to 1024): its key's `hashtext`, or blocks of 64 ids.
+/// A stream's lanes never change, so a key's messages are always in one lane (src/lanes.rs).
+pub fn lane(key: Option<&str>, id: i64, lanes: i32) -> i32 {
+    let lanes = i64::from(lanes);
+    let lane = match key {
+        Some(key) => i64::from(crate::locks::hash(key.as_bytes())) % lanes,
+        None => (id / 64) % lanes,
+    };
+    lane as i32
+}
+
 const LOOKUP: Statement = Statement {
     name: "stream_lookup",
     // The newest of the name: a REPEATABLE READ snapshot taken before a drop of the name

@@ -419,6 +419,43 @@ const WAKE: Statement = Statement {
 const ANY_PARKED: Statement =
     Statement { name: "eq_any_parked", sql: concat!("SELECT ", super::any_parked!(), " AS any"), params: &[INT8OID] };
 
+/// `DELETE_TOKEN` (src/range.rs) returning the keys only while the group has a parked row, for
+/// an ack that took the wake locks of every lane its ranges hand out keyed messages from before
+/// the statement (`whole_ack_keys`).
+const DELETE_TOKEN_KEYS_IF_PARKED: Statement = Statement {
+    name: "eq_delete_token_keys_if_parked",
+    sql: crate::range::delete_token!(
+        "",
+        concat!("CASE WHEN ", super::any_parked!(), " THEN r.pending_keys END"),
+        "NULL::int4[]"
+    ),
+    params: &[INT8OID, UUIDOID],
+};
+
+/// How an ack of a whole claim of `token` that ends no lane hold reads the keys its wake-ups
+/// need (`range::resolve_covered`'s `with_keys` and `instead`).
+///
+/// A claim this backend made remembers the lanes of its ranges that handed out keyed messages
+/// (none: nothing to wake by key). The ack takes their wake locks, shared, before the statement
+/// (outcome step 4, taken early; docs/semantics.md, "One lock order"), and reads the keys only
+/// while the group has a parked row: once the locks are granted, every claim that parked rows of
+/// those lanes' keys has committed and the statement's snapshot sees them; none can park more
+/// before this transaction ends. So in a group with no parked row, the usual case, the ack
+/// reads, sorts and locks no key.
+pub fn whole_ack_keys(group: &GroupRef, token: pgrx::Uuid) -> (bool, Option<&'static Statement>) {
+    if !group.may_park() {
+        return (false, None);
+    }
+    match crate::own_claims::keyed_lanes(token) {
+        Some(lanes) if lanes.is_empty() => (false, None),
+        Some(lanes) => {
+            locks::lanes_shared(group.id, &lanes);
+            (true, Some(&DELETE_TOKEN_KEYS_IF_PARKED))
+        }
+        None => (true, None),
+    }
+}
+
 /// Rows one claim can chain per key; also the wake batch.
 pub const WAKE_PER_KEY: i32 = 1000;
 
@@ -461,7 +498,7 @@ pub fn after_resolution(
     }
     // Before anything is woken (src/key_gate.rs, "Parking and wake-ups"): a key's wake lock is
     // its lane's, so the keys of one lane take one lock.
-    let lanes = crate::lanes::of_keys(keys, group.stream.lanes);
+    let lanes = group.stream.lanes_of(keys);
     let keys = match waker {
         Waker::Outcome => {
             locks::lanes_shared(group.id, &lanes);
@@ -474,8 +511,10 @@ pub fn after_resolution(
         }
         Waker::Claim => {
             let got = locks::try_lanes_shared(group.id, &lanes);
-            let lanes = group.stream.lanes;
-            keys.iter().filter(|key| got.contains(&crate::lanes::of_message(Some(key), 0, lanes))).cloned().collect()
+            keys.iter()
+                .filter(|key| got.contains(&crate::stream::lane(Some(key), 0, group.stream.lanes)))
+                .cloned()
+                .collect()
         }
     };
     if keys.is_empty() || !any_parked()? {

@@ -294,6 +294,35 @@ fn a_whole_ack_wakes_the_row_its_own_claim_parked() {
     assert_eq!(ids(&g.claim(&mut c, 10)), vec![ordered_k], "the ack woke the row its own claim parked");
 }
 
+/// A group whose override became `parallel` parks nothing, but still wakes what it parked
+/// before: a whole ack on the claim's connection reads its keys while the group has a parked row
+/// whatever the override (src/exception_queue/lifecycle.rs, `whole_ack_keys`). Before, it read
+/// none, and the row waited out its park time, an hour here (found by an adversary's harness).
+#[test]
+fn a_whole_ack_wakes_a_row_parked_before_the_override_became_parallel() {
+    let mut c = connect();
+    let mut other = connect();
+    let s = Stream::create(&mut c, "own-parked-then-parallel");
+    let g = s.group(&mut c, "g", None);
+    let mut produce = |key: &str, concurrency: &str| {
+        s.produce_with(&mut c, serde_json::json!({}), Some(key), Some(concurrency), false)
+            .expect("produce")
+            .expect("an id")
+    };
+    let parallel_k = produce("k", "parallel");
+    let ordered_k = produce("k", "ordered");
+    let claimed = g.try_claim(&mut c, 1, "1 hour").unwrap();
+    assert_eq!(ids(&claimed), vec![parallel_k]);
+    assert_eq!(ids(&g.try_claim(&mut other, 10, "1 hour").unwrap()), Vec::<i64>::new(), "k's ordered message waits");
+    let parked: i64 =
+        c.query_one(&format!("SELECT count(*) FROM {} WHERE parked", s.table("exception_queue")), &[]).unwrap().get(0);
+    assert_eq!(parked, 1, "behind the parallel one, until its lease runs out");
+    c.execute("SELECT sqlstreams.alter_group($1, $2, concurrency_override => 'parallel')", &[&s.name, &g.name])
+        .unwrap();
+    assert_eq!(g.ack_batch(&mut c, &claimed), vec![parallel_k], "the whole claim, on its connection");
+    assert_eq!(ids(&g.try_claim(&mut other, 10, "1 hour").unwrap()), vec![ordered_k], "the ack woke the row");
+}
+
 #[test]
 fn a_whole_claim_acked_after_one_of_its_messages_records_only_the_rest() {
     let mut c = connect();

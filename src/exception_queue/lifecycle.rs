@@ -442,10 +442,11 @@ const DELETE_TOKEN_KEYS_IF_PARKED: Statement = Statement {
 /// those lanes' keys has committed and the statement's snapshot sees them; none can park more
 /// before this transaction ends. So in a group with no parked row, the usual case, the ack
 /// reads, sorts and locks no key.
+///
+/// A group whose override is `parallel` parks nothing, but may hold rows it parked before its
+/// override changed (or that a claim which read the older override is parking now): it reads
+/// the keys likewise.
 pub fn whole_ack_keys(group: &GroupRef, token: pgrx::Uuid) -> (bool, Option<&'static Statement>) {
-    if !group.may_park() {
-        return (false, None);
-    }
     match crate::own_claims::keyed_lanes(token) {
         Some(lanes) if lanes.is_empty() => (false, None),
         Some(lanes) => {

@@ -38,11 +38,12 @@ pub struct Drain {
 }
 
 /// The cases, in the order the report shows them.
-pub const CASES: [(System, Keys); 7] = [
+pub const CASES: [(System, Keys); 8] = [
     (System::Floor, Keys::None),
     (System::Pgq, Keys::None),
     (System::Sql, Keys::None),
     (System::Client, Keys::None),
+    (System::Sql, Keys::Parallel(1024)),
     (System::Sql, Keys::Ordered(1024)),
     (System::Sql, Keys::Exclusive(1024)),
     (System::Client, Keys::Ordered(1024)),

@@ -629,6 +629,13 @@ impl Results {
                 paired((System::Sql, label), (System::Sql, none))
             ));
         }
+        // What keys cost, and what order costs over them (no target: the targets above compare
+        // with the drain without keys).
+        lines.push(format!(
+            "W10 drain (SQL), parallel, 1024 keys / parallel: {}; ordered / parallel, both over 1024 keys: {}",
+            paired((System::Sql, "parallel, 1024 keys"), (System::Sql, none)),
+            paired((System::Sql, "ordered, 1024 keys"), (System::Sql, "parallel, 1024 keys"))
+        ));
         lines.push(format!(
             "W10 drain (client), ordered, 1024 keys / parallel: {}",
             paired((System::Client, "ordered, 1024 keys"), (System::Client, none))

@@ -25,6 +25,8 @@ pub struct Bench {
 #[derive(Clone, Copy, Debug)]
 pub enum Keys {
     None,
+    /// Keys, and no policy: the group's default, `parallel` (no override).
+    Parallel(usize),
     Ordered(usize),
     Exclusive(usize),
 }
@@ -33,6 +35,7 @@ impl Keys {
     pub fn label(self) -> String {
         match self {
             Keys::None => "no keys".into(),
+            Keys::Parallel(n) => format!("parallel, {n} keys"),
             Keys::Ordered(1) => "ordered, 1 hot key".into(),
             Keys::Ordered(n) => format!("ordered, {n} keys"),
             Keys::Exclusive(n) => format!("exclusive, {n} keys"),
@@ -41,7 +44,7 @@ impl Keys {
 
     pub fn policy(self) -> Option<&'static str> {
         match self {
-            Keys::None => None,
+            Keys::None | Keys::Parallel(_) => None,
             Keys::Ordered(_) => Some("ordered"),
             Keys::Exclusive(_) => Some("exclusive"),
         }
@@ -50,7 +53,7 @@ impl Keys {
     pub fn key(self, producer: u32, seq: u64) -> Option<String> {
         let n = match self {
             Keys::None => return None,
-            Keys::Ordered(n) | Keys::Exclusive(n) => n as u64,
+            Keys::Parallel(n) | Keys::Ordered(n) | Keys::Exclusive(n) => n as u64,
         };
         Some(format!("key-{}", (seq * 2 + producer as u64) % n))
     }

@@ -335,20 +335,7 @@ impl Claim<'_> {
             hold_on_dead: self.group.hold_on_dead,
             lanes: self.lanes.iter().map(|l| l.lane).collect(),
         };
-        let hold = self.group.hold_on_dead;
-        let mut verdicts =
-            key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now, hold);
-        let waiting = key_gate::deferred_keys(&candidates, &verdicts);
-        if !waiting.is_empty() {
-            // Lock the lanes of the keys about to be parked, then look again: a resolution that
-            // committed meanwhile is seen now, and one that commits later waits for this claim
-            // before its wake-up runs (src/key_gate.rs). A lane whose wake lock an outcome holds
-            // right now is not waited for: its keys' rows are left due instead of parked, and
-            // the next claim looks again. Facts only shrink between the two looks, so the
-            // second can only turn waits into runs.
-            self.parkable = locks::try_lanes_exclusive(self.group.id, &self.group.stream.lanes_of(&waiting));
-            verdicts = key_gate::gate(&candidates, &key_gate::gather(client, &input)?, self.expires, self.now, hold);
-        }
+        let verdicts = self.decide(client, &candidates, &input)?;
 
         let (deliveries, pending, holding) = self.record(verdicts);
         own_claims::made(
@@ -572,6 +559,30 @@ impl Claim<'_> {
             meta: m.meta,
             range: Some(first_id),
         }));
+    }
+
+    /// The gate's verdicts, with the waiting rows' lanes locked for parking where it may park
+    /// them (`parkable`).
+    fn decide(
+        &mut self,
+        client: &SpiClient<'_>,
+        candidates: &[Candidate],
+        input: &GatherInput<'_>,
+    ) -> Result<Vec<Verdict>> {
+        let hold = self.group.hold_on_dead;
+        let mut verdicts = key_gate::gate(candidates, &key_gate::gather(client, input)?, self.expires, self.now, hold);
+        let waiting = key_gate::deferred_keys(candidates, &verdicts);
+        if !waiting.is_empty() {
+            // Lock the lanes of the keys about to be parked, then look again: a resolution that
+            // committed meanwhile is seen now, and one that commits later waits for this claim
+            // before its wake-up runs (src/key_gate.rs). A lane whose wake lock an outcome holds
+            // right now is not waited for: its keys' rows are left due instead of parked, and
+            // the next claim looks again. Facts only shrink between the two looks, so the
+            // second can only turn waits into runs.
+            self.parkable = locks::try_lanes_exclusive(self.group.id, &self.group.stream.lanes_of(&waiting));
+            verdicts = key_gate::gate(candidates, &key_gate::gather(client, input)?, self.expires, self.now, hold);
+        }
+        Ok(verdicts)
     }
 
     /// The lanes of the ranges that hand out a message with a key (`pending`: what `record`

@@ -343,9 +343,9 @@ fn wake_tag(group_id: i64, lane: i32) -> pg_sys::LOCKTAG {
     tag(WAKE_CLASS, group_id as u32, lane as u32)
 }
 
-/// The wake locks of `lanes` (those of the keys resolved), shared, in lane order (`lanes`
-/// sorted): an outcome's step 4. Waits for a claim that is parking rows in one of them to
-/// commit.
+/// The wake locks of `lanes` (those of the keys an outcome resolves, or a whole ack's keyed
+/// lanes), shared, in lane order (`lanes` sorted): an outcome's step 4. Waits for a claim that
+/// is parking rows in one of them to commit.
 pub fn lanes_shared(group_id: i64, lanes: &[i32]) {
     for &lane in lanes {
         acquire(&wake_tag(group_id, lane), pg_sys::ShareLock, true);

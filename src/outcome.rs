@@ -23,6 +23,7 @@ use crate::locks;
 use crate::message;
 use crate::names::{self, positive_micros, Answer};
 use crate::notify;
+use crate::own_claims;
 use crate::range;
 
 /// What an ack recorded.
@@ -91,8 +92,17 @@ pub fn ack_in(
         let mut rest: Vec<i64> = ids.iter().copied().filter(|id| !done.iter().any(|(d, _)| d == id)).collect();
         if range::may_cover(token, &rest) {
             let (with_keys, instead) = match lanes::end_holds_with_ranges(group, token) {
-                Some(end_holds) => (group.may_park(), Some(end_holds)),
-                None => exception_queue::whole_ack_keys(group, token),
+                Some(end_holds) => (true, Some(end_holds)),
+                None => match own_claims::keyed_lanes(token) {
+                    Some(lanes) if lanes.is_empty() => (false, None),
+                    Some(lanes) => {
+                        // Step 4's wake locks, before the ranges' rows: its statement reads the
+                        // keys only while a row is parked (`DELETE_TOKEN_KEYS_IF_PARKED`).
+                        locks::lanes_shared(group.id, &lanes);
+                        (true, Some(&exception_queue::DELETE_TOKEN_KEYS_IF_PARKED))
+                    }
+                    None => (true, None),
+                },
             };
             let covered = range::resolve_covered(client, stream_id, group.id, token, with_keys, instead)?;
             done.extend(covered.resolved);

@@ -1,6 +1,7 @@
 //! What this backend's own committed claims handed out, by lease token: whether a claim held a
-//! lane, whether it put an exception row in flight, and which messages it handed out from
-//! ranges. A consumer that acks with its next claim (or on the connection it claimed on) then
+//! lane, whether it put an exception row in flight, which messages it handed out from ranges,
+//! and the lanes of those ranges with a keyed message (whose wake locks a whole ack takes before
+//! its statement: src/outcome.rs). A consumer that acks with its next claim (or on the connection it claimed on) then
 //! skips the two statements an ack runs for the first two, which find nothing for most claims:
 //! the release of the lanes the token holds, and the delete of its rows in flight. An ack that
 //! names every message the claim handed out from ranges deletes the token's ranges whole, in
@@ -33,9 +34,20 @@ pub struct Facts {
     pub rows_in_flight: bool,
 }
 
-/// A claim's facts, the messages it handed out from ranges, in id order, and the lanes of those
-/// of its ranges that handed out a message with a key (sorted).
-type Claim = (pgrx::Uuid, Facts, Box<[i64]>, Box<[i32]>);
+/// One claim remembered.
+struct Claim {
+    token: pgrx::Uuid,
+    facts: Facts,
+    /// The messages it handed out from ranges, in id order.
+    range_ids: Box<[i64]>,
+    /// The lanes of its ranges that handed out a message with a key, sorted.
+    keyed_lanes: Box<[i32]>,
+}
+
+/// The newest claim of `token` this backend remembers.
+fn known(known: &VecDeque<Claim>, token: pgrx::Uuid) -> Option<&Claim> {
+    known.iter().rev().find(|c| c.token == token)
+}
 
 thread_local! {
     /// Claims of the transaction in progress.
@@ -59,29 +71,34 @@ pub fn made(token: pgrx::Uuid, facts: Facts, mut range_ids: Vec<i64>, mut keyed_
         if made.len() == KEPT {
             made.remove(0);
         }
-        made.push((token, facts, range_ids.into_boxed_slice(), keyed_lanes.into_boxed_slice()))
+        made.push(Claim {
+            token,
+            facts,
+            range_ids: range_ids.into_boxed_slice(),
+            keyed_lanes: keyed_lanes.into_boxed_slice(),
+        })
     });
 }
 
 /// What the committed claim of `token` handed out, if this backend made it.
 pub fn facts(token: pgrx::Uuid) -> Option<Facts> {
-    KNOWN.with(|known| known.borrow().iter().rev().find(|(t, ..)| *t == token).map(|(_, f, ..)| *f))
+    KNOWN.with(|k| known(&k.borrow(), token).map(|c| c.facts))
 }
 
 /// The lanes of the ranges with a keyed message that this backend's committed claim of `token`
 /// handed out, sorted: every range row under the token that lists a keyed message is in one of
 /// them (a range split off stays in its lane).
 pub fn keyed_lanes(token: pgrx::Uuid) -> Option<Vec<i32>> {
-    KNOWN.with(|known| known.borrow().iter().rev().find(|(t, ..)| *t == token).map(|(.., lanes)| lanes.to_vec()))
+    KNOWN.with(|k| known(&k.borrow(), token).map(|c| c.keyed_lanes.to_vec()))
 }
 
 /// Whether `ids` name every message this backend's committed claim of `token` handed out from
 /// ranges (and it handed out some): then every range row under the token lists only messages
 /// of `ids`.
 pub fn covers(token: pgrx::Uuid, ids: &[i64]) -> bool {
-    KNOWN.with(|known| {
-        let known = known.borrow();
-        let Some((_, _, range_ids, _)) = known.iter().rev().find(|(t, ..)| *t == token) else { return false };
+    KNOWN.with(|k| {
+        let claims = k.borrow();
+        let Some(Claim { range_ids, .. }) = known(&claims, token) else { return false };
         if range_ids.is_empty() || ids.len() < range_ids.len() {
             return false;
         }

@@ -221,7 +221,7 @@ macro_rules! delete_token {
             $keys_column,
             " AS pending_keys, ARRAY(SELECT message_id FROM d) AS done, ",
             $lanes_column,
-            " AS lanes, r.lane FROM (SELECT) AS one LEFT JOIN r ON true"
+            " AS lanes FROM (SELECT) AS one LEFT JOIN r ON true"
         )
     };
 }
@@ -362,8 +362,9 @@ fn locked(client: &SpiClient<'_>, stream_id: i64, group_id: i64, token: pgrx::Uu
 
 /// What `resolve_covered` resolved.
 pub struct Covered {
-    /// The messages resolved now, with their keys when the statement returned them (not for a
-    /// lane whose hold it ended while the group had no parked row: see `Released`).
+    /// The messages resolved now, with their keys when the statement returned them: not while
+    /// the group had no parked row, for a lane whose hold it ended (`END_HOLDS_WITH_RANGES`) or
+    /// any lane (`DELETE_TOKEN_KEYS_IF_PARKED` in src/exception_queue/lifecycle.rs).
     pub resolved: Vec<(i64, Option<String>)>,
     /// Every message of the ranges deleted: those resolved now, and those an earlier outcome
     /// under the token had resolved (whose outcome now is "lease lost").
@@ -397,8 +398,8 @@ pub struct Released {
 ///   holder when its row's lock is granted, and is left alone. The keys resolved in the lanes it
 ///   did end take no lock before their wake-up (`Released`; docs/semantics.md, "One lock order",
 ///   outcome step 4).
-/// - `exception_queue::whole_ack_keys`'s, which returns the keys only while the group has a
-///   parked row.
+/// - `exception_queue::DELETE_TOKEN_KEYS_IF_PARKED`, which returns the keys only while the group
+///   has a parked row.
 pub fn resolve_covered(
     client: &SpiClient<'_>,
     stream_id: i64,

@@ -14,8 +14,9 @@
 //! with them.
 //!
 //! Nothing here waits for a row lock: rows another transaction holds (a producer's compaction
-//! head, a row an outcome is changing) are left for the next step. The one wait is for the key
-//! lock of a held key whose dead row it purged, while a claim parks that key (see `step`).
+//! head, a row an outcome is changing) are left for the next step. The one wait is for the wake
+//! lock of the lane of a held key whose dead row it purged, while a claim parks rows of that
+//! lane (see `step`).
 //!
 //! Who runs it: `maintain()` (cron), and otherwise the consumers themselves: a claim runs one
 //! bounded step for its stream at most once a minute per session, and only one session at a
@@ -169,9 +170,10 @@ pub fn step(client: &SpiClient<'_>, stream: &StreamRef, groups: &[i64]) -> Resul
     }
     let rows_purged = purged.values().map(Vec::len).sum::<usize>() as i64;
     // A dead row that held its ordered key (on_dead = 'hold') is gone: its key goes on. This
-    // wake-up waits for a claim parking one of those keys right now (as an outcome's does): that
-    // claim still saw the dead row and parks behind it for good, so it must be woken after it
-    // commits. A claim never waits, so this wait is short and cannot close a cycle.
+    // wake-up waits for a claim parking rows of those keys' lanes right now (as an outcome's
+    // does): that claim may still have seen the dead row and parked behind it for good, so it
+    // must be woken after it commits. A claim never waits, so this wait is short and cannot
+    // close a cycle.
     for (group_id, keys) in purged {
         let group = crate::group::by_id(client, stream, group_id)?;
         if !group.hold_on_dead {

@@ -48,6 +48,7 @@ const BY_INDEX: &[&str] = &[
     "range_split",
     "range_delete",
     "range_delete_token",
+    "eq_delete_token_keys_if_parked",
     "lease_lock_held",
     "lease_extend",
     "due_next",

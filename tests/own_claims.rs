@@ -258,6 +258,7 @@ fn an_ack_of_many_keys_locks_each_of_their_lanes_once() {
         claimed.iter().map(|d| s.lane(&mut c, d.message_key.as_deref().expect("a key"))).collect();
     lanes.sort_unstable();
     lanes.dedup();
+    assert_eq!(lanes, vec![0, 1], "40 keys fill both lanes");
     let made = ack_measured(&mut c, &s, &g, &claimed);
     assert_eq!(made.wake_locks, lanes.len() as i64, "one wake lock per lane of the 40 keys: {lanes:?}");
     assert_eq!(g.drain(&mut c), Vec::<i64>::new(), "everything was acked");

@@ -419,10 +419,16 @@ const WAKE: Statement = Statement {
 const ANY_PARKED: Statement =
     Statement { name: "eq_any_parked", sql: concat!("SELECT ", super::any_parked!(), " AS any"), params: &[INT8OID] };
 
-/// `DELETE_TOKEN` (src/range.rs) returning the keys only while the group has a parked row, for
-/// an ack that took the wake locks of every lane its ranges hand out keyed messages from before
-/// the statement (`whole_ack_keys`).
-const DELETE_TOKEN_KEYS_IF_PARKED: Statement = Statement {
+/// `DELETE_TOKEN` (src/range.rs) returning the keys only while the group has a parked row: the
+/// statement of a whole ack (`range::resolve_covered`) that ends no lane hold, run after the ack
+/// took the wake locks of every lane its claim handed out keyed messages from
+/// (`own_claims::keyed_lanes`). Once those locks are granted, every claim that parked rows of
+/// those lanes' keys has committed, and the statement's snapshot sees them; none can park more
+/// before the ack commits. So in a group with no parked row, the usual case, the ack reads, sorts
+/// and wakes no key (docs/semantics.md, "One lock order", outcome step 4). A group whose
+/// override is `parallel` parks nothing, but may hold rows it parked before its override
+/// changed: it runs the same statement.
+pub const DELETE_TOKEN_KEYS_IF_PARKED: Statement = Statement {
     name: "eq_delete_token_keys_if_parked",
     sql: crate::range::delete_token!(
         "",
@@ -431,31 +437,6 @@ const DELETE_TOKEN_KEYS_IF_PARKED: Statement = Statement {
     ),
     params: &[INT8OID, UUIDOID],
 };
-
-/// How an ack of a whole claim of `token` that ends no lane hold reads the keys its wake-ups
-/// need (`range::resolve_covered`'s `with_keys` and `instead`).
-///
-/// A claim this backend made remembers the lanes of its ranges that handed out keyed messages
-/// (none: nothing to wake by key). The ack takes their wake locks, shared, before the statement
-/// (outcome step 4, taken early; docs/semantics.md, "One lock order"), and reads the keys only
-/// while the group has a parked row: once the locks are granted, every claim that parked rows of
-/// those lanes' keys has committed and the statement's snapshot sees them; none can park more
-/// before this transaction ends. So in a group with no parked row, the usual case, the ack
-/// reads, sorts and locks no key.
-///
-/// A group whose override is `parallel` parks nothing, but may hold rows it parked before its
-/// override changed (or that a claim which read the older override is parking now): it reads
-/// the keys likewise.
-pub fn whole_ack_keys(group: &GroupRef, token: pgrx::Uuid) -> (bool, Option<&'static Statement>) {
-    match crate::own_claims::keyed_lanes(token) {
-        Some(lanes) if lanes.is_empty() => (false, None),
-        Some(lanes) => {
-            locks::lanes_shared(group.id, &lanes);
-            (true, Some(&DELETE_TOKEN_KEYS_IF_PARKED))
-        }
-        None => (true, None),
-    }
-}
 
 /// Rows one claim can chain per key; also the wake batch.
 pub const WAKE_PER_KEY: i32 = 1000;
@@ -471,9 +452,11 @@ pub enum Waker<'a> {
     /// transaction ends (why: docs/semantics.md, "One lock order", outcome step 4). Other lanes
     /// are locked as by `Outcome`.
     HeldLanes(&'a [i32]),
-    /// A claim, which never waits: a lane another claim is parking rows in right now is left
-    /// alone. That claim's rows of the lane's keys are parked until their blocker could clear on
-    /// its own (an expired lease: at once), so the next claim looks at them again.
+    /// A claim, which never waits, so it only tries the locks. It holds the rows of the lanes it
+    /// resolves keys in, and a claim that parks holds its lanes' rows too, so no other claim
+    /// holds one of those wake locks exclusively: the try succeeds while lanes do their job.
+    /// Should it fail, the other claim's rows of the lane's keys are parked until their blocker
+    /// could clear on its own (an expired lease: at once), and the next claim looks again.
     Claim,
 }
 
@@ -490,15 +473,10 @@ pub fn after_resolution(
         return Ok(());
     }
     let stream_id = group.stream.id;
-    let any_parked =
-        || -> Result<bool> { ANY_PARKED.run(client, stream_id, &[group.id.into()])?.first().required("any") };
-    // A group that parks no rows may still hold some parked before its override became
-    // parallel (behind a held dead row, for good): one probe, and the locks only if so.
-    if !group.may_park() && !any_parked()? {
-        return Ok(());
-    }
-    // Before anything is woken (src/key_gate.rs, "Parking and wake-ups"): a key's wake lock is
-    // its lane's, so the keys of one lane take one lock.
+    // Before the probe and anything woken (src/key_gate.rs, "Parking and wake-ups"): a key's
+    // wake lock is its lane's, so the keys of one lane take one lock. A group whose override is
+    // `parallel` takes them too: it may hold rows parked before its override changed, or being
+    // parked by a claim that read the older override.
     let lanes = group.stream.lanes_of(keys);
     let keys = match waker {
         Waker::Outcome => {
@@ -518,7 +496,7 @@ pub fn after_resolution(
                 .collect()
         }
     };
-    if keys.is_empty() || !any_parked()? {
+    if keys.is_empty() || !ANY_PARKED.run(client, stream_id, &[group.id.into()])?.first().required::<bool>("any")? {
         return Ok(());
     }
     let woken =

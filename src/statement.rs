@@ -190,6 +190,7 @@ impl Statement {
         }
         let types: Vec<PgOid> = self.params.iter().map(|oid| PgOid::BuiltIn(*oid)).collect();
         let sql = self.labelled(render_part(self.sql, stream_id, part));
+        crate::transient::check_listed(self.name, &sql);
         let prepared =
             if read_only { client.prepare(sql.as_str(), &types)? } else { client.prepare_mut(sql.as_str(), &types)? };
         let plan = Rc::new(prepared.keep());
@@ -265,7 +266,9 @@ impl Statement {
             if let Some(plan) = plans.get(&(stream_id, self.name)) {
                 return Ok(plan.0);
             }
-            let sql = std::ffi::CString::new(self.labelled(render(self.sql, stream_id))).expect("no NUL in statements");
+            let sql = self.labelled(render(self.sql, stream_id));
+            crate::transient::check_listed(self.name, &sql);
+            let sql = std::ffi::CString::new(sql).expect("no NUL in statements");
             let mut types: Vec<pg_sys::Oid> = self.params.iter().map(|oid| PgOid::BuiltIn(*oid).value()).collect();
             // SAFETY: prepares and keeps a plan inside the caller's SPI connection.
             let plan = unsafe { pg_sys::SPI_prepare(sql.as_ptr(), types.len() as i32, types.as_mut_ptr()) };

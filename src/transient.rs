@@ -15,9 +15,12 @@
 //! So the statements listed below run with sequential and bitmap scans off, and so are planned
 //! that way (inside their first execution, and again after an invalidation). Each is answered
 //! by a plain scan of one index per table it reads, joined by nested loops (hash and merge
-//! joins are off too: either would read a whole side). `claim_due_rows` and
-//! `claim_due_isolated` are not listed: they read a lane's due retries and expired leases, an
-//! `OR` of two partial indexes' conditions that only a bitmap scan combines (src/claim.rs).
+//! joins are off too: either would read a whole side). The statements that read these tables
+//! and are not listed are in `NOT_BY_INDEX`, each with why: `claim_due_rows` and
+//! `claim_due_isolated` read a lane's due retries and expired leases, an `OR` of two partial
+//! indexes' conditions that only a bitmap scan combines (src/claim.rs); the rest are sweeps and
+//! admins' calls. Debug builds check each statement they prepare against the two lists
+//! (`check_listed`).
 //!
 //! And by which index: every index of these tables leads with the group, and on a table the
 //! planner takes for a page or two each is costed at one row, so they tie, and the one that
@@ -51,7 +54,9 @@ const BY_INDEX: &[&str] = &[
     "eq_delete_token_keys_if_parked",
     "lease_lock_held",
     "lease_extend",
+    "cursor_advance",
     "due_next",
+    "due_until",
     "eq_update",
     "eq_inflight",
     "eq_succeed_rows",
@@ -61,6 +66,39 @@ const BY_INDEX: &[&str] = &[
     "eq_any_parked",
     "eq_wake",
     "inflight_count",
+];
+
+/// The tables whose rows come and go: a statement that reads one (`FROM`, `JOIN`, `USING`,
+/// `UPDATE`; an `INSERT` only writes) is in `BY_INDEX` or in `NOT_BY_INDEX`.
+const CHURNING: &[&str] = &["range_lease_", "range_done_", "exception_queue_"];
+
+/// Why a statement that reads those tables is planned as Postgres likes.
+const BITMAP_OR: &str = "an OR of two partial indexes' conditions, which only a bitmap scan combines";
+const SWEEP: &str = "a sweep of a whole group or stream, once a minute or from maintain()";
+const ADMIN: &str = "an admin's or a monitor's call, planned with the statistics it finds";
+
+/// The statements that read those tables and are not in `BY_INDEX`, each with why.
+const NOT_BY_INDEX: &[(&str, &str)] = &[
+    ("claim_due_rows", BITMAP_OR),
+    ("claim_due_isolated", BITMAP_OR),
+    ("range_purge_done", SWEEP),
+    ("retention_purge_resolved", SWEEP),
+    ("retention_purge_archive", SWEEP),
+    ("retention_drop_heads", SWEEP),
+    ("bounds_lock_group", SWEEP),
+    ("bounds_lost", SWEEP),
+    ("bounds_move", SWEEP),
+    ("group_delete", ADMIN),
+    ("group_held_keys", ADMIN),
+    ("seek_lock", ADMIN),
+    ("seek_move", ADMIN),
+    ("dead_redrive", ADMIN),
+    ("dead_skip", ADMIN),
+    ("dead_purge", ADMIN),
+    ("inspect_progress", ADMIN),
+    ("inspect_blocked_keys", ADMIN),
+    ("inspect_dead", ADMIN),
+    ("inspect_leases", ADMIN),
 ];
 
 /// The size a listed statement's plan assumes of a table the planner finds smaller.
@@ -140,6 +178,27 @@ impl Drop for ByIndex {
     }
 }
 
+/// Whether `sql` reads one of the tables whose rows come and go.
+fn reads_churning(sql: &str) -> bool {
+    let sql = sql.split_whitespace().collect::<Vec<_>>().join(" ");
+    CHURNING.iter().any(|table| {
+        ["FROM", "JOIN", "USING", "UPDATE"].iter().any(|verb| sql.contains(&format!("{verb} sqlstreams.{table}")))
+    })
+}
+
+/// Checks, in debug builds (the test suites'), that statement `name` with text `sql` is in
+/// `BY_INDEX` or `NOT_BY_INDEX` if it reads a table whose rows come and go: every statement the
+/// suites prepare is checked as it runs, whatever macro built its text, so a new statement on
+/// those tables cannot silently be left to plans made on an empty table.
+pub fn check_listed(name: &str, sql: &str) {
+    if cfg!(debug_assertions) && reads_churning(sql) {
+        assert!(
+            BY_INDEX.contains(&name) || NOT_BY_INDEX.iter().any(|(exempt, _)| *exempt == name),
+            "statement {name} reads a table whose rows come and go: list it in BY_INDEX or NOT_BY_INDEX (src/transient.rs)"
+        );
+    }
+}
+
 /// For a statement in `BY_INDEX`: turns sequential and bitmap scans, hash and merge joins off,
 /// and small tables' sizes up (`assume_a_size`), until the returned guard is dropped. These
 /// are the planner's variables themselves, set without the GUC machinery: the consumer
@@ -173,27 +232,66 @@ pub fn guide(name: &str) -> Option<ByIndex> {
 
 #[cfg(test)]
 mod tests {
-    use super::BY_INDEX;
+    use std::path::{Path, PathBuf};
 
-    /// Every name listed is a statement of the library, once: a renamed statement would
-    /// otherwise silently lose its guide.
+    use super::{reads_churning, BY_INDEX, NOT_BY_INDEX};
+
+    /// The library's sources, `src/` and its modules' folders.
+    fn sources() -> String {
+        fn files(dir: &Path) -> Vec<PathBuf> {
+            let entries = std::fs::read_dir(dir).expect("src").map(|entry| entry.expect("entry").path());
+            entries.flat_map(|path| if path.is_dir() { files(&path) } else { vec![path] }).collect()
+        }
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        files(&src)
+            .into_iter()
+            .filter(|path| path.extension().is_some_and(|e| e == "rs"))
+            .map(|path| std::fs::read_to_string(path).expect("source"))
+            .collect()
+    }
+
+    fn listed(name: &str) -> bool {
+        BY_INDEX.contains(&name) || NOT_BY_INDEX.iter().any(|(exempt, _)| *exempt == name)
+    }
+
+    /// Every name listed is a statement of the library, once, and on one list: a renamed
+    /// statement would otherwise silently lose its guide.
     #[test]
     fn every_listed_statement_exists() {
-        let sources = [
-            include_str!("key_gate.rs"),
-            include_str!("lanes.rs"),
-            include_str!("lanes/holds.rs"),
-            include_str!("range.rs"),
-            include_str!("lease.rs"),
-            include_str!("due.rs"),
-            include_str!("claim.rs"),
-            include_str!("exception_queue/mod.rs"),
-            include_str!("exception_queue/lifecycle.rs"),
-            include_str!("inflight_cap.rs"),
-        ]
-        .concat();
-        for name in BY_INDEX {
+        let sources = sources();
+        for name in BY_INDEX.iter().chain(NOT_BY_INDEX.iter().map(|(name, _)| name)) {
             assert_eq!(sources.matches(&format!("name: \"{name}\"")).count(), 1, "statement {name}");
         }
+        for (name, _) in NOT_BY_INDEX {
+            assert!(!BY_INDEX.contains(name), "statement {name} is on both lists");
+        }
+    }
+
+    /// Every statement whose text is written out in its constant and reads those tables is on a
+    /// list. (Text a macro builds is checked by `check_listed` when the suites run it.)
+    #[test]
+    fn every_statement_written_out_is_listed() {
+        let sources = sources();
+        let mut seen = 0;
+        for constant in sources.split("Statement {").skip(1) {
+            let Some(name) = constant.trim_start().strip_prefix("name: \"").and_then(|rest| rest.split('"').next())
+            else {
+                continue;
+            };
+            if reads_churning(constant.split("params:").next().unwrap_or_default()) {
+                seen += 1;
+                assert!(listed(name), "statement {name} reads a table whose rows come and go and is on no list");
+            }
+        }
+        assert!(seen > 20, "the scan found the statements ({seen})");
+    }
+
+    #[test]
+    fn an_insert_writes_and_a_scan_reads() {
+        assert!(!reads_churning("INSERT INTO sqlstreams.range_done_@id@ (a) SELECT unnest($1)"));
+        assert!(!reads_churning("SELECT 1 FROM sqlstreams.lane_@id@ WHERE x"));
+        assert!(reads_churning("DELETE FROM sqlstreams.range_done_@id@ WHERE x"));
+        assert!(reads_churning("UPDATE sqlstreams.exception_queue_7 SET x = 1"));
+        assert!(reads_churning("SELECT 1 FROM t\n  JOIN   sqlstreams.range_lease_@id@ r ON true"));
     }
 }

@@ -108,6 +108,11 @@ const DUE_ISOLATED: Statement =
 /// A message the claim could hand out, where it stands, and its attempt number if it runs.
 struct Work {
     candidate: Candidate,
+    handout: Handout,
+}
+
+/// Where a message the claim could hand out stands, and what its delivery would carry.
+struct Handout {
     held: Held,
     attempt: i32,
     payload: RawJsonb,
@@ -312,18 +317,20 @@ impl Claim<'_> {
         }
         self.work.sort_by_key(|w| w.candidate.message_id);
 
-        let candidates: Vec<Candidate> = self.work.iter().map(|w| w.candidate.clone()).collect();
+        // The candidates go to the gate and the rest to `record`, each moved, not copied.
+        let (candidates, handouts): (Vec<Candidate>, Vec<Handout>) =
+            std::mem::take(&mut self.work).into_iter().map(|w| (w.candidate, w.handout)).unzip();
         // Rows this claim decides (candidates, and expired ones it dead-letters) are not blockers
         // of the candidates: the gate decides them together. Except a message going dead here
         // when the group holds on dead: it stops its key from now on, so it stays a blocker
         // (still inflight in this snapshot, then dead; the wake-up it triggers parks the key's
         // rows behind it for good).
         let dead_release = if self.group.hold_on_dead { &[][..] } else { &self.dead_on_expiry[..] };
-        let exception_ids: Vec<i64> = self
-            .work
+        let exception_ids: Vec<i64> = candidates
             .iter()
-            .filter(|w| w.held != Held::Range)
-            .map(|w| w.candidate.message_id)
+            .zip(&handouts)
+            .filter(|(_, h)| h.held != Held::Range)
+            .map(|(c, _)| c.message_id)
             .chain(dead_release.iter().copied())
             .collect();
         let input = GatherInput {
@@ -337,7 +344,7 @@ impl Claim<'_> {
         };
         let verdicts = self.decide(client, &candidates, &input)?;
 
-        let (deliveries, pending, holding) = self.record(verdicts);
+        let (deliveries, pending, holding) = self.record(candidates, handouts, verdicts);
         own_claims::made(
             self.token,
             own_claims::Facts { held_lanes: !holding.is_empty(), rows_in_flight: self.work_in_flight },
@@ -349,12 +356,12 @@ impl Claim<'_> {
         let claim_hold = |lane: i32| holding.contains(&lane).then_some((self.token, self.expires));
         let taken: Vec<i32> = self.lanes.iter().map(|l| l.lane).collect();
         let mut lanes = std::mem::take(&mut self.lanes);
+        let mut pending = pending;
         for mut range in std::mem::take(&mut self.ranges) {
-            (range.pending, range.pending_keys) = pending
-                .iter()
-                .filter(|(_, _, first)| *first == range.first_id)
-                .map(|(id, k, _)| (*id, k.clone()))
-                .unzip();
+            let (mine, rest): (Vec<_>, Vec<_>) =
+                pending.into_iter().partition(|(_, _, first)| *first == range.first_id);
+            pending = rest;
+            (range.pending, range.pending_keys) = mine.into_iter().map(|(id, key, _)| (id, key)).unzip();
             // A new range and its lane's position go in one statement (the usual claim).
             if let Some(i) = lanes.iter().position(|l| l.lane == range.lane) {
                 let (claimed, hold) = (lanes[i].claimed, claim_hold(range.lane));
@@ -440,11 +447,13 @@ impl Claim<'_> {
             let Some(message) = messages.get(&id) else { continue };
             self.work.push(Work {
                 candidate,
-                held: Held::Row { status, expired },
-                attempt: attempts,
-                payload: message.payload,
-                meta: message.meta,
-                range: None,
+                handout: Handout {
+                    held: Held::Row { status, expired },
+                    attempt: attempts,
+                    payload: message.payload,
+                    meta: message.meta,
+                    range: None,
+                },
             });
         }
         Ok(())
@@ -553,11 +562,7 @@ impl Claim<'_> {
     fn push_range(&mut self, messages: Vec<Message>, attempt: i32, first_id: i64) {
         self.work.extend(messages.into_iter().map(|m| Work {
             candidate: m.candidate,
-            held: Held::Range,
-            attempt,
-            payload: m.payload,
-            meta: m.meta,
-            range: Some(first_id),
+            handout: Handout { held: Held::Range, attempt, payload: m.payload, meta: m.meta, range: Some(first_id) },
         }));
     }
 
@@ -598,12 +603,16 @@ impl Claim<'_> {
 
     /// Turns verdicts into queue changes; returns the deliveries, the ranges' pending messages
     /// (id, key, range) and the lanes that handed out ordered or exclusive work of a key.
-    fn record(&mut self, verdicts: Vec<Verdict>) -> (Vec<Delivery>, Vec<(i64, Option<String>, i64)>, Vec<i32>) {
-        let mut deliveries = Vec::new();
-        let mut pending = Vec::new();
+    fn record(
+        &mut self,
+        candidates: Vec<Candidate>,
+        handouts: Vec<Handout>,
+        verdicts: Vec<Verdict>,
+    ) -> (Vec<Delivery>, Vec<(i64, Option<String>, i64)>, Vec<i32>) {
+        let mut deliveries = Vec::with_capacity(candidates.len());
+        let mut pending = Vec::with_capacity(candidates.len());
         let mut holding = Vec::new();
-        for (work, verdict) in std::mem::take(&mut self.work).into_iter().zip(verdicts) {
-            let c = work.candidate;
+        for ((c, work), verdict) in candidates.into_iter().zip(handouts).zip(verdicts) {
             match verdict {
                 Verdict::Run { run_after } => {
                     match exception_queue::hand_out(&work.held, c.message_id, work.attempt, self.token, self.expires) {

@@ -114,7 +114,10 @@ pub fn gate(
     hold_on_dead: bool,
 ) -> Vec<Verdict> {
     let no_facts = KeyFacts::default();
-    let mut states: HashMap<&str, KeyState> = HashMap::new();
+    // What a parallel row of a key did matters only to a later gated row of the key: without
+    // one in the result (a group without an override, as a rule), no key needs a state.
+    let any_gated = candidates.iter().any(|c| c.key.is_some() && c.concurrency != Concurrency::Parallel);
+    let mut states: HashMap<&str, KeyState> = HashMap::with_capacity(if any_gated { candidates.len() } else { 0 });
     candidates
         .iter()
         .map(|c| {
@@ -129,11 +132,13 @@ pub fn gate(
             {
                 return Verdict::Supersede;
             }
-            let state = states.entry(key).or_default();
             if c.concurrency == Concurrency::Parallel {
-                state.parallel_running = true;
+                if any_gated {
+                    states.entry(key).or_default().parallel_running = true;
+                }
                 return Verdict::Run { run_after: None };
             }
+            let state = states.entry(key).or_default();
             if let Some(until) = state.blocked_until {
                 return Verdict::Defer { until };
             }
@@ -308,32 +313,27 @@ fn may_block(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<bool> {
 /// Reads the facts `gate` needs, only for the keys that need them.
 pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<HashMap<String, KeyFacts>> {
     let mut facts: HashMap<String, KeyFacts> = HashMap::new();
-    let mut ordered: HashMap<&str, i64> = HashMap::new(); // key -> highest candidate id
-    let mut exclusive: Vec<&str> = Vec::new();
-    let mut compacted: Vec<&str> = Vec::new();
-    for c in input.candidates {
-        let Some(key) = c.key.as_deref() else { continue };
-        match c.concurrency {
-            Concurrency::Ordered => {
-                let upto = ordered.entry(key).or_default();
-                *upto = (*upto).max(c.message_id);
-            }
-            Concurrency::Exclusive => exclusive.push(key),
-            Concurrency::Parallel => {}
-        }
-        if c.compaction && c.concurrency != Concurrency::Ordered {
-            compacted.push(key);
-        }
-    }
-    exclusive.sort_unstable();
-    exclusive.dedup();
-    compacted.sort_unstable();
-    compacted.dedup();
     let timestamp = |micros: Option<pgrx::datum::TimestampWithTimeZone>| micros.map(|t| t.into_inner()).unwrap_or(0);
-
-    if (!ordered.is_empty() || !exclusive.is_empty()) && may_block(client, input)? {
+    let gated = input.candidates.iter().any(|c| c.key.is_some() && c.concurrency != Concurrency::Parallel);
+    // The keys are gathered only once something could block one: as a rule nothing does.
+    if gated && may_block(client, input)? {
+        let mut ordered: HashMap<&str, i64> = HashMap::with_capacity(input.candidates.len()); // key -> highest id
+        let mut exclusive: Vec<&str> = Vec::new();
+        for c in input.candidates {
+            let Some(key) = c.key.as_deref() else { continue };
+            match c.concurrency {
+                Concurrency::Ordered => {
+                    let upto = ordered.entry(key).or_default();
+                    *upto = (*upto).max(c.message_id);
+                }
+                Concurrency::Exclusive => exclusive.push(key),
+                Concurrency::Parallel => {}
+            }
+        }
+        exclusive.sort_unstable();
+        exclusive.dedup();
         let (keys, uptos): (Vec<&str>, Vec<i64>) = ordered.iter().map(|(k, v)| (*k, *v)).unzip();
-        let gated: Vec<&str> = keys.iter().chain(&exclusive).copied().collect();
+        let gated_keys: Vec<&str> = keys.iter().chain(&exclusive).copied().collect();
         let rows = CHECK.run(
             client,
             input.stream_id,
@@ -343,7 +343,7 @@ pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<HashMap
                 uptos.into(),
                 input.exception_ids.to_vec().into(),
                 input.own_ranges.clone().into(),
-                gated.into(),
+                gated_keys.into(),
                 input.lanes.clone().into(),
                 exclusive.into(),
                 input.hold_on_dead.into(),
@@ -362,6 +362,14 @@ pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<HashMap
             }
         }
     }
+    let mut compacted: Vec<&str> = input
+        .candidates
+        .iter()
+        .filter(|c| c.compaction && c.concurrency != Concurrency::Ordered)
+        .filter_map(|c| c.key.as_deref())
+        .collect();
+    compacted.sort_unstable();
+    compacted.dedup();
     if !compacted.is_empty() {
         for row in COMPACTION_HEADS.run(client, input.stream_id, &[compacted.into()])? {
             let key: String = row.required("message_key")?;

@@ -495,10 +495,15 @@ pub(crate) fn lease_args(
         token.into(),
         statement::timestamptz(expires),
         range.reclaims.into(),
-        range.pending.clone().into(),
-        range.pending_keys.clone().into(),
+        range.pending.as_slice().into(),
+        keys_arg(&range.pending_keys),
         range.lane.into(),
     ]
+}
+
+/// A `text[]` parameter of `keys`, without copying them first.
+fn keys_arg(keys: &[Option<String>]) -> DatumWithOid<'static> {
+    keys.iter().map(Option::as_deref).collect::<Vec<_>>().as_slice().into()
 }
 
 /// Stores `rest`, split off range `first_id` (see `RangeLease::split_off`).
@@ -511,8 +516,8 @@ pub fn split(client: &SpiClient<'_>, stream_id: i64, group_id: i64, first_id: i6
             group_id.into(),
             first_id.into(),
             rest.first_id.into(),
-            rest.pending.clone().into(),
-            rest.pending_keys.clone().into(),
+            rest.pending.as_slice().into(),
+            keys_arg(&rest.pending_keys),
         ],
     )?;
     Ok(())

@@ -344,7 +344,7 @@ impl Claim<'_> {
         };
         let verdicts = self.decide(client, &candidates, &input)?;
 
-        let (deliveries, pending, holding) = self.record(candidates, handouts, verdicts);
+        let (deliveries, mut pending, holding) = self.record(candidates, handouts, verdicts);
         own_claims::made(
             self.token,
             own_claims::Facts { held_lanes: !holding.is_empty(), rows_in_flight: self.work_in_flight },
@@ -356,7 +356,6 @@ impl Claim<'_> {
         let claim_hold = |lane: i32| holding.contains(&lane).then_some((self.token, self.expires));
         let taken: Vec<i32> = self.lanes.iter().map(|l| l.lane).collect();
         let mut lanes = std::mem::take(&mut self.lanes);
-        let mut pending = pending;
         for mut range in std::mem::take(&mut self.ranges) {
             let (mine, rest): (Vec<_>, Vec<_>) =
                 pending.into_iter().partition(|(_, _, first)| *first == range.first_id);

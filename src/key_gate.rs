@@ -116,7 +116,7 @@ pub fn gate(
     let no_facts = KeyFacts::default();
     // What a parallel row of a key did matters only to a later gated row of the key: without
     // one in the result (a group without an override, as a rule), no key needs a state.
-    let any_gated = candidates.iter().any(|c| c.key.is_some() && c.concurrency != Concurrency::Parallel);
+    let any_gated = candidates.iter().any(|c| c.key.is_some() && c.concurrency.is_keyed_gate());
     let mut states: HashMap<&str, KeyState> = HashMap::with_capacity(if any_gated { candidates.len() } else { 0 });
     candidates
         .iter()
@@ -314,7 +314,7 @@ fn may_block(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<bool> {
 pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<HashMap<String, KeyFacts>> {
     let mut facts: HashMap<String, KeyFacts> = HashMap::new();
     let timestamp = |micros: Option<pgrx::datum::TimestampWithTimeZone>| micros.map(|t| t.into_inner()).unwrap_or(0);
-    let gated = input.candidates.iter().any(|c| c.key.is_some() && c.concurrency != Concurrency::Parallel);
+    let gated = input.candidates.iter().any(|c| c.key.is_some() && c.concurrency.is_keyed_gate());
     // The keys are gathered only once something could block one: as a rule nothing does.
     if gated && may_block(client, input)? {
         let mut ordered: HashMap<&str, i64> = HashMap::with_capacity(input.candidates.len()); // key -> highest id

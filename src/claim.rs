@@ -105,7 +105,7 @@ const DUE_ROWS: Statement = Statement {
 const DUE_ISOLATED: Statement =
     Statement { name: "claim_due_isolated", sql: due_rows!("true", "1"), params: &[INT8OID, TIMESTAMPTZOID, INT4OID] };
 
-/// A message the claim could hand out, where it stands, and its attempt number if it runs.
+/// A message the claim could hand out: what the gate decides on, and the rest.
 struct Work {
     candidate: Candidate,
     handout: Handout,

@@ -8,6 +8,7 @@ mod cost;
 mod drain;
 mod growth;
 mod poll;
+mod processes;
 mod report;
 mod scaling;
 mod soak;

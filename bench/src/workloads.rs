@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::processes::{self, Role};
 use crate::stats::{now_us, quantile};
 use crate::systems::{self, Consumed, ConsumerOpts, Event, Pg, Producer, System, Target};
 
@@ -84,6 +85,8 @@ pub struct Throughput {
     /// CPU of every process of the cluster over the run (producers, consumer, ticker, WAL
     /// writer, ...), per message produced.
     pub server_cpu_us_per_message: f64,
+    /// The same, by kind of process (`processes::KINDS`, in its order).
+    pub server_cpu_by_process: Vec<f64>,
     /// Function statistics during the run: (function, calls, total milliseconds).
     pub functions: Vec<(String, i64, f64)>,
 }
@@ -142,7 +145,8 @@ impl Bench {
     ) -> HashSet<(u32, u64)> {
         let mut producers = Vec::new();
         for p in 0..2u32 {
-            let (url, client, target) = (self.url.clone(), client.clone(), target.clone());
+            let (url, client, target) =
+                (processes::role_url(&self.url, Role::Producer), client.clone(), target.clone());
             producers.push(tokio::spawn(async move {
                 let producer = Producer::new(&url, &client, &target).await;
                 let mut seq = 0u64;
@@ -174,22 +178,7 @@ impl Bench {
     /// CPU time of the cluster's processes, in microseconds: the postmaster whose data
     /// directory is `data_dir` and its children (see `cpu_us`).
     pub fn cluster_cpu_us(&self, data_dir: &str) -> u64 {
-        let postmaster: u32 = std::fs::read_to_string(format!("{data_dir}/postmaster.pid"))
-            .ok()
-            .and_then(|s| s.lines().next().and_then(|l| l.trim().parse().ok()))
-            .unwrap_or(0);
-        let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
-        let pids: Vec<u32> = dir
-            .flatten()
-            .filter_map(|entry| entry.file_name().to_string_lossy().parse::<u32>().ok())
-            .filter(|&pid| {
-                // Fields after the command (which may hold spaces) start after the last ')':
-                // state, then the parent's pid.
-                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-                let parent = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1));
-                pid == postmaster || parent.and_then(|p| p.parse::<u32>().ok()) == Some(postmaster)
-            })
-            .collect();
+        let (postmaster, pids) = processes::cluster_pids(data_dir);
         cpu_us(&pids).0 + reaped_children_cpu_us(postmaster)
     }
 
@@ -252,17 +241,22 @@ impl Bench {
     /// 100 draining everything.
     pub async fn throughput(&self, system: System, keys: Keys) -> Throughput {
         let target = systems::setup(&self.db, system, &self.run_name("throughput"), keys.policy()).await;
-        // A client of its own: its connections close at the end and flush their statistics.
-        let client = sqlstreams_client::Client::connect(&self.url).unwrap();
+        // A client of its own: its connections close at the end and flush their statistics. Its
+        // producers and consumer share it, as before the CPU was broken down by process: with a
+        // client each, its consumer claims sooner and smaller batches (docs/benchmarks/cost-model.md).
+        let client = sqlstreams_client::Client::connect(&processes::role_url(&self.url, Role::Client)).unwrap();
+        let consumer_url = processes::role_url(&self.url, Role::Consumer);
         self.db.execute("SELECT pg_stat_reset()", &[]).await.unwrap();
         let data_dir: String = self.db.query_one("SHOW data_directory", &[]).await.unwrap().get(0);
         let wal_start = self.wal_position().await;
         let cpu_start = self.cluster_cpu_us(&data_dir);
+        let sampler = processes::Sampler::start(&self.url, &data_dir);
         let stop_ticker = CancellationToken::new();
-        let ticker = (system == System::Pgq).then(|| systems::spawn_ticker(self.url.clone(), stop_ticker.clone()));
+        let ticker = (system == System::Pgq)
+            .then(|| systems::spawn_ticker(processes::role_url(&self.url, Role::Ticker), stop_ticker.clone()));
         let sink = systems::Sink::default();
         let opts = ConsumerOpts { batch: 100, idle_poll: Duration::from_millis(10), policy: keys.policy() };
-        let consumer = systems::start_consumer(&self.url, &client, &target, opts, sink.clone()).await;
+        let consumer = systems::start_consumer(&consumer_url, &client, &target, opts, sink.clone()).await;
 
         let duration = self.seconds(10, 3);
         let started = Instant::now();
@@ -280,6 +274,7 @@ impl Bench {
             }
         }
         let cpu = self.cluster_cpu_us(&data_dir).saturating_sub(cpu_start);
+        let cpu_by_process = sampler.stop(cpu).await;
         consumer.stop().await;
         stop_ticker.cancel();
         if let Some(t) = ticker {
@@ -305,6 +300,10 @@ impl Bench {
             order_violations: if matches!(keys, Keys::Ordered(_)) { order_violations(&seen) } else { 0 },
             wal_bytes_per_message: wal / expected.len().max(1) as f64,
             server_cpu_us_per_message: cpu as f64 / expected.len().max(1) as f64,
+            server_cpu_by_process: processes::KINDS
+                .iter()
+                .map(|kind| cpu_by_process.get(kind).copied().unwrap_or(0) as f64 / expected.len().max(1) as f64)
+                .collect(),
             functions: self.function_stats().await,
         };
         systems::teardown(&self.db, &target).await;

@@ -205,7 +205,8 @@ impl Results {
             md,
             "### Where W1's server CPU goes\n\nThe server CPU above of each system's median round, by process, in µs per \
              message produced (bench/src/processes.rs): the backends of the producers' connections, the consumer's \
-             (with its LISTEN connection), PgQ's ticker's, then the cluster's own processes. \"other\" is the rest: \
+             (with its LISTEN connection), the client system's pool (its producers and its consumer share it), PgQ's \
+             ticker's, then the cluster's own processes. \"other\" is the rest: \
              the bench's own connections, and what ended processes spent after the sampler's last look (every \
              100 ms).\n\n{}",
             cpu_by_process_table(&self.w1)

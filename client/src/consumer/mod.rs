@@ -2,6 +2,7 @@
 
 mod claims;
 mod delivery;
+mod early;
 mod executor;
 mod handler;
 mod idle;

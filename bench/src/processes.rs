@@ -3,15 +3,21 @@
 //! cannot be told apart), PgQ's ticker, the WAL writer, autovacuum, the rest.
 //!
 //! Each connection of a run names its role in `application_name` (`role_url`). A sampler reads
-//! every process of the cluster from `/proc` every 100 ms and asks `pg_stat_activity` what each
-//! one is; a process that ends between two reads (a producer's connection at the end of its run,
-//! an autovacuum worker) is counted up to its last read, and what it spent after that, with any
-//! process that came and went unseen, is left in "other" through the cluster's total.
+//! every process of the cluster from `/proc` every 100 ms, and asks `pg_stat_activity` what each
+//! one is every 500 ms; a process is known by its pid and start time, so a pid used again is
+//! another process. What a process spent up to its last read counts for its kind; a process
+//! that lived between two questions (a short autovacuum worker) counts as "other", and what
+//! ended processes spent after their last read, or unseen, is left in "other" through the
+//! cluster's total, which counts them as the postmaster reaped them.
 
 use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
+
+use crate::systems::System;
+use crate::workloads::Throughput;
 
 /// What a connection of a run does, as its `application_name` says.
 #[derive(Clone, Copy, Debug)]
@@ -88,9 +94,18 @@ pub fn cluster_pids(data_dir: &str) -> (u32, Vec<u32>) {
 }
 
 /// CPU time of process `pid` so far, in µs (`None` once it has ended).
-fn cpu_us(pid: u32) -> Option<u64> {
+pub fn cpu_us(pid: u32) -> Option<u64> {
     let schedstat = std::fs::read_to_string(format!("/proc/{pid}/schedstat")).ok()?;
     schedstat.split_whitespace().next()?.parse::<u64>().ok().map(|ns| ns / 1000)
+}
+
+/// A process: its pid and its start time (field 22 of `/proc/<pid>/stat`, after the command).
+type Process = (u32, u64);
+
+fn process(pid: u32) -> Option<Process> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(19)?.parse().ok().map(|start| (pid, start))
 }
 
 /// A sampler running beside a run (`start`, then `stop`).
@@ -104,28 +119,25 @@ impl Sampler {
         let (url, data_dir, stop) = (url.to_string(), data_dir.to_string(), CancellationToken::new());
         let stopped = stop.clone();
         let task = tokio::spawn(async move {
-            let db = crate::systems::connect(&url).await;
             // Per process: its CPU when first read (0 for one that started during the run) and
             // when last read, and its kind.
-            let (_, at_start) = cluster_pids(&data_dir);
-            let mut seen: HashMap<u32, (u64, u64)> =
-                at_start.iter().filter_map(|&pid| cpu_us(pid).map(|cpu| (pid, (cpu, cpu)))).collect();
-            let mut kinds: HashMap<u32, &'static str> = HashMap::new();
+            let read = |pids: Vec<u32>| pids.into_iter().filter_map(|pid| Some((process(pid)?, cpu_us(pid)?)));
+            let mut seen: HashMap<Process, (u64, u64)> =
+                read(cluster_pids(&data_dir).1).map(|(p, cpu)| (p, (cpu, cpu))).collect();
+            let mut kinds: HashMap<Process, &'static str> = HashMap::new();
+            let db = crate::systems::connect(&url).await;
+            let activity =
+                "SELECT pid, coalesce(backend_type, ''), coalesce(application_name, '') FROM pg_stat_activity";
             for round in 0u64.. {
                 if round % 5 == 0 {
-                    let rows = db
-                        .query("SELECT pid, coalesce(backend_type, ''), coalesce(application_name, '') FROM pg_stat_activity", &[])
-                        .await
-                        .unwrap_or_default();
-                    for r in rows {
-                        let pid: i32 = r.get(0);
-                        kinds.insert(pid as u32, kind(r.get(1), r.get(2)));
+                    for r in db.query(activity, &[]).await.unwrap_or_default() {
+                        if let Some(p) = process(r.get::<_, i32>(0) as u32) {
+                            kinds.insert(p, kind(r.get(1), r.get(2)));
+                        }
                     }
                 }
-                for pid in cluster_pids(&data_dir).1 {
-                    if let Some(cpu) = cpu_us(pid) {
-                        seen.entry(pid).or_insert((0, 0)).1 = cpu;
-                    }
+                for (p, cpu) in read(cluster_pids(&data_dir).1) {
+                    seen.entry(p).or_insert((0, 0)).1 = cpu;
                 }
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_millis(100)) => {}
@@ -133,8 +145,8 @@ impl Sampler {
                 }
             }
             let mut by_kind = BTreeMap::new();
-            for (pid, (first, last)) in seen {
-                *by_kind.entry(kinds.get(&pid).copied().unwrap_or(KINDS[7])).or_insert(0) += last.saturating_sub(first);
+            for (p, (first, last)) in seen {
+                *by_kind.entry(kinds.get(&p).copied().unwrap_or(KINDS[7])).or_insert(0) += last.saturating_sub(first);
             }
             by_kind
         });
@@ -142,14 +154,38 @@ impl Sampler {
     }
 
     /// Each kind's CPU in µs, with "other" topped up to `total` (the cluster's CPU over the run,
-    /// ended processes included).
+    /// ended processes included). Nothing, if the sampler did not answer within 10 s.
     pub async fn stop(self, total: u64) -> BTreeMap<&'static str, u64> {
         self.stop.cancel();
-        let mut by_kind = self.task.await.unwrap_or_default();
+        let task = self.task;
+        let mut by_kind = match tokio::time::timeout(Duration::from_secs(10), task).await {
+            Ok(Ok(by_kind)) => by_kind,
+            _ => BTreeMap::new(),
+        };
         let attributed: u64 = by_kind.values().sum();
         *by_kind.entry(KINDS[7]).or_insert(0) += total.saturating_sub(attributed);
         by_kind
     }
+}
+
+/// W1's table: each system's median round by kind of process, in µs per message produced.
+pub fn section(rows: &[Throughput]) -> String {
+    let mut t = format!(
+        "### Where W1's server CPU goes\n\nThe server CPU above of each system's median round, by process, in µs \
+         per message produced (bench/src/processes.rs): the backends of the producers' connections, the \
+         consumer's (with its LISTEN connection), the client system's pool (its producers and its consumer share \
+         it), PgQ's ticker's, then the cluster's own processes. \"other\" is the rest: the bench's own \
+         connections, processes that came and went between two looks, and what ended processes spent after the \
+         sampler's last look (every 100 ms).\n\n| system | {} | total |\n|---|{}---|\n",
+        KINDS.join(" | "),
+        "---|".repeat(KINDS.len())
+    );
+    for r in rows {
+        let cells: Vec<String> = r.server_cpu_by_process.iter().map(|us| format!("{us:.2}")).collect();
+        let system = r.system.map_or("?", System::name);
+        let _ = writeln!(t, "| {system} | {} | {:.1} |", cells.join(" | "), r.server_cpu_us_per_message);
+    }
+    t
 }
 
 #[cfg(test)]

@@ -201,16 +201,7 @@ impl Results {
                 ]
             )
         );
-        let _ = writeln!(
-            md,
-            "### Where W1's server CPU goes\n\nThe server CPU above of each system's median round, by process, in µs per \
-             message produced (bench/src/processes.rs): the backends of the producers' connections, the consumer's \
-             (with its LISTEN connection), the client system's pool (its producers and its consumer share it), PgQ's \
-             ticker's, then the cluster's own processes. \"other\" is the rest: \
-             the bench's own connections, and what ended processes spent after the sampler's last look (every \
-             100 ms).\n\n{}",
-            cpu_by_process_table(&self.w1)
-        );
+        let _ = writeln!(md, "{}", crate::processes::section(&self.w1));
         let _ = writeln!(md, "## W2 keyed throughput\n\nW1 with message keys (sqlstreams only: PgQ and the floor have no per-key delivery).\n\n![keyed](keyed.svg)\n\n{}", throughput_table(&self.w2));
         if !self.w10.is_empty() {
             let _ = writeln!(md, "{}", self.drain_section());
@@ -495,16 +486,6 @@ fn throughput_table(rows: &[Throughput]) -> String {
             r.wal_bytes_per_message,
             r.server_cpu_us_per_message
         );
-    }
-    t
-}
-
-fn cpu_by_process_table(rows: &[Throughput]) -> String {
-    let kinds = crate::processes::KINDS;
-    let mut t = format!("| system | {} | total |\n|---|{}---|\n", kinds.join(" | "), "---|".repeat(kinds.len()));
-    for r in rows {
-        let cells: Vec<String> = r.server_cpu_by_process.iter().map(|us| format!("{us:.2}")).collect();
-        let _ = writeln!(t, "| {} | {} | {:.1} |", name(r.system), cells.join(" | "), r.server_cpu_us_per_message);
     }
     t
 }

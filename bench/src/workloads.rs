@@ -250,7 +250,8 @@ impl Bench {
         let data_dir: String = self.db.query_one("SHOW data_directory", &[]).await.unwrap().get(0);
         let wal_start = self.wal_position().await;
         let cpu_start = self.cluster_cpu_us(&data_dir);
-        let sampler = processes::Sampler::start(&self.url, &data_dir);
+        // W1 only: W2 does not report it.
+        let sampler = matches!(keys, Keys::None).then(|| processes::Sampler::start(&self.url, &data_dir));
         let stop_ticker = CancellationToken::new();
         let ticker = (system == System::Pgq)
             .then(|| systems::spawn_ticker(processes::role_url(&self.url, Role::Ticker), stop_ticker.clone()));
@@ -274,7 +275,10 @@ impl Bench {
             }
         }
         let cpu = self.cluster_cpu_us(&data_dir).saturating_sub(cpu_start);
-        let cpu_by_process = sampler.stop(cpu).await;
+        let cpu_by_process = match sampler {
+            Some(sampler) => sampler.stop(cpu).await,
+            None => Default::default(),
+        };
         consumer.stop().await;
         stop_ticker.cancel();
         if let Some(t) = ticker {
@@ -566,10 +570,6 @@ pub fn own_cpu_us() -> u64 {
 }
 
 pub fn cpu_us(pids: &[u32]) -> (u64, usize) {
-    let read: Vec<u64> = pids
-        .iter()
-        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next().and_then(|f| f.parse::<u64>().ok()))
-        .collect();
-    (read.iter().sum::<u64>() / 1000, read.len())
+    let read: Vec<u64> = pids.iter().filter_map(|&pid| processes::cpu_us(pid)).collect();
+    (read.iter().sum::<u64>(), read.len())
 }

@@ -42,39 +42,35 @@ impl Early {
 
 /// The two `Early`s of the claim loop: for claims sent before ordered or exclusive rows ran, and
 /// for claims sent ahead of parallel ones.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Gate {
     Early,
     Backlog,
 }
 
-/// What a claim that came back with `rows` of the `asked` tells: which gate, and whether it
-/// counts as found. A claim sent before ordered or exclusive rows ran paid if it found any (it
-/// took lanes those rows do not hold); one sent ahead of parallel rows, if it came back full;
-/// one sent by `claim_now` tells nothing.
-pub(super) fn landed(early: bool, ahead: bool, rows: usize, asked: usize) -> Option<(Gate, bool)> {
-    match (early, ahead) {
-        (true, _) => Some((Gate::Early, rows > 0)),
-        (false, true) => Some((Gate::Backlog, rows == asked)),
-        (false, false) => None,
+/// Whether a claim that `gate` sent paid, having come back with `rows` of the `asked`: one sent
+/// before ordered or exclusive rows ran if it found any (it took lanes those rows do not hold);
+/// one sent ahead of parallel rows if it came back full.
+pub(super) fn paid(gate: Gate, rows: usize, asked: usize) -> bool {
+    match gate {
+        Gate::Early => rows > 0,
+        Gate::Backlog => rows == asked,
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{landed, Early, Gate};
+    use super::{paid, Early, Gate};
 
     #[test]
     fn a_claim_sent_ahead_of_parallel_rows_pays_only_when_full() {
-        assert_eq!(landed(false, true, 100, 100), Some((Gate::Backlog, true)));
+        assert!(paid(Gate::Backlog, 100, 100));
         // Short: the producers set the pace, and the next full claims send none (for a while).
-        assert_eq!(landed(false, true, 60, 100), Some((Gate::Backlog, false)));
-        assert_eq!(landed(false, true, 0, 100), Some((Gate::Backlog, false)));
+        assert!(!paid(Gate::Backlog, 60, 100));
+        assert!(!paid(Gate::Backlog, 0, 100));
         // Sent before ordered or exclusive rows ran: any work found pays.
-        assert_eq!(landed(true, true, 1, 100), Some((Gate::Early, true)));
-        assert_eq!(landed(true, true, 0, 100), Some((Gate::Early, false)));
-        // Sent when the loop was ready for it: nothing to learn.
-        assert_eq!(landed(false, false, 3, 100), None);
+        assert!(paid(Gate::Early, 1, 100));
+        assert!(!paid(Gate::Early, 0, 100));
     }
 
     /// Which of `n` full claims send one early, `found` saying what each one sent found.

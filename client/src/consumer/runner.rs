@@ -3,8 +3,8 @@
 //! task of its own; record outcomes. A full claim sends the next claim before its rows run,
 //! and another once they have run, so that the server has the claim after it queued while it
 //! runs one, less often while claims sent so do not pay (early.rs). The claim call and its
-//! chains are in claims.rs, running them in executor.rs, the idle wait in idle.rs; acks and failures are written by the writer
-//! (writer.rs).
+//! chains are in claims.rs, running them in executor.rs, the idle wait in idle.rs; acks and
+//! failures are written by the writer (writer.rs).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -23,7 +23,7 @@ use tracing::{debug, error, warn};
 use uuid::Uuid;
 
 use super::claims::{chains_of, claim, Claimed, Conn};
-use super::early::{landed, Early, Gate};
+use super::early::{paid, Early, Gate};
 use super::executor::{ChainTask, Inline, INLINE_BUDGET};
 use super::handler::Handle;
 use super::idle::{idle_wait, NextDue, IDLE_FLOOR};
@@ -162,23 +162,22 @@ struct Ahead {
     acks: Option<(Uuid, Vec<i64>)>,
     claimed_at: Instant,
     conn: Conn,
-    /// Sent before the rows of a claim of ordered or exclusive work ran (see `Early`).
-    early: bool,
+    /// The gate whose `due` sent it (early.rs), told what it found when it lands; none for the
+    /// claim sent after a full claim's rows ran, behind the one sent before.
+    gate: Option<Gate>,
 }
 
 type ClaimFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<Claimed>>> + Send>>;
 
 /// A claim that came back: its rows (or error), the permits it asked with, the acks it carried,
-/// the connection it went out on (none: the pool gave none), whether it was sent `early`.
+/// the connection it went out on (none: the pool gave none), the gate that sent it ahead.
 struct Sent {
     permits: OwnedSemaphorePermit,
     acks: Option<(Uuid, Vec<i64>)>,
     claimed_at: Instant,
     conn: Option<Conn>,
     result: Result<Vec<Claimed>>,
-    early: bool,
-    /// Sent ahead (`send_ahead`), not by `claim_now`.
-    ahead: bool,
+    gate: Option<Gate>,
 }
 
 impl Ahead {
@@ -186,8 +185,7 @@ impl Ahead {
         self.claim.as_mut().await;
         let result = self.claim.as_mut().take_output().expect("an awaited claim has its output");
         let conn = Some(self.conn);
-        let early = self.early;
-        Sent { permits: self.permits, acks: self.acks, claimed_at: self.claimed_at, conn, result, early, ahead: true }
+        Sent { permits: self.permits, acks: self.acks, claimed_at: self.claimed_at, conn, result, gate: self.gate }
     }
 }
 
@@ -221,7 +219,7 @@ struct ClaimLoop<T, H> {
     /// sent ahead counts as a miss when it comes back short of what it asked. The stream then
     /// has no backlog: its producers set the pace, and claims sent ahead, while the rows run,
     /// come back with fewer messages than claims sent after them would, for the same server
-    /// time each (docs/benchmarks/cost-model.md).
+    /// time each (docs/benchmarks/cost-model.md, "Claims sent ahead").
     backlog: Early,
     /// Whether the pool has a connection besides the claims': the claims keep theirs while a
     /// backlog lasts when one is queued behind another, and the writer, the lease heartbeat and
@@ -272,13 +270,10 @@ where
                 },
             };
             self.ctx.writer.claiming(!self.ahead.is_empty());
-            let Sent { permits, acks, claimed_at, conn, result, early, ahead } = sent;
-            if let Ok(rows) = &result {
-                match landed(early, ahead, rows.len(), permits.num_permits()) {
-                    Some((Gate::Early, found)) => self.early.found(found),
-                    Some((Gate::Backlog, found)) => self.backlog.found(found),
-                    None => {}
-                }
+            let Sent { permits, acks, claimed_at, conn, result, gate } = sent;
+            if let (Some(gate), Ok(rows)) = (gate, &result) {
+                let found = paid(gate, rows.len(), permits.num_permits());
+                self.gate(gate).found(found);
             }
             let step = match result {
                 Err(e) => {
@@ -358,7 +353,7 @@ where
             Ok(conn) => Arc::new(conn),
             Err(e) => {
                 let result = Err(e);
-                return Step::Go(Sent { permits, acks, claimed_at, conn: None, result, early: false, ahead: false });
+                return Step::Go(Sent { permits, acks, claimed_at, conn: None, result, gate: None });
             }
         };
         let claiming = claim(ctx.clone(), conn.clone(), permits.num_permits() as i32, acks.clone());
@@ -367,7 +362,7 @@ where
             discard(conn);
             return Step::Stop;
         };
-        Step::Go(Sent { permits, acks, claimed_at, conn: Some(conn), result, early: false, ahead: false })
+        Step::Go(Sent { permits, acks, claimed_at, conn: Some(conn), result, gate: None })
     }
 
     /// A claim failed: retried after a pause, unless retrying cannot help.
@@ -458,8 +453,9 @@ where
         let full = row_count == asked;
         if let Some(conn) = conn.filter(|_| full && self.ahead.is_empty() && !stop.is_cancelled()) {
             // `Early` counts only claims that could send one.
-            if self.room_ahead().is_some() && if self.pipelined { self.backlog.due() } else { self.early.due() } {
-                self.send_ahead(conn, !self.pipelined).await;
+            let gate = if self.pipelined { Gate::Backlog } else { Gate::Early };
+            if self.room_ahead().is_some() && self.gate(gate).due() {
+                self.send_ahead(conn, Some(gate)).await;
             }
         }
         // Chains first run here, on the claim loop's task, until their handler waits: a
@@ -495,7 +491,7 @@ where
         // to ask. Before the rows are counted: whoever sees them counted sees it sent.
         if full && (1..AHEAD).contains(&self.ahead.len()) && self.spare_connection && !stop.is_cancelled() {
             let conn = self.ahead[self.ahead.len() - 1].conn.clone();
-            self.send_ahead(conn, false).await;
+            self.send_ahead(conn, None).await;
         }
         if acked > 0 {
             ctx.counters.add(Event::Succeeded, acked as u64);
@@ -517,8 +513,8 @@ where
     /// A full claim: more is likely waiting. The next claim goes out now on `conn`, with the
     /// acks made so far, if there are permits for at least half a batch; its round trip overlaps
     /// these rows' handlers. On a connection with a claim in flight, the server runs it right
-    /// after that one. `early`: sent before the rows of ordered or exclusive work ran.
-    async fn send_ahead(&mut self, conn: Conn, early: bool) {
+    /// after that one. `gate`: the one that sent it, if one did.
+    async fn send_ahead(&mut self, conn: Conn, gate: Option<Gate>) {
         let Some(wanted) = self.room_ahead() else { return };
         let ctx = &self.ctx;
         let Ok(permits) = ctx.semaphore.clone().try_acquire_many_owned(wanted as u32) else { return };
@@ -528,7 +524,14 @@ where
         let mut claim = Box::pin(futures_util::future::maybe_done(sent));
         // Its first poll sends it.
         let _sent = futures_util::poll!(claim.as_mut());
-        self.ahead.push_back(Ahead { claim, permits, acks, claimed_at, conn, early });
+        self.ahead.push_back(Ahead { claim, permits, acks, claimed_at, conn, gate });
+    }
+
+    fn gate(&mut self, gate: Gate) -> &mut Early {
+        match gate {
+            Gate::Early => &mut self.early,
+            Gate::Backlog => &mut self.backlog,
+        }
     }
 
     /// The rows a claim sent ahead would ask for: what the permits allow, up to a batch, if at

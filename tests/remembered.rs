@@ -1,7 +1,7 @@
-//! What a backend remembers between calls, and that it follows every change: the groups it
-//! looked up and the rights it checked (src/catalog.rs), and the lanes it found empty
-//! (src/lanes/empty.rs). Each test keeps one consumer connection open across another session's
-//! changes, so the consumer's second call runs on what its first one remembered.
+//! What a backend remembers between calls, and that it follows every change: the groups and
+//! streams it looked up and the rights it checked (src/catalog.rs), and the lanes it found empty
+//! (src/lanes/empty.rs). Each test keeps one consumer or producer connection open across another
+//! session's changes, so its second call runs on what its first one remembered.
 
 use postgres::Client;
 use sqlstreams_tests::*;
@@ -87,6 +87,43 @@ fn a_group_or_stream_made_again_under_its_name_is_the_new_one() {
     let produced = renewed.produce_many(&mut admin, 1, Some("k"));
     let claimed = group.claim(&mut consumer, 10);
     assert_eq!(ids(&claimed), produced, "the consumer claims from the new stream");
+}
+
+#[test]
+fn a_producer_writes_to_the_stream_its_name_names_now() {
+    let mut admin = connect();
+    let mut producer = connect();
+    let s = Stream::create(&mut admin, "remember-producer");
+    let g = s.group(&mut admin, "g", None);
+    let first = s.produce(&mut producer, json!({}), None);
+    assert_eq!(ids(&g.claim(&mut admin, 10)), vec![first], "the producer looked its stream up");
+
+    admin.execute("SELECT sqlstreams.drop_stream($1)", &[&s.name]).unwrap();
+    let refused = producer.query("SELECT sqlstreams.produce($1, '{}'::jsonb)", &[&s.name]).unwrap_err();
+    assert_eq!(sqlstate(&refused), "42704", "a stream another session dropped: {}", describe(&refused));
+    let renewed = Stream::named(&mut admin, &s.name);
+    let group = renewed.group(&mut admin, "g", None);
+    let produced = renewed.produce_many(&mut producer, 2, None);
+    assert_eq!(ids(&group.claim(&mut admin, 10)), produced, "made again under its name, the new one");
+}
+
+#[test]
+fn a_producer_writes_into_partitions_another_session_added() {
+    let mut admin = connect();
+    let (mut a, mut b) = (connect(), connect());
+    let s = Stream::create_sized(&mut admin, "remember-partitions", 10);
+    let g = s.group(&mut admin, "g", None);
+    // `a` looks the stream up while it has its first partitions; `b` adds partitions past them;
+    // `a` writes there next, in a transaction of its own and in one that also added some.
+    let mut produced = s.produce_many(&mut a, 3, None);
+    produced.extend(s.produce_many(&mut b, 45, None));
+    produced.extend(s.produce_many(&mut a, 25, None));
+    a.batch_execute("BEGIN").unwrap();
+    produced.extend(s.produce_many(&mut a, 30, None));
+    produced.extend(s.produce_many(&mut a, 1, None));
+    a.batch_execute("COMMIT").unwrap();
+    let claimed = g.claim(&mut admin, 1000);
+    assert_eq!(ids(&claimed), produced, "every message, in order");
 }
 
 #[test]

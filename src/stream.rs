@@ -73,8 +73,8 @@ fn lookup_with(client: &SpiClient<'_>, name: &str, access: Access) -> Result<Str
         return Ok(stream);
     }
     // As src/group.rs `lookup`: read after the lock, which a drop holds until it has sent its
-    // invalidations. A produce of one message costs its lookup's statement about a tenth of its
-    // time otherwise (docs/benchmarks/cost-model.md).
+    // invalidations. A produce of one message spent a tenth to a fifth of its CPU on the
+    // lookup's statement otherwise (docs/benchmarks/cost-model.md).
     let generation = crate::catalog::generation_for_write();
     if let Some(found) = FOUND.with(|memo| memo.get(&name.to_string(), generation)) {
         confirm(name, found.id)?;

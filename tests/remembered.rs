@@ -136,6 +136,29 @@ fn a_producer_writes_into_partitions_another_session_added() {
 }
 
 #[test]
+fn a_producer_forgets_partitions_its_rolled_back_work_added() {
+    let mut admin = connect();
+    let mut a = connect();
+    let s = Stream::create_sized(&mut admin, "remember-rollback", 1000);
+    let g = s.group(&mut admin, "g", None);
+    // Ids past the first partition add partitions in `a`'s transaction; its next produce looks
+    // the stream up with them; the rollback takes them away, and what `a` remembered with them.
+    for undo in ["ROLLBACK", "ROLLBACK TO a"] {
+        a.batch_execute("BEGIN; SAVEPOINT a").unwrap();
+        s.produce_many(&mut a, 1500, None);
+        s.produce_many(&mut a, 1, None);
+        a.batch_execute(undo).unwrap();
+        if undo != "ROLLBACK" {
+            a.batch_execute("COMMIT").unwrap();
+        }
+    }
+    // The ids rolled back are gone; the next ones are past them, in partitions made again.
+    let produced = s.produce_many(&mut a, 2, None);
+    assert!(produced[0] > 3000, "{produced:?}");
+    assert_eq!(ids(&g.claim(&mut admin, 10)), produced);
+}
+
+#[test]
 fn a_revoked_grant_or_membership_refuses_the_next_call() {
     let mut admin = connect();
     let s = Stream::create(&mut admin, "remember-grant");

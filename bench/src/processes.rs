@@ -157,10 +157,14 @@ impl Sampler {
     /// ended processes included). Nothing, if the sampler did not answer within 10 s.
     pub async fn stop(self, total: u64) -> BTreeMap<&'static str, u64> {
         self.stop.cancel();
-        let task = self.task;
-        let mut by_kind = match tokio::time::timeout(Duration::from_secs(10), task).await {
+        let mut task = self.task;
+        let mut by_kind = match tokio::time::timeout(Duration::from_secs(10), &mut task).await {
             Ok(Ok(by_kind)) => by_kind,
-            _ => BTreeMap::new(),
+            _ => {
+                task.abort();
+                eprintln!("the CPU sampler did not answer: this run's CPU is all \"other\"");
+                BTreeMap::new()
+            }
         };
         let attributed: u64 = by_kind.values().sum();
         *by_kind.entry(KINDS[7]).or_insert(0) += total.saturating_sub(attributed);

@@ -2,7 +2,6 @@
 
 mod claims;
 mod delivery;
-mod early;
 mod executor;
 mod handler;
 mod idle;

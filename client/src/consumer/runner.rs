@@ -2,9 +2,9 @@
 //! message at a time, in id order) on the loop's own task until a handler waits, then on a
 //! task of its own; record outcomes. A full claim sends the next claim before its rows run,
 //! and another once they have run, so that the server has the claim after it queued while it
-//! runs one, less often while claims sent so do not pay (early.rs). The claim call and its
-//! chains are in claims.rs, running them in executor.rs, the idle wait in idle.rs; acks and
-//! failures are written by the writer (writer.rs).
+//! runs one. The claim call and its chains are in claims.rs, running them in
+//! executor.rs, the idle wait in idle.rs; acks and failures are written by the writer
+//! (writer.rs).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -23,7 +23,6 @@ use tracing::{debug, error, warn};
 use uuid::Uuid;
 
 use super::claims::{chains_of, claim, Claimed, Conn};
-use super::early::{paid, Early, Gate};
 use super::executor::{ChainTask, Inline, INLINE_BUDGET};
 use super::handler::Handle;
 use super::idle::{idle_wait, NextDue, IDLE_FLOOR};
@@ -162,22 +161,21 @@ struct Ahead {
     acks: Option<(Uuid, Vec<i64>)>,
     claimed_at: Instant,
     conn: Conn,
-    /// The gate whose `due` sent it (early.rs), told what it found when it lands; none for the
-    /// claim sent after a full claim's rows ran, behind the one sent before.
-    gate: Option<Gate>,
+    /// Sent before the rows of a claim of ordered or exclusive work ran (see `Early`).
+    early: bool,
 }
 
 type ClaimFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<Claimed>>> + Send>>;
 
 /// A claim that came back: its rows (or error), the permits it asked with, the acks it carried,
-/// the connection it went out on (none: the pool gave none), the gate that sent it ahead.
+/// the connection it went out on (none: the pool gave none), whether it was sent `early`.
 struct Sent {
     permits: OwnedSemaphorePermit,
     acks: Option<(Uuid, Vec<i64>)>,
     claimed_at: Instant,
     conn: Option<Conn>,
     result: Result<Vec<Claimed>>,
-    gate: Option<Gate>,
+    early: bool,
 }
 
 impl Ahead {
@@ -185,7 +183,44 @@ impl Ahead {
         self.claim.as_mut().await;
         let result = self.claim.as_mut().take_output().expect("an awaited claim has its output");
         let conn = Some(self.conn);
-        Sent { permits: self.permits, acks: self.acks, claimed_at: self.claimed_at, conn, result, gate: self.gate }
+        Sent { permits: self.permits, acks: self.acks, claimed_at: self.claimed_at, conn, result, early: self.early }
+    }
+}
+
+/// Whether a full claim of ordered or exclusive work sends the next claim before its rows run.
+/// That claim can find work only in lanes no claim holds (this claim's stay held until its rows
+/// have outcomes): where there are none (a stream of one lane, as many consumers as lanes) it
+/// comes back empty, and costs the server a claim for nothing. So after one came back empty the
+/// next such claims send none, one the first time, then twice as many each time (up to `MAX`),
+/// until one sent finds work again.
+#[derive(Debug, Default)]
+struct Early {
+    /// Full claims still to send none.
+    skip: u32,
+    /// How many to skip after the next miss.
+    next: u32,
+}
+
+impl Early {
+    const MAX: u32 = 64;
+
+    /// Whether this full claim sends one.
+    fn due(&mut self) -> bool {
+        if self.skip == 0 {
+            return true;
+        }
+        self.skip -= 1;
+        false
+    }
+
+    /// What the last claim sent early found.
+    fn found(&mut self, work: bool) {
+        if work {
+            self.next = 0;
+        } else {
+            self.next = (self.next * 2).clamp(1, Self::MAX);
+            self.skip = self.next;
+        }
     }
 }
 
@@ -215,12 +250,6 @@ struct ClaimLoop<T, H> {
     /// Claims in flight, oldest first (at most `AHEAD`).
     ahead: VecDeque<Ahead>,
     early: Early,
-    /// Whether a full claim of parallel work sends the next one ahead: as `early`, but a claim
-    /// sent ahead counts as a miss when it comes back short of what it asked. The stream then
-    /// has no backlog: its producers set the pace, and claims sent ahead, while the rows run,
-    /// come back with fewer messages than claims sent after them would, for the same server
-    /// time each (docs/benchmarks/cost-model.md, "Claims sent ahead").
-    backlog: Early,
     /// Whether the pool has a connection besides the claims': the claims keep theirs while a
     /// backlog lasts when one is queued behind another, and the writer, the lease heartbeat and
     /// transactional handlers need one too.
@@ -248,7 +277,6 @@ where
             pipelined: true,
             ahead: VecDeque::with_capacity(AHEAD),
             early: Early::default(),
-            backlog: Early::default(),
             spare_connection,
             fatal: None,
         }
@@ -270,10 +298,9 @@ where
                 },
             };
             self.ctx.writer.claiming(!self.ahead.is_empty());
-            let Sent { permits, acks, claimed_at, conn, result, gate } = sent;
-            if let (Some(gate), Ok(rows)) = (gate, &result) {
-                let found = paid(gate, rows.len(), permits.num_permits());
-                self.gate(gate).found(found);
+            let Sent { permits, acks, claimed_at, conn, result, early } = sent;
+            if let (true, Ok(rows)) = (early, &result) {
+                self.early.found(!rows.is_empty());
             }
             let step = match result {
                 Err(e) => {
@@ -351,10 +378,7 @@ where
         // Taken after the flush: the writer may need the pool's last connection.
         let conn = match ctx.group.stream.pool.conn().await {
             Ok(conn) => Arc::new(conn),
-            Err(e) => {
-                let result = Err(e);
-                return Step::Go(Sent { permits, acks, claimed_at, conn: None, result, gate: None });
-            }
+            Err(e) => return Step::Go(Sent { permits, acks, claimed_at, conn: None, result: Err(e), early: false }),
         };
         let claiming = claim(ctx.clone(), conn.clone(), permits.num_permits() as i32, acks.clone());
         let Some(result) = ctx.last_chance.within(claiming).await else {
@@ -362,7 +386,7 @@ where
             discard(conn);
             return Step::Stop;
         };
-        Step::Go(Sent { permits, acks, claimed_at, conn: Some(conn), result, gate: None })
+        Step::Go(Sent { permits, acks, claimed_at, conn: Some(conn), result, early: false })
     }
 
     /// A claim failed: retried after a pause, unless retrying cannot help.
@@ -453,9 +477,8 @@ where
         let full = row_count == asked;
         if let Some(conn) = conn.filter(|_| full && self.ahead.is_empty() && !stop.is_cancelled()) {
             // `Early` counts only claims that could send one.
-            let gate = if self.pipelined { Gate::Backlog } else { Gate::Early };
-            if self.room_ahead().is_some() && self.gate(gate).due() {
-                self.send_ahead(conn, Some(gate)).await;
+            if self.room_ahead().is_some() && (self.pipelined || self.early.due()) {
+                self.send_ahead(conn, !self.pipelined).await;
             }
         }
         // Chains first run here, on the claim loop's task, until their handler waits: a
@@ -491,7 +514,7 @@ where
         // to ask. Before the rows are counted: whoever sees them counted sees it sent.
         if full && (1..AHEAD).contains(&self.ahead.len()) && self.spare_connection && !stop.is_cancelled() {
             let conn = self.ahead[self.ahead.len() - 1].conn.clone();
-            self.send_ahead(conn, None).await;
+            self.send_ahead(conn, false).await;
         }
         if acked > 0 {
             ctx.counters.add(Event::Succeeded, acked as u64);
@@ -513,8 +536,8 @@ where
     /// A full claim: more is likely waiting. The next claim goes out now on `conn`, with the
     /// acks made so far, if there are permits for at least half a batch; its round trip overlaps
     /// these rows' handlers. On a connection with a claim in flight, the server runs it right
-    /// after that one. `gate`: the one that sent it, if one did.
-    async fn send_ahead(&mut self, conn: Conn, gate: Option<Gate>) {
+    /// after that one. `early`: sent before the rows of ordered or exclusive work ran.
+    async fn send_ahead(&mut self, conn: Conn, early: bool) {
         let Some(wanted) = self.room_ahead() else { return };
         let ctx = &self.ctx;
         let Ok(permits) = ctx.semaphore.clone().try_acquire_many_owned(wanted as u32) else { return };
@@ -524,14 +547,7 @@ where
         let mut claim = Box::pin(futures_util::future::maybe_done(sent));
         // Its first poll sends it.
         let _sent = futures_util::poll!(claim.as_mut());
-        self.ahead.push_back(Ahead { claim, permits, acks, claimed_at, conn, gate });
-    }
-
-    fn gate(&mut self, gate: Gate) -> &mut Early {
-        match gate {
-            Gate::Early => &mut self.early,
-            Gate::Backlog => &mut self.backlog,
-        }
+        self.ahead.push_back(Ahead { claim, permits, acks, claimed_at, conn, early });
     }
 
     /// The rows a claim sent ahead would ask for: what the permits allow, up to a batch, if at
@@ -636,5 +652,45 @@ async fn read_lag(
             _ = tokio::time::sleep(every) => {}
             _ = stop.cancelled() => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Early;
+
+    /// Which of `n` full claims send one early, `found` saying what each one sent found.
+    fn sends(early: &mut Early, n: usize, found: bool) -> Vec<bool> {
+        (0..n)
+            .map(|_| {
+                let due = early.due();
+                if due {
+                    early.found(found);
+                }
+                due
+            })
+            .collect()
+    }
+
+    #[test]
+    fn claims_sent_early_back_off_while_they_find_nothing() {
+        let mut early = Early::default();
+        let (t, f) = (true, false);
+        assert_eq!(sends(&mut early, 3, true), [t, t, t]);
+        // Misses skip one claim, then two, then four.
+        assert_eq!(sends(&mut early, 11, false), [t, f, t, f, f, t, f, f, f, f, t]);
+        // A claim sent early that finds work again resets the pause.
+        assert_eq!(sends(&mut early, 8, true), [f; 8]);
+        assert_eq!(sends(&mut early, 2, true), [t, t]);
+        assert_eq!(sends(&mut early, 3, false), [t, f, t]);
+    }
+
+    #[test]
+    fn the_pause_is_bounded() {
+        let mut early = Early::default();
+        let sent = sends(&mut early, 1000, false).iter().filter(|&&s| s).count();
+        // Seven sent while the pause grows to 64 (after 1 + 2 + ... + 32 = 63 skipped, at the
+        // 70th claim), then one in every 65: 14 more.
+        assert_eq!(sent, 21);
     }
 }

@@ -13,7 +13,8 @@
 --   each stream's log once: time the upgrade of a large stream.
 -- - quarantined messages are no longer charged a failure: rows quarantined under 0.1.0 that
 --   have not run since get the same treatment (isolated, the charge taken back, due at once);
--- - every function runs with a pinned search_path;
+-- - every function runs with a pinned search_path (claim and claim_with_metadata pin it
+--   themselves, before their first statement);
 -- - maintain() reports the expired lane holds it clears; streams shows schema_version, the
 --   channel and the lanes; open_leases shows lanes.
 -- - messages carry headers and may be delayed (produce's headers, deliver_after);
@@ -808,11 +809,11 @@ END
 $migrate$;
 
 -- Every function runs with a pinned search_path, and the library's with generic plans (see the
--- install script).
+-- install script). claim (without SET clauses in 0.1.0) applies both itself, before its first
+-- statement.
 ALTER FUNCTION sqlstreams.drop_stream(text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.create_group(text, text, text, integer, text, interval, interval, double precision, integer, integer) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.drop_group(text, text) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
-ALTER FUNCTION sqlstreams.claim(text, text, integer, interval, uuid, bigint[]) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.ack(text, text, uuid, bigint) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.ack_batch(text, text, uuid, bigint[]) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION sqlstreams.fail(text, text, uuid, bigint, text, boolean, interval) SET search_path = pg_catalog, pg_temp SET plan_cache_mode = force_generic_plan;
@@ -862,9 +863,7 @@ CREATE FUNCTION sqlstreams.claim_with_metadata(
     headers jsonb
 )
 VOLATILE PARALLEL UNSAFE
-LANGUAGE c AS 'MODULE_PATHNAME', 'claim_with_metadata_sql_wrapper'
-SET search_path = pg_catalog, pg_temp
-SET plan_cache_mode = force_generic_plan;
+LANGUAGE c AS 'MODULE_PATHNAME', 'claim_with_metadata_sql_wrapper';
 
 -- produce_batch takes idempotency keys, headers and deliver_after.
 DROP FUNCTION sqlstreams.produce_batch(text, jsonb[], text[], text, boolean);

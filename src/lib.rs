@@ -52,6 +52,7 @@ mod produce;
 mod quiet;
 mod range;
 mod retention;
+mod search_path;
 mod settings;
 mod srf;
 mod standby;

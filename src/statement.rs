@@ -184,6 +184,7 @@ impl Statement {
         part: Option<Part>,
         read_only: bool,
     ) -> SpiResult<Rc<OwnedPreparedStatement>> {
+        crate::search_path::pin();
         let key = (stream_id, self.name, read_only, part);
         if let Some(plan) = PLANS.with(|plans| plans.borrow().get(&key).cloned()) {
             return Ok(plan);
@@ -261,6 +262,7 @@ impl Statement {
         args: &[pg_sys::Datum],
     ) -> Result<Vec<Vec<Option<i64>>>> {
         debug_assert_eq!(args.len(), self.params.len());
+        crate::search_path::pin();
         let plan = NEWEST_PLANS.with(|plans| -> Result<pg_sys::SPIPlanPtr> {
             let mut plans = plans.borrow_mut();
             if let Some(plan) = plans.get(&(stream_id, self.name)) {

@@ -173,6 +173,15 @@ fn a_search_path_trojan_never_runs() {
     let batch = g.claim(&mut c, 10);
     g.fail(&mut c, &batch[0], "x", false, Some("0 seconds"));
     g.claim(&mut c, 10);
+    // claim and claim_with_metadata pin the path themselves (src/search_path.rs): from a session
+    // that has not looked the group up yet, so that their first statement plans anew.
+    for claim in ["claim", "claim_with_metadata"] {
+        s.produce_many(&mut c, 2, Some(claim));
+        let mut fresh = connect();
+        fresh.batch_execute(&format!("SET search_path = {schema}, public, pg_catalog")).unwrap();
+        let rows = fresh.query(&format!("SELECT * FROM sqlstreams.{claim}($1, 'g', 10)"), &[&s.name]).unwrap();
+        assert!(!rows.is_empty(), "{claim} hands out work under the trojans' path");
+    }
     c.query("SELECT * FROM sqlstreams.maintain()", &[]).unwrap();
     c.query("SELECT * FROM sqlstreams.group_status($1, 'g')", &[&s.name]).unwrap();
     c.query("SELECT * FROM sqlstreams.consumer_groups", &[]).unwrap();
@@ -181,6 +190,59 @@ fn a_search_path_trojan_never_runs() {
     assert_eq!(ran, 0, "a trojan ran inside the extension");
     let superuser: bool = c.query_one("SELECT rolsuper FROM pg_roles WHERE rolname = $1", &[&mallory]).unwrap().get(0);
     assert!(!superuser);
+}
+
+/// claim and claim_with_metadata apply the extension's search_path and plan_cache_mode only
+/// while they run SQL (src/search_path.rs); the caller's come back, whether the claim found
+/// work, found none, or failed after its first statement.
+#[test]
+fn a_claim_leaves_the_callers_settings_as_they_were() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "settings");
+    s.group(&mut c, "g", Some("parallel"));
+    s.produce_many(&mut c, 3, None);
+    let mut fresh = connect();
+    let settings = |c: &mut Client| -> (String, String) {
+        let row =
+            c.query_one("SELECT current_setting('search_path'), current_setting('plan_cache_mode')", &[]).unwrap();
+        (row.get(0), row.get(1))
+    };
+    fresh.batch_execute("SET search_path = public, pg_catalog; SET plan_cache_mode = force_custom_plan").unwrap();
+    let callers = settings(&mut fresh);
+    assert_eq!(callers, ("public, pg_catalog".to_string(), "force_custom_plan".to_string()));
+    for claim in ["claim", "claim_with_metadata"] {
+        // In one transaction: a claim that hands out work, then one that finds none.
+        fresh.batch_execute("BEGIN").unwrap();
+        let sql = format!("SELECT count(*) FROM sqlstreams.{claim}($1, 'g', 10)");
+        let handed: i64 = fresh.query_one(&sql, &[&s.name]).unwrap().get(0);
+        assert!(handed > 0, "{claim} finds the work produced for it");
+        assert_eq!(settings(&mut fresh), callers, "after {claim} handed out work");
+        fresh.query_one(&sql, &[&s.name]).unwrap();
+        assert_eq!(settings(&mut fresh), callers, "after an idle {claim}");
+        // A claim that fails after its first statement (the group lookup), in a savepoint.
+        fresh.batch_execute("SAVEPOINT before").unwrap();
+        let err = fresh.query(&format!("SELECT * FROM sqlstreams.{claim}($1, 'nobody')"), &[&s.name]).unwrap_err();
+        assert_eq!(sqlstate(&err), "42704", "{}", describe(&err));
+        fresh.batch_execute("ROLLBACK TO SAVEPOINT before").unwrap();
+        assert_eq!(settings(&mut fresh), callers, "after {claim} failed");
+        fresh.batch_execute("COMMIT").unwrap();
+        assert_eq!(settings(&mut fresh), callers, "after the commit");
+        s.produce_many(&mut c, 1, None);
+    }
+    // Caught inside PL/pgSQL, and the work of a claim run from a function with settings of its own.
+    fresh
+        .batch_execute(&format!(
+            "DO $$ BEGIN PERFORM sqlstreams.claim('{0}', 'nobody'); EXCEPTION WHEN undefined_object THEN NULL; END $$;
+             CREATE FUNCTION pg_temp.claim_from_function() RETURNS bigint LANGUAGE sql
+                 SET search_path = pg_temp, public SET plan_cache_mode = auto
+                 RETURN (SELECT count(*) FROM sqlstreams.claim('{0}', 'g', 10));",
+            s.name
+        ))
+        .unwrap();
+    assert_eq!(settings(&mut fresh), callers, "after a claim caught in PL/pgSQL");
+    let handed: i64 = fresh.query_one("SELECT pg_temp.claim_from_function()", &[]).unwrap().get(0);
+    assert_eq!(handed, 1, "the function's claim hands out the last message");
+    assert_eq!(settings(&mut fresh), callers, "after a function's claim");
 }
 
 #[test]

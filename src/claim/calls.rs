@@ -58,8 +58,12 @@ impl<'a> ClaimArgs<'a> {
         Ok(ClaimArgs { stream, group_name, batch, lease_micros, carried })
     }
 
+    /// Declared without `SET` clauses: the claim pins its settings when it runs SQL
+    /// (src/search_path.rs).
     fn claim(self) -> Result<Vec<Delivery>> {
-        claim(self.stream, self.group_name, self.batch, self.lease_micros, self.carried)
+        crate::search_path::when_needed(|| {
+            claim(self.stream, self.group_name, self.batch, self.lease_micros, self.carried)
+        })
     }
 }
 

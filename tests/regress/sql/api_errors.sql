@@ -26,7 +26,12 @@ ORDER BY 1;
 -- Every function runs with a pinned search_path: nothing a caller creates on their own path
 -- is picked up by the extension's SQL.
 -- (A function with a SQL-standard body is parsed when it is created: the caller's path cannot
--- reach it.)
+-- reach it. claim and claim_with_metadata pin it themselves before their first statement,
+-- src/search_path.rs; tests/privileges.rs sets a trap for both.)
 SELECT p.proname, p.proconfig FROM pg_proc p
 WHERE p.pronamespace = 'sqlstreams'::regnamespace AND p.prosqlbody IS NULL
+  AND p.proname NOT IN ('claim', 'claim_with_metadata')
   AND NOT 'search_path=pg_catalog, pg_temp' = ANY(coalesce(p.proconfig, '{}'));
+SELECT p.oid::regprocedure, p.proconfig FROM pg_proc p
+WHERE p.pronamespace = 'sqlstreams'::regnamespace AND p.proname IN ('claim', 'claim_with_metadata')
+ORDER BY 1::text;

@@ -158,20 +158,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if run("w11") {
         let stream = bench.idle_poll_stream().await;
         bench.pause_autovacuum().await;
-        let rounds = if bench.quick { 1 } else { 3 };
-        let mut runs: Vec<Vec<poll::Polled>> = vec![vec![]; poll::Poll::ALL.len()];
-        for round in 1..=rounds {
-            for (i, p) in poll::Poll::ALL.into_iter().enumerate() {
-                let polled = bench.idle_poll(&stream, p).await;
-                println!(
-                    "W11 round {round} {:<28} {:>7} polls in {:.1} s, server CPU {:>6.1} µs per poll",
-                    p.label(),
-                    polled.polls,
-                    polled.seconds,
-                    polled.server_cpu_us
-                );
-                runs[i].push(polled);
-            }
+        let rounds = if bench.quick { 2 } else { 8 };
+        let runs = bench.idle_polls(&stream, rounds).await;
+        for (round, polled) in (0..rounds).flat_map(|r| runs.iter().map(move |kind| (r + 1, &kind[r]))) {
+            println!(
+                "W11 round {round} {:<32} {:>6} polls in {:.1} s, server CPU {:>6.1} µs per poll, {:.2}× SELECT 1",
+                polled.poll.label(),
+                polled.polls,
+                polled.seconds,
+                polled.server_cpu_us,
+                polled.per_select_one
+            );
         }
         bench.resume_autovacuum().await;
         results.w11 = runs.into_iter().filter_map(poll::median).collect();

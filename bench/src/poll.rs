@@ -4,7 +4,14 @@
 //! round trip a poller can make. Server CPU is the pollers' own backends', from
 //! `/proc/<pid>/schedstat`: an idle poll writes nothing, so no other process works for it, and
 //! the cluster's background processes (checkpoints, autovacuum) only add noise.
+//!
+//! The pollers send each kind of poll in turn, for a short window each, round after round, and
+//! a kind's ratio to `SELECT 1` is the median over rounds of the ratio within a round: on this
+//! shared machine the CPU a poll takes drifts by a third from one minute to the next (the
+//! backends wake from a sleep with cold caches, whatever else runs here), and a ratio of two
+//! runs a minute apart moved with it.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -51,15 +58,18 @@ pub struct Polled {
     pub seconds: f64,
     /// The pollers' backends' CPU per poll, µs.
     pub server_cpu_us: f64,
-    /// Rounds run; the numbers are the median round's.
+    /// This CPU per poll over `SELECT 1`'s in the same round; over rounds, the median of those.
+    pub per_select_one: f64,
+    /// Rounds run; the other numbers are the median round's.
     pub rounds: usize,
 }
 
-/// The round with the median CPU per poll.
+/// The round with the median CPU per poll, with the median of the rounds' ratios.
 pub fn median(rounds: Vec<Polled>) -> Option<Polled> {
     let n = rounds.len();
+    let ratio = crate::stats::median(rounds.iter().map(|p| p.per_select_one).collect());
     let mut median = crate::stats::median_by(rounds, |p| p.server_cpu_us)?;
-    median.rounds = n;
+    (median.rounds, median.per_select_one) = (n, ratio);
     Some(median)
 }
 
@@ -74,64 +84,57 @@ impl Bench {
         stream
     }
 
-    /// W11: `GROUPS` pollers sending `poll` every 20 ms for a while.
-    pub async fn idle_poll(&self, stream: &str, poll: Poll) -> Polled {
-        let duration = Duration::from_secs(if self.quick { 3 } else { 10 });
+    /// W11: `GROUPS` pollers, each sending a poll every 20 ms; every kind of poll in turn for a
+    /// window, `rounds` times. Returns each kind's rounds, in `Poll::ALL`'s order.
+    pub async fn idle_polls(&self, stream: &str, rounds: usize) -> Vec<Vec<Polled>> {
+        let window = Duration::from_secs(if self.quick { 1 } else { 2 });
         // Connections are made and their statements prepared (and run once) before the clock
         // starts: a backend's start is not what a poll costs.
         let barrier = Arc::new(Barrier::new(GROUPS + 1));
+        let (kind, stop) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)));
+        let sent: Arc<[AtomicU64; Poll::ALL.len()]> = Arc::new(Default::default());
         let (pid_tx, mut pid_rx) = tokio::sync::mpsc::unbounded_channel::<u32>();
         let mut pollers = Vec::new();
         for g in 0..GROUPS {
             let (url, stream, barrier, pid_tx) =
                 (self.url.clone(), stream.to_string(), barrier.clone(), pid_tx.clone());
+            let (kind, stop, sent) = (kind.clone(), stop.clone(), sent.clone());
             pollers.push(tokio::spawn(async move {
                 let pg = systems::connect(&url).await;
                 let pid: i32 = pg.query_one("SELECT pg_backend_pid()", &[]).await.unwrap().get(0);
                 pid_tx.send(pid as u32).unwrap();
                 let group = format!("g{g}");
-                let statements = match poll {
-                    Poll::SelectOne => vec![pg.prepare("SELECT 1").await.unwrap()],
-                    Poll::Lane => vec![pg.prepare("SELECT sqlstreams.lane('k', 1, 16)").await.unwrap()],
-                    Poll::Claim => vec![pg.prepare("SELECT * FROM sqlstreams.claim($1, $2, 100)").await.unwrap()],
-                    Poll::ClaimNextDue => vec![
-                        // The client's two statements (client/src/sql.rs), with a batch of 100.
-                        pg.prepare(
-                            "SELECT message_id, message_key, concurrency, attempt, payload::text, lease_token, run_after,
-                             produced_at, headers
-                             FROM sqlstreams.claim_with_metadata($1, $2, 100, interval '30 seconds', NULL, NULL)",
-                        )
-                        .await
-                        .unwrap(),
-                        pg.prepare("SELECT extract(epoch FROM sqlstreams.next_due($1, $2) - clock_timestamp())::float8")
-                            .await
-                            .unwrap(),
-                    ],
-                };
-                let once = || async {
-                    for s in &statements {
-                        let rows = if s.params().is_empty() {
-                            pg.query(s, &[]).await.unwrap()
-                        } else {
-                            pg.query(s, &[&stream, &group]).await.unwrap()
-                        };
-                        // SELECT 1, lane and next_due return a row; a claim returns none (nothing
-                        // to claim).
-                        assert!(s.columns().len() == 1 || rows.is_empty(), "an idle claim found work");
+                let mut statements = Vec::new();
+                for poll in Poll::ALL {
+                    statements.push(prepare(&pg, poll).await);
+                }
+                let once = |poll: usize| {
+                    let (pg, statements, stream, group) = (&pg, &statements, &stream, &group);
+                    async move {
+                        for s in &statements[poll] {
+                            let rows = if s.params().is_empty() {
+                                pg.query(s, &[]).await.unwrap()
+                            } else {
+                                pg.query(s, &[stream, group]).await.unwrap()
+                            };
+                            // SELECT 1, lane and next_due return a row; a claim returns none
+                            // (nothing to claim).
+                            assert!(s.columns().len() == 1 || rows.is_empty(), "an idle claim found work");
+                        }
                     }
                 };
-                once().await;
-                barrier.wait().await;
-                let (started, mut polls) = (Instant::now(), 0u64);
-                // Spread over the interval, so that the pollers do not all wake together.
-                tokio::time::sleep(EVERY * g as u32 / GROUPS as u32).await;
-                while started.elapsed() < duration {
-                    once().await;
-                    polls += 1;
-                    tokio::time::sleep(EVERY).await;
+                for poll in 0..Poll::ALL.len() {
+                    once(poll).await;
                 }
                 barrier.wait().await;
-                polls
+                // Spread over the interval, so that the pollers do not all wake together.
+                tokio::time::sleep(EVERY * g as u32 / GROUPS as u32).await;
+                while !stop.load(Ordering::Relaxed) {
+                    let poll = kind.load(Ordering::Relaxed);
+                    once(poll).await;
+                    sent[poll].fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(EVERY).await;
+                }
             }));
         }
         barrier.wait().await;
@@ -139,20 +142,63 @@ impl Bench {
         while pids.len() < GROUPS {
             pids.push(pid_rx.recv().await.expect("every poller sends its backend's pid"));
         }
-        let ((cpu_start, read), started) = (cpu_us(&pids), Instant::now());
-        assert_eq!(read, GROUPS, "W11 reads the pollers' backends in /proc: it needs PostgreSQL on this machine");
-        barrier.wait().await;
-        let (cpu, seconds) = (cpu_us(&pids).0 - cpu_start, started.elapsed());
-        let mut polls = 0;
+        let mut runs: Vec<Vec<Polled>> = vec![vec![]; Poll::ALL.len()];
+        for _ in 0..rounds {
+            for (i, poll) in Poll::ALL.into_iter().enumerate() {
+                kind.store(i, Ordering::Relaxed);
+                // Polls sent before the switch are done by the time the window opens.
+                tokio::time::sleep(EVERY * 2).await;
+                let (polls_start, (cpu_start, read), started) =
+                    (sent[i].load(Ordering::Relaxed), cpu_us(&pids), Instant::now());
+                assert_eq!(
+                    read, GROUPS,
+                    "W11 reads the pollers' backends in /proc: it needs PostgreSQL on this machine"
+                );
+                tokio::time::sleep(window).await;
+                let (cpu, seconds) = (cpu_us(&pids).0 - cpu_start, started.elapsed());
+                let polls = sent[i].load(Ordering::Relaxed) - polls_start;
+                runs[i].push(Polled {
+                    poll,
+                    polls,
+                    seconds: seconds.as_secs_f64(),
+                    server_cpu_us: cpu as f64 / polls.max(1) as f64,
+                    per_select_one: f64::NAN,
+                    rounds: 1,
+                });
+            }
+            // Within the round: SELECT 1 ran first, each other kind right after it.
+            let one = runs[0].last().map_or(f64::NAN, |p| p.server_cpu_us);
+            for kind in runs.iter_mut() {
+                let last = kind.last_mut().expect("a window per kind");
+                last.per_select_one = last.server_cpu_us / one;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
         for p in pollers {
-            polls += p.await.unwrap();
+            p.await.unwrap();
         }
-        Polled {
-            poll,
-            polls,
-            seconds: seconds.as_secs_f64(),
-            server_cpu_us: cpu as f64 / polls.max(1) as f64,
-            rounds: 1,
-        }
+        runs
+    }
+}
+
+/// What a poller sends for `poll`, prepared.
+async fn prepare(pg: &tokio_postgres::Client, poll: Poll) -> Vec<tokio_postgres::Statement> {
+    match poll {
+        Poll::SelectOne => vec![pg.prepare("SELECT 1").await.unwrap()],
+        Poll::Lane => vec![pg.prepare("SELECT sqlstreams.lane('k', 1, 16)").await.unwrap()],
+        Poll::Claim => vec![pg.prepare("SELECT * FROM sqlstreams.claim($1, $2, 100)").await.unwrap()],
+        Poll::ClaimNextDue => vec![
+            // The client's two statements (client/src/sql.rs), with a batch of 100.
+            pg.prepare(
+                "SELECT message_id, message_key, concurrency, attempt, payload::text, lease_token, run_after,
+                 produced_at, headers
+                 FROM sqlstreams.claim_with_metadata($1, $2, 100, interval '30 seconds', NULL, NULL)",
+            )
+            .await
+            .unwrap(),
+            pg.prepare("SELECT extract(epoch FROM sqlstreams.next_due($1, $2) - clock_timestamp())::float8")
+                .await
+                .unwrap(),
+        ],
     }
 }

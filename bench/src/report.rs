@@ -738,8 +738,9 @@ impl Results {
 }
 
 impl Results {
-    fn polled(&self, poll: crate::poll::Poll) -> f64 {
-        self.w11.iter().find(|p| p.poll == poll).map_or(f64::NAN, |p| p.server_cpu_us)
+    /// A poll's server CPU over `SELECT 1`'s: the median of the rounds' ratios.
+    fn per_select_one(&self, poll: crate::poll::Poll) -> f64 {
+        self.w11.iter().find(|p| p.poll == poll).map_or(f64::NAN, |p| p.per_select_one)
     }
 
     /// W11's ratios: an idle poll's server CPU against `SELECT 1`'s.
@@ -748,34 +749,34 @@ impl Results {
         if self.w11.is_empty() {
             return vec![];
         }
-        let one = self.polled(Poll::SelectOne);
         vec![format!(
-            "W11 idle poll, {} groups, server CPU per poll / SELECT 1's: claim {} (target ≤ 2.00×), claim + next_due (the client's first idle poll) {}",
+            "W11 idle poll, {} groups, server CPU per poll / SELECT 1's: claim {:.2}× (target ≤ 2.00×), claim + next_due (the client's first idle poll) {:.2}×",
             crate::poll::GROUPS,
-            ratio(self.polled(Poll::Claim), one),
-            ratio(self.polled(Poll::ClaimNextDue), one)
+            self.per_select_one(Poll::Claim),
+            self.per_select_one(Poll::ClaimNextDue)
         )]
     }
 
     fn poll_section(&self) -> String {
+        let rounds = self.w11.first().map_or(0, |p| p.rounds);
         let mut md = format!(
             "## W11 idle poll\n\n{} groups of one caught-up stream, each polled every 20 ms from a connection of its own \
-             (statements prepared), against the same connections sending `SELECT 1` at the same rate. Server CPU is the \
-             pollers' own backends' (`/proc/<pid>/schedstat`; an idle poll writes nothing, so no other process works \
-             for it); each row is the median of its rounds, run interleaved.\n\n\
+             (statements prepared); the same connections send each kind of poll in turn for a window, {rounds} rounds. \
+             Server CPU is the pollers' own backends' (`/proc/<pid>/schedstat`; an idle poll writes nothing, so no other \
+             process works for it). A kind's ratio to `SELECT 1` is the median over rounds of the ratio within a round; \
+             the other columns are its median round's.\n\n\
              | poll | polls | seconds | server CPU µs per poll | / SELECT 1 |\n|---|---|---|---|---|\n",
             crate::poll::GROUPS
         );
-        let one = self.polled(crate::poll::Poll::SelectOne);
         for p in &self.w11 {
             let _ = writeln!(
                 md,
-                "| {} | {} | {:.1} | {:.1} | {} |",
+                "| {} | {} | {:.1} | {:.1} | {:.2}× |",
                 p.poll.label(),
                 p.polls,
                 p.seconds,
                 p.server_cpu_us,
-                ratio(p.server_cpu_us, one)
+                p.per_select_one
             );
         }
         md

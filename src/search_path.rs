@@ -1,42 +1,53 @@
-//! The settings the library's SQL runs under, for the calls that pin them only when they run
-//! SQL.
+//! The settings every statement of the library runs under: `search_path = pg_catalog, pg_temp`
+//! and generic plans, so that nothing a caller or a stranger puts on their path can stand in
+//! for a table, function or operator a statement names (and a plan kept for a session is not
+//! planned again for every call, src/statement.rs).
 //!
-//! Every statement of the library runs with `search_path = pg_catalog, pg_temp` and generic
-//! plans: nothing a caller or a stranger puts on their path can stand in for a table, function
-//! or operator the statement names. Most functions are declared with both settings (`SET` in
-//! their `CREATE FUNCTION`), which Postgres applies around each call. An idle claim answered
-//! from memory runs no statement (src/quiet.rs), and for it those two settings were a tenth of
-//! the server's work: setting them, putting them back (in PostgreSQL 15 a walk over every
-//! setting) and the caller's next statement finding its search_path anew
-//! (docs/benchmarks/cost-model.md, "An idle claim pins its settings only when it runs SQL").
+//! Most functions are declared with both settings (`SET` in their `CREATE FUNCTION`), which
+//! Postgres applies around each call. `claim` and `claim_with_metadata` are declared without
+//! them and run inside `when_needed`, because an idle claim answered from memory runs no
+//! statement (src/quiet.rs) and so needs no settings: applying and restoring them was a large
+//! part of such a call (docs/benchmarks/cost-model.md, "An idle claim sets no settings"). The
+//! commit's count flush (src/exception_queue/counts.rs), which runs in no function, uses it too.
 //!
-//! So `claim` and `claim_with_metadata` are declared without them and run inside `when_needed`:
-//! src/statement.rs calls `pin` before it plans or runs any statement, which applies both
-//! settings the way a `SET` clause does, at a new nesting level, unless they are in effect
-//! already; `when_needed` puts them back when the call returns. An error needs nothing of ours:
-//! the abort of the transaction or subtransaction puts them back, as it does for a `SET`
-//! clause. Outside `when_needed`, `pin` does nothing: the function's own `SET` clause pinned them.
+//! src/statement.rs calls `pin` before it plans or runs any statement. Inside `when_needed`, the
+//! first `pin` applies both settings the way a `SET` clause does, at a new nesting level, and
+//! `when_needed` restores the caller's when it returns. An error restores nothing here: it
+//! becomes a Postgres error, and the abort of the transaction or subtransaction restores them,
+//! as it does for a `SET` clause (nothing in the library catches an error and goes on).
+//! Outside `when_needed` the function's own `SET` clause pinned them; debug builds check the
+//! search_path (a few internal functions, triggers among them, leave plans to the default).
 
 use std::cell::Cell;
 use std::ffi::CStr;
 
 use pgrx::pg_sys;
 
-const SEARCH_PATH: &CStr = c"pg_catalog, pg_temp";
+pub const SEARCH_PATH: &CStr = c"pg_catalog, pg_temp";
 
-thread_local! {
-    /// Inside `when_needed`: the nesting level `pin` opened, if it did (`Some(None)`: not yet).
-    static CALL: Cell<Option<Option<i32>>> = const { Cell::new(None) };
+/// Where the call in progress stands.
+#[derive(Clone, Copy)]
+enum Call {
+    /// Not inside `when_needed`.
+    Outside,
+    /// Inside `when_needed`, no statement run yet.
+    Unpinned,
+    /// Inside `when_needed`, the settings applied at this nesting level.
+    Pinned(i32),
 }
 
-/// Runs `f`, a call declared without the settings; its statements pin them first.
+thread_local! {
+    static CALL: Cell<Call> = const { Cell::new(Call::Outside) };
+}
+
+/// Runs `f`, whose statements pin the settings first; restores the caller's when it returns.
 pub fn when_needed<T>(f: impl FnOnce() -> T) -> T {
-    /// Puts the outer call's state back, and the settings when this call pinned them (not while
-    /// unwinding: the abort does that).
-    struct Scope(Option<Option<i32>>);
+    /// Puts the enclosing call's state back, and the settings when this call pinned them (not
+    /// while unwinding: the abort does that).
+    struct Scope(Call);
     impl Drop for Scope {
         fn drop(&mut self) {
-            if let Some(Some(level)) = CALL.replace(self.0) {
+            if let Call::Pinned(level) = CALL.replace(self.0) {
                 if !std::thread::panicking() {
                     // SAFETY: closes the nesting level `pin` opened in this call, restoring the
                     // settings it saved, as fmgr_security_definer does after a call.
@@ -45,48 +56,43 @@ pub fn when_needed<T>(f: impl FnOnce() -> T) -> T {
             }
         }
     }
-    let _scope = Scope(CALL.replace(Some(None)));
+    let _scope = Scope(CALL.replace(Call::Unpinned));
     f()
 }
 
-/// Pins the settings for the statement about to run, inside `when_needed` and when they are not
-/// in effect (a subtransaction rolled back since may have taken them back).
+/// Pins the settings for the statement about to run, unless they are in effect.
 pub fn pin() {
-    let Some(opened) = CALL.get() else {
-        return;
-    };
-    if pinned() {
+    let call = CALL.get();
+    if let Call::Outside = call {
+        debug_assert!(path_pinned(), "a statement of the library runs without its search_path");
         return;
     }
-    // SAFETY: opens a nesting level and sets two user-settable parameters in it, saving the
-    // caller's values, as a `SET` clause of a function's declaration does.
-    let level = unsafe {
-        let level = pg_sys::NewGUCNestLevel();
-        for (name, value) in [(c"search_path", SEARCH_PATH), (c"plan_cache_mode", c"force_generic_plan")] {
-            pg_sys::set_config_option(
-                name.as_ptr(),
-                value.as_ptr(),
-                pg_sys::GucContext::PGC_USERSET,
-                pg_sys::GucSource::PGC_S_SESSION,
-                pg_sys::GucAction::GUC_ACTION_SAVE,
-                true,
-                pgrx::PgLogLevel::ERROR as i32,
-                false,
-            );
-        }
-        level
+    if path_pinned() && generic_plans() {
+        return;
+    }
+    // SAFETY: opens a GUC nesting level, as fmgr does before applying a function's settings.
+    let level = unsafe { pg_sys::NewGUCNestLevel() };
+    for (name, value) in [(c"search_path", SEARCH_PATH), (c"plan_cache_mode", c"force_generic_plan")] {
+        crate::settings::set(name, value, pg_sys::GucAction::GUC_ACTION_SAVE);
+    }
+    // The level to close when the call returns: the first this call opened, which closes any
+    // after it, unless a rolled-back subtransaction closed it already (a level at or above the
+    // new one is gone: `NewGUCNestLevel` counts up from the current level).
+    let close = match call {
+        Call::Pinned(first) if first < level => first,
+        _ => level,
     };
-    // The first level this call opened is the one to close: closing it closes any after it.
-    CALL.set(Some(Some(opened.unwrap_or(level))));
+    CALL.set(Call::Pinned(close));
 }
 
-/// Whether both settings are in effect.
-fn pinned() -> bool {
-    // SAFETY: reads two settings' current values; the search_path string is never null once the
-    // settings are initialized.
-    unsafe {
-        pg_sys::plan_cache_mode == pg_sys::PlanCacheMode::PLAN_CACHE_MODE_FORCE_GENERIC_PLAN as i32
-            && !pg_sys::namespace_search_path.is_null()
-            && CStr::from_ptr(pg_sys::namespace_search_path) == SEARCH_PATH
-    }
+/// Whether the search_path is the library's.
+fn path_pinned() -> bool {
+    // SAFETY: reads the setting's current value, set at startup.
+    unsafe { !pg_sys::namespace_search_path.is_null() && CStr::from_ptr(pg_sys::namespace_search_path) == SEARCH_PATH }
+}
+
+/// Whether plans are generic.
+fn generic_plans() -> bool {
+    // SAFETY: reads the setting's current value.
+    unsafe { pg_sys::plan_cache_mode == pg_sys::PlanCacheMode::PLAN_CACHE_MODE_FORCE_GENERIC_PLAN as i32 }
 }

@@ -152,7 +152,7 @@ fn pin_search_path() {
     unsafe {
         pg_sys::SetConfigOption(
             c"search_path".as_ptr(),
-            c"pg_catalog, pg_temp".as_ptr(),
+            crate::search_path::SEARCH_PATH.as_ptr(),
             pg_sys::GucContext::PGC_SUSET,
             pg_sys::GucSource::PGC_S_OVERRIDE,
         );

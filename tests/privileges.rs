@@ -168,6 +168,8 @@ fn a_search_path_trojan_never_runs() {
     c.batch_execute(&format!("SET search_path = {schema}, public, pg_catalog")).unwrap();
     let s = Stream::create(&mut c, "trojan");
     let g = s.group(&mut c, "g", Some("exclusive"));
+    // A parallel group holds no lane: each of its claims finds what was produced since.
+    s.group(&mut c, "w", Some("parallel"));
     s.produce_with(&mut c, json!({}), Some("k"), None, true).unwrap();
     s.produce_many(&mut c, 3, Some("k"));
     let batch = g.claim(&mut c, 10);
@@ -176,11 +178,21 @@ fn a_search_path_trojan_never_runs() {
     // claim and claim_with_metadata pin the path themselves (src/search_path.rs): from a session
     // that has not looked the group up yet, so that their first statement plans anew.
     for claim in ["claim", "claim_with_metadata"] {
+        let sql = format!("SELECT * FROM sqlstreams.{claim}($1, 'g', 10)");
         s.produce_many(&mut c, 2, Some(claim));
         let mut fresh = connect();
         fresh.batch_execute(&format!("SET search_path = {schema}, public, pg_catalog")).unwrap();
-        let rows = fresh.query(&format!("SELECT * FROM sqlstreams.{claim}($1, 'g', 10)"), &[&s.name]).unwrap();
+        let rows = fresh.query(&sql, &[&s.name]).unwrap();
         assert!(!rows.is_empty(), "{claim} hands out work under the trojans' path");
+        // And from a session whose plans were made under a clean path: they are checked again
+        // under the path in effect when they run.
+        let warm_sql = format!("SELECT * FROM sqlstreams.{claim}($1, 'w', 1000)");
+        let mut warm = connect();
+        assert!(!warm.query(&warm_sql, &[&s.name]).unwrap().is_empty(), "{claim} plans its statements");
+        warm.batch_execute(&format!("SET search_path = {schema}, public, pg_catalog")).unwrap();
+        s.produce_many(&mut c, 2, None);
+        let rows = warm.query(&warm_sql, &[&s.name]).unwrap();
+        assert!(!rows.is_empty(), "{claim} runs its plans under the trojans' path");
     }
     c.query("SELECT * FROM sqlstreams.maintain()", &[]).unwrap();
     c.query("SELECT * FROM sqlstreams.group_status($1, 'g')", &[&s.name]).unwrap();
@@ -217,8 +229,9 @@ fn a_claim_leaves_the_callers_settings_as_they_were() {
         let handed: i64 = fresh.query_one(&sql, &[&s.name]).unwrap().get(0);
         assert!(handed > 0, "{claim} finds the work produced for it");
         assert_eq!(settings(&mut fresh), callers, "after {claim} handed out work");
+        // (It runs statements still: this transaction changed the stream.)
         fresh.query_one(&sql, &[&s.name]).unwrap();
-        assert_eq!(settings(&mut fresh), callers, "after an idle {claim}");
+        assert_eq!(settings(&mut fresh), callers, "after a {claim} that found nothing");
         // A claim that fails after its first statement (the group lookup), in a savepoint.
         fresh.batch_execute("SAVEPOINT before").unwrap();
         let err = fresh.query(&format!("SELECT * FROM sqlstreams.{claim}($1, 'nobody')"), &[&s.name]).unwrap_err();
@@ -229,20 +242,47 @@ fn a_claim_leaves_the_callers_settings_as_they_were() {
         assert_eq!(settings(&mut fresh), callers, "after the commit");
         s.produce_many(&mut c, 1, None);
     }
-    // Caught inside PL/pgSQL, and the work of a claim run from a function with settings of its own.
+    // Caught inside PL/pgSQL, and a claim run from a function with settings of its own, which
+    // are its again after the claim.
     fresh
         .batch_execute(&format!(
             "DO $$ BEGIN PERFORM sqlstreams.claim('{0}', 'nobody'); EXCEPTION WHEN undefined_object THEN NULL; END $$;
-             CREATE FUNCTION pg_temp.claim_from_function() RETURNS bigint LANGUAGE sql
-                 SET search_path = pg_temp, public SET plan_cache_mode = auto
-                 RETURN (SELECT count(*) FROM sqlstreams.claim('{0}', 'g', 10));",
+             CREATE FUNCTION pg_temp.claim_from_function(OUT handed bigint, OUT path text, OUT plans text)
+                 LANGUAGE plpgsql SET search_path = pg_temp, public SET plan_cache_mode = auto AS $f$
+                 BEGIN
+                     handed := (SELECT count(*) FROM sqlstreams.claim('{0}', 'g', 10));
+                     path := current_setting('search_path');
+                     plans := current_setting('plan_cache_mode');
+                 END $f$;",
             s.name
         ))
         .unwrap();
     assert_eq!(settings(&mut fresh), callers, "after a claim caught in PL/pgSQL");
-    let handed: i64 = fresh.query_one("SELECT pg_temp.claim_from_function()", &[]).unwrap().get(0);
-    assert_eq!(handed, 1, "the function's claim hands out the last message");
+    let row = fresh.query_one("SELECT * FROM pg_temp.claim_from_function()", &[]).unwrap();
+    assert_eq!(row.get::<_, i64>(0), 1, "the function's claim hands out the last message");
+    assert_eq!((row.get::<_, String>(1), row.get::<_, String>(2)), ("pg_temp, public".into(), "auto".into()));
     assert_eq!(settings(&mut fresh), callers, "after a function's claim");
+    // A claim that fails with a Postgres error after its first statement: its fence read waits
+    // for the cursor's lock past lock_timeout (55P03). The abort of the savepoint, or of the
+    // statement's transaction, restores the settings.
+    let mut locker = connect();
+    locker.batch_execute(&format!("BEGIN; LOCK TABLE sqlstreams.cursor_{} IN ACCESS EXCLUSIVE MODE", s.id)).unwrap();
+    fresh.batch_execute("SET lock_timeout = '200ms'").unwrap();
+    let callers = settings(&mut fresh);
+    for block in [true, false] {
+        if block {
+            fresh.batch_execute("BEGIN; SAVEPOINT before").unwrap();
+        }
+        let err = fresh.query("SELECT * FROM sqlstreams.claim($1, 'g', 10)", &[&s.name]).unwrap_err();
+        assert_eq!(sqlstate(&err), "55P03", "{}", describe(&err));
+        if block {
+            fresh.batch_execute("ROLLBACK TO SAVEPOINT before").unwrap();
+            assert_eq!(settings(&mut fresh), callers, "after a lock timeout in a savepoint");
+            fresh.batch_execute("COMMIT").unwrap();
+        }
+        assert_eq!(settings(&mut fresh), callers, "after a lock timeout");
+    }
+    locker.batch_execute("ROLLBACK").unwrap();
 }
 
 #[test]

@@ -172,44 +172,39 @@ pub fn flush() -> Result<()> {
     // (a serialization failure): such a transaction adds rows.
     // SAFETY: reads this backend's isolation level.
     let snapshot_isolation = unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32;
-    // At pre-commit no function's `SET search_path` is in effect: pin it as they do, so the
-    // caller's path cannot put its own functions or operators in these statements (they run as
-    // the owner); the commit restores it.
-    // SAFETY: what fmgr does for a function with a SET clause: a new GUC nesting level, popped
-    // below (or by the abort of the transaction).
-    let nest = unsafe { pg_sys::NewGUCNestLevel() };
-    crate::settings::set(c"search_path", c"pg_catalog, pg_temp", pg_sys::GucAction::GUC_ACTION_SAVE);
-    // SPI runs under the active snapshot, and at pre-commit there is none (deferred triggers,
-    // which run just before, push one the same way).
-    // SAFETY: pushed here and popped below; an abort pops it too.
-    let pushed = unsafe {
-        let none = !pg_sys::ActiveSnapshotSet();
-        if none {
-            pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
-        }
-        none
-    };
-    let written = crate::access::as_owner(|_| {
-        writing(|| {
-            Spi::connect_mut(|client| {
-                for (stream, group, status, delta) in &sums {
-                    let args = [(*group).into(), status.as_str().into(), (*delta).into()];
-                    if snapshot_isolation || ADD_TO_OWN_ROW.run(client, *stream, &args)?.is_empty() {
-                        ADD_ROW.run(client, *stream, &args)?;
+    // At pre-commit no function's settings are in effect: the statements pin them as a claim's
+    // do (src/search_path.rs), so the caller's path cannot put its own functions or operators in
+    // them (they run as the owner).
+    crate::search_path::when_needed(|| {
+        // SPI runs under the active snapshot, and at pre-commit there is none (deferred
+        // triggers, which run just before, push one the same way).
+        // SAFETY: pushed here and popped below; an abort pops it too.
+        let pushed = unsafe {
+            let none = !pg_sys::ActiveSnapshotSet();
+            if none {
+                pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+            }
+            none
+        };
+        let written = crate::access::as_owner(|_| {
+            writing(|| {
+                Spi::connect_mut(|client| {
+                    for (stream, group, status, delta) in &sums {
+                        let args = [(*group).into(), status.as_str().into(), (*delta).into()];
+                        if snapshot_isolation || ADD_TO_OWN_ROW.run(client, *stream, &args)?.is_empty() {
+                            ADD_ROW.run(client, *stream, &args)?;
+                        }
                     }
-                }
-                Ok(())
+                    Ok(())
+                })
             })
-        })
-    });
-    // SAFETY: pops what was pushed above.
-    unsafe {
+        });
         if pushed {
-            pg_sys::PopActiveSnapshot();
+            // SAFETY: pops what was pushed above.
+            unsafe { pg_sys::PopActiveSnapshot() };
         }
-        pg_sys::AtEOXact_GUC(true, nest);
-    }
-    written
+        written
+    })
 }
 
 /// Whether stream `stream_id`'s count table still exists (the stream may have been dropped

@@ -160,18 +160,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         bench.pause_autovacuum().await;
         let rounds = if bench.quick { 2 } else { 8 };
         let runs = bench.idle_polls(&stream, rounds).await;
-        for (round, polled) in (0..rounds).flat_map(|r| runs.iter().map(move |kind| (r + 1, &kind[r]))) {
-            println!(
-                "W11 round {round} {:<32} {:>6} polls in {:.1} s, server CPU {:>6.1} µs per poll, {:.2}× SELECT 1",
-                polled.poll.label(),
-                polled.polls,
-                polled.seconds,
-                polled.server_cpu_us,
-                polled.per_select_one
-            );
-        }
         bench.resume_autovacuum().await;
-        results.w11 = runs.into_iter().filter_map(poll::median).collect();
+        results.w11 = poll::summarize(runs);
     }
     if run("w7") {
         // Consumers are threads with blocking connections: off the async runtime.

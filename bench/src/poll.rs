@@ -5,11 +5,11 @@
 //! `/proc/<pid>/schedstat`: an idle poll writes nothing, so no other process works for it, and
 //! the cluster's background processes (checkpoints, autovacuum) only add noise.
 //!
-//! The pollers send each kind of poll in turn, for a short window each, round after round, and
-//! a kind's ratio to `SELECT 1` is the median over rounds of the ratio within a round: on this
-//! shared machine the CPU a poll takes drifts by a third from one minute to the next (the
-//! backends wake from a sleep with cold caches, whatever else runs here), and a ratio of two
-//! runs a minute apart moved with it.
+//! The pollers send each kind of poll in turn, for a short window each, every other round in
+//! reverse order, and a kind's ratio to `SELECT 1` pairs the two within each round
+//! (`stats::paired_ratio`): on this shared machine the CPU a poll takes drifts by a third from
+//! one minute to the next (the backends wake from a sleep with cold caches, whatever else runs
+//! here), and a ratio of two runs a minute apart moved with it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -58,23 +58,31 @@ pub struct Polled {
     pub seconds: f64,
     /// The pollers' backends' CPU per poll, µs.
     pub server_cpu_us: f64,
-    /// This CPU per poll over `SELECT 1`'s in the same round; over rounds, the median of those.
+    /// This kind's CPU per poll over `SELECT 1`'s, paired by round (`summarize`).
     pub per_select_one: f64,
     /// Rounds run; the other numbers are the median round's.
     pub rounds: usize,
 }
 
-/// The round with the median CPU per poll, with the median of the rounds' ratios.
-pub fn median(rounds: Vec<Polled>) -> Option<Polled> {
-    let n = rounds.len();
-    let ratio = crate::stats::median(rounds.iter().map(|p| p.per_select_one).collect());
-    let mut median = crate::stats::median_by(rounds, |p| p.server_cpu_us)?;
-    (median.rounds, median.per_select_one) = (n, ratio);
-    Some(median)
+/// Each kind's round with the median CPU per poll, with its CPU over `SELECT 1`'s paired by
+/// round (`stats::paired_ratio`); `runs` as `Bench::idle_polls` returns them.
+pub fn summarize(runs: Vec<Vec<Polled>>) -> Vec<Polled> {
+    let one = Poll::ALL.iter().position(|p| *p == Poll::SelectOne).expect("SELECT 1 is measured");
+    let ratios: Vec<f64> =
+        runs.iter().map(|kind| crate::stats::paired_ratio(kind, &runs[one], |p| p.server_cpu_us)).collect();
+    runs.into_iter()
+        .zip(ratios)
+        .filter_map(|(rounds, ratio)| {
+            let n = rounds.len();
+            let mut median = crate::stats::median_by(rounds, |p| p.server_cpu_us)?;
+            (median.rounds, median.per_select_one) = (n, ratio);
+            Some(median)
+        })
+        .collect()
 }
 
 impl Bench {
-    /// A stream with `GROUPS` caught-up groups, for `idle_poll`.
+    /// A stream with `GROUPS` caught-up groups, for `idle_polls`.
     pub async fn idle_poll_stream(&self) -> String {
         let stream = format!("bench.{}", self.run_name("poll"));
         self.db.execute("SELECT sqlstreams.create_stream($1)", &[&stream]).await.unwrap();
@@ -93,12 +101,14 @@ impl Bench {
         let barrier = Arc::new(Barrier::new(GROUPS + 1));
         let (kind, stop) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)));
         let sent: Arc<[AtomicU64; Poll::ALL.len()]> = Arc::new(Default::default());
+        // The kind each poller picked up last (`usize::MAX`: none yet).
+        let seen: Arc<Vec<AtomicUsize>> = Arc::new((0..GROUPS).map(|_| AtomicUsize::new(usize::MAX)).collect());
         let (pid_tx, mut pid_rx) = tokio::sync::mpsc::unbounded_channel::<u32>();
         let mut pollers = Vec::new();
         for g in 0..GROUPS {
             let (url, stream, barrier, pid_tx) =
                 (self.url.clone(), stream.to_string(), barrier.clone(), pid_tx.clone());
-            let (kind, stop, sent) = (kind.clone(), stop.clone(), sent.clone());
+            let (kind, stop, sent, seen) = (kind.clone(), stop.clone(), sent.clone(), seen.clone());
             pollers.push(tokio::spawn(async move {
                 let pg = systems::connect(&url).await;
                 let pid: i32 = pg.query_one("SELECT pg_backend_pid()", &[]).await.unwrap().get(0);
@@ -131,6 +141,7 @@ impl Bench {
                 tokio::time::sleep(EVERY * g as u32 / GROUPS as u32).await;
                 while !stop.load(Ordering::Relaxed) {
                     let poll = kind.load(Ordering::Relaxed);
+                    seen[g].store(poll, Ordering::Relaxed);
                     once(poll).await;
                     sent[poll].fetch_add(1, Ordering::Relaxed);
                     tokio::time::sleep(EVERY).await;
@@ -143,11 +154,20 @@ impl Bench {
             pids.push(pid_rx.recv().await.expect("every poller sends its backend's pid"));
         }
         let mut runs: Vec<Vec<Polled>> = vec![vec![]; Poll::ALL.len()];
-        for _ in 0..rounds {
-            for (i, poll) in Poll::ALL.into_iter().enumerate() {
+        for round in 1..=rounds {
+            // Every other round in reverse order: a drift over a round weighs on both ends of
+            // a ratio alike (`stats::paired_ratio`).
+            let mut order: Vec<usize> = (0..Poll::ALL.len()).collect();
+            if round % 2 == 0 {
+                order.reverse();
+            }
+            for i in order {
                 kind.store(i, Ordering::Relaxed);
-                // Polls sent before the switch are done by the time the window opens.
-                tokio::time::sleep(EVERY * 2).await;
+                // The window opens once every poller has picked the new kind up: no poll of the
+                // one before is still running.
+                while seen.iter().any(|s| s.load(Ordering::Relaxed) != i) {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
                 let (polls_start, (cpu_start, read), started) =
                     (sent[i].load(Ordering::Relaxed), cpu_us(&pids), Instant::now());
                 assert_eq!(
@@ -155,22 +175,24 @@ impl Bench {
                     "W11 reads the pollers' backends in /proc: it needs PostgreSQL on this machine"
                 );
                 tokio::time::sleep(window).await;
-                let (cpu, seconds) = (cpu_us(&pids).0 - cpu_start, started.elapsed());
                 let polls = sent[i].load(Ordering::Relaxed) - polls_start;
-                runs[i].push(Polled {
-                    poll,
+                let (cpu, seconds) = (cpu_us(&pids).0 - cpu_start, started.elapsed());
+                let polled = Polled {
+                    poll: Poll::ALL[i],
                     polls,
                     seconds: seconds.as_secs_f64(),
                     server_cpu_us: cpu as f64 / polls.max(1) as f64,
                     per_select_one: f64::NAN,
                     rounds: 1,
-                });
-            }
-            // Within the round: SELECT 1 ran first, each other kind right after it.
-            let one = runs[0].last().map_or(f64::NAN, |p| p.server_cpu_us);
-            for kind in runs.iter_mut() {
-                let last = kind.last_mut().expect("a window per kind");
-                last.per_select_one = last.server_cpu_us / one;
+                };
+                println!(
+                    "W11 round {round} {:<32} {:>6} polls in {:.1} s, server CPU {:>6.1} µs per poll",
+                    polled.poll.label(),
+                    polled.polls,
+                    polled.seconds,
+                    polled.server_cpu_us
+                );
+                runs[i].push(polled);
             }
         }
         stop.store(true, Ordering::Relaxed);

@@ -750,10 +750,10 @@ impl Results {
             return vec![];
         }
         vec![format!(
-            "W11 idle poll, {} groups, server CPU per poll / SELECT 1's: claim {:.2}× (target ≤ 2.00×), claim + next_due (the client's first idle poll) {:.2}×",
+            "W11 idle poll, {} groups, server CPU per poll / SELECT 1's: claim {} (target ≤ 2.00×), claim + next_due (the client's first idle poll) {}",
             crate::poll::GROUPS,
-            self.per_select_one(Poll::Claim),
-            self.per_select_one(Poll::ClaimNextDue)
+            ratio(self.per_select_one(Poll::Claim), 1.0),
+            ratio(self.per_select_one(Poll::ClaimNextDue), 1.0)
         )]
     }
 
@@ -761,22 +761,23 @@ impl Results {
         let rounds = self.w11.first().map_or(0, |p| p.rounds);
         let mut md = format!(
             "## W11 idle poll\n\n{} groups of one caught-up stream, each polled every 20 ms from a connection of its own \
-             (statements prepared); the same connections send each kind of poll in turn for a window, {rounds} rounds. \
-             Server CPU is the pollers' own backends' (`/proc/<pid>/schedstat`; an idle poll writes nothing, so no other \
-             process works for it). A kind's ratio to `SELECT 1` is the median over rounds of the ratio within a round; \
-             the other columns are its median round's.\n\n\
+             (statements prepared); the same connections send each kind of poll in turn for a window, {rounds} rounds, \
+             every other round in reverse order. Server CPU is the pollers' own backends' (`/proc/<pid>/schedstat`; an \
+             idle poll writes nothing, so no other process works for it). A kind's ratio to `SELECT 1` pairs the two \
+             within each round, so it is not the CPU column over `SELECT 1`'s row: the other columns are the kind's \
+             median round's.\n\n\
              | poll | polls | seconds | server CPU µs per poll | / SELECT 1 |\n|---|---|---|---|---|\n",
             crate::poll::GROUPS
         );
         for p in &self.w11 {
             let _ = writeln!(
                 md,
-                "| {} | {} | {:.1} | {:.1} | {:.2}× |",
+                "| {} | {} | {:.1} | {:.1} | {} |",
                 p.poll.label(),
                 p.polls,
                 p.seconds,
                 p.server_cpu_us,
-                p.per_select_one
+                ratio(p.per_select_one, 1.0)
             );
         }
         md

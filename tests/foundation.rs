@@ -28,6 +28,49 @@ fn produce_claim_ack_round_trip() {
     assert_eq!(g.cursor(&mut c), (b, b), "everything is handed out and resolved");
 }
 
+/// A claim returns every key byte for byte, whatever its length and characters, and the same
+/// values through claim_with_metadata and through SQL that works on them (src/srf.rs writes
+/// keys up to 126 bytes itself, longer ones as pgrx does).
+#[test]
+fn a_claim_returns_every_key_as_produced() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "key-bytes");
+    s.group(&mut c, "plain", None);
+    s.group(&mut c, "meta", None);
+    s.group(&mut c, "sql", None);
+    let mut keys: Vec<String> = ["k", "kéy-日本-🙂"].iter().map(|k| k.to_string()).collect();
+    keys.extend([125, 126, 127, 128, 1024].iter().map(|n| "k".repeat(*n)));
+    keys.push("日".repeat(42)); // 126 bytes in 42 characters
+    keys.push("é".repeat(64)); // 128 bytes
+    let ids: Vec<i64> = keys.iter().map(|k| s.produce(&mut c, json!({}), Some(k))).collect();
+    s.produce(&mut c, json!({}), None);
+    for (group, sql) in [
+        ("plain", "SELECT message_id, message_key, concurrency, lease_token FROM sqlstreams.claim($1, $2, 100)"),
+        (
+            "meta",
+            "SELECT message_id, message_key, concurrency, lease_token FROM sqlstreams.claim_with_metadata($1, $2, 100)",
+        ),
+        (
+            "sql",
+            "SELECT message_id, message_key || '', upper(concurrency), lease_token::text::uuid
+             FROM sqlstreams.claim($1, $2, 100) ORDER BY length(message_key), message_id",
+        ),
+    ] {
+        let rows = c.query(sql, &[&s.name, &group]).unwrap();
+        assert_eq!(rows.len(), keys.len() + 1, "{group}");
+        let token: uuid::Uuid = rows[0].get(3);
+        for row in &rows {
+            let id: i64 = row.get(0);
+            let key: Option<String> = row.get(1);
+            let expected = ids.iter().position(|i| *i == id).map(|i| keys[i].clone());
+            assert_eq!(key, expected, "{group}: message {id}");
+            let concurrency: String = row.get(2);
+            assert_eq!(concurrency.to_lowercase(), "parallel", "{group}");
+            assert_eq!(row.get::<_, uuid::Uuid>(3), token, "{group}: one lease token for the claim");
+        }
+    }
+}
+
 #[test]
 fn two_groups_read_the_same_messages_independently() {
     let mut c = connect();

@@ -23,6 +23,7 @@ use std::ffi::CStr;
 
 use pgrx::pg_sys;
 
+/// The search_path of every statement of the library, and of its background worker.
 pub const SEARCH_PATH: &CStr = c"pg_catalog, pg_temp";
 
 /// Where the call in progress stands.

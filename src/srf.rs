@@ -2,9 +2,9 @@
 //!
 //! pgrx's `TableIterator` and `SetOfIterator` return one row per call (value-per-call mode).
 //! Postgres applies and undoes a function's declared settings (`SET search_path = ...`) around
-//! each call, and `claim` pinned its settings for each: 101 times for a batch of 100, about an
-//! eighth of the whole claim. A function that returns `srf::TableIterator` or `srf::SetOfIterator` is called once, and its
-//! rows go into the tuplestore Postgres reads them from.
+//! each call: for `claim`, when it declared them, 101 times for a batch of 100, about an eighth
+//! of the whole claim. A function that returns `srf::TableIterator` or `srf::SetOfIterator` is
+//! called once, and its rows go into the tuplestore Postgres reads them from.
 
 use std::marker::PhantomData;
 
@@ -32,8 +32,8 @@ pub struct SetOfIterator<'a, T> {
 /// The rows' values as datums, row after row, and the memory of those that point into it.
 ///
 /// A claim of 100 returns 700 values, and pgrx's conversions allocate one of every text and
-/// uuid apart, each through a guarded call into Postgres (`palloc`): about a twentieth of a
-/// claim's instructions. Short texts (a key, a concurrency name) and uuids (a lease token) are
+/// uuid apart, each through a guarded call into Postgres (`palloc`): about 4 % of a claim's
+/// instructions. Short texts (a key, a concurrency name) and uuids (a lease token) are
 /// written here instead, into blocks that are never grown past their capacity, so a datum
 /// stays valid until the rows are copied into the tuplestore (`put_rows`). A short text is a
 /// varlena with a one-byte header, which Postgres stores as it is.

@@ -111,6 +111,14 @@ struct Work {
     handout: Handout,
 }
 
+/// A message handed out from a range, pending in the range's row until its outcome: its
+/// delivery (by position in the claim's result, which holds its key) and its range's first id.
+struct Pending {
+    id: i64,
+    delivery: usize,
+    range: i64,
+}
+
 /// Where a message the claim could hand out stands, and what its delivery would carry.
 struct Handout {
     held: Held,
@@ -348,8 +356,8 @@ impl Claim<'_> {
         own_claims::made(
             self.token,
             own_claims::Facts { held_lanes: !holding.is_empty(), rows_in_flight: self.work_in_flight },
-            pending.iter().map(|(id, ..)| *id).collect(),
-            self.keyed_lanes(&pending),
+            pending.iter().map(|p| p.id).collect(),
+            self.keyed_lanes(&pending, &deliveries),
         );
         exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;
         // Hold a lane while a key it handed out may need it: ordered and exclusive deliveries.
@@ -357,19 +365,22 @@ impl Claim<'_> {
         let taken: Vec<i32> = self.lanes.iter().map(|l| l.lane).collect();
         let mut lanes = std::mem::take(&mut self.lanes);
         for mut range in std::mem::take(&mut self.ranges) {
-            let (mine, rest): (Vec<_>, Vec<_>) =
-                pending.into_iter().partition(|(_, _, first)| *first == range.first_id);
+            let (mine, rest): (Vec<_>, Vec<_>) = pending.into_iter().partition(|p| p.range == range.first_id);
             pending = rest;
-            (range.pending, range.pending_keys) = mine.into_iter().map(|(id, key, _)| (id, key)).unzip();
+            range.pending = mine.iter().map(|p| p.id).collect();
+            // The keys stay with the deliveries; the range's row takes them from there.
+            range.pending_keys.clear();
+            let keys: Vec<Option<&str>> = mine.iter().map(|p| deliveries[p.delivery].message_key.as_deref()).collect();
+            let lease = range::Lease { range: &range, keys: &keys, token: self.token, expires: self.expires };
             // A new range and its lane's position go in one statement (the usual claim).
             if let Some(i) = lanes.iter().position(|l| l.lane == range.lane) {
                 let (claimed, hold) = (lanes[i].claimed, claim_hold(range.lane));
-                if lanes::store_with_new_range(client, self.group, &range, self.token, self.expires, claimed, hold)? {
+                if lanes::store_with_new_range(client, self.group, &lease, claimed, hold)? {
                     lanes.swap_remove(i);
                     continue;
                 }
             }
-            range::lease(client, stream_id, self.group.id, &range, self.token, self.expires)?;
+            range::lease(client, stream_id, self.group.id, &lease)?;
         }
         for lane in lanes {
             let hold = claim_hold(lane.lane);
@@ -589,25 +600,25 @@ impl Claim<'_> {
         Ok(verdicts)
     }
 
-    /// The lanes of the ranges that hand out a message with a key (`pending`: what `record`
-    /// returns).
-    fn keyed_lanes(&self, pending: &[(i64, Option<String>, i64)]) -> Vec<i32> {
+    /// The lanes of the ranges that hand out a message with a key (`pending` and `deliveries`:
+    /// what `record` returns).
+    fn keyed_lanes(&self, pending: &[Pending], deliveries: &[Delivery]) -> Vec<i32> {
         pending
             .iter()
-            .filter(|(_, key, _)| key.is_some())
-            .filter_map(|(_, _, first)| self.ranges.iter().find(|r| r.first_id == *first))
+            .filter(|p| deliveries[p.delivery].message_key.is_some())
+            .filter_map(|p| self.ranges.iter().find(|r| r.first_id == p.range))
             .map(|r| r.lane)
             .collect()
     }
 
     /// Turns verdicts into queue changes; returns the deliveries, the ranges' pending messages
-    /// (id, key, range) and the lanes that handed out ordered or exclusive work of a key.
+    /// and the lanes that handed out ordered or exclusive work of a key.
     fn record(
         &mut self,
         candidates: Vec<Candidate>,
         handouts: Vec<Handout>,
         verdicts: Vec<Verdict>,
-    ) -> (Vec<Delivery>, Vec<(i64, Option<String>, i64)>, Vec<i32>) {
+    ) -> (Vec<Delivery>, Vec<Pending>, Vec<i32>) {
         let mut deliveries = Vec::with_capacity(candidates.len());
         let mut pending = Vec::with_capacity(candidates.len());
         let mut holding = Vec::new();
@@ -619,7 +630,11 @@ impl Claim<'_> {
                             self.work_in_flight = true;
                             self.changes.push(Change::Update(update));
                         }
-                        None => pending.push((c.message_id, c.key.clone(), work.range.unwrap_or_default())),
+                        None => pending.push(Pending {
+                            id: c.message_id,
+                            delivery: deliveries.len(),
+                            range: work.range.unwrap_or_default(),
+                        }),
                     }
                     if c.key.is_some() && c.concurrency.is_keyed_gate() {
                         holding.push(c.lane);

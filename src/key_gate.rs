@@ -33,7 +33,7 @@
 //! src/exception_queue/lifecycle.rs; the proof is in docs/semantics.md, "One lock order",
 //! outcome step 4).
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::SpiClient;
@@ -396,7 +396,7 @@ mod tests {
     }
 
     fn facts(key: &str, f: KeyFacts) -> HashMap<String, KeyFacts> {
-        HashMap::from([(key.to_string(), f)])
+        HashMap::from_iter([(key.to_string(), f)])
     }
 
     fn run(after: Option<i64>) -> Verdict {

@@ -162,8 +162,8 @@ fn micros(t: TimestampWithTimeZone) -> i64 {
 }
 
 fn candidate(row: &Row<'_>, group: &GroupRef) -> Result<Candidate> {
-    let key: Option<String> = at(row, Column::Key)?;
-    let requested = at::<String>(row, Column::Concurrency)?.map(|c| Concurrency::from_stored(&c)).transpose()?;
+    let key = row.text(Column::Key as usize, str::to_owned)?;
+    let requested = row.text(Column::Concurrency as usize, Concurrency::from_stored)?.transpose()?;
     Ok(Candidate {
         message_id: required_at(row, Column::Id)?,
         concurrency: concurrency::resolve(group.concurrency_override, requested, key.is_some()),

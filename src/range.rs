@@ -16,7 +16,7 @@
 //! exception, an ack of a whole claim under READ COMMITTED (`resolve_covered`), reads them in
 //! its statement's snapshot, taken after the token's lock.
 
-use std::collections::HashSet;
+use foldhash::HashSet;
 
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::BuiltinOid::*;
@@ -408,7 +408,7 @@ pub fn resolve_covered(
     with_keys: bool,
     instead: Option<&Statement>,
 ) -> Result<Covered> {
-    let mut covered = Covered { resolved: vec![], answered: HashSet::new(), released: None };
+    let mut covered = Covered { resolved: vec![], answered: HashSet::default(), released: None };
     let statement = instead.unwrap_or(&DELETE_TOKEN);
     let rows = statement.exec_deformed(client, stream_id, &[group_id.into(), token.into()], Access::Write)?;
     let mut released_lanes = None;
@@ -459,51 +459,50 @@ pub fn oldest_expired(
     Ok(without_done(client, stream_id, group_id, token, vec![range])?.pop())
 }
 
-/// Leases `range` under `token` until `expires`: a new range, or an expired one handed out
-/// again. A range with nothing pending is not kept.
-pub fn lease(
-    client: &SpiClient<'_>,
-    stream_id: i64,
-    group_id: i64,
-    range: &RangeLease,
-    token: pgrx::Uuid,
-    expires: i64,
-) -> Result<()> {
+/// A range a claim leases: its pending messages' keys (one per message of `range.pending`,
+/// borrowed from the claim's deliveries), its token and its expiry.
+pub struct Lease<'a> {
+    pub range: &'a RangeLease,
+    pub keys: &'a [Option<&'a str>],
+    pub token: pgrx::Uuid,
+    pub expires: i64,
+}
+
+/// Stores a claim's `lease`: a new range, or an expired one handed out again. A range with
+/// nothing pending is not kept.
+pub fn lease(client: &SpiClient<'_>, stream_id: i64, group_id: i64, lease: &Lease<'_>) -> Result<()> {
+    let range = lease.range;
     if range.pending.is_empty() {
         // A fresh range (no reclaims yet) was never stored.
         return if range.reclaims > 0 { delete(client, stream_id, group_id, range.first_id) } else { Ok(()) };
     }
     let statement = if range.reclaims == 0 { &LEASE_NEW } else { &LEASE };
-    statement.run(client, stream_id, &lease_args(group_id, range, token, expires))?;
+    statement.run(client, stream_id, &lease_args(group_id, lease))?;
     Ok(())
 }
 
 /// The nine parameters of `LEASE`, `LEASE_NEW` and the first nine of
 /// `lanes::STORE_WITH_NEW_RANGE`.
-pub(crate) fn lease_args(
-    group_id: i64,
-    range: &RangeLease,
-    token: pgrx::Uuid,
-    expires: i64,
-) -> Vec<DatumWithOid<'static>> {
+pub(crate) fn lease_args(group_id: i64, lease: &Lease<'_>) -> Vec<DatumWithOid<'static>> {
+    let range = lease.range;
     // The table has no CHECK for it (the install script says why).
-    debug_assert_eq!(range.pending.len(), range.pending_keys.len(), "a key for each pending message");
+    debug_assert_eq!(range.pending.len(), lease.keys.len(), "a key for each pending message");
     vec![
         group_id.into(),
         range.first_id.into(),
         range.last_id.into(),
-        token.into(),
-        statement::timestamptz(expires),
+        lease.token.into(),
+        statement::timestamptz(lease.expires),
         range.reclaims.into(),
         range.pending.as_slice().into(),
-        keys_arg(&range.pending_keys),
+        statement::text_array(lease.keys.iter().copied()),
         range.lane.into(),
     ]
 }
 
 /// A `text[]` parameter of `keys`, without copying them first.
 fn keys_arg(keys: &[Option<String>]) -> DatumWithOid<'static> {
-    keys.iter().map(Option::as_deref).collect::<Vec<_>>().as_slice().into()
+    statement::text_array(keys.iter().map(Option::as_deref))
 }
 
 /// Stores `rest`, split off range `first_id` (see `RangeLease::split_off`).
@@ -564,7 +563,7 @@ mod tests {
     #[test]
     fn stored_outcomes_leave_pending() {
         let mut r = range();
-        r.forget(&HashSet::from([101, 105, 999]));
+        r.forget(&HashSet::from_iter([101, 105, 999]));
         assert_eq!(r.pending, vec![102, 103]);
         assert_eq!(r.pending_keys, vec![None, Some("a".into())]);
         assert!(r.resolved.is_empty(), "nothing to store: they were stored before");

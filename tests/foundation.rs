@@ -35,14 +35,21 @@ fn produce_claim_ack_round_trip() {
 fn a_claim_returns_every_key_as_produced() {
     let mut c = connect();
     let s = Stream::create(&mut c, "key-bytes");
-    s.group(&mut c, "plain", None);
-    s.group(&mut c, "meta", None);
-    s.group(&mut c, "sql", None);
+    let groups = [s.group(&mut c, "plain", None), s.group(&mut c, "meta", None), s.group(&mut c, "sql", None)];
     let mut keys: Vec<String> = ["k", "kéy-日本-🙂"].iter().map(|k| k.to_string()).collect();
     keys.extend([125, 126, 127, 128, 1024].iter().map(|n| "k".repeat(*n)));
     keys.push("日".repeat(42)); // 126 bytes in 42 characters
     keys.push("é".repeat(64)); // 128 bytes
-    let ids: Vec<i64> = keys.iter().map(|k| s.produce(&mut c, json!({}), Some(k))).collect();
+    let mut ids: Vec<i64> = keys.iter().map(|k| s.produce(&mut c, json!({}), Some(k))).collect();
+    // A key the log stores compressed: a payload that does not compress makes the row too wide
+    // for its page, and the key is what compresses.
+    let noise: String = (0..40).map(|_| uuid::Uuid::new_v4().simple().to_string()).collect();
+    keys.push("c".repeat(1024));
+    ids.push(s.produce(&mut c, json!({ "noise": noise }), keys.last().map(String::as_str)));
+    let compressed =
+        format!("SELECT pg_column_compression(message_key) FROM sqlstreams.message_log_{} WHERE id = $1", s.id);
+    let compression: Option<String> = c.query_one(&compressed, &[ids.last().unwrap()]).unwrap().get(0);
+    assert!(compression.is_some(), "the last key is stored compressed");
     s.produce(&mut c, json!({}), None);
     for (group, sql) in [
         ("plain", "SELECT message_id, message_key, concurrency, lease_token FROM sqlstreams.claim($1, $2, 100)"),
@@ -68,6 +75,23 @@ fn a_claim_returns_every_key_as_produced() {
             assert_eq!(concurrency.to_lowercase(), "parallel", "{group}");
             assert_eq!(row.get::<_, uuid::Uuid>(3), token, "{group}: one lease token for the claim");
         }
+        // The claim's ranges keep each pending message's key, which outcomes read back.
+        let group_id = groups.iter().find(|g| g.name == group).unwrap().id;
+        let stored = c
+            .query(
+                &format!(
+                    "SELECT u.id, u.key FROM sqlstreams.range_lease_{} r, unnest(r.pending, r.pending_keys) AS u(id, key)
+                     WHERE r.consumer_group_id = $1 ORDER BY u.id",
+                    s.id
+                ),
+                &[&group_id],
+            )
+            .unwrap();
+        let stored: Vec<(i64, Option<String>)> = stored.iter().map(|r| (r.get(0), r.get(1))).collect();
+        let mut expected: Vec<(i64, Option<String>)> =
+            ids.iter().copied().zip(keys.iter().cloned().map(Some)).collect();
+        expected.push((rows.iter().map(|r| r.get::<_, i64>(0)).max().unwrap(), None));
+        assert_eq!(stored, expected, "{group}: the ranges' keys");
     }
 }
 

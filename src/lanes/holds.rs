@@ -10,7 +10,7 @@ use super::{holds, Lane};
 use crate::error::Result;
 use crate::group::GroupRef;
 use crate::own_claims;
-use crate::range::{self, RangeLease};
+use crate::range::{self, Lease};
 use crate::statement::{self, Columns, Statement};
 
 /// The statement storing a lane of group `$1`: each argument is the SQL parameter (such as
@@ -134,17 +134,15 @@ pub fn store(client: &SpiClient<'_>, group: &GroupRef, lane: Lane, hold: Option<
 pub fn store_with_new_range(
     client: &SpiClient<'_>,
     group: &GroupRef,
-    range: &RangeLease,
-    token: pgrx::Uuid,
-    expires: i64,
+    lease: &Lease<'_>,
     claimed: i64,
     hold: Option<(pgrx::Uuid, i64)>,
 ) -> Result<bool> {
-    if range.reclaims != 0 || range.pending.is_empty() {
+    if lease.range.reclaims != 0 || lease.range.pending.is_empty() {
         return Ok(false);
     }
     let hold = hold_of(group, hold);
-    let mut args = range::lease_args(group.id, range, token, expires);
+    let mut args = range::lease_args(group.id, lease);
     args.extend([claimed.into(), hold_token(hold), hold_until(hold)]);
     STORE_WITH_NEW_RANGE.run(client, group.stream.id, &args)?;
     Ok(true)

@@ -38,7 +38,7 @@ use crate::error::{Result, StreamError};
 use crate::exception_queue::{self, Change, Expired, Held, Status, Waker};
 use crate::fence::{self, Fence};
 use crate::group::GroupRef;
-use crate::key_gate::{self, Candidate, GatherInput, Verdict};
+use crate::key_gate::{self, Candidate, GatherInput, Key, Verdict};
 use crate::lanes::{self, Lane};
 use crate::locks;
 use crate::message::{self, Address, Message, Meta};
@@ -64,7 +64,7 @@ const MAX_DELAYED_READS: i32 = 8;
 /// One row of a claim result.
 pub struct Delivery {
     pub message_id: i64,
-    pub message_key: Option<String>,
+    pub message_key: Option<Key>,
     pub concurrency: Concurrency,
     pub attempt: i32,
     pub payload: RawJsonb,
@@ -205,7 +205,7 @@ pub fn claim(
         let room_left = |handed: usize| acked && group.max_inflight.is_some() && (handed as i32) < room;
         let batch = room;
         if batch == 0 {
-            signal_left(client, stream_id, &released, &[])?;
+            signal_left(stream_id, &released, &[]);
             watch.wrote_nothing();
             return Ok(vec![]);
         }
@@ -221,7 +221,7 @@ pub fn claim(
         }
         fence::remember(group.id, sequence, fence, head);
         if candidates.is_empty() {
-            signal_left(client, stream_id, &released, &[])?;
+            signal_left(stream_id, &released, &[]);
             // Nothing stored, and no id handed out left to prove: only a transaction that
             // changes the stream, or the clock, can give the next claim anything.
             if fence == stored && fence.safe == head {
@@ -245,9 +245,9 @@ pub fn claim(
             work_in_flight: false,
         };
         let (deliveries, taken) = claim.run(client, fence.safe, candidates, head)?;
-        signal_left(client, stream_id, &released, &taken)?;
+        signal_left(stream_id, &released, &taken);
         if room_left(deliveries.len()) {
-            notify::signal(client, stream_id)?;
+            notify::signal(stream_id);
         }
         Ok(deliveries)
     })
@@ -260,11 +260,10 @@ fn in_transaction_block() -> bool {
     unsafe { pg_sys::IsTransactionBlock() }
 }
 
-fn signal_left(client: &SpiClient<'_>, stream_id: i64, released: &[i32], taken: &[i32]) -> Result<()> {
+fn signal_left(stream_id: i64, released: &[i32], taken: &[i32]) {
     if released.iter().any(|lane| !taken.contains(lane)) {
-        notify::signal(client, stream_id)?;
+        notify::signal(stream_id);
     }
-    Ok(())
 }
 
 /// The group's fence after a fresh reading of the world, the head `head` read after the fence
@@ -358,6 +357,7 @@ impl Claim<'_> {
             own_claims::Facts { held_lanes: !holding.is_empty(), rows_in_flight: self.work_in_flight },
             pending.iter().map(|p| p.id).collect(),
             self.keyed_lanes(&pending, &deliveries),
+            holding.clone(),
         );
         exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;
         // Hold a lane while a key it handed out may need it: ordered and exclusive deliveries.
@@ -426,7 +426,7 @@ impl Claim<'_> {
                 let candidate = Candidate {
                     message_id: row.required("message_id")?,
                     concurrency: Concurrency::from_stored(&row.required::<String>("concurrency")?)?,
-                    key: row.value("message_key")?,
+                    key: row.value::<String>("message_key")?.map(Key::from),
                     compaction: row.required("compaction")?,
                     lane: row.required("lane")?,
                 };
@@ -449,7 +449,7 @@ impl Claim<'_> {
                     Expired::Dead(update) => {
                         self.changes.push(Change::Update(update));
                         self.dead_on_expiry.push(id);
-                        self.resolved_keys.push(candidate.key);
+                        self.resolved_keys.push(candidate.key.map(Key::into_string));
                         continue;
                     }
                 }
@@ -539,7 +539,7 @@ impl Claim<'_> {
             }
             if reads == MAX_DELAYED_READS {
                 if full {
-                    notify::signal(client, self.group.stream.id)?;
+                    notify::signal(self.group.stream.id);
                 }
                 break;
             }
@@ -659,10 +659,12 @@ impl Claim<'_> {
                 }
                 Verdict::Supersede => {
                     self.changes.push(exception_queue::supersede(&work.held, &c, work.attempt, self.now));
-                    self.resolved_keys.push(c.key);
+                    self.resolved_keys.push(c.key.map(Key::into_string));
                 }
             }
         }
+        holding.sort_unstable();
+        holding.dedup();
         (deliveries, pending, holding)
     }
 }

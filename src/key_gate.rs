@@ -46,11 +46,42 @@ use crate::statement::{Columns, Statement};
 /// it earlier. Keeps a blocked row from being re-examined by every claim.
 pub const MIN_PARK_MICROS: i64 = 1_000_000;
 
+/// A message's key as a claim holds it: one of up to 24 bytes, as most keys are, needs no
+/// allocation of its own. A claim's result returns it as `text`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Key(compact_str::CompactString);
+
+pgrx::impl_sql_translatable!(Key, "text");
+
+impl Key {
+    pub fn new(key: &str) -> Key {
+        Key(compact_str::CompactString::new(key))
+    }
+
+    pub fn into_string(self) -> String {
+        self.0.into_string()
+    }
+}
+
+impl std::ops::Deref for Key {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<String> for Key {
+    fn from(key: String) -> Key {
+        Key(key.into())
+    }
+}
+
 /// A message a claim could hand out.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Candidate {
     pub message_id: i64,
-    pub key: Option<String>,
+    pub key: Option<Key>,
     /// Resolved for the group (see `concurrency::resolve`).
     pub concurrency: Concurrency,
     pub compaction: bool,
@@ -277,7 +308,7 @@ pub fn deferred_keys(candidates: &[Candidate], verdicts: &[Verdict]) -> Vec<Stri
         .iter()
         .zip(verdicts)
         .filter(|(_, v)| matches!(v, Verdict::Defer { .. }))
-        .filter_map(|(c, _)| c.key.clone())
+        .filter_map(|(c, _)| c.key.as_deref().map(str::to_owned))
         .collect();
     keys.sort_unstable();
     keys.dedup();
@@ -388,7 +419,7 @@ mod tests {
     const LEASE: i64 = NOW + 30_000_000;
 
     fn c(id: i64, key: Option<&str>, concurrency: Concurrency) -> Candidate {
-        Candidate { message_id: id, key: key.map(str::to_string), concurrency, compaction: false, lane: 0 }
+        Candidate { message_id: id, key: key.map(Key::new), concurrency, compaction: false, lane: 0 }
     }
 
     fn compacted(id: i64, key: &str, concurrency: Concurrency) -> Candidate {

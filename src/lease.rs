@@ -90,7 +90,7 @@ pub fn break_now(stream: &str, group_name: &str, token: pgrx::Uuid) -> Result<bo
             let group = group::lookup(client, stream, group_name, Access::Write)?;
             let broken = set_expiry(client, &group, token, 0, false)?;
             if broken {
-                notify::signal(client, group.stream.id)?;
+                notify::signal(group.stream.id);
             }
             Ok(broken)
         })

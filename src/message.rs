@@ -11,7 +11,7 @@ use pgrx::{FromDatum, IntoDatum};
 use crate::concurrency::{self, Concurrency};
 use crate::error::{Result, StreamError};
 use crate::group::GroupRef;
-use crate::key_gate::Candidate;
+use crate::key_gate::{Candidate, Key};
 use crate::partition::{self, Log};
 use crate::payload::RawJsonb;
 use crate::statement::{Access, Columns, Deformed, Part, Row, Statement};
@@ -162,7 +162,7 @@ fn micros(t: TimestampWithTimeZone) -> i64 {
 }
 
 fn candidate(row: &Row<'_>, group: &GroupRef) -> Result<Candidate> {
-    let key = row.text(Column::Key as usize, str::to_owned)?;
+    let key = row.text(Column::Key as usize, Key::new)?;
     let requested = row.text(Column::Concurrency as usize, Concurrency::from_stored)?.transpose()?;
     Ok(Candidate {
         message_id: required_at(row, Column::Id)?,

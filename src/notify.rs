@@ -8,13 +8,8 @@
 
 use std::cell::{Cell, RefCell};
 
-use pgrx::pg_sys::{self, BuiltinOid::*};
-use pgrx::spi::SpiClient;
-
-use crate::error::Result;
-use crate::statement::Statement;
-
-const NOTIFY: Statement = Statement { name: "notify", sql: "SELECT pg_notify($1, '')", params: &[TEXTOID] };
+use pgrx::pg_sys;
+use pgrx::IntoDatum;
 
 /// The channel consumers of a stream LISTEN on.
 pub fn channel(stream_id: i64) -> String {
@@ -34,21 +29,27 @@ thread_local! {
 
 /// Signals the stream's consumers at commit, once per (sub)transaction; nothing when
 /// `sqlstreams.notify` is off (src/settings.rs).
-pub fn signal(client: &SpiClient<'_>, stream_id: i64) -> Result<()> {
+pub fn signal(stream_id: i64) {
     if !crate::settings::notify() {
-        return Ok(());
+        return;
     }
     // SAFETY: reads of this backend's transaction state.
     let key =
         unsafe { (u32::from(pg_sys::GetTopTransactionIdIfAny()), pg_sys::GetCurrentSubTransactionId(), stream_id) };
     // Without an xid there is no transaction identity to coalesce on (and nothing was written).
     if key.0 != 0 && LAST.with(|last| *last.borrow() == Some(key)) {
-        return Ok(());
+        return;
     }
-    NOTIFY.run(client, 0, &[channel(stream_id).into()])?;
+    // `pg_notify(channel, '')` called as a function, not through a statement: the same checks
+    // (none on a primary) and the same queued notification, without a plan and an executor.
+    let (channel, payload) = (channel(stream_id).into_datum(), "".into_datum());
+    // SAFETY: pg_notify takes two texts and returns void; an ERROR it raises is re-thrown.
+    unsafe {
+        let notify = pg_sys::Oid::from(pg_sys::F_PG_NOTIFY);
+        pg_sys::OidFunctionCall2Coll(notify, pg_sys::InvalidOid, channel.unwrap(), payload.unwrap());
+    }
     LAST.with(|last| *last.borrow_mut() = Some(key));
     PENDING.set(true);
-    Ok(())
 }
 
 thread_local! {

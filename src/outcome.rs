@@ -18,6 +18,7 @@ use crate::commit::consumer_call;
 use crate::error::{Result, SqlResult, StreamError};
 use crate::exception_queue::{self, Status, Waker};
 use crate::group::GroupRef;
+use crate::key_gate::Key;
 use crate::lanes;
 use crate::locks;
 use crate::message;
@@ -71,7 +72,7 @@ pub(crate) fn settle(
     };
     // In a capped group every outcome may make room for a consumer the cap left idle.
     if (!released.is_empty() || group.max_inflight.is_some()) && signal == Signal::Now {
-        notify::signal(client, group.stream.id)?;
+        notify::signal(group.stream.id);
     }
     Ok(released)
 }
@@ -99,7 +100,8 @@ pub fn ack_in(
                         // Step 4's wake locks, before the ranges' rows: its statement reads the
                         // keys only while a row is parked (`DELETE_TOKEN_KEYS_IF_PARKED`).
                         locks::lanes_shared(group.id, &lanes);
-                        (true, Some(&exception_queue::DELETE_TOKEN_KEYS_IF_PARKED))
+                        let statement = &exception_queue::DELETE_TOKEN_KEYS_IF_PARKED;
+                        (true, Some(range::Instead { statement, lanes: None }))
                     }
                     None => (true, None),
                 },
@@ -167,7 +169,7 @@ fn record_setback(
             let setback = decide(group, 0, 0, now);
             let row = exception_queue::setback_first_delivery(&message, setback, error, now);
             exception_queue::insert(client, stream_id, group.id, &[row], now)?;
-            (message.key, message.concurrency, setback)
+            (message.key.map(Key::into_string), message.concurrency, setback)
         } else {
             return Ok(None);
         };

@@ -42,6 +42,8 @@ struct Claim {
     range_ids: Box<[i64]>,
     /// The lanes of its ranges that handed out a message with a key, sorted.
     keyed_lanes: Box<[i32]>,
+    /// The lanes it stored its hold on, sorted.
+    held: Box<[i32]>,
 }
 
 /// The newest claim of `token` this backend remembers.
@@ -57,14 +59,16 @@ thread_local! {
 }
 
 /// A claim of the transaction in progress handed out work under `token`, and `range_ids` from
-/// ranges, those with a key from ranges in `keyed_lanes`.
-pub fn made(token: pgrx::Uuid, facts: Facts, mut range_ids: Vec<i64>, mut keyed_lanes: Vec<i32>) {
+/// ranges, those with a key from ranges in `keyed_lanes`; it holds the lanes in `held`.
+pub fn made(token: pgrx::Uuid, facts: Facts, mut range_ids: Vec<i64>, mut keyed_lanes: Vec<i32>, mut held: Vec<i32>) {
     if range_ids.len() > RANGE_IDS_KEPT {
         range_ids = vec![];
     }
     range_ids.sort_unstable();
-    keyed_lanes.sort_unstable();
-    keyed_lanes.dedup();
+    for lanes in [&mut keyed_lanes, &mut held] {
+        lanes.sort_unstable();
+        lanes.dedup();
+    }
     MADE.with(|made| {
         let mut made = made.borrow_mut();
         // A transaction that claims many times (a loop in a DO block) counts its last claims only.
@@ -76,6 +80,7 @@ pub fn made(token: pgrx::Uuid, facts: Facts, mut range_ids: Vec<i64>, mut keyed_
             facts,
             range_ids: range_ids.into_boxed_slice(),
             keyed_lanes: keyed_lanes.into_boxed_slice(),
+            held: held.into_boxed_slice(),
         })
     });
 }
@@ -90,6 +95,12 @@ pub fn facts(token: pgrx::Uuid) -> Option<Facts> {
 /// them (a range split off stays in its lane).
 pub fn keyed_lanes(token: pgrx::Uuid) -> Option<Vec<i32>> {
     KNOWN.with(|k| known(&k.borrow(), token).map(|c| c.keyed_lanes.to_vec()))
+}
+
+/// The lanes this backend's committed claim of `token` stored its hold on, sorted: no lane
+/// outside them is held under the token (a lease's extension only moves a hold's expiry).
+pub fn held_lanes(token: pgrx::Uuid) -> Option<Vec<i32>> {
+    KNOWN.with(|k| known(&k.borrow(), token).map(|c| c.held.to_vec()))
 }
 
 /// Whether `ids` name every message this backend's committed claim of `token` handed out from
@@ -143,7 +154,7 @@ mod tests {
 
     #[test]
     fn a_claim_counts_once_committed() {
-        made(token(1), NOTHING, vec![], vec![]);
+        made(token(1), NOTHING, vec![], vec![], vec![]);
         assert_eq!(facts(token(1)), None, "not before the commit");
         committed();
         assert_eq!(facts(token(1)), Some(NOTHING));
@@ -151,7 +162,7 @@ mod tests {
 
     #[test]
     fn a_rolled_back_claim_is_not_known() {
-        made(token(2), NOTHING, vec![], vec![]);
+        made(token(2), NOTHING, vec![], vec![], vec![]);
         rolled_back();
         committed();
         assert_eq!(facts(token(2)), None);
@@ -160,7 +171,7 @@ mod tests {
     #[test]
     fn the_oldest_claims_are_forgotten() {
         for n in 10..10 + KEPT as u8 + 1 {
-            made(token(n), NOTHING, vec![], vec![]);
+            made(token(n), NOTHING, vec![], vec![], vec![]);
         }
         committed();
         assert_eq!(facts(token(10)), None);
@@ -169,7 +180,7 @@ mod tests {
 
     #[test]
     fn an_ack_covers_a_claim_when_it_names_every_message_of_its_ranges() {
-        made(token(100), NOTHING, vec![7, 5, 6], vec![]);
+        made(token(100), NOTHING, vec![7, 5, 6], vec![], vec![]);
         assert!(!covers(token(100), &[5, 6, 7]), "not before the commit");
         committed();
         assert!(covers(token(100), &[7, 6, 5]), "in any order");
@@ -177,17 +188,27 @@ mod tests {
         assert!(!covers(token(100), &[5, 6]), "not a part");
         assert!(!covers(token(100), &[5, 6, 6]), "not a part, named twice");
         assert!(!covers(token(101), &[5, 6, 7]), "not an unknown token");
-        made(token(102), NOTHING, vec![], vec![]);
+        made(token(102), NOTHING, vec![], vec![], vec![]);
         committed();
         assert!(!covers(token(102), &[1]), "not a claim that handed out no range");
     }
 
     #[test]
     fn a_claim_remembers_the_lanes_of_its_keyed_ranges() {
-        made(token(103), NOTHING, vec![1, 2, 3], vec![5, 1, 5]);
+        made(token(103), NOTHING, vec![1, 2, 3], vec![5, 1, 5], vec![]);
         assert_eq!(keyed_lanes(token(103)), None, "not before the commit");
         committed();
         assert_eq!(keyed_lanes(token(103)), Some(vec![1, 5]), "sorted, each once");
         assert_eq!(keyed_lanes(token(104)), None, "not an unknown token");
+    }
+
+    #[test]
+    fn a_claim_remembers_the_lanes_it_holds() {
+        let held = Facts { held_lanes: true, rows_in_flight: false };
+        made(token(105), held, vec![1], vec![3], vec![7, 3, 7]);
+        assert_eq!(held_lanes(token(105)), None, "not before the commit");
+        committed();
+        assert_eq!(held_lanes(token(105)), Some(vec![3, 7]), "sorted, each once");
+        assert_eq!(held_lanes(token(106)), None, "not an unknown token");
     }
 }

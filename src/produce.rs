@@ -226,7 +226,8 @@ fn finish(
         let keys: Vec<Option<&str>> = keys.to_vec();
         COMPACTION_HEADS.run(client, stream.id, &[keys.into(), ids.to_vec().into()])?;
     }
-    notify::signal(client, stream.id)
+    notify::signal(stream.id);
+    Ok(())
 }
 
 /// Produces one message; `None` when `idempotency_key` was already used within its TTL.

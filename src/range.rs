@@ -205,10 +205,11 @@ const DELETE: Statement = Statement {
 };
 
 /// `DELETE_TOKEN`'s text, with `$lanes`, a further part of the statement, `$keys_column`, the
-/// keys it returns for a range `r`, and `$lanes_column`, the column that returns what the further
-/// part did (`END_HOLDS_WITH_RANGES` in src/lanes/holds.rs).
+/// keys it returns for a range `r`, and `$one`, the one row the result is joined to, whose
+/// `lanes` column returns what the further part did (`END_HOLDS_WITH_RANGES` in
+/// src/lanes/holds.rs).
 macro_rules! delete_token {
-    ($lanes:expr, $keys_column:expr, $lanes_column:literal) => {
+    ($lanes:expr, $keys_column:expr, $one:expr) => {
         concat!(
             "WITH r AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1 AND lease_token = $2
                         RETURNING pending, pending_keys, lane),
@@ -219,9 +220,9 @@ macro_rules! delete_token {
             "
              SELECT r.pending, ",
             $keys_column,
-            " AS pending_keys, ARRAY(SELECT message_id FROM d) AS done, ",
-            $lanes_column,
-            " AS lanes FROM (SELECT) AS one LEFT JOIN r ON true"
+            " AS pending_keys, ARRAY(SELECT message_id FROM d) AS done, one.lanes FROM (",
+            $one,
+            ") AS one LEFT JOIN r ON true"
         )
     };
 }
@@ -233,7 +234,7 @@ pub(crate) use delete_token;
 /// locked rows, a seek holds the group), and the token's lock runs those one at a time.
 const DELETE_TOKEN: Statement = Statement {
     name: "range_delete_token",
-    sql: delete_token!("", "r.pending_keys", "NULL::int4[]"),
+    sql: delete_token!("", "r.pending_keys", "SELECT NULL::int4[] AS lanes"),
     params: &[INT8OID, UUIDOID],
 };
 
@@ -406,11 +407,13 @@ pub fn resolve_covered(
     group_id: i64,
     token: pgrx::Uuid,
     with_keys: bool,
-    instead: Option<&Statement>,
+    instead: Option<Instead>,
 ) -> Result<Covered> {
     let mut covered = Covered { resolved: vec![], answered: HashSet::default(), released: None };
-    let statement = instead.unwrap_or(&DELETE_TOKEN);
-    let rows = statement.exec_deformed(client, stream_id, &[group_id.into(), token.into()], Access::Write)?;
+    let Instead { statement, lanes } = instead.unwrap_or(Instead { statement: &DELETE_TOKEN, lanes: None });
+    let mut args = vec![group_id.into(), token.into()];
+    args.extend(lanes.map(DatumWithOid::from));
+    let rows = statement.exec_deformed(client, stream_id, &args, Access::Write)?;
     let mut released_lanes = None;
     for (pending, keys, done, lanes) in rows.map(|row| {
         let keys: Option<Vec<Option<String>>> = if with_keys { row.get(2)? } else { None };
@@ -428,6 +431,13 @@ pub fn resolve_covered(
         Released { lanes }
     });
     Ok(covered)
+}
+
+/// A statement `resolve_covered` runs instead of `DELETE_TOKEN`, with the same columns and first
+/// two parameters, and `lanes` as its third when it takes one.
+pub struct Instead {
+    pub statement: &'static Statement,
+    pub lanes: Option<Vec<i32>>,
 }
 
 /// Whether `resolve_covered` may run for an outcome of `ids` under `token`: under READ
@@ -495,14 +505,14 @@ pub(crate) fn lease_args(group_id: i64, lease: &Lease<'_>) -> Vec<DatumWithOid<'
         statement::timestamptz(lease.expires),
         range.reclaims.into(),
         range.pending.as_slice().into(),
-        statement::text_array(lease.keys.iter().copied()),
+        statement::text_array(lease.keys),
         range.lane.into(),
     ]
 }
 
 /// A `text[]` parameter of `keys`, without copying them first.
 fn keys_arg(keys: &[Option<String>]) -> DatumWithOid<'static> {
-    statement::text_array(keys.iter().map(Option::as_deref))
+    statement::text_array(&keys.iter().map(Option::as_deref).collect::<Vec<_>>())
 }
 
 /// Stores `rest`, split off range `first_id` (see `RangeLease::split_off`).

@@ -128,6 +128,12 @@ impl IntoCell for String {
     }
 }
 
+impl IntoCell for crate::key_gate::Key {
+    fn into_cell(self, cells: &mut Cells) -> Option<pg_sys::Datum> {
+        cells.text(&self)
+    }
+}
+
 impl IntoCell for pgrx::Uuid {
     fn into_cell(self, cells: &mut Cells) -> Option<pg_sys::Datum> {
         // uuid is 16 bytes by reference, aligned to a byte.

@@ -234,17 +234,18 @@ pub fn timestamptz<'a>(micros: pg_sys::TimestampTz) -> DatumWithOid<'a> {
 
 /// A `text[]` parameter of `texts` (`None` a NULL element), made by one call into Postgres rather
 /// than one per element as pgrx's conversion does: a claim passes a key per message it hands out.
-pub fn text_array<'a>(texts: impl ExactSizeIterator<Item = Option<&'a str>>) -> DatumWithOid<'static> {
+pub fn text_array(texts: &[Option<&str>]) -> DatumWithOid<'static> {
     let count = texts.len();
     // The texts as varlenas with 4-byte headers, each at a 4-byte boundary (text's alignment),
     // in one buffer of words; `construct_md_array` copies them into the array.
-    let mut words: Vec<u32> = Vec::new();
+    let words_of = |text: &str| (text.len() + pg_sys::VARHDRSZ).div_ceil(4);
+    let mut words: Vec<u32> = Vec::with_capacity(texts.iter().flatten().map(|text| words_of(text)).sum());
     let mut starts: Vec<Option<usize>> = Vec::with_capacity(count);
     for text in texts {
         starts.push(text.map(|text| {
             let start = words.len();
             let bytes = text.len() + pg_sys::VARHDRSZ;
-            words.resize(start + bytes.div_ceil(4), 0);
+            words.resize(start + words_of(text), 0);
             // SAFETY: the words from `start` hold `bytes` bytes: the header, then the text.
             unsafe {
                 let varlena = words.as_mut_ptr().add(start).cast::<pg_sys::varlena>();

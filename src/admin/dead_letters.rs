@@ -74,7 +74,7 @@ fn redrive(
             .collect::<crate::error::Result<_>>()?;
         redriven.sort_unstable();
         if !redriven.is_empty() {
-            notify::signal(client, g.stream.id)?;
+            notify::signal(g.stream.id);
         }
         Ok(redriven)
     })?)
@@ -101,7 +101,7 @@ fn skip(stream: Option<&str>, group_name: Option<&str>, message_id: Option<i64>)
             clock::now(),
             Waker::Outcome,
         )?;
-        notify::signal(client, g.stream.id)?;
+        notify::signal(g.stream.id);
         Ok(true)
     })?)
 }

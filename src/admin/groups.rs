@@ -347,7 +347,7 @@ fn alter_group(
         ALTER.run(client, 0, &args.collect::<Vec<_>>())?;
         if g.max_inflight.is_some_and(|old| cap.is_none_or(|new| new > old)) {
             // More room, or no cap: consumers the cap left idle may claim now.
-            crate::notify::signal(client, g.stream.id)?;
+            crate::notify::signal(g.stream.id);
         }
         if g.hold_on_dead && on_dead == "release" {
             // Keys held at a dead message go on now: wake what waits behind them.
@@ -393,7 +393,7 @@ fn set_paused(stream: Option<&str>, group_name: Option<&str>, paused: bool) -> S
         |client, g| {
             let changed = !SET_PAUSED.run(client, 0, &[g.id.into(), paused.into()])?.is_empty();
             if changed && !paused {
-                crate::notify::signal(client, g.stream.id)?;
+                crate::notify::signal(g.stream.id);
             }
             Ok(changed)
         },

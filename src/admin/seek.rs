@@ -90,7 +90,7 @@ fn seek(
         }
         .min(head);
         MOVE.run(client, g.stream.id, &[g.id.into(), position.into()])?;
-        notify::signal(client, g.stream.id)?;
+        notify::signal(g.stream.id);
         Ok(position)
     })?)
 }

@@ -6,6 +6,7 @@ use pgrx::prelude::*;
 
 use super::{claim, CarriedAcks, Delivery, MAX_BATCH};
 use crate::error::{Result, StreamError};
+use crate::key_gate::Key;
 use crate::names::{self, positive_micros, validate_name};
 use crate::payload::RawJsonb;
 use crate::srf;
@@ -88,7 +89,7 @@ fn claim_sql(
         'static,
         (
             name!(message_id, i64),
-            name!(message_key, Option<String>),
+            name!(message_key, Option<Key>),
             name!(concurrency, &'static str),
             name!(attempt, i32),
             name!(payload, RawJsonb),
@@ -120,7 +121,7 @@ fn claim_with_metadata_sql(
         'static,
         (
             name!(message_id, i64),
-            name!(message_key, Option<String>),
+            name!(message_key, Option<Key>),
             name!(concurrency, &'static str),
             name!(attempt, i32),
             name!(payload, RawJsonb),

@@ -85,7 +85,7 @@ pub const LEASE_EXPIRED: &str = "the delivery's lease expired before an outcome 
 fn new_row(c: &Candidate, status: Status, can_run_after: i64) -> NewRow {
     NewRow {
         message_id: c.message_id,
-        key: c.key.clone(),
+        key: c.key.as_deref().map(str::to_owned),
         concurrency: c.concurrency,
         compaction: c.compaction,
         status,
@@ -433,7 +433,7 @@ pub const DELETE_TOKEN_KEYS_IF_PARKED: Statement = Statement {
     sql: crate::range::delete_token!(
         "",
         concat!("CASE WHEN ", super::any_parked!(), " THEN r.pending_keys END"),
-        "NULL::int4[]"
+        "SELECT NULL::int4[] AS lanes"
     ),
     params: &[INT8OID, UUIDOID],
 };
@@ -502,7 +502,7 @@ pub fn after_resolution(
     let woken =
         WAKE.run(client, stream_id, &[group.id.into(), keys.into(), statement::timestamptz(now), WAKE_PER_KEY.into()])?;
     if !woken.is_empty() {
-        notify::signal(client, stream_id)?;
+        notify::signal(stream_id);
     }
     Ok(())
 }

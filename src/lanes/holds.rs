@@ -70,7 +70,9 @@ const STORE_WITH_NEW_RANGE: Statement = Statement {
 
 /// Every range under token `$2` deleted (`range::DELETE_TOKEN`, with its columns), and the
 /// token's lane holds ended (as `RELEASE`) in the same statement: for a claim that put no row in
-/// flight, the token's ranges were all its work (`end_holds_with_ranges`).
+/// flight, the token's ranges were all its work (`end_holds_with_ranges`). `$3` lists the lanes
+/// the claim stored its hold on, so that only their rows are read; one of them another claim
+/// took over since is not the token's any more, and is left alone.
 ///
 /// A range whose lane it found still held by the token returns no keys while the group has no
 /// parked row. No claim can have parked a row of those keys since the token's claim
@@ -80,15 +82,15 @@ const STORE_WITH_NEW_RANGE: Statement = Statement {
 const END_HOLDS_WITH_RANGES: Statement = Statement {
     name: "lanes_end_holds_with_ranges",
     sql: range::delete_token!(
-        concat!(", l AS (", end_holds!(), " RETURNING l.lane)"),
+        concat!(", l AS (", end_holds!(), " AND l.lane = ANY($3) RETURNING l.lane)"),
         concat!(
-            "CASE WHEN r.lane = ANY(ARRAY(SELECT lane FROM l)) AND NOT ",
+            "CASE WHEN r.lane = ANY(one.lanes) AND NOT ",
             crate::exception_queue::any_parked!(),
             " THEN NULL ELSE r.pending_keys END"
         ),
-        "ARRAY(SELECT lane FROM l)"
+        "SELECT coalesce(array_agg(lane), '{}') AS lanes FROM l"
     ),
-    params: &[INT8OID, UUIDOID],
+    params: &[INT8OID, UUIDOID, INT4ARRAYOID],
 };
 
 /// Frees each lane token `$2` holds once nothing it handed out from that lane is unresolved.
@@ -174,10 +176,12 @@ pub fn release(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid) -> R
 }
 
 /// The statement an ack that resolves every range of `token` (`range::resolve_covered`) runs to
-/// end the token's lane holds with them, `END_HOLDS_WITH_RANGES`: when the token is this
-/// backend's claim, which held a lane and put no row in flight, so that its ranges were all it
-/// left unresolved. None otherwise (`release` then runs after the outcome).
-pub fn end_holds_with_ranges(group: &GroupRef, token: pgrx::Uuid) -> Option<&'static Statement> {
+/// end the token's lane holds with them, `END_HOLDS_WITH_RANGES`, with its parameter after the
+/// group and the token: when the token is this backend's claim, which held a lane and put no
+/// row in flight, so that its ranges were all it left unresolved. None otherwise (`release`
+/// then runs after the outcome).
+pub fn end_holds_with_ranges(group: &GroupRef, token: pgrx::Uuid) -> Option<range::Instead> {
     let folds = holds(group) && own_claims::facts(token).is_some_and(|f| f.held_lanes && !f.rows_in_flight);
-    folds.then_some(&END_HOLDS_WITH_RANGES)
+    let lanes = own_claims::held_lanes(token).filter(|_| folds)?;
+    Some(range::Instead { statement: &END_HOLDS_WITH_RANGES, lanes: Some(lanes) })
 }

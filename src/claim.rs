@@ -38,7 +38,8 @@ use crate::error::{Result, StreamError};
 use crate::exception_queue::{self, Change, Expired, Held, Status, Waker};
 use crate::fence::{self, Fence};
 use crate::group::GroupRef;
-use crate::key_gate::{self, Candidate, GatherInput, Key, Verdict};
+use crate::key::Key;
+use crate::key_gate::{self, Candidate, GatherInput, Verdict};
 use crate::lanes::{self, Lane};
 use crate::locks;
 use crate::message::{self, Address, Message, Meta};
@@ -354,24 +355,26 @@ impl Claim<'_> {
         let (deliveries, mut pending, holding) = self.record(candidates, handouts, verdicts);
         own_claims::made(
             self.token,
-            own_claims::Facts { held_lanes: !holding.is_empty(), rows_in_flight: self.work_in_flight },
-            pending.iter().map(|p| p.id).collect(),
-            self.keyed_lanes(&pending, &deliveries),
-            holding.clone(),
+            own_claims::Made {
+                rows_in_flight: self.work_in_flight,
+                range_ids: pending.iter().map(|p| p.id).collect(),
+                keyed_lanes: self.keyed_lanes(&pending, &deliveries),
+                held: holding.clone(),
+            },
         );
         exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;
         // Hold a lane while a key it handed out may need it: ordered and exclusive deliveries.
-        let claim_hold = |lane: i32| holding.contains(&lane).then_some((self.token, self.expires));
+        let claim_hold = |lane: i32| holding.binary_search(&lane).is_ok().then_some((self.token, self.expires));
         let taken: Vec<i32> = self.lanes.iter().map(|l| l.lane).collect();
         let mut lanes = std::mem::take(&mut self.lanes);
-        for mut range in std::mem::take(&mut self.ranges) {
+        for range in std::mem::take(&mut self.ranges) {
             let (mine, rest): (Vec<_>, Vec<_>) = pending.into_iter().partition(|p| p.range == range.first_id);
             pending = rest;
-            range.pending = mine.iter().map(|p| p.id).collect();
             // The keys stay with the deliveries; the range's row takes them from there.
-            range.pending_keys.clear();
+            let ids: Vec<i64> = mine.iter().map(|p| p.id).collect();
             let keys: Vec<Option<&str>> = mine.iter().map(|p| deliveries[p.delivery].message_key.as_deref()).collect();
-            let lease = range::Lease { range: &range, keys: &keys, token: self.token, expires: self.expires };
+            let (token, expires) = (self.token, self.expires);
+            let lease = range::Lease { range: &range, pending: &ids, keys: &keys, token, expires };
             // A new range and its lane's position go in one statement (the usual claim).
             if let Some(i) = lanes.iter().position(|l| l.lane == range.lane) {
                 let (claimed, hold) = (lanes[i].claimed, claim_hold(range.lane));

@@ -40,42 +40,12 @@ use pgrx::spi::SpiClient;
 
 use crate::concurrency::Concurrency;
 use crate::error::Result;
+use crate::key::Key;
 use crate::statement::{Columns, Statement};
 
 /// A row that would wait is parked at least this long (microseconds), unless a resolution wakes
 /// it earlier. Keeps a blocked row from being re-examined by every claim.
 pub const MIN_PARK_MICROS: i64 = 1_000_000;
-
-/// A message's key as a claim holds it: one of up to 24 bytes, as most keys are, needs no
-/// allocation of its own. A claim's result returns it as `text`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Key(compact_str::CompactString);
-
-pgrx::impl_sql_translatable!(Key, "text");
-
-impl Key {
-    pub fn new(key: &str) -> Key {
-        Key(compact_str::CompactString::new(key))
-    }
-
-    pub fn into_string(self) -> String {
-        self.0.into_string()
-    }
-}
-
-impl std::ops::Deref for Key {
-    type Target = str;
-
-    fn deref(&self) -> &str {
-        &self.0
-    }
-}
-
-impl From<String> for Key {
-    fn from(key: String) -> Key {
-        Key(key.into())
-    }
-}
 
 /// A message a claim could hand out.
 #[derive(Clone, Debug, PartialEq)]

@@ -36,6 +36,7 @@ mod group;
 mod head;
 mod inflight_cap;
 mod inspect;
+mod key;
 mod key_gate;
 mod lanes;
 mod lease;

@@ -40,8 +40,10 @@ pub fn signal(stream_id: i64) {
     if key.0 != 0 && LAST.with(|last| *last.borrow() == Some(key)) {
         return;
     }
-    // `pg_notify(channel, '')` called as a function, not through a statement: the same checks
-    // (none on a primary) and the same queued notification, without a plan and an executor.
+    // `pg_notify(channel, '')` called as a function, not through a statement: the same queued
+    // notification and the same refusal on a standby, without a plan and an executor. Nor the
+    // EXECUTE check a statement makes: every caller runs as the extension's owner (src/access.rs),
+    // who may run it.
     let (channel, payload) = (channel(stream_id).into_datum(), "".into_datum());
     // SAFETY: pg_notify takes two texts and returns void; an ERROR it raises is re-thrown.
     unsafe {

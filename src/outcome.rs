@@ -18,7 +18,7 @@ use crate::commit::consumer_call;
 use crate::error::{Result, SqlResult, StreamError};
 use crate::exception_queue::{self, Status, Waker};
 use crate::group::GroupRef;
-use crate::key_gate::Key;
+use crate::key::Key;
 use crate::lanes;
 use crate::locks;
 use crate::message;

@@ -1,11 +1,12 @@
-//! What this backend's own committed claims handed out, by lease token: whether a claim held a
-//! lane, whether it put an exception row in flight, which messages it handed out from ranges,
-//! and the lanes of those ranges with a keyed message (whose wake locks a whole ack takes before
-//! its statement: src/outcome.rs). A consumer that acks with its next claim (or on the connection it claimed on) then
-//! skips the two statements an ack runs for the first two, which find nothing for most claims:
-//! the release of the lanes the token holds, and the delete of its rows in flight. An ack that
-//! names every message the claim handed out from ranges deletes the token's ranges whole, in
-//! one statement (src/range.rs, `resolve_covered`).
+//! What this backend's own committed claims handed out, by lease token: the lanes a claim
+//! stored its hold on, whether it put an exception row in flight, which messages it handed out
+//! from ranges, and the lanes of those ranges with a keyed message (whose wake locks a whole ack
+//! takes before its statement: src/outcome.rs). A consumer that acks with its next claim (or on
+//! the connection it claimed on) then skips the two statements an ack runs for the first two,
+//! which find nothing for most claims: the release of the lanes the token holds, and the delete
+//! of its rows in flight. An ack that names every message the claim handed out from ranges
+//! deletes the token's ranges whole, in one statement (src/range.rs, `resolve_covered`), which
+//! ends the holds too, reading only the lane rows of the lanes the claim held.
 //!
 //! The facts are final once the claim commits: only the claim that made a token holds a lane
 //! or puts a row in flight under it (a claim handing out an expired row or range again does so
@@ -58,9 +59,22 @@ thread_local! {
     static KNOWN: RefCell<VecDeque<Claim>> = const { RefCell::new(VecDeque::new()) };
 }
 
-/// A claim of the transaction in progress handed out work under `token`, and `range_ids` from
-/// ranges, those with a key from ranges in `keyed_lanes`; it holds the lanes in `held`.
-pub fn made(token: pgrx::Uuid, facts: Facts, mut range_ids: Vec<i64>, mut keyed_lanes: Vec<i32>, mut held: Vec<i32>) {
+/// What a claim handed out, as `made` records it.
+pub struct Made {
+    /// It handed out an exception row (`Facts::rows_in_flight`).
+    pub rows_in_flight: bool,
+    /// The messages it handed out from ranges.
+    pub range_ids: Vec<i64>,
+    /// The lanes of its ranges that handed out a message with a key.
+    pub keyed_lanes: Vec<i32>,
+    /// The lanes it stored its hold on.
+    pub held: Vec<i32>,
+}
+
+/// A claim of the transaction in progress handed out `made` under `token`.
+pub fn made(token: pgrx::Uuid, made: Made) {
+    let Made { rows_in_flight, mut range_ids, mut keyed_lanes, mut held } = made;
+    let facts = Facts { held_lanes: !held.is_empty(), rows_in_flight };
     if range_ids.len() > RANGE_IDS_KEPT {
         range_ids = vec![];
     }
@@ -69,8 +83,8 @@ pub fn made(token: pgrx::Uuid, facts: Facts, mut range_ids: Vec<i64>, mut keyed_
         lanes.sort_unstable();
         lanes.dedup();
     }
-    MADE.with(|made| {
-        let mut made = made.borrow_mut();
+    MADE.with(|claims| {
+        let mut made = claims.borrow_mut();
         // A transaction that claims many times (a loop in a DO block) counts its last claims only.
         if made.len() == KEPT {
             made.remove(0);
@@ -152,9 +166,13 @@ mod tests {
 
     const NOTHING: Facts = Facts { held_lanes: false, rows_in_flight: false };
 
+    fn claim(range_ids: Vec<i64>, keyed_lanes: Vec<i32>, held: Vec<i32>) -> Made {
+        Made { rows_in_flight: false, range_ids, keyed_lanes, held }
+    }
+
     #[test]
     fn a_claim_counts_once_committed() {
-        made(token(1), NOTHING, vec![], vec![], vec![]);
+        made(token(1), claim(vec![], vec![], vec![]));
         assert_eq!(facts(token(1)), None, "not before the commit");
         committed();
         assert_eq!(facts(token(1)), Some(NOTHING));
@@ -162,7 +180,7 @@ mod tests {
 
     #[test]
     fn a_rolled_back_claim_is_not_known() {
-        made(token(2), NOTHING, vec![], vec![], vec![]);
+        made(token(2), claim(vec![], vec![], vec![]));
         rolled_back();
         committed();
         assert_eq!(facts(token(2)), None);
@@ -171,7 +189,7 @@ mod tests {
     #[test]
     fn the_oldest_claims_are_forgotten() {
         for n in 10..10 + KEPT as u8 + 1 {
-            made(token(n), NOTHING, vec![], vec![], vec![]);
+            made(token(n), claim(vec![], vec![], vec![]));
         }
         committed();
         assert_eq!(facts(token(10)), None);
@@ -180,7 +198,7 @@ mod tests {
 
     #[test]
     fn an_ack_covers_a_claim_when_it_names_every_message_of_its_ranges() {
-        made(token(100), NOTHING, vec![7, 5, 6], vec![], vec![]);
+        made(token(100), claim(vec![7, 5, 6], vec![], vec![]));
         assert!(!covers(token(100), &[5, 6, 7]), "not before the commit");
         committed();
         assert!(covers(token(100), &[7, 6, 5]), "in any order");
@@ -188,14 +206,14 @@ mod tests {
         assert!(!covers(token(100), &[5, 6]), "not a part");
         assert!(!covers(token(100), &[5, 6, 6]), "not a part, named twice");
         assert!(!covers(token(101), &[5, 6, 7]), "not an unknown token");
-        made(token(102), NOTHING, vec![], vec![], vec![]);
+        made(token(102), claim(vec![], vec![], vec![]));
         committed();
         assert!(!covers(token(102), &[1]), "not a claim that handed out no range");
     }
 
     #[test]
     fn a_claim_remembers_the_lanes_of_its_keyed_ranges() {
-        made(token(103), NOTHING, vec![1, 2, 3], vec![5, 1, 5], vec![]);
+        made(token(103), claim(vec![1, 2, 3], vec![5, 1, 5], vec![]));
         assert_eq!(keyed_lanes(token(103)), None, "not before the commit");
         committed();
         assert_eq!(keyed_lanes(token(103)), Some(vec![1, 5]), "sorted, each once");
@@ -204,11 +222,11 @@ mod tests {
 
     #[test]
     fn a_claim_remembers_the_lanes_it_holds() {
-        let held = Facts { held_lanes: true, rows_in_flight: false };
-        made(token(105), held, vec![1], vec![3], vec![7, 3, 7]);
+        made(token(105), claim(vec![1], vec![3], vec![7, 3, 7]));
         assert_eq!(held_lanes(token(105)), None, "not before the commit");
         committed();
         assert_eq!(held_lanes(token(105)), Some(vec![3, 7]), "sorted, each once");
+        assert_eq!(facts(token(105)), Some(Facts { held_lanes: true, rows_in_flight: false }));
         assert_eq!(held_lanes(token(106)), None, "not an unknown token");
     }
 }

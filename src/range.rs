@@ -207,8 +207,11 @@ const DELETE: Statement = Statement {
 /// `DELETE_TOKEN`'s text, with `$lanes`, a further part of the statement, `$keys_column`, the
 /// keys it returns for a range `r`, and `$one`, the one row the result is joined to, whose
 /// `lanes` column returns what the further part did (`END_HOLDS_WITH_RANGES` in
-/// src/lanes/holds.rs).
+/// src/lanes/holds.rs; NULL without `$one`).
 macro_rules! delete_token {
+    ($lanes:expr, $keys_column:expr) => {
+        $crate::range::delete_token!($lanes, $keys_column, "SELECT NULL::int4[] AS lanes")
+    };
     ($lanes:expr, $keys_column:expr, $one:expr) => {
         concat!(
             "WITH r AS (DELETE FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1 AND lease_token = $2
@@ -232,11 +235,8 @@ pub(crate) use delete_token;
 /// which it returns (`resolve_covered`). It locks the token's rows in the token index's order,
 /// not `FOR_TOKEN`'s: only outcomes of the same token wait for them (claims and bounds skip
 /// locked rows, a seek holds the group), and the token's lock runs those one at a time.
-const DELETE_TOKEN: Statement = Statement {
-    name: "range_delete_token",
-    sql: delete_token!("", "r.pending_keys", "SELECT NULL::int4[] AS lanes"),
-    params: &[INT8OID, UUIDOID],
-};
+const DELETE_TOKEN: Statement =
+    Statement { name: "range_delete_token", sql: delete_token!("", "r.pending_keys"), params: &[INT8OID, UUIDOID] };
 
 /// Outcomes no open range refers to any more: left by a transaction whose snapshot did not see
 /// them when it deleted their range (REPEATABLE READ). They are never read (their token leases
@@ -469,10 +469,12 @@ pub fn oldest_expired(
     Ok(without_done(client, stream_id, group_id, token, vec![range])?.pop())
 }
 
-/// A range a claim leases: its pending messages' keys (one per message of `range.pending`,
-/// borrowed from the claim's deliveries), its token and its expiry.
+/// A range as a claim leases it: the messages it handed out from it, in id order, and their
+/// keys (borrowed from the claim's deliveries) in place of the range's `pending` and
+/// `pending_keys`, under the claim's token until its expiry.
 pub struct Lease<'a> {
     pub range: &'a RangeLease,
+    pub pending: &'a [i64],
     pub keys: &'a [Option<&'a str>],
     pub token: pgrx::Uuid,
     pub expires: i64,
@@ -482,7 +484,7 @@ pub struct Lease<'a> {
 /// nothing pending is not kept.
 pub fn lease(client: &SpiClient<'_>, stream_id: i64, group_id: i64, lease: &Lease<'_>) -> Result<()> {
     let range = lease.range;
-    if range.pending.is_empty() {
+    if lease.pending.is_empty() {
         // A fresh range (no reclaims yet) was never stored.
         return if range.reclaims > 0 { delete(client, stream_id, group_id, range.first_id) } else { Ok(()) };
     }
@@ -496,7 +498,7 @@ pub fn lease(client: &SpiClient<'_>, stream_id: i64, group_id: i64, lease: &Leas
 pub(crate) fn lease_args(group_id: i64, lease: &Lease<'_>) -> Vec<DatumWithOid<'static>> {
     let range = lease.range;
     // The table has no CHECK for it (the install script says why).
-    debug_assert_eq!(range.pending.len(), lease.keys.len(), "a key for each pending message");
+    debug_assert_eq!(lease.pending.len(), lease.keys.len(), "a key for each pending message");
     vec![
         group_id.into(),
         range.first_id.into(),
@@ -504,7 +506,7 @@ pub(crate) fn lease_args(group_id: i64, lease: &Lease<'_>) -> Vec<DatumWithOid<'
         lease.token.into(),
         statement::timestamptz(lease.expires),
         range.reclaims.into(),
-        range.pending.as_slice().into(),
+        lease.pending.into(),
         statement::text_array(lease.keys),
         range.lane.into(),
     ]

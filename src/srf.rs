@@ -128,7 +128,7 @@ impl IntoCell for String {
     }
 }
 
-impl IntoCell for crate::key_gate::Key {
+impl IntoCell for crate::key::Key {
     fn into_cell(self, cells: &mut Cells) -> Option<pg_sys::Datum> {
         cells.text(&self)
     }

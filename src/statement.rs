@@ -21,6 +21,9 @@ use pgrx::{FromDatum, IntoDatum, PgMemoryContexts};
 
 use crate::error::{Result, StreamError};
 
+mod text;
+pub use text::text_array;
+
 /// Whether a call may write. Inspection functions are declared `stable`: they read the
 /// caller's snapshot through read-only SPI; everything else takes a fresh snapshot per statement.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -232,61 +235,6 @@ pub fn timestamptz<'a>(micros: pg_sys::TimestampTz) -> DatumWithOid<'a> {
     unsafe { DatumWithOid::new(micros, pg_sys::TIMESTAMPTZOID) }
 }
 
-/// A `text[]` parameter of `texts` (`None` a NULL element), made by one call into Postgres rather
-/// than one per element as pgrx's conversion does: a claim passes a key per message it hands out.
-pub fn text_array(texts: &[Option<&str>]) -> DatumWithOid<'static> {
-    let count = texts.len();
-    // The texts as varlenas with 4-byte headers, each at a 4-byte boundary (text's alignment),
-    // in one buffer of words; `construct_md_array` copies them into the array.
-    let words_of = |text: &str| (text.len() + pg_sys::VARHDRSZ).div_ceil(4);
-    let mut words: Vec<u32> = Vec::with_capacity(texts.iter().flatten().map(|text| words_of(text)).sum());
-    let mut starts: Vec<Option<usize>> = Vec::with_capacity(count);
-    for text in texts {
-        starts.push(text.map(|text| {
-            let start = words.len();
-            let bytes = text.len() + pg_sys::VARHDRSZ;
-            words.resize(start + words_of(text), 0);
-            // SAFETY: the words from `start` hold `bytes` bytes: the header, then the text.
-            unsafe {
-                let varlena = words.as_mut_ptr().add(start).cast::<pg_sys::varlena>();
-                pgrx::varlena::set_varsize_4b(varlena, bytes as i32);
-                let data = varlena.cast::<u8>().add(pg_sys::VARHDRSZ);
-                std::ptr::copy_nonoverlapping(text.as_ptr(), data, text.len());
-            }
-            start
-        }));
-    }
-    let base = words.as_mut_ptr();
-    let mut nulls: Vec<bool> = starts.iter().map(Option::is_none).collect();
-    // SAFETY: every start is inside `words`, which lives until the array is built.
-    let mut elems: Vec<pg_sys::Datum> =
-        starts.iter().map(|s| s.map_or(pg_sys::Datum::null(), |s| unsafe { base.add(s) }.into())).collect();
-    let (mut dims, mut lower_bounds) = ([count as i32], [1]);
-    // SAFETY: `elems` and `nulls` hold `count` entries, and each element that is not NULL is a
-    // text with its length in its header.
-    let array = unsafe {
-        if count == 0 {
-            pg_sys::construct_empty_array(pg_sys::TEXTOID)
-        } else {
-            let (elems, nulls) = (elems.as_mut_ptr(), nulls.as_mut_ptr());
-            let (dims, lbs) = (dims.as_mut_ptr(), lower_bounds.as_mut_ptr());
-            pg_sys::construct_md_array(
-                elems,
-                nulls,
-                1,
-                dims,
-                lbs,
-                pg_sys::TEXTOID,
-                -1,
-                false,
-                pg_sys::TYPALIGN_INT as _,
-            )
-        }
-    };
-    // SAFETY: a text[] datum.
-    unsafe { DatumWithOid::new(pg_sys::Datum::from(array), pg_sys::TEXTARRAYOID) }
-}
-
 /// A nullable `timestamptz` parameter.
 pub fn timestamptz_opt<'a>(micros: Option<pg_sys::TimestampTz>) -> DatumWithOid<'a> {
     match micros {
@@ -486,30 +434,6 @@ impl<'a> Row<'a> {
             )
         };
         Ok(value.map_err(pgrx::spi::Error::DatumError)?)
-    }
-
-    /// The text at `ordinal` (1-based) handed to `f` as a `&str`; `None` for SQL NULL. A value
-    /// stored inline and uncompressed (a key or a policy's name, as a rule) is read where it
-    /// lies, without the copy and the calls into Postgres `get` makes; any other, and one that
-    /// is not UTF-8, takes `get`'s way.
-    pub fn text<R>(&self, ordinal: usize, f: impl FnOnce(&str) -> R) -> Result<Option<R>> {
-        let i = ordinal - 1;
-        debug_assert!([pg_sys::TEXTOID, pg_sys::VARCHAROID].contains(&self.types[i]), "column {ordinal} is text");
-        if self.nulls[i] {
-            return Ok(None);
-        }
-        let value = self.values[i].cast_mut_ptr::<pg_sys::varlena>();
-        // SAFETY: a text datum that is not NULL points to a varlena, valid while the row is
-        // (`Row::of`); its bytes are read only when they lie inline, with its length.
-        let inline = unsafe {
-            use pgrx::varlena::*;
-            let inline = (varatt_is_1b(value) && !varatt_is_1b_e(value)) || varatt_is_4b_u(value);
-            inline.then(|| std::str::from_utf8(varlena_to_byte_slice(value)).ok()).flatten()
-        };
-        match inline {
-            Some(text) => Ok(Some(f(text))),
-            None => Ok(self.get::<String>(ordinal)?.map(|text| f(&text))),
-        }
     }
 }
 

@@ -37,21 +37,31 @@ fn a_claim_returns_every_key_as_produced() {
     let s = Stream::create(&mut c, "key-bytes");
     let groups = [s.group(&mut c, "plain", None), s.group(&mut c, "meta", None), s.group(&mut c, "sql", None)];
     let mut keys: Vec<String> = ["k", "kéy-日本-🙂"].iter().map(|k| k.to_string()).collect();
-    keys.extend([125, 126, 127, 128, 1024].iter().map(|n| "k".repeat(*n)));
+    keys.extend([24, 25, 125, 126, 127, 128, 1024].iter().map(|n| "k".repeat(*n)));
     keys.push("日".repeat(42)); // 126 bytes in 42 characters
     keys.push("é".repeat(64)); // 128 bytes
     let mut ids: Vec<i64> = keys.iter().map(|k| s.produce(&mut c, json!({}), Some(k))).collect();
-    // A key the log stores compressed: a payload that does not compress makes the row too wide
-    // for its page, and the key is what compresses.
-    let noise: String = (0..40).map(|_| uuid::Uuid::new_v4().simple().to_string()).collect();
+    // A key the log stores compressed: a payload that does not compress (hex digits without a
+    // repeat, from a fixed generator) makes the row too wide for its page, and the key is what
+    // compresses.
+    let mut x: u64 = 1;
+    let noise: String = (0..1280)
+        .map(|_| {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            char::from_digit((x >> 60) as u32, 16).unwrap()
+        })
+        .collect();
     keys.push("c".repeat(1024));
     ids.push(s.produce(&mut c, json!({ "noise": noise }), keys.last().map(String::as_str)));
     let compressed =
         format!("SELECT pg_column_compression(message_key) FROM sqlstreams.message_log_{} WHERE id = $1", s.id);
     let compression: Option<String> = c.query_one(&compressed, &[ids.last().unwrap()]).unwrap().get(0);
     assert!(compression.is_some(), "the last key is stored compressed");
-    s.produce(&mut c, json!({}), None);
-    for (group, sql) in [
+    ids.push(s.produce(&mut c, json!({}), None));
+    keys.push(String::new()); // no key: NULL
+    let expected: Vec<(i64, Option<String>)> =
+        ids.iter().zip(&keys).map(|(id, k)| (*id, Some(k.clone()).filter(|k| !k.is_empty()))).collect();
+    let claims = [
         ("plain", "SELECT message_id, message_key, concurrency, lease_token FROM sqlstreams.claim($1, $2, 100)"),
         (
             "meta",
@@ -62,36 +72,43 @@ fn a_claim_returns_every_key_as_produced() {
             "SELECT message_id, message_key || '', upper(concurrency), lease_token::text::uuid
              FROM sqlstreams.claim($1, $2, 100) ORDER BY length(message_key), message_id",
         ),
-    ] {
-        let rows = c.query(sql, &[&s.name, &group]).unwrap();
-        assert_eq!(rows.len(), keys.len() + 1, "{group}");
-        let token: uuid::Uuid = rows[0].get(3);
-        for row in &rows {
-            let id: i64 = row.get(0);
-            let key: Option<String> = row.get(1);
-            let expected = ids.iter().position(|i| *i == id).map(|i| keys[i].clone());
-            assert_eq!(key, expected, "{group}: message {id}");
-            let concurrency: String = row.get(2);
-            assert_eq!(concurrency.to_lowercase(), "parallel", "{group}");
-            assert_eq!(row.get::<_, uuid::Uuid>(3), token, "{group}: one lease token for the claim");
+    ];
+    // Each group claims every message, then again once its leases ran out: the second claim
+    // hands the expired ranges out again, reading their messages by id.
+    for again in [false, true] {
+        for (group, sql) in claims {
+            let g = groups.iter().find(|g| g.name == group).unwrap();
+            if again {
+                g.expire_leases(&mut c);
+            }
+            let rows = c.query(sql, &[&s.name, &group]).unwrap();
+            let token: uuid::Uuid = rows[0].get(3);
+            let mut returned: Vec<(i64, Option<String>)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+            returned.sort();
+            assert_eq!(returned, expected, "{group} (again: {again}): every key as produced");
+            for row in &rows {
+                let concurrency: String = row.get(2);
+                assert_eq!(concurrency.to_lowercase(), "parallel", "{group}");
+                assert_eq!(row.get::<_, uuid::Uuid>(3), token, "{group}: one lease token for the claim");
+            }
+            // The claim's ranges keep each pending message's key, which outcomes read back.
+            let stored = c
+                .query(
+                    &format!(
+                        "SELECT u.id, u.key FROM sqlstreams.range_lease_{} r, unnest(r.pending, r.pending_keys) AS u(id, key)
+                         WHERE r.consumer_group_id = $1 AND r.lease_token = $2 ORDER BY u.id",
+                        s.id
+                    ),
+                    &[&g.id, &token],
+                )
+                .unwrap();
+            let stored: Vec<(i64, Option<String>)> = stored.iter().map(|r| (r.get(0), r.get(1))).collect();
+            assert_eq!(stored, expected, "{group} (again: {again}): the ranges' keys");
+            let reclaims =
+                format!("SELECT DISTINCT reclaims FROM sqlstreams.range_lease_{} WHERE lease_token = $1", s.id);
+            let reclaims: Vec<i32> = c.query(&reclaims, &[&token]).unwrap().iter().map(|r| r.get(0)).collect();
+            assert_eq!(reclaims, vec![i32::from(again)], "{group} (again: {again}): ranges handed out again");
         }
-        // The claim's ranges keep each pending message's key, which outcomes read back.
-        let group_id = groups.iter().find(|g| g.name == group).unwrap().id;
-        let stored = c
-            .query(
-                &format!(
-                    "SELECT u.id, u.key FROM sqlstreams.range_lease_{} r, unnest(r.pending, r.pending_keys) AS u(id, key)
-                     WHERE r.consumer_group_id = $1 ORDER BY u.id",
-                    s.id
-                ),
-                &[&group_id],
-            )
-            .unwrap();
-        let stored: Vec<(i64, Option<String>)> = stored.iter().map(|r| (r.get(0), r.get(1))).collect();
-        let mut expected: Vec<(i64, Option<String>)> =
-            ids.iter().copied().zip(keys.iter().cloned().map(Some)).collect();
-        expected.push((rows.iter().map(|r| r.get::<_, i64>(0)).max().unwrap(), None));
-        assert_eq!(stored, expected, "{group}: the ranges' keys");
     }
 }
 

@@ -6,7 +6,7 @@ use pgrx::prelude::*;
 
 use super::{claim, CarriedAcks, Delivery, MAX_BATCH};
 use crate::error::{Result, StreamError};
-use crate::key_gate::Key;
+use crate::key::Key;
 use crate::names::{self, positive_micros, validate_name};
 use crate::payload::RawJsonb;
 use crate::srf;

@@ -430,11 +430,7 @@ const ANY_PARKED: Statement =
 /// changed: it runs the same statement.
 pub const DELETE_TOKEN_KEYS_IF_PARKED: Statement = Statement {
     name: "eq_delete_token_keys_if_parked",
-    sql: crate::range::delete_token!(
-        "",
-        concat!("CASE WHEN ", super::any_parked!(), " THEN r.pending_keys END"),
-        "SELECT NULL::int4[] AS lanes"
-    ),
+    sql: crate::range::delete_token!("", concat!("CASE WHEN ", super::any_parked!(), " THEN r.pending_keys END")),
     params: &[INT8OID, UUIDOID],
 };
 

@@ -71,8 +71,9 @@ const STORE_WITH_NEW_RANGE: Statement = Statement {
 /// Every range under token `$2` deleted (`range::DELETE_TOKEN`, with its columns), and the
 /// token's lane holds ended (as `RELEASE`) in the same statement: for a claim that put no row in
 /// flight, the token's ranges were all its work (`end_holds_with_ranges`). `$3` lists the lanes
-/// the claim stored its hold on, so that only their rows are read; one of them another claim
-/// took over since is not the token's any more, and is left alone.
+/// the claim stored its hold on (src/own_claims.rs), so that only their rows are read: no other
+/// lane is held under the token. Of those, `held_by = $2` ends the holds the token still has; a
+/// lane another claim took over since has another holder, and is left alone.
 ///
 /// A range whose lane it found still held by the token returns no keys while the group has no
 /// parked row. No claim can have parked a row of those keys since the token's claim
@@ -140,7 +141,7 @@ pub fn store_with_new_range(
     claimed: i64,
     hold: Option<(pgrx::Uuid, i64)>,
 ) -> Result<bool> {
-    if lease.range.reclaims != 0 || lease.range.pending.is_empty() {
+    if lease.range.reclaims != 0 || lease.pending.is_empty() {
         return Ok(false);
     }
     let hold = hold_of(group, hold);

@@ -326,6 +326,7 @@ pub fn produce_many(
             let policy = concurrency.map(|c| Concurrency::parse("concurrency", c)).transpose()?;
             for key in &keys {
                 ProduceRequest::validate(*key, concurrency, compaction)?;
+                check_key_encoding("message_key", *key)?;
             }
             if let Some(idempotency) = &idempotency_keys {
                 check_idempotency_keys(idempotency, count as usize)?;
@@ -423,6 +424,7 @@ fn produce(
     crate::standby::refuse_writes("produce")?;
     let stream = validate_name("stream", stream)?;
     let request = ProduceRequest::validate(message_key, concurrency, compaction.unwrap_or(false))?;
+    check_key_encoding("message_key", message_key)?;
     let payload = payload.ok_or_else(|| {
         StreamError::invalid(
             "payload must not be NULL",
@@ -439,6 +441,7 @@ fn produce(
     if let Some(key) = idempotency_key {
         crate::names::check_key_length("idempotency_key", key)?;
     }
+    check_key_encoding("idempotency_key", idempotency_key)?;
     let extras = Extras { headers, deliver_after: check_deliver_after(deliver_after, compaction.unwrap_or(false))? };
     Ok(produce_one(stream, payload, &request, idempotency_key, extras)?)
 }
@@ -460,8 +463,23 @@ fn check_idempotency_keys(keys: &[Option<&str>], count: usize) -> Result<()> {
             ));
         }
         crate::names::check_key_length("idempotency_key", key)?;
+        check_key_encoding("idempotency_key", Some(key))?;
     }
     Ok(())
+}
+
+/// Refuses a key that a later read could not take: the extension reads keys as UTF-8, as pgrx
+/// does (src/statement/text.rs), and in a database whose encoding is not UTF-8 only an ASCII key
+/// reads the same either way. A key that passed produce must never make a later claim or
+/// outcome fail.
+fn check_key_encoding(what: &str, key: Option<&str>) -> Result<()> {
+    match key {
+        Some(key) if !key.is_ascii() && !crate::statement::utf8_database() => Err(StreamError::invalid(
+            format!("{what} '{}' is not ASCII, and the database's encoding is not UTF8", key.as_bytes().escape_ascii()),
+            "Use ASCII keys in this database (or a hash of the natural key), or keep the streams in a UTF8 database.",
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Appends many messages in one call (the fast path) and returns their ids in payload order.

@@ -22,7 +22,7 @@ use pgrx::{FromDatum, IntoDatum, PgMemoryContexts};
 use crate::error::{Result, StreamError};
 
 mod text;
-pub use text::text_array;
+pub use text::{text_array, utf8_database};
 
 /// Whether a call may write. Inspection functions are declared `stable`: they read the
 /// caller's snapshot through read-only SPI; everything else takes a fresh snapshot per statement.

@@ -157,3 +157,50 @@ fn drop_stream_under_repeatable_read_leaves_no_group_behind() {
         .get(0);
     assert_eq!(orphans, 0);
 }
+
+/// In a database whose encoding is not UTF-8, a key that is not ASCII reads differently as bytes
+/// and as UTF-8: produce refuses it, in a batch too, rather than store a message that every
+/// later claim of its lane would fail on. ASCII keys work there as anywhere.
+#[test]
+fn a_key_that_is_not_ascii_is_refused_where_the_encoding_is_not_utf8() {
+    let mut admin = connect();
+    let name = unique("ascii_db").replace('-', "_");
+    admin
+        .batch_execute(&format!(
+            "CREATE DATABASE {name} TEMPLATE template0 ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C'"
+        ))
+        .unwrap();
+    let url = database_url();
+    let url = format!("{}/{name}", url.rsplit_once('/').unwrap().0);
+    let mut c = Client::connect(&url, postgres::NoTls).unwrap();
+    c.batch_execute(
+        "CREATE EXTENSION sqlstreams;
+         SELECT sqlstreams.create_stream('s');
+         SELECT sqlstreams.create_group('s', 'g', 'ordered');",
+    )
+    .unwrap();
+    // The key's bytes are spelled in SQL: x then 0xE9 (é in LATIN1), which is not UTF-8.
+    let batch = "SELECT sqlstreams.produce_batch('s', ARRAY['{}', '{}']::jsonb[], ARRAY['plain', E'x\\xe9'])";
+    let err = c.batch_execute(batch).unwrap_err();
+    assert_eq!(sqlstate(&err), "22023", "{err:?}");
+    let message = err.as_db_error().unwrap().message().to_string();
+    assert!(message.contains(r"message_key 'x\xe9' is not ASCII"), "{message}");
+    assert!(err.as_db_error().unwrap().hint().is_some_and(|h| h.contains("ASCII keys")), "{err:?}");
+    let idempotency =
+        "SELECT sqlstreams.produce_batch('s', ARRAY['{}']::jsonb[], ARRAY['k'], idempotency_keys => ARRAY[E'i\\xe9'])";
+    assert_eq!(sqlstate(&c.batch_execute(idempotency).unwrap_err()), "22023");
+    let id: i64 = c.query_one("SELECT id FROM sqlstreams.streams WHERE name = 's'", &[]).unwrap().get(0);
+    let produced: i64 = c.query_one(&format!("SELECT count(*) FROM sqlstreams.message_log_{id}"), &[]).unwrap().get(0);
+    assert_eq!(produced, 0, "nothing of the refused batches is stored");
+    c.batch_execute("SELECT sqlstreams.produce_batch('s', ARRAY['{}', '{}']::jsonb[], ARRAY['plain', 'other'])")
+        .unwrap();
+    let keys: Vec<String> = c
+        .query("SELECT message_key FROM sqlstreams.claim('s', 'g', 10) ORDER BY message_id", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(keys, ["plain", "other"]);
+    drop(c);
+    admin.batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)")).unwrap();
+}

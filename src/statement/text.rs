@@ -14,7 +14,9 @@ thread_local! {
     static UTF8: OnceCell<bool> = const { OnceCell::new() };
 }
 
-fn utf8_database() -> bool {
+/// Whether the database's encoding is UTF-8: otherwise only ASCII texts read the same as bytes
+/// and as UTF-8.
+pub fn utf8_database() -> bool {
     // SAFETY: reads the backend's database encoding.
     UTF8.with(|utf8| *utf8.get_or_init(|| unsafe { pg_sys::GetDatabaseEncoding() } == pg_sys::pg_enc::PG_UTF8 as i32))
 }

@@ -43,6 +43,8 @@ use crate::error::Result;
 use crate::key::Key;
 use crate::statement::{Columns, Statement};
 
+mod any_blocker;
+
 /// A row that would wait is parked at least this long (microseconds), unless a resolution wakes
 /// it earlier. Keeps a blocked row from being re-examined by every claim.
 pub const MIN_PARK_MICROS: i64 = 1_000_000;
@@ -249,23 +251,6 @@ const CHECK: Statement = Statement {
     ],
 };
 
-/// Whether `CHECK` can find anything at all, in a statement much smaller than `CHECK` (whose
-/// plan costs more to set up than a group keeping up needs): any unresolved exception row of
-/// group `$1`, any range of it but this claim's (`$2`) in a lane the claim took (`$3`), the only
-/// ranges `CHECK` looks at (a key is in one lane). So other consumers' ranges, always open
-/// beside a consumer's claims, cost its claims nothing. Both in one statement, so in one
-/// snapshot, as `CHECK` reads them.
-const ANY_BLOCKER: Statement = Statement {
-    name: "gate_any_blocker",
-    sql: "SELECT coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ u
-                           WHERE u.consumer_group_id = $1 AND u.status IN ('ready', 'inflight', 'deferred')
-                           ORDER BY u.message_id LIMIT 1), false)
-              OR coalesce((SELECT true FROM sqlstreams.range_lease_@id@ o
-                           WHERE o.consumer_group_id = $1 AND o.first_id <> ALL($2) AND o.lane = ANY($3)
-                           ORDER BY o.first_id LIMIT 1), false) AS any",
-    params: &[INT8OID, INT8ARRAYOID, INT4ARRAYOID],
-};
-
 const COMPACTION_HEADS: Statement = Statement {
     name: "gate_compaction_heads",
     sql: "SELECT message_key, message_id FROM sqlstreams.compaction_head_@id@ WHERE message_key = ANY($1)",
@@ -301,23 +286,13 @@ pub struct GatherInput<'a> {
     pub hold_on_dead: bool,
 }
 
-/// Whether anything could block a key: with `on_dead = 'hold'` a dead row could; otherwise only
-/// an unresolved exception row or another range in the claim's lanes (`ANY_BLOCKER`).
-fn may_block(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<bool> {
-    if input.hold_on_dead {
-        return Ok(true);
-    }
-    let args = [input.group_id.into(), input.own_ranges.clone().into(), input.lanes.clone().into()];
-    ANY_BLOCKER.run(client, input.stream_id, &args)?.first().required("any")
-}
-
 /// Reads the facts `gate` needs, only for the keys that need them.
 pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<HashMap<String, KeyFacts>> {
     let mut facts: HashMap<String, KeyFacts> = HashMap::new();
     let timestamp = |micros: Option<pgrx::datum::TimestampWithTimeZone>| micros.map(|t| t.into_inner()).unwrap_or(0);
     let gated = input.candidates.iter().any(|c| c.key.is_some() && c.concurrency.is_keyed_gate());
     // The keys are gathered only once something could block one: as a rule nothing does.
-    if gated && may_block(client, input)? {
+    if gated && any_blocker::may_block(client, input)? {
         let mut ordered: HashMap<&str, i64> = HashMap::with_capacity(input.candidates.len()); // key -> highest id
         let mut exclusive: Vec<&str> = Vec::new();
         for c in input.candidates {

@@ -33,11 +33,7 @@ pub const LOG_COLUMNS: [(&str, pg_sys::Oid, bool); 9] = [
     ("deliver_at", pg_sys::TIMESTAMPTZOID, false),
 ];
 
-/// Whether `attribute` (of an open relation's descriptor) is named `name`.
-pub fn is_named(attribute: &pg_sys::FormData_pg_attribute, name: &str) -> bool {
-    // SAFETY: an attribute's name is NUL-terminated within its fixed-size field.
-    unsafe { std::ffi::CStr::from_ptr(attribute.attname.data.as_ptr()) }.to_bytes() == name.as_bytes()
-}
+pub use crate::statement::probe::is_named;
 
 const ADD: Statement = Statement {
     name: "partition_add",

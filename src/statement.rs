@@ -21,6 +21,7 @@ use pgrx::{FromDatum, IntoDatum, PgMemoryContexts};
 
 use crate::error::{Result, StreamError};
 
+pub mod probe;
 mod text;
 pub use text::{text_array, utf8_database};
 

@@ -356,6 +356,42 @@ fn the_group_override_covers_every_producer() {
     assert_eq!(theirs[1].run_after, Some(p[0]));
 }
 
+/// Whether anything could block a key is read from the queue's index of unresolved rows
+/// (src/key_gate/any_blocker.rs). An index a DBA rebuilt under that name with a narrower
+/// predicate, or dropped, would hide a waiting retry: the claim asks through a statement instead,
+/// and the key still waits.
+#[test]
+fn a_retry_holds_its_key_whatever_became_of_the_queues_index_of_unresolved_rows() {
+    let mut c = connect();
+    for shape in ["as installed", "narrower", "dropped", "wider"] {
+        let s = Stream::create(&mut c, "unresolved-index");
+        let g = s.group(&mut c, "g", Some("ordered"));
+        let (queue, index) = (s.table("exception_queue"), format!("{}_unresolved_idx", s.table("exception_queue")));
+        let rebuilt = |predicate: &str| {
+            format!(
+                "DROP INDEX {index}; CREATE INDEX {} ON {queue} (consumer_group_id, message_id) WHERE {predicate};",
+                index.trim_start_matches("sqlstreams.")
+            )
+        };
+        match shape {
+            "narrower" => c.batch_execute(&rebuilt("status IN ('inflight', 'deferred')")).unwrap(),
+            "dropped" => c.batch_execute(&format!("DROP INDEX {index}")).unwrap(),
+            "wider" => c.batch_execute(&rebuilt("status IN ('dead', 'deferred', 'inflight', 'ready')")).unwrap(),
+            _ => {}
+        }
+        let first = s.produce(&mut c, json!({}), Some("k"));
+        let d = g.claim(&mut c, 10);
+        assert_eq!(ids(&d), vec![first], "{shape}");
+        assert_eq!(g.fail(&mut c, &d[0], "x", false, Some("1 hour")).as_deref(), Some("ready"), "{shape}");
+        let second = s.produce(&mut c, json!({}), Some("k"));
+        assert!(g.claim(&mut c, 10).is_empty(), "{shape}: {second} waits for the retry of {first}");
+        g.make_due(&mut c);
+        let chain = g.claim(&mut c, 10);
+        assert_eq!(ids(&chain), vec![first, second], "{shape}: the retry, then its key's next");
+        assert_eq!(chain[1].run_after, Some(first), "{shape}");
+    }
+}
+
 #[test]
 fn ordered_waits_for_an_earlier_parallel_message_of_its_key() {
     let mut c = connect();

@@ -18,11 +18,11 @@
 //! primary key other than an ascending btree on `(lane, id)` with the integer operators.
 
 use pgrx::pg_sys;
-use pgrx::{PgRelation, PgTupleDesc};
+use pgrx::PgRelation;
 
 use crate::error::Result;
-use crate::partition::{self, LOG_COLUMNS};
-use crate::statement::{self, Row};
+use crate::partition::LOG_COLUMNS;
+use crate::statement::{self, probe, Row};
 
 /// Which messages of a lane to read: ids in `(after, upto]`, at most `limit` of them.
 #[derive(Clone, Copy, Debug)]
@@ -142,21 +142,13 @@ fn attnums(heap: &PgRelation, columns: &[&str]) -> Option<Vec<(usize, pg_sys::Oi
     if !plain {
         return None;
     }
-    let desc = heap.tuple_desc();
     columns
         .iter()
         .map(|name| {
             let (_, type_oid, _) = LOG_COLUMNS.iter().find(|(column, _, _)| column == name)?;
-            Some((attnum(&desc, name, *type_oid)?, *type_oid))
+            Some((probe::column(heap, name, *type_oid)?, *type_oid))
         })
         .collect()
-}
-
-/// The attribute number of the column `name` of type `type_oid`, neither dropped nor generated.
-fn attnum(desc: &PgTupleDesc<'_>, name: &str, type_oid: pg_sys::Oid) -> Option<usize> {
-    desc.iter()
-        .position(|a| !a.attisdropped && a.attgenerated == 0 && a.atttypid == type_oid && partition::is_named(a, name))
-        .map(|i| i + 1)
 }
 
 /// `heap`'s primary key, opened and locked as an index scan locks it, when it is the log's: a
@@ -164,8 +156,7 @@ fn attnum(desc: &PgTupleDesc<'_>, name: &str, type_oid: pg_sys::Oid) -> Option<u
 /// with the integer operators, and usable by every snapshot (no `indcheckxmin`, which makes the
 /// planner wait before it uses an index built over broken HOT chains).
 fn key_index(heap: &PgRelation) -> Option<PgRelation> {
-    let desc = heap.tuple_desc();
-    let (lane, id) = (attnum(&desc, "lane", pg_sys::INT4OID)?, attnum(&desc, "id", pg_sys::INT8OID)?);
+    let (lane, id) = (probe::column(heap, "lane", pg_sys::INT4OID)?, probe::column(heap, "id", pg_sys::INT8OID)?);
     // SAFETY: the relation is open; the oid it names is an index of it, locked then opened, and
     // closed when `index` drops.
     unsafe {

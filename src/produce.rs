@@ -326,7 +326,6 @@ pub fn produce_many(
             let policy = concurrency.map(|c| Concurrency::parse("concurrency", c)).transpose()?;
             for key in &keys {
                 ProduceRequest::validate(*key, concurrency, compaction)?;
-                check_key_encoding("message_key", *key)?;
             }
             if let Some(idempotency) = &idempotency_keys {
                 check_idempotency_keys(idempotency, count as usize)?;
@@ -414,17 +413,18 @@ pub fn produce_many(
 fn produce(
     stream: Option<&str>,
     payload: Option<RawJsonb>,
-    message_key: default!(Option<&str>, "NULL"),
+    message_key: default!(Option<&[u8]>, "NULL"),
     concurrency: default!(Option<&str>, "NULL"),
     compaction: default!(Option<bool>, false),
-    idempotency_key: default!(Option<&str>, "NULL"),
+    idempotency_key: default!(Option<&[u8]>, "NULL"),
     headers: default!(Option<RawJsonb>, "NULL"),
     deliver_after: default!(Option<Interval>, "NULL"),
 ) -> SqlResult<Option<i64>> {
     crate::standby::refuse_writes("produce")?;
     let stream = validate_name("stream", stream)?;
+    let message_key = key_text("message_key", message_key)?;
+    let idempotency_key = key_text("idempotency_key", idempotency_key)?;
     let request = ProduceRequest::validate(message_key, concurrency, compaction.unwrap_or(false))?;
-    check_key_encoding("message_key", message_key)?;
     let payload = payload.ok_or_else(|| {
         StreamError::invalid(
             "payload must not be NULL",
@@ -441,7 +441,6 @@ fn produce(
     if let Some(key) = idempotency_key {
         crate::names::check_key_length("idempotency_key", key)?;
     }
-    check_key_encoding("idempotency_key", idempotency_key)?;
     let extras = Extras { headers, deliver_after: check_deliver_after(deliver_after, compaction.unwrap_or(false))? };
     Ok(produce_one(stream, payload, &request, idempotency_key, extras)?)
 }
@@ -463,23 +462,33 @@ fn check_idempotency_keys(keys: &[Option<&str>], count: usize) -> Result<()> {
             ));
         }
         crate::names::check_key_length("idempotency_key", key)?;
-        check_key_encoding("idempotency_key", Some(key))?;
     }
     Ok(())
 }
 
-/// Refuses a key that a later read could not take: the extension reads keys as UTF-8, as pgrx
-/// does (src/statement/text.rs), and in a database whose encoding is not UTF-8 only an ASCII key
-/// reads the same either way. A key that passed produce must never make a later claim or
-/// outcome fail.
-fn check_key_encoding(what: &str, key: Option<&str>) -> Result<()> {
-    match key {
-        Some(key) if !key.is_ascii() && !crate::statement::utf8_database() => Err(StreamError::invalid(
-            format!("{what} '{}' is not ASCII, and the database's encoding is not UTF8", key.as_bytes().escape_ascii()),
+/// A key argument as text, refused where a later read could not take it. Keys arrive as their
+/// bytes rather than as `&str`: pgrx's conversion to `&str` fails, with an internal error, on a
+/// text that is not ASCII in a database whose encoding is not UTF-8, and its conversion of a
+/// `text[]` does not check at all. The extension reads keys as UTF-8 (src/statement/text.rs), and
+/// in such a database only an ASCII key reads the same either way; a key that passed produce
+/// must never make a later claim or outcome fail. A UTF-8 database keeps its texts valid UTF-8.
+fn key_text<'a>(what: &str, key: Option<&'a [u8]>) -> Result<Option<&'a str>> {
+    let Some(bytes) = key else { return Ok(None) };
+    let refused = || {
+        StreamError::invalid(
+            format!("{what} '{}' is not ASCII, and the database's encoding is not UTF8", bytes.escape_ascii()),
             "Use ASCII keys in this database (or a hash of the natural key), or keep the streams in a UTF8 database.",
-        )),
-        _ => Ok(()),
+        )
+    };
+    if !bytes.is_ascii() && !crate::statement::utf8_database() {
+        return Err(refused());
     }
+    std::str::from_utf8(bytes).map(Some).map_err(|_| refused())
+}
+
+/// `key_text` of every element of a `text[]` of keys.
+fn keys_text<'a>(what: &str, keys: Option<&'a Array<'_, &[u8]>>) -> Result<Option<Vec<Option<&'a str>>>> {
+    keys.map(|keys| keys.iter().map(|key| key_text(what, key)).collect()).transpose()
 }
 
 /// Appends many messages in one call (the fast path) and returns their ids in payload order.
@@ -492,10 +501,10 @@ fn check_key_encoding(what: &str, key: Option<&str>) -> Result<()> {
 fn produce_batch(
     stream: Option<&str>,
     payloads: Option<RawJsonbArray>,
-    message_keys: default!(Option<Vec<Option<String>>>, "NULL"),
+    message_keys: default!(Option<Array<'_, &[u8]>>, "NULL"),
     concurrency: default!(Option<&str>, "NULL"),
     compaction: default!(Option<bool>, false),
-    idempotency_keys: default!(Option<Vec<Option<String>>>, "NULL"),
+    idempotency_keys: default!(Option<Array<'_, &[u8]>>, "NULL"),
     headers: default!(Option<RawJsonbArray>, "NULL"),
     deliver_after: default!(Option<Interval>, "NULL"),
 ) -> std::result::Result<srf::SetOfIterator<'static, Option<i64>>, ErrorReport> {
@@ -504,9 +513,8 @@ fn produce_batch(
     let payloads = payloads.ok_or_else(|| {
         StreamError::invalid("payloads must not be NULL", "Pass an array with one jsonb per message.")
     })?;
-    let keys: Option<Vec<Option<&str>>> = message_keys.as_ref().map(|k| k.iter().map(Option::as_deref).collect());
-    let idempotency: Option<Vec<Option<&str>>> =
-        idempotency_keys.as_ref().map(|k| k.iter().map(Option::as_deref).collect());
+    let keys = keys_text("message_key", message_keys.as_ref())?;
+    let idempotency = keys_text("idempotency_key", idempotency_keys.as_ref())?;
     let extras =
         BatchExtras { headers, deliver_after: check_deliver_after(deliver_after, compaction.unwrap_or(false))? };
     let ids = produce_many(stream, payloads, keys, concurrency, compaction.unwrap_or(false), idempotency, extras)?;

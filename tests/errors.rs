@@ -189,6 +189,16 @@ fn a_key_that_is_not_ascii_is_refused_where_the_encoding_is_not_utf8() {
     let idempotency =
         "SELECT sqlstreams.produce_batch('s', ARRAY['{}']::jsonb[], ARRAY['k'], idempotency_keys => ARRAY[E'i\\xe9'])";
     assert_eq!(sqlstate(&c.batch_execute(idempotency).unwrap_err()), "22023");
+    // One message at a time, refused the same way (not with an internal error of the conversion).
+    for (one, what) in [
+        (r"SELECT sqlstreams.produce('s', '{}', E'x\xe9')", r"message_key 'x\xe9'"),
+        (r"SELECT sqlstreams.produce('s', '{}', 'k', idempotency_key => E'i\xe9')", r"idempotency_key 'i\xe9'"),
+    ] {
+        let err = c.batch_execute(one).unwrap_err();
+        assert_eq!(sqlstate(&err), "22023", "{err:?}");
+        let message = err.as_db_error().unwrap().message().to_string();
+        assert!(message.contains(what), "{message}");
+    }
     let id: i64 = c.query_one("SELECT id FROM sqlstreams.streams WHERE name = 's'", &[]).unwrap().get(0);
     let produced: i64 = c.query_one(&format!("SELECT count(*) FROM sqlstreams.message_log_{id}"), &[]).unwrap().get(0);
     assert_eq!(produced, 0, "nothing of the refused batches is stored");

@@ -152,6 +152,8 @@ struct Claim<'a> {
     resolved_keys: Vec<Option<String>>,
     /// It hands out an exception row, in flight under its token (src/own_claims.rs).
     work_in_flight: bool,
+    /// Its gate found nothing that could block a key and parked nothing (src/own_claims.rs).
+    nothing_waited: bool,
 }
 
 /// Outcomes a claim records before it claims (`ack_lease_token`, `ack_message_ids`).
@@ -244,6 +246,7 @@ pub fn claim(
             dead_on_expiry: vec![],
             resolved_keys: vec![],
             work_in_flight: false,
+            nothing_waited: false,
         };
         let (deliveries, taken) = claim.run(client, fence.safe, candidates, head)?;
         signal_left(stream_id, &released, &taken);
@@ -357,6 +360,7 @@ impl Claim<'_> {
             self.token,
             own_claims::Made {
                 rows_in_flight: self.work_in_flight,
+                nothing_waited: self.nothing_waited,
                 range_ids: pending.iter().map(|p| p.id).collect(),
                 keyed_lanes: self.keyed_lanes(&pending, &deliveries),
                 held: holding.clone(),
@@ -588,8 +592,10 @@ impl Claim<'_> {
         input: &GatherInput<'_>,
     ) -> Result<Vec<Verdict>> {
         let hold = self.group.hold_on_dead;
-        let mut verdicts = key_gate::gate(candidates, &key_gate::gather(client, input)?, self.expires, self.now, hold);
+        let gathered = key_gate::gather(client, input)?;
+        let mut verdicts = key_gate::gate(candidates, &gathered.facts, self.expires, self.now, hold);
         let waiting = key_gate::deferred_keys(candidates, &verdicts);
+        self.nothing_waited = gathered.nothing_waits && waiting.is_empty();
         if !waiting.is_empty() {
             // Lock the lanes of the keys about to be parked, then look again: a resolution that
             // committed meanwhile is seen now, and one that commits later waits for this claim
@@ -598,7 +604,8 @@ impl Claim<'_> {
             // the next claim looks again. Facts only shrink between the two looks, so the
             // second can only turn waits into runs.
             self.parkable = locks::try_lanes_exclusive(self.group.id, &self.group.stream.lanes_of(&waiting));
-            verdicts = key_gate::gate(candidates, &key_gate::gather(client, input)?, self.expires, self.now, hold);
+            verdicts =
+                key_gate::gate(candidates, &key_gate::gather(client, input)?.facts, self.expires, self.now, hold);
         }
         Ok(verdicts)
     }

@@ -45,6 +45,10 @@ use crate::statement::{Columns, Statement};
 
 mod any_blocker;
 
+/// The statuses of an unresolved exception row (`exception_queue::unresolved!`, which this module
+/// cannot name: the queue's module uses this one): the rows that can block a key.
+pub(crate) const UNRESOLVED: [&str; 3] = ["ready", "inflight", "deferred"];
+
 /// A row that would wait is parked at least this long (microseconds), unless a resolution wakes
 /// it earlier. Keeps a blocked row from being re-examined by every claim.
 pub const MIN_PARK_MICROS: i64 = 1_000_000;
@@ -286,13 +290,23 @@ pub struct GatherInput<'a> {
     pub hold_on_dead: bool,
 }
 
+/// What `gather` read.
+pub struct Gathered {
+    /// The facts of the keys that need them.
+    pub facts: HashMap<String, KeyFacts>,
+    /// The claim has a key to gate, and nothing could block one: the group has no unresolved
+    /// exception row, and no range but the claim's own is open in the lanes it took.
+    pub nothing_waits: bool,
+}
+
 /// Reads the facts `gate` needs, only for the keys that need them.
-pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<HashMap<String, KeyFacts>> {
+pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<Gathered> {
     let mut facts: HashMap<String, KeyFacts> = HashMap::new();
     let timestamp = |micros: Option<pgrx::datum::TimestampWithTimeZone>| micros.map(|t| t.into_inner()).unwrap_or(0);
     let gated = input.candidates.iter().any(|c| c.key.is_some() && c.concurrency.is_keyed_gate());
     // The keys are gathered only once something could block one: as a rule nothing does.
-    if gated && any_blocker::may_block(client, input)? {
+    let may_block = gated && any_blocker::may_block(client, input)?;
+    if may_block {
         let mut ordered: HashMap<&str, i64> = HashMap::with_capacity(input.candidates.len()); // key -> highest id
         let mut exclusive: Vec<&str> = Vec::new();
         for c in input.candidates {
@@ -352,7 +366,7 @@ pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<HashMap
             facts.entry(key).or_default().compaction_head = row.value("message_id")?;
         }
     }
-    Ok(facts)
+    Ok(Gathered { facts, nothing_waits: gated && !may_block })
 }
 
 #[cfg(test)]

@@ -33,6 +33,12 @@ pub struct Facts {
     pub held_lanes: bool,
     /// It handed out an exception row (a retry, a delayed or woken row, an expired delivery).
     pub rows_in_flight: bool,
+    /// Its gate found nothing that could block a key (no unresolved exception row in the group,
+    /// no range but its own in the lanes it took: src/key_gate/any_blocker.rs), and it parked
+    /// nothing. While a lane stays held under its token, no row of the lane's keys waits then
+    /// but one an outcome of the token parked (docs/semantics.md, "One lock order", outcome
+    /// step 4).
+    pub nothing_waited: bool,
 }
 
 /// One claim remembered.
@@ -63,6 +69,8 @@ thread_local! {
 pub struct Made {
     /// It handed out an exception row (`Facts::rows_in_flight`).
     pub rows_in_flight: bool,
+    /// `Facts::nothing_waited`.
+    pub nothing_waited: bool,
     /// The messages it handed out from ranges.
     pub range_ids: Vec<i64>,
     /// The lanes of its ranges that handed out a message with a key.
@@ -73,8 +81,8 @@ pub struct Made {
 
 /// A claim of the transaction in progress handed out `made` under `token`.
 pub fn made(token: pgrx::Uuid, made: Made) {
-    let Made { rows_in_flight, mut range_ids, mut keyed_lanes, mut held } = made;
-    let facts = Facts { held_lanes: !held.is_empty(), rows_in_flight };
+    let Made { rows_in_flight, nothing_waited, mut range_ids, mut keyed_lanes, mut held } = made;
+    let facts = Facts { held_lanes: !held.is_empty(), rows_in_flight, nothing_waited };
     if range_ids.len() > RANGE_IDS_KEPT {
         range_ids = vec![];
     }
@@ -164,10 +172,10 @@ mod tests {
         pgrx::Uuid::from_bytes([n; 16])
     }
 
-    const NOTHING: Facts = Facts { held_lanes: false, rows_in_flight: false };
+    const NOTHING: Facts = Facts { held_lanes: false, rows_in_flight: false, nothing_waited: false };
 
     fn claim(range_ids: Vec<i64>, keyed_lanes: Vec<i32>, held: Vec<i32>) -> Made {
-        Made { rows_in_flight: false, range_ids, keyed_lanes, held }
+        Made { rows_in_flight: false, nothing_waited: false, range_ids, keyed_lanes, held }
     }
 
     #[test]
@@ -226,7 +234,7 @@ mod tests {
         assert_eq!(held_lanes(token(105)), None, "not before the commit");
         committed();
         assert_eq!(held_lanes(token(105)), Some(vec![3, 7]), "sorted, each once");
-        assert_eq!(facts(token(105)), Some(Facts { held_lanes: true, rows_in_flight: false }));
+        assert_eq!(facts(token(105)), Some(Facts { held_lanes: true, ..NOTHING }));
         assert_eq!(held_lanes(token(106)), None, "not an unknown token");
     }
 }

@@ -474,16 +474,15 @@ fn check_idempotency_keys(keys: &[Option<&str>], count: usize) -> Result<()> {
 /// must never make a later claim or outcome fail. A UTF-8 database keeps its texts valid UTF-8.
 fn key_text<'a>(what: &str, key: Option<&'a [u8]>) -> Result<Option<&'a str>> {
     let Some(bytes) = key else { return Ok(None) };
-    let refused = || {
-        StreamError::invalid(
+    if !bytes.is_ascii() && !crate::statement::utf8_database() {
+        return Err(StreamError::invalid(
             format!("{what} '{}' is not ASCII, and the database's encoding is not UTF8", bytes.escape_ascii()),
             "Use ASCII keys in this database (or a hash of the natural key), or keep the streams in a UTF8 database.",
-        )
-    };
-    if !bytes.is_ascii() && !crate::statement::utf8_database() {
-        return Err(refused());
+        ));
     }
-    std::str::from_utf8(bytes).map(Some).map_err(|_| refused())
+    std::str::from_utf8(bytes)
+        .map(Some)
+        .map_err(|_| StreamError::Internal(format!("{what} is not UTF-8 in a database that keeps its texts UTF-8")))
 }
 
 /// `key_text` of every element of a `text[]` of keys.

@@ -8,7 +8,8 @@
 //!
 //! Rows are read by column name (`Columns`); a claim reads its messages by position, each row
 //! deformed once (`Row`: from a statement's result, `Deformed`, or from a partition's key without
-//! a statement, src/message/scan.rs), as many as a hundred rows of nine columns per call.
+//! a statement, src/message/scan.rs), as many as a hundred rows of nine columns per call; a
+//! question of whether any row exists is read from an index the same way (src/statement/probe.rs).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -398,7 +399,7 @@ pub fn caller_context() -> pg_sys::MemoryContext {
     unsafe { PgMemoryContexts::CurrentMemoryContext.parent() }.expect("SPI runs in a context of its caller").value()
 }
 
-/// One row of a `Deformed` result, or of a scan (src/message/scan.rs).
+/// One row of a `Deformed` result, or of a scan (src/message/scan.rs, src/statement/probe.rs).
 pub struct Row<'a> {
     values: &'a [pg_sys::Datum],
     nulls: &'a [bool],
@@ -407,8 +408,8 @@ pub struct Row<'a> {
 }
 
 impl<'a> Row<'a> {
-    /// A row read without SPI (src/message/scan.rs): one value, null flag and type per column;
-    /// values the caller keeps are copied into `caller`.
+    /// A row read without SPI (src/message/scan.rs, src/statement/probe.rs): one value, null
+    /// flag and type per column; values the caller keeps are copied into `caller`.
     ///
     /// # Safety
     /// Each value that is not NULL is a valid datum of its column's type, and stays valid while

@@ -43,6 +43,7 @@ const BY_INDEX: &[&str] = &[
     "lanes_candidates",
     "lanes_free",
     "lanes_end_holds_with_ranges",
+    "lanes_end_holds_with_ranges_nothing_waited",
     "lanes_release",
     "range_for_token",
     "range_oldest_expired",

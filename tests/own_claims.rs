@@ -267,8 +267,10 @@ fn an_ack_of_many_keys_locks_each_of_their_lanes_once() {
 /// A row the claim itself parked: an ordered message of key k waits behind a parallel one of k
 /// that the same claim handed out, and the claim holds the lane for an ordered message of
 /// another key there. The whole ack finds the lane still held by its token, yet must wake the
-/// row: the statement returns the keys because the group has a parked row (src/lanes/holds.rs,
-/// `END_HOLDS_WITH_RANGES`). Without that, the row would wait out its park time.
+/// row: the claim parked a row, so its whole ack does not take the statement that skips the
+/// group's parked rows (src/lanes/holds.rs, `END_HOLDS_WITH_RANGES_NOTHING_WAITED`), and the
+/// statement returns the keys because the group has a parked row (`END_HOLDS_WITH_RANGES`).
+/// Without that, the row would wait out its park time.
 #[test]
 fn a_whole_ack_wakes_the_row_its_own_claim_parked() {
     let mut c = connect();

@@ -386,6 +386,8 @@ mod tests {
                 assert_eq!(predicate, condition, "the predicate of exception_queue_@id@_{s}");
             }
         }
+        let gate: Vec<String> = crate::key_gate::UNRESOLVED.iter().map(|s| format!("'{s}'")).collect();
+        assert_eq!(format!("({})", gate.join(", ")), unresolved!(), "the key gate's unresolved statuses");
         assert_eq!(
             due_or_expired!("e", "$2"),
             "((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2) OR (e.status = 'inflight' AND e.lease_expires_at <= $2))"

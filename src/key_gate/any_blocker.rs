@@ -1,30 +1,29 @@
 //! Whether anything could block a key of a claim, asked before the gate's question (`CHECK`):
 //! as a rule nothing can, and the question is not asked.
 //!
-//! Two probes of an index entry each: any unresolved exception row of the group (through the
-//! queue's `unresolved_idx`), any range of the group but this claim's in a lane the claim took
-//! (through the ranges' primary key). `CHECK` looks at nothing else: with `on_dead = 'hold'` a
-//! dead row could block, and the caller does not ask. Both read one snapshot, so `CHECK` in that
+//! Two probes: any unresolved exception row of the group (the first entry of the group in the
+//! queue's `unresolved_idx`, as a rule), any range of the group but this claim's in a lane the
+//! claim took (the ranges' primary key: every open range of the group is passed, and those of
+//! other lanes are filtered out). `CHECK` looks at nothing else: with `on_dead = 'hold'` a dead
+//! row could block, and the caller does not ask. Both read one snapshot, so `CHECK` in that
 //! snapshot would find nothing when they find nothing. They are read from the indexes directly
 //! (src/statement/probe.rs); a table or index of another shape than the install script's is
-//! asked through `ANY_BLOCKER`, the same question as a statement.
+//! asked through `ANY_BLOCKER`, the same question as a statement. Debug builds ask both ways, in
+//! the one snapshot, and check that the answers agree.
 
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::spi::SpiClient;
 use pgrx::{PgList, PgRelation};
 
-use super::GatherInput;
+use super::{GatherInput, UNRESOLVED};
 use crate::error::Result;
-use crate::statement::probe::{self, Snapshot};
+use crate::statement::probe::{self, Column, GroupIndex, Snapshot};
 use crate::statement::{Columns, Statement};
-
-/// The statuses of an unresolved exception row, as `unresolved_idx`'s predicate lists them.
-const UNRESOLVED: [&str; 3] = ["ready", "inflight", "deferred"];
 
 /// The question as a statement, much smaller than `CHECK` (whose plan costs more to set up than
 /// a group keeping up needs): group `$1`, this claim's ranges `$2`, the lanes it took `$3`.
 /// Other consumers' ranges, always open beside a consumer's claims, are in other lanes (a key
-/// is in one), so they cost its claims nothing.
+/// is in one), so they never make the answer true.
 const ANY_BLOCKER: Statement = Statement {
     name: "gate_any_blocker",
     sql: "SELECT coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ u
@@ -41,47 +40,79 @@ pub fn may_block(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<bool
     if input.hold_on_dead {
         return Ok(true);
     }
-    if let Some(found) = read(input)? {
-        return Ok(found);
-    }
-    let args = [input.group_id.into(), input.own_ranges.clone().into(), input.lanes.clone().into()];
-    ANY_BLOCKER.run(client, input.stream_id, &args)?.first().required("any")
+    let (Some(queue), Some(ranges)) = (Queue::open(input.stream_id), Ranges::open(input.stream_id)) else {
+        return ask(client, input);
+    };
+    let snapshot = Snapshot::take();
+    let found = queue.any_unresolved(&snapshot, input.group_id)? || ranges.any_other(&snapshot, input)?;
+    #[cfg(debug_assertions)]
+    assert_eq!(found, ask_in(&snapshot, input), "the probes and gate_any_blocker disagree in one snapshot");
+    Ok(found)
 }
 
-/// The two probes read from the indexes; `None` when a table or index is not of the
-/// install script's shape.
-fn read(input: &GatherInput<'_>) -> Result<Option<bool>> {
-    let Some(queue) = Queue::open(input.stream_id) else { return Ok(None) };
-    let Some(ranges) = Ranges::open(input.stream_id) else { return Ok(None) };
-    let snapshot = Snapshot::take();
-    let found = queue.any_unresolved(&snapshot, input.group_id).and_then(|found| {
-        if found {
-            return Ok(true);
-        }
-        ranges.any_other(&snapshot, input)
-    });
-    snapshot.release();
-    found.map(Some)
+fn args(input: &GatherInput<'_>) -> [pgrx::datum::DatumWithOid<'static>; 3] {
+    [input.group_id.into(), input.own_ranges.clone().into(), input.lanes.clone().into()]
+}
+
+/// The question as the statement, in a snapshot of its own.
+fn ask(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<bool> {
+    ANY_BLOCKER.run(client, input.stream_id, &args(input))?.first().required("any")
+}
+
+/// The question as the statement, in `snapshot` exactly (as foreign keys' checks run theirs):
+/// a plan of its own, run read-only by `SPI_execute_snapshot`, inside the claim's connection.
+#[cfg(debug_assertions)]
+fn ask_in(snapshot: &Snapshot, input: &GatherInput<'_>) -> bool {
+    use pgrx::IntoDatum;
+    let sql = std::ffi::CString::new(crate::statement::render(ANY_BLOCKER.sql, input.stream_id)).unwrap();
+    let mut types = [pg_sys::INT8OID, pg_sys::INT8ARRAYOID, pg_sys::INT4ARRAYOID];
+    let values = [input.group_id.into_datum(), input.own_ranges.clone().into_datum(), input.lanes.clone().into_datum()];
+    let mut values: Vec<pg_sys::Datum> = values.into_iter().map(Option::unwrap).collect();
+    let mut nulls = [b' ' as std::ffi::c_char; 3];
+    // SAFETY: inside an SPI connection; the plan takes the three parameters given, of their
+    // types, and returns one boolean row, read before the plan is freed.
+    unsafe {
+        let plan = pg_sys::SPI_prepare(sql.as_ptr(), 3, types.as_mut_ptr());
+        assert!(!plan.is_null(), "gate_any_blocker prepares");
+        let status = pg_sys::SPI_execute_snapshot(
+            plan,
+            values.as_mut_ptr(),
+            nulls.as_mut_ptr(),
+            snapshot.as_ptr(),
+            std::ptr::null_mut(),
+            true,
+            false,
+            1,
+        );
+        assert_eq!(status, pg_sys::SPI_OK_SELECT as i32, "gate_any_blocker runs");
+        let table = pg_sys::SPI_tuptable;
+        let mut null = false;
+        let any = pg_sys::SPI_getbinval(*(*table).vals, (*table).tupdesc, 1, &mut null);
+        pg_sys::SPI_freeplan(plan);
+        !null && any.value() != 0
+    }
 }
 
 /// The exception queue and its index of unresolved rows.
 struct Queue {
     heap: PgRelation,
-    unresolved: PgRelation,
-    status: usize,
+    unresolved: GroupIndex,
+    status: Column,
 }
 
 impl Queue {
     fn open(stream_id: i64) -> Option<Queue> {
         let heap = probe::table(&format!("exception_queue_{stream_id}"))?;
-        let status = probe::column(&heap, "status", pg_sys::TEXTOID)?;
-        let unresolved = probe::group_index(&heap, &format!("exception_queue_{stream_id}_unresolved_idx"))
-            .filter(|index| holds_every_unresolved_row(index, status))?;
+        // Compared byte for byte below, as the statement compares under a deterministic collation.
+        let status = probe::column(&heap, "status", pg_sys::TEXTOID)
+            .filter(|c| [pg_sys::DEFAULT_COLLATION_OID, pg_sys::C_COLLATION_OID].contains(&c.collation))?;
+        let unresolved = probe::index(&heap, &format!("exception_queue_{stream_id}_unresolved_idx"))
+            .filter(|index| holds_every_unresolved_row(index.relation(), status.attnum))?;
         Some(Queue { heap, unresolved, status })
     }
 
     fn any_unresolved(&self, snapshot: &Snapshot, group: i64) -> Result<bool> {
-        probe::any(&self.heap, &self.unresolved, snapshot, group, &[(self.status, pg_sys::TEXTOID)], |row| {
+        probe::any(&self.heap, &self.unresolved, snapshot, group, &[self.status], |row| {
             Ok(row.text(1, |status| UNRESOLVED.contains(&status))?.unwrap_or(false))
         })
     }
@@ -90,15 +121,15 @@ impl Queue {
 /// The open ranges and their primary key, `(consumer_group_id, first_id)`.
 struct Ranges {
     heap: PgRelation,
-    key: PgRelation,
-    first_id: usize,
-    lane: usize,
+    key: GroupIndex,
+    first_id: Column,
+    lane: Column,
 }
 
 impl Ranges {
     fn open(stream_id: i64) -> Option<Ranges> {
         let heap = probe::table(&format!("range_lease_{stream_id}"))?;
-        let key = probe::primary_key_name(&heap).and_then(|name| probe::group_index(&heap, &name))?;
+        let key = probe::primary_key(&heap)?;
         let first_id = probe::column(&heap, "first_id", pg_sys::INT8OID)?;
         let lane = probe::column(&heap, "lane", pg_sys::INT4OID)?;
         Some(Ranges { heap, key, first_id, lane })
@@ -106,8 +137,7 @@ impl Ranges {
 
     /// Any range of the group but the claim's own in a lane the claim took.
     fn any_other(&self, snapshot: &Snapshot, input: &GatherInput<'_>) -> Result<bool> {
-        let columns = [(self.first_id, pg_sys::INT8OID), (self.lane, pg_sys::INT4OID)];
-        probe::any(&self.heap, &self.key, snapshot, input.group_id, &columns, |row| {
+        probe::any(&self.heap, &self.key, snapshot, input.group_id, &[self.first_id, self.lane], |row| {
             let first_id: Option<i64> = row.get(1)?;
             let lane: Option<i32> = row.get(2)?;
             Ok(first_id.is_some_and(|id| !input.own_ranges.contains(&id))
@@ -146,9 +176,11 @@ fn holds_every_unresolved_row(index: &PgRelation, status: usize) -> bool {
         if list.consttype != pg_sys::TEXTARRAYOID || list.constisnull {
             return false;
         }
-        let Some(statuses) = <Vec<Option<String>> as pgrx::FromDatum>::from_datum(list.constvalue, false) else {
+        // Bytes, not `str`: a DBA's predicate need not be UTF-8 in a database that is not.
+        let Some(statuses) = <pgrx::datum::Array<'_, &[u8]> as pgrx::FromDatum>::from_datum(list.constvalue, false)
+        else {
             return false;
         };
-        UNRESOLVED.iter().all(|s| statuses.iter().any(|listed| listed.as_deref() == Some(*s)))
+        UNRESOLVED.iter().all(|s| statuses.iter().any(|listed| listed == Some(s.as_bytes())))
     }
 }

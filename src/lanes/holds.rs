@@ -40,6 +40,18 @@ macro_rules! end_holds {
     };
 }
 
+/// `END_HOLDS_WITH_RANGES`, whose ranges in lanes it ends the token's holds on return no keys when
+/// `$quiet` holds (an SQL condition): nothing of their keys waits to be woken.
+macro_rules! end_holds_with_ranges {
+    ($quiet:expr) => {
+        range::delete_token!(
+            concat!(", l AS (", end_holds!(), " AND l.lane = ANY($3) RETURNING l.lane)"),
+            concat!("CASE WHEN r.lane = ANY(one.lanes) AND ", $quiet, " THEN NULL ELSE r.pending_keys END"),
+            "SELECT coalesce(array_agg(lane), '{}') AS lanes FROM l"
+        )
+    };
+}
+
 const STORE: Statement = Statement {
     name: "lanes_store",
     sql: store_sql!("$2", "$3", "$4", "$5"),
@@ -82,15 +94,19 @@ const STORE_WITH_NEW_RANGE: Statement = Statement {
 /// wake, and the ack skips reading, sorting and probing its keys.
 const END_HOLDS_WITH_RANGES: Statement = Statement {
     name: "lanes_end_holds_with_ranges",
-    sql: range::delete_token!(
-        concat!(", l AS (", end_holds!(), " AND l.lane = ANY($3) RETURNING l.lane)"),
-        concat!(
-            "CASE WHEN r.lane = ANY(one.lanes) AND NOT ",
-            crate::exception_queue::any_parked!(),
-            " THEN NULL ELSE r.pending_keys END"
-        ),
-        "SELECT coalesce(array_agg(lane), '{}') AS lanes FROM l"
-    ),
+    sql: end_holds_with_ranges!(concat!("NOT ", crate::exception_queue::any_parked!())),
+    params: &[INT8OID, UUIDOID, INT4ARRAYOID],
+};
+
+/// `END_HOLDS_WITH_RANGES` for a claim whose gate found nothing that could block a key and which
+/// parked nothing (`own_claims::Facts::nothing_waited`): a row of a key of a lane still held by
+/// the token can then have been parked only by an outcome of the token since (a failure parks
+/// the rest of its chain), and every outcome of the token on a message of its ranges left a row
+/// in `range_done`, which the statement deletes. With none, the keys are not returned, and the
+/// group's parked rows are not probed.
+const END_HOLDS_WITH_RANGES_NOTHING_WAITED: Statement = Statement {
+    name: "lanes_end_holds_with_ranges_nothing_waited",
+    sql: end_holds_with_ranges!("NOT EXISTS (SELECT FROM d)"),
     params: &[INT8OID, UUIDOID, INT4ARRAYOID],
 };
 
@@ -182,7 +198,8 @@ pub fn release(client: &SpiClient<'_>, group: &GroupRef, token: pgrx::Uuid) -> R
 /// row in flight, so that its ranges were all it left unresolved. None otherwise (`release`
 /// then runs after the outcome).
 pub fn end_holds_with_ranges(group: &GroupRef, token: pgrx::Uuid) -> Option<range::Instead> {
-    let folds = holds(group) && own_claims::facts(token).is_some_and(|f| f.held_lanes && !f.rows_in_flight);
-    let lanes = own_claims::held_lanes(token).filter(|_| folds)?;
-    Some(range::Instead { statement: &END_HOLDS_WITH_RANGES, lanes: Some(lanes) })
+    let facts = own_claims::facts(token).filter(|f| holds(group) && f.held_lanes && !f.rows_in_flight)?;
+    let lanes = own_claims::held_lanes(token)?;
+    let statement = if facts.nothing_waited { &END_HOLDS_WITH_RANGES_NOTHING_WAITED } else { &END_HOLDS_WITH_RANGES };
+    Some(range::Instead { statement, lanes: Some(lanes) })
 }

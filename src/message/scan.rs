@@ -54,17 +54,10 @@ pub fn lane_after<T>(
     };
     let Some(attnums) = attnums(&heap, columns) else { return Ok(None) };
     let Some(index) = key_index(&heap) else { return Ok(None) };
-    // SAFETY: what SPI does before a statement that may write; the snapshot is unregistered
-    // below (or by the resource owner of an aborted transaction).
-    let snapshot = unsafe {
-        pg_sys::CommandCounterIncrement();
-        pg_sys::RegisterSnapshot(pg_sys::GetTransactionSnapshot())
-    };
+    let snapshot = probe::Snapshot::take();
     // SAFETY: both relations are open and locked, `index` is `heap`'s key as `key_index` found
     // it, `attnums` are `heap`'s, and the snapshot is registered.
-    let found = unsafe { scan(&heap, &index, snapshot, &attnums, range, &mut read) };
-    // SAFETY: registered above.
-    unsafe { pg_sys::UnregisterSnapshot(snapshot) };
+    let found = unsafe { scan(&heap, &index, snapshot.as_ptr(), &attnums, range, &mut read) };
     found.map(Some)
 }
 
@@ -131,22 +124,14 @@ unsafe fn scan<T>(
 /// inheritance children or row security; `None` when it is not one, or when a column is missing,
 /// generated, or of another type than the log's.
 fn attnums(heap: &PgRelation, columns: &[&str]) -> Option<Vec<(usize, pg_sys::Oid)>> {
-    let class = heap.rd_rel;
-    // SAFETY: an open relation's catalog row.
-    let plain = unsafe {
-        (*class).relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
-            && (*class).relam == pg_sys::HEAP_TABLE_AM_OID
-            && !(*class).relhassubclass
-            && !(*class).relrowsecurity
-    };
-    if !plain {
+    if !probe::plain(heap) {
         return None;
     }
     columns
         .iter()
         .map(|name| {
             let (_, type_oid, _) = LOG_COLUMNS.iter().find(|(column, _, _)| column == name)?;
-            Some((probe::column(heap, name, *type_oid)?, *type_oid))
+            Some((probe::column(heap, name, *type_oid)?.attnum, *type_oid))
         })
         .collect()
 }
@@ -156,7 +141,8 @@ fn attnums(heap: &PgRelation, columns: &[&str]) -> Option<Vec<(usize, pg_sys::Oi
 /// with the integer operators, and usable by every snapshot (no `indcheckxmin`, which makes the
 /// planner wait before it uses an index built over broken HOT chains).
 fn key_index(heap: &PgRelation) -> Option<PgRelation> {
-    let (lane, id) = (probe::column(heap, "lane", pg_sys::INT4OID)?, probe::column(heap, "id", pg_sys::INT8OID)?);
+    let (lane, id) =
+        (probe::column(heap, "lane", pg_sys::INT4OID)?.attnum, probe::column(heap, "id", pg_sys::INT8OID)?.attnum);
     // SAFETY: the relation is open; the oid it names is an index of it, locked then opened, and
     // closed when `index` drops.
     unsafe {

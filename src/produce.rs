@@ -11,6 +11,7 @@ use crate::access::{self, Right};
 use crate::append;
 use crate::concurrency::{Concurrency, ProduceRequest};
 use crate::error::{Result, SqlResult, StreamError};
+use crate::key::KeyText;
 use crate::locks;
 use crate::names::validate_name;
 use crate::notify;
@@ -413,10 +414,10 @@ pub fn produce_many(
 fn produce(
     stream: Option<&str>,
     payload: Option<RawJsonb>,
-    message_key: default!(Option<&[u8]>, "NULL"),
+    message_key: default!(Option<KeyText<'_>>, "NULL"),
     concurrency: default!(Option<&str>, "NULL"),
     compaction: default!(Option<bool>, false),
-    idempotency_key: default!(Option<&[u8]>, "NULL"),
+    idempotency_key: default!(Option<KeyText<'_>>, "NULL"),
     headers: default!(Option<RawJsonb>, "NULL"),
     deliver_after: default!(Option<Interval>, "NULL"),
 ) -> SqlResult<Option<i64>> {
@@ -472,8 +473,8 @@ fn check_idempotency_keys(keys: &[Option<&str>], count: usize) -> Result<()> {
 /// `text[]` does not check at all. The extension reads keys as UTF-8 (src/statement/text.rs), and
 /// in such a database only an ASCII key reads the same either way; a key that passed produce
 /// must never make a later claim or outcome fail. A UTF-8 database keeps its texts valid UTF-8.
-fn key_text<'a>(what: &str, key: Option<&'a [u8]>) -> Result<Option<&'a str>> {
-    let Some(bytes) = key else { return Ok(None) };
+fn key_text<'a>(what: &str, key: Option<KeyText<'a>>) -> Result<Option<&'a str>> {
+    let Some(KeyText(bytes)) = key else { return Ok(None) };
     if !bytes.is_ascii() && !crate::statement::utf8_database() {
         return Err(StreamError::invalid(
             format!("{what} '{}' is not ASCII, and the database's encoding is not UTF8", bytes.escape_ascii()),
@@ -486,7 +487,7 @@ fn key_text<'a>(what: &str, key: Option<&'a [u8]>) -> Result<Option<&'a str>> {
 }
 
 /// `key_text` of every element of a `text[]` of keys.
-fn keys_text<'a>(what: &str, keys: Option<&'a Array<'_, &[u8]>>) -> Result<Option<Vec<Option<&'a str>>>> {
+fn keys_text<'a>(what: &str, keys: Option<&'a Array<'_, KeyText<'_>>>) -> Result<Option<Vec<Option<&'a str>>>> {
     keys.map(|keys| keys.iter().map(|key| key_text(what, key)).collect()).transpose()
 }
 
@@ -500,10 +501,10 @@ fn keys_text<'a>(what: &str, keys: Option<&'a Array<'_, &[u8]>>) -> Result<Optio
 fn produce_batch(
     stream: Option<&str>,
     payloads: Option<RawJsonbArray>,
-    message_keys: default!(Option<Array<'_, &[u8]>>, "NULL"),
+    message_keys: default!(Option<Array<'_, KeyText<'_>>>, "NULL"),
     concurrency: default!(Option<&str>, "NULL"),
     compaction: default!(Option<bool>, false),
-    idempotency_keys: default!(Option<Array<'_, &[u8]>>, "NULL"),
+    idempotency_keys: default!(Option<Array<'_, KeyText<'_>>>, "NULL"),
     headers: default!(Option<RawJsonbArray>, "NULL"),
     deliver_after: default!(Option<Interval>, "NULL"),
 ) -> std::result::Result<srf::SetOfIterator<'static, Option<i64>>, ErrorReport> {

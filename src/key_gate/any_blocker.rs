@@ -60,7 +60,8 @@ fn ask(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<bool> {
 }
 
 /// The question as the statement, in `snapshot` exactly (as foreign keys' checks run theirs):
-/// a plan of its own, run read-only by `SPI_execute_snapshot`, inside the claim's connection.
+/// a plan of its own, planned as the statement is (src/transient.rs) and run read-only by
+/// `SPI_execute_snapshot`, inside the claim's connection.
 #[cfg(debug_assertions)]
 fn ask_in(snapshot: &Snapshot, input: &GatherInput<'_>) -> bool {
     use pgrx::IntoDatum;
@@ -71,6 +72,7 @@ fn ask_in(snapshot: &Snapshot, input: &GatherInput<'_>) -> bool {
     let mut nulls = [b' ' as std::ffi::c_char; 3];
     // SAFETY: inside an SPI connection; the plan takes the three parameters given, of their
     // types, and returns one boolean row, read before the plan is freed.
+    let _planned = crate::transient::guide(ANY_BLOCKER.name);
     unsafe {
         let plan = pg_sys::SPI_prepare(sql.as_ptr(), 3, types.as_mut_ptr());
         assert!(!plan.is_null(), "gate_any_blocker prepares");

@@ -8,7 +8,8 @@
 //!    until the batch is full (or the claim has its share of the lanes). None: the call
 //!    returns at once, and it wrote nothing unless the fence moved.
 //! 4. Candidates, from each lane taken: a due isolated row alone (a message of a quarantined
-//!    range: the claim hands out nothing else), else due exception rows (retries, delays,
+//!    range: the claim hands out nothing else; unless it would wait for its key), else due
+//!    exception rows (retries, delays,
 //!    woken or expired rows), the lane's oldest expired range handed out again (or quarantined
 //!    after `max_reclaims`), and a range of the lane's next messages up to the safe head.
 //! 5. Gate them (src/key_gate.rs), record every verdict, lease the ranges, store each
@@ -402,8 +403,9 @@ impl Claim<'_> {
     }
 
     /// A due isolated row, alone: the claim hands out nothing else with it, so a failure or an
-    /// expiry of its delivery is its own. Returns whether it is to be handed out (an expired
-    /// one may instead have spent its budget and gone dead).
+    /// expiry of its delivery is its own. Returns whether it is to be handed out: not one that
+    /// went dead, nor one that would wait for its key, which stays due while the lane's other
+    /// work goes out (what holds the key may be that work: docs/semantics.md, "Quarantine").
     fn collect_isolated(&mut self, client: &SpiClient<'_>, lane: i32) -> Result<bool> {
         let rows = DUE_ISOLATED.run(
             client,
@@ -411,7 +413,25 @@ impl Claim<'_> {
             &[self.group.id.into(), statement::timestamptz(self.now), lane.into()],
         )?;
         self.push_rows(client, rows)?;
-        Ok(!self.work.is_empty())
+        if self.work.is_empty() {
+            return Ok(false);
+        }
+        let candidates: Vec<Candidate> = self.work.iter().map(|w| w.candidate.clone()).collect();
+        let ids: Vec<i64> = candidates.iter().map(|c| c.message_id).collect();
+        let input = GatherInput {
+            stream_id: self.group.stream.id,
+            group_id: self.group.id,
+            candidates: &candidates,
+            exception_ids: &ids,
+            own_ranges: vec![],
+            lanes: vec![lane],
+            hold_on_dead: self.group.hold_on_dead,
+        };
+        if key_gate::any_waits(client, &input, self.expires, self.now)? {
+            self.work.clear();
+            return Ok(false);
+        }
+        Ok(true)
     }
 
     /// Due exception rows of `lane`, up to `room`.

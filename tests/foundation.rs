@@ -337,6 +337,54 @@ fn a_range_that_keeps_expiring_is_quarantined() {
     assert!(g.claim(&mut c, 10).is_empty());
 }
 
+/// A quarantined row is handed out alone, ahead of its lane's other work; when its key is held
+/// by a delivery that is itself waiting to be handed out again in that lane (here an exclusive
+/// key's later message, in a range whose lease ran out), the lane's other work goes out instead:
+/// a claim that only parked the quarantined row, again and again, would hold the lane back for
+/// good (claims a second apart, each finding the row due again).
+#[test]
+fn a_quarantined_row_held_by_its_lanes_own_due_work_does_not_stall_the_lane() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "quarantine-held");
+    let id: i64 = c
+        .query_one("SELECT sqlstreams.create_group($1, 'g', 'exclusive', max_reclaims => 0)", &[&s.name])
+        .unwrap()
+        .get(0);
+    let g = Group { stream: s.clone(), name: "g".into(), id };
+    let first = s.produce(&mut c, json!({}), Some("k"));
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![first]);
+    g.expire_leases(&mut c);
+    let other = s.produce(&mut c, json!({}), Some("other"));
+    let quarantining = g.claim(&mut c, 10);
+    assert_eq!(ids(&quarantining), vec![other], "the claim quarantined {first}");
+    assert!(g.ack(&mut c, &quarantining[0]));
+    assert!(g.exception_rows(&mut c).iter().any(|r| r.message_id == first && r.status == "ready"));
+    // While the quarantined row waits (as after a claim that parked it), the key's next message
+    // goes out, and its lease runs out too.
+    let queue = s.table("exception_queue");
+    c.execute(
+        &format!("UPDATE {queue} SET can_run_after = now() + interval '1 hour' WHERE message_id = $1"),
+        &[&first],
+    )
+    .unwrap();
+    let second = s.produce(&mut c, json!({}), Some("k"));
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![second], "exclusive: it may overtake a waiting row");
+    g.expire_leases(&mut c);
+    // Each claim finds the quarantined row due.
+    let mut delivered = vec![];
+    for _ in 0..4 {
+        g.make_due(&mut c);
+        let batch = g.claim(&mut c, 10);
+        assert!(!ids(&batch).contains(&first) || batch.len() == 1, "{first} alone: {:?}", ids(&batch));
+        for d in batch {
+            assert!(g.ack(&mut c, &d));
+            delivered.push(d.message_id);
+        }
+    }
+    delivered.sort_unstable();
+    assert_eq!(delivered, vec![first, second], "both went out, the quarantined one alone");
+}
+
 #[test]
 fn quarantine_never_dead_letters_innocent_range_mates() {
     let mut c = connect();

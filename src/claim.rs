@@ -8,10 +8,10 @@
 //!    until the batch is full (or the claim has its share of the lanes). None: the call
 //!    returns at once, and it wrote nothing unless the fence moved.
 //! 4. Candidates, from each lane taken: a due isolated row alone (a message of a quarantined
-//!    range: the claim hands out nothing else; unless it would wait for its key), else due
-//!    exception rows (retries, delays,
-//!    woken or expired rows), the lane's oldest expired range handed out again (or quarantined
-//!    after `max_reclaims`), and a range of the lane's next messages up to the safe head.
+//!    range: the claim hands out nothing else; one that waits for its key is parked, and the
+//!    claim goes on: src/claim/isolated.rs), else due exception rows (retries, delays, woken or
+//!    expired rows), the lane's oldest expired range handed out again (or quarantined after
+//!    `max_reclaims`), and a range of the lane's next messages up to the safe head.
 //! 5. Gate them (src/key_gate.rs), record every verdict, lease the ranges, store each
 //!    lane's position and hold, return the runs. Now and then, a retention step for the
 //!    stream (src/retention.rs).
@@ -55,6 +55,7 @@ use crate::retention;
 use crate::statement::{self, Columns, Statement};
 
 mod calls;
+mod isolated;
 
 /// Largest `batch_size` a claim accepts.
 pub const MAX_BATCH: i32 = 10_000;
@@ -400,38 +401,6 @@ impl Claim<'_> {
             retention::from_claim(client, &self.group.stream)?;
         }
         Ok((deliveries, taken))
-    }
-
-    /// A due isolated row, alone: the claim hands out nothing else with it, so a failure or an
-    /// expiry of its delivery is its own. Returns whether it is to be handed out: not one that
-    /// went dead, nor one that would wait for its key, which stays due while the lane's other
-    /// work goes out (what holds the key may be that work: docs/semantics.md, "Quarantine").
-    fn collect_isolated(&mut self, client: &SpiClient<'_>, lane: i32) -> Result<bool> {
-        let rows = DUE_ISOLATED.run(
-            client,
-            self.group.stream.id,
-            &[self.group.id.into(), statement::timestamptz(self.now), lane.into()],
-        )?;
-        self.push_rows(client, rows)?;
-        if self.work.is_empty() {
-            return Ok(false);
-        }
-        let candidates: Vec<Candidate> = self.work.iter().map(|w| w.candidate.clone()).collect();
-        let ids: Vec<i64> = candidates.iter().map(|c| c.message_id).collect();
-        let input = GatherInput {
-            stream_id: self.group.stream.id,
-            group_id: self.group.id,
-            candidates: &candidates,
-            exception_ids: &ids,
-            own_ranges: vec![],
-            lanes: vec![lane],
-            hold_on_dead: self.group.hold_on_dead,
-        };
-        if key_gate::any_waits(client, &input, self.expires, self.now)? {
-            self.work.clear();
-            return Ok(false);
-        }
-        Ok(true)
     }
 
     /// Due exception rows of `lane`, up to `room`.

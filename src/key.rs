@@ -50,6 +50,14 @@ unsafe impl<'fcx> pgrx::callconv::ArgAbi<'fcx> for KeyText<'fcx> {
         // SAFETY: the caller's promise: a `text` argument that is not NULL.
         KeyText(unsafe { <&'fcx [u8] as pgrx::callconv::ArgAbi<'fcx>>::unbox_arg_unchecked(arg) })
     }
+
+    unsafe fn unbox_nullable_arg(arg: pgrx::callconv::Arg<'_, 'fcx>) -> pgrx::nullable::Nullable<Self> {
+        // SAFETY: the caller's promise: a `text` argument; a null pointer reads as NULL.
+        match unsafe { <&'fcx [u8] as pgrx::callconv::ArgAbi<'fcx>>::unbox_nullable_arg(arg) } {
+            pgrx::nullable::Nullable::Valid(bytes) => pgrx::nullable::Nullable::Valid(KeyText(bytes)),
+            pgrx::nullable::Nullable::Null => pgrx::nullable::Nullable::Null,
+        }
+    }
 }
 
 // SAFETY: an element of a `text[]` is a varlena, unboxed as `&[u8]` unboxes one.

@@ -261,13 +261,6 @@ const COMPACTION_HEADS: Statement = Statement {
     params: &[TEXTARRAYOID],
 };
 
-/// Whether the gate, asked now, would make any of the candidates wait.
-pub fn any_waits(client: &SpiClient<'_>, input: &GatherInput<'_>, lease_expires: i64, now: i64) -> Result<bool> {
-    let facts = gather(client, input)?.facts;
-    let verdicts = gate(input.candidates, &facts, lease_expires, now, input.hold_on_dead);
-    Ok(verdicts.iter().any(|v| matches!(v, Verdict::Defer { .. })))
-}
-
 /// Keys of the candidates the gate defers.
 pub fn deferred_keys(candidates: &[Candidate], verdicts: &[Verdict]) -> Vec<String> {
     let mut keys: Vec<String> = candidates

@@ -385,6 +385,38 @@ fn a_quarantined_row_held_by_its_lanes_own_due_work_does_not_stall_the_lane() {
     assert_eq!(delivered, vec![first, second], "both went out, the quarantined one alone");
 }
 
+/// A quarantined row that waits for its key is parked, and leaves its lane's next quarantined row
+/// its turn: an innocent range-mate goes out while the poison message waits for its retry.
+#[test]
+fn a_quarantined_row_that_waits_for_its_key_leaves_the_next_one_its_turn() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "quarantine-turn");
+    let id: i64 = c
+        .query_one("SELECT sqlstreams.create_group($1, 'g', 'ordered', max_reclaims => 0)", &[&s.name])
+        .unwrap()
+        .get(0);
+    let g = Group { stream: s.clone(), name: "g".into(), id };
+    let lane = s.lane(&mut c, "k");
+    let mate = (0..).map(|i| format!("j{i}")).find(|j| s.lane(&mut c, j) == lane).unwrap();
+    let poison = s.produce(&mut c, json!({}), Some("k"));
+    let behind = s.produce(&mut c, json!({}), Some("k"));
+    let innocent = s.produce(&mut c, json!({}), Some(&mate));
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![poison, behind, innocent], "one range");
+    g.expire_leases(&mut c);
+    assert!(g.claim(&mut c, 10).is_empty(), "the claim quarantined the range");
+    let alone = g.claim(&mut c, 10);
+    assert_eq!(ids(&alone), vec![poison], "alone");
+    assert_eq!(g.fail(&mut c, &alone[0], "x", false, Some("1 hour")).as_deref(), Some("ready"));
+    // {behind} waits for {poison}'s retry, parked; {innocent} needs no one.
+    let mut delivered = vec![];
+    for _ in 0..3 {
+        let batch = g.claim(&mut c, 10);
+        assert!(batch.len() <= 1, "quarantined rows go out alone: {:?}", ids(&batch));
+        delivered.extend(ids(&batch));
+    }
+    assert_eq!(delivered, vec![innocent]);
+}
+
 #[test]
 fn quarantine_never_dead_letters_innocent_range_mates() {
     let mut c = connect();

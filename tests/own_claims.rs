@@ -403,3 +403,35 @@ fn an_ack_under_repeatable_read_reads_the_stored_outcomes_apart() {
     tx.commit().unwrap();
     assert_eq!(g.drain(&mut c), Vec::<i64>::new());
 }
+
+/// A whole ack after an outcome of its own token: the claim found nothing in its way, then one of
+/// its messages failed (its key's next message, chained behind it, parked until the retry). The
+/// statement that ends the holds deleted the failure's `range_done` rows, so it returns the keys
+/// (src/lanes/holds.rs, `END_HOLDS_WITH_RANGES_NOTHING_WAITED`); the rest is acked, the lanes are
+/// freed, and the failed message and its successor come next, in order.
+#[test]
+fn a_whole_ack_after_a_failure_of_its_own_claim_frees_the_lanes_and_keeps_the_order() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "own-whole-after-fail");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let first = s.produce(&mut c, serde_json::json!({}), Some("k"));
+    let next = s.produce(&mut c, serde_json::json!({}), Some("k"));
+    let other = s.produce(&mut c, serde_json::json!({}), Some("other"));
+    let claimed = g.claim(&mut c, 10);
+    assert_eq!(ids(&claimed), vec![first, next, other]);
+    assert_eq!(g.fail(&mut c, &claimed[0], "x", false, Some("1 hour")).as_deref(), Some("ready"));
+    let carried = c
+        .query(
+            "SELECT message_id FROM sqlstreams.claim($1, 'g', 10, '30 seconds', $2, $3)",
+            &[&s.name, &claimed[0].lease_token, &ids(&claimed)],
+        )
+        .unwrap();
+    assert!(carried.is_empty(), "k waits for its retry");
+    assert!(held_by(&mut c, &s, &g).is_empty(), "the ack freed every lane");
+    let statuses = g.statuses(&mut c);
+    assert_eq!(statuses, vec![(first, "ready".into()), (next, "deferred".into())], "{other} acked");
+    g.make_due(&mut c);
+    let chain = g.claim(&mut c, 10);
+    assert_eq!(ids(&chain), vec![first, next]);
+    assert_eq!(chain[1].run_after, Some(first));
+}

@@ -70,9 +70,9 @@ fn ask_in(snapshot: &Snapshot, input: &GatherInput<'_>) -> bool {
     let values = [input.group_id.into_datum(), input.own_ranges.clone().into_datum(), input.lanes.clone().into_datum()];
     let mut values: Vec<pg_sys::Datum> = values.into_iter().map(Option::unwrap).collect();
     let mut nulls = [b' ' as std::ffi::c_char; 3];
+    let _planned = crate::transient::guide(ANY_BLOCKER.name);
     // SAFETY: inside an SPI connection; the plan takes the three parameters given, of their
     // types, and returns one boolean row, read before the plan is freed.
-    let _planned = crate::transient::guide(ANY_BLOCKER.name);
     unsafe {
         let plan = pg_sys::SPI_prepare(sql.as_ptr(), 3, types.as_mut_ptr());
         assert!(!plan.is_null(), "gate_any_blocker prepares");
@@ -87,6 +87,8 @@ fn ask_in(snapshot: &Snapshot, input: &GatherInput<'_>) -> bool {
             1,
         );
         assert_eq!(status, pg_sys::SPI_OK_SELECT as i32, "gate_any_blocker runs");
+        let processed = pg_sys::SPI_processed;
+        assert_eq!(processed, 1, "gate_any_blocker returns one row");
         let table = pg_sys::SPI_tuptable;
         let mut null = false;
         let any = pg_sys::SPI_getbinval(*(*table).vals, (*table).tupdesc, 1, &mut null);

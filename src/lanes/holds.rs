@@ -101,9 +101,10 @@ const END_HOLDS_WITH_RANGES: Statement = Statement {
 /// `END_HOLDS_WITH_RANGES` for a claim whose gate found nothing that could block a key and which
 /// parked nothing (`own_claims::Facts::nothing_waited`): a row of a key of a lane still held by
 /// the token can then have been parked only by an outcome of the token since (a failure parks
-/// the rest of its chain), and every outcome of the token on a message of its ranges left a row
-/// in `range_done`, which the statement deletes. With none, the keys are not returned, and the
-/// group's parked rows are not probed.
+/// the rest of its chain), and every outcome of the token on a message of its ranges either left
+/// a row in `range_done`, which the statement deletes, or resolved its range's last message and
+/// deleted the range (which then has no row here). With none deleted, the keys are not returned,
+/// and the group's parked rows are not probed (docs/semantics.md, outcome step 4).
 const END_HOLDS_WITH_RANGES_NOTHING_WAITED: Statement = Statement {
     name: "lanes_end_holds_with_ranges_nothing_waited",
     sql: end_holds_with_ranges!("NOT EXISTS (SELECT FROM d)"),

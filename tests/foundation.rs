@@ -385,6 +385,44 @@ fn a_quarantined_row_held_by_its_lanes_own_due_work_does_not_stall_the_lane() {
     assert_eq!(delivered, vec![first, second], "both went out, the quarantined one alone");
 }
 
+/// A quarantined row that waits for its key is parked, and the claim that parks it hands out
+/// what holds the key: the expired range of the key's next message (exclusive: it may overtake
+/// a waiting row), handed out again. Its ack wakes the quarantined row, which the next claim hands
+/// out alone.
+#[test]
+fn a_claim_parks_a_quarantined_row_and_hands_out_what_holds_its_key() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "quarantine-parked");
+    let id: i64 = c
+        .query_one("SELECT sqlstreams.create_group($1, 'g', 'exclusive', max_reclaims => 1)", &[&s.name])
+        .unwrap()
+        .get(0);
+    let g = Group { stream: s.clone(), name: "g".into(), id };
+    let first = s.produce(&mut c, json!({}), Some("k"));
+    for _ in 0..2 {
+        assert_eq!(ids(&g.claim(&mut c, 10)), vec![first]);
+        g.expire_leases(&mut c);
+    }
+    assert!(g.claim(&mut c, 10).is_empty(), "the claim quarantined {first}");
+    let queue = s.table("exception_queue");
+    c.execute(
+        &format!("UPDATE {queue} SET can_run_after = now() + interval '1 hour' WHERE message_id = $1"),
+        &[&first],
+    )
+    .unwrap();
+    let second = s.produce(&mut c, json!({}), Some("k"));
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![second]);
+    g.expire_leases(&mut c);
+    g.make_due(&mut c);
+    let again = g.claim(&mut c, 10);
+    assert_eq!(ids(&again), vec![second], "{second}'s range again; {first} parked behind it");
+    let parked: bool =
+        c.query_one(&format!("SELECT parked FROM {queue} WHERE message_id = $1"), &[&first]).unwrap().get(0);
+    assert!(parked, "{first} is parked");
+    assert!(g.ack(&mut c, &again[0]));
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![first], "woken by the ack, alone");
+}
+
 /// A quarantined row that waits for its key is parked, and leaves its lane's next quarantined row
 /// its turn: an innocent range-mate goes out while the poison message waits for its retry.
 #[test]

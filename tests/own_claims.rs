@@ -405,21 +405,29 @@ fn an_ack_under_repeatable_read_reads_the_stored_outcomes_apart() {
 }
 
 /// A whole ack after an outcome of its own token: the claim found nothing in its way, then one of
-/// its messages failed (its key's next message, chained behind it, parked until the retry). The
-/// statement that ends the holds deleted the failure's `range_done` rows, so it returns the keys
-/// (src/lanes/holds.rs, `END_HOLDS_WITH_RANGES_NOTHING_WAITED`); the rest is acked, the lanes are
-/// freed, and the failed message and its successor come next, in order.
+/// its messages failed (its key's next message, chained behind it, parked until the retry), and
+/// a message of another key of the same range is still pending. The statement that ends the
+/// holds deletes the failure's `range_done` rows, so it returns the keys (src/lanes/holds.rs,
+/// `END_HOLDS_WITH_RANGES_NOTHING_WAITED`); the rest is acked, the lane is freed, and the failed
+/// message and its successor come next, in order.
 #[test]
 fn a_whole_ack_after_a_failure_of_its_own_claim_frees_the_lanes_and_keeps_the_order() {
     let mut c = connect();
     let s = Stream::create(&mut c, "own-whole-after-fail");
     let g = s.group(&mut c, "g", Some("ordered"));
+    let lane = s.lane(&mut c, "k");
+    let mate = (0..).map(|i| format!("j{i}")).find(|j| s.lane(&mut c, j) == lane).expect("a key in k's lane");
     let first = s.produce(&mut c, serde_json::json!({}), Some("k"));
     let next = s.produce(&mut c, serde_json::json!({}), Some("k"));
-    let other = s.produce(&mut c, serde_json::json!({}), Some("other"));
+    let other = s.produce(&mut c, serde_json::json!({}), Some(&mate));
     let claimed = g.claim(&mut c, 10);
     assert_eq!(ids(&claimed), vec![first, next, other]);
     assert_eq!(g.fail(&mut c, &claimed[0], "x", false, Some("1 hour")).as_deref(), Some("ready"));
+    let done: i64 = c
+        .query_one(&format!("SELECT count(*) FROM {} WHERE consumer_group_id = $1", s.table("range_done")), &[&g.id])
+        .unwrap()
+        .get(0);
+    assert_eq!(done, 2, "the failure and the rest of its chain, in the range still open for {other}");
     let carried = c
         .query(
             "SELECT message_id FROM sqlstreams.claim($1, 'g', 10, '30 seconds', $2, $3)",

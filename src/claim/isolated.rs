@@ -3,8 +3,9 @@
 //! "Quarantine of a range that keeps expiring").
 //!
 //! Unless it would wait for its key: then it is parked, as the gate parks any row (under the
-//! lane's wake lock, the facts read again once the lock is held), and the claim goes on with
-//! the lane's other work and other lanes. What holds the key may be that very work (a later
+//! lane's wake lock, the facts read again once the lock is held; left due instead while an
+//! outcome holds that lock, as any row), at once, so that the claim's gate sees it waiting, and
+//! the claim goes on with the lane's other work and other lanes. What holds the key may be that very work (a later
 //! message of an exclusive key, in a range whose lease ran out; an expired delivery), which a
 //! claim that handed out only the isolated row would never reach while the row came due first
 //! again and again; and a parked row leaves the lane's next isolated row its turn.
@@ -38,13 +39,8 @@ impl Claim<'_> {
         let parked = work.candidate.key.is_some() && parkable.contains(&lane);
         let until = if parked { until } else { self.now };
         let handout = &work.handout;
-        self.changes.push(exception_queue::defer_behind(
-            &handout.held,
-            &work.candidate,
-            handout.attempt,
-            until,
-            parked,
-        ));
+        let park = exception_queue::defer_behind(&handout.held, &work.candidate, handout.attempt, until, parked);
+        exception_queue::write(client, self.group.stream.id, self.group.id, vec![park], self.now)?;
         Ok(false)
     }
 

@@ -337,20 +337,35 @@ fn a_range_that_keeps_expiring_is_quarantined() {
     assert!(g.claim(&mut c, 10).is_empty());
 }
 
+/// A group of `concurrency` whose ranges are quarantined after `max_reclaims` reclaims.
+fn quarantining_group(c: &mut Client, s: &Stream, concurrency: &str, max_reclaims: i32) -> Group {
+    let id: i64 = c
+        .query_one(
+            "SELECT sqlstreams.create_group($1, 'g', $2, max_reclaims => $3)",
+            &[&s.name, &concurrency, &max_reclaims],
+        )
+        .unwrap()
+        .get(0);
+    Group { stream: s.clone(), name: "g".into(), id }
+}
+
+/// Makes exception row `id` wait an hour, as a claim that parked it, or a retry, would.
+fn hold_back(c: &mut Client, s: &Stream, id: i64) {
+    let queue = s.table("exception_queue");
+    c.execute(&format!("UPDATE {queue} SET can_run_after = now() + interval '1 hour' WHERE message_id = $1"), &[&id])
+        .unwrap();
+}
+
 /// A quarantined row is handed out alone, ahead of its lane's other work; when its key is held
 /// by a delivery that is itself waiting to be handed out again in that lane (here an exclusive
-/// key's later message, in a range whose lease ran out), the lane's other work goes out instead:
-/// a claim that only parked the quarantined row, again and again, would hold the lane back for
-/// good (claims a second apart, each finding the row due again).
+/// key's later message, in a range whose lease ran out), the row waits, parked, and what holds
+/// it goes out: a claim that handed out nothing but the quarantined row, again and again, would
+/// hold the lane back for good (claims a second apart, each finding the row due again).
 #[test]
 fn a_quarantined_row_held_by_its_lanes_own_due_work_does_not_stall_the_lane() {
     let mut c = connect();
     let s = Stream::create(&mut c, "quarantine-held");
-    let id: i64 = c
-        .query_one("SELECT sqlstreams.create_group($1, 'g', 'exclusive', max_reclaims => 0)", &[&s.name])
-        .unwrap()
-        .get(0);
-    let g = Group { stream: s.clone(), name: "g".into(), id };
+    let g = quarantining_group(&mut c, &s, "exclusive", 0);
     let first = s.produce(&mut c, json!({}), Some("k"));
     assert_eq!(ids(&g.claim(&mut c, 10)), vec![first]);
     g.expire_leases(&mut c);
@@ -361,12 +376,7 @@ fn a_quarantined_row_held_by_its_lanes_own_due_work_does_not_stall_the_lane() {
     assert!(g.exception_rows(&mut c).iter().any(|r| r.message_id == first && r.status == "ready"));
     // While the quarantined row waits (as after a claim that parked it), the key's next message
     // goes out, and its lease runs out too.
-    let queue = s.table("exception_queue");
-    c.execute(
-        &format!("UPDATE {queue} SET can_run_after = now() + interval '1 hour' WHERE message_id = $1"),
-        &[&first],
-    )
-    .unwrap();
+    hold_back(&mut c, &s, first);
     let second = s.produce(&mut c, json!({}), Some("k"));
     assert_eq!(ids(&g.claim(&mut c, 10)), vec![second], "exclusive: it may overtake a waiting row");
     g.expire_leases(&mut c);
@@ -393,31 +403,24 @@ fn a_quarantined_row_held_by_its_lanes_own_due_work_does_not_stall_the_lane() {
 fn a_claim_parks_a_quarantined_row_and_hands_out_what_holds_its_key() {
     let mut c = connect();
     let s = Stream::create(&mut c, "quarantine-parked");
-    let id: i64 = c
-        .query_one("SELECT sqlstreams.create_group($1, 'g', 'exclusive', max_reclaims => 1)", &[&s.name])
-        .unwrap()
-        .get(0);
-    let g = Group { stream: s.clone(), name: "g".into(), id };
+    let g = quarantining_group(&mut c, &s, "exclusive", 1);
     let first = s.produce(&mut c, json!({}), Some("k"));
     for _ in 0..2 {
         assert_eq!(ids(&g.claim(&mut c, 10)), vec![first]);
         g.expire_leases(&mut c);
     }
     assert!(g.claim(&mut c, 10).is_empty(), "the claim quarantined {first}");
-    let queue = s.table("exception_queue");
-    c.execute(
-        &format!("UPDATE {queue} SET can_run_after = now() + interval '1 hour' WHERE message_id = $1"),
-        &[&first],
-    )
-    .unwrap();
+    hold_back(&mut c, &s, first);
     let second = s.produce(&mut c, json!({}), Some("k"));
     assert_eq!(ids(&g.claim(&mut c, 10)), vec![second]);
     g.expire_leases(&mut c);
     g.make_due(&mut c);
     let again = g.claim(&mut c, 10);
     assert_eq!(ids(&again), vec![second], "{second}'s range again; {first} parked behind it");
-    let parked: bool =
-        c.query_one(&format!("SELECT parked FROM {queue} WHERE message_id = $1"), &[&first]).unwrap().get(0);
+    let parked: bool = c
+        .query_one(&format!("SELECT parked FROM {} WHERE message_id = $1", s.table("exception_queue")), &[&first])
+        .unwrap()
+        .get(0);
     assert!(parked, "{first} is parked");
     assert!(g.ack(&mut c, &again[0]));
     assert_eq!(ids(&g.claim(&mut c, 10)), vec![first], "woken by the ack, alone");
@@ -429,11 +432,7 @@ fn a_claim_parks_a_quarantined_row_and_hands_out_what_holds_its_key() {
 fn a_quarantined_row_that_waits_for_its_key_leaves_the_next_one_its_turn() {
     let mut c = connect();
     let s = Stream::create(&mut c, "quarantine-turn");
-    let id: i64 = c
-        .query_one("SELECT sqlstreams.create_group($1, 'g', 'ordered', max_reclaims => 0)", &[&s.name])
-        .unwrap()
-        .get(0);
-    let g = Group { stream: s.clone(), name: "g".into(), id };
+    let g = quarantining_group(&mut c, &s, "ordered", 0);
     let lane = s.lane(&mut c, "k");
     let mate = (0..).map(|i| format!("j{i}")).find(|j| s.lane(&mut c, j) == lane).unwrap();
     let poison = s.produce(&mut c, json!({}), Some("k"));

@@ -22,6 +22,7 @@ use crate::catalog;
 use crate::error::{named, quoted};
 use crate::error::{Result, StreamError};
 use crate::statement::{Columns, Statement};
+use crate::text::Text;
 
 /// What a call needs on a stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -234,14 +235,15 @@ const MAY_SEE: Statement = Statement {
 /// Whether the calling role may see stream `stream_id` (any grant on it), or its group
 /// `group_name` (a consume grant on it): the filter of the views, which never raise.
 #[pg_extern(stable, parallel_safe, sql = false)]
-fn visible(stream_id: Option<i64>, group_name: default!(Option<&str>, "NULL")) -> crate::error::SqlResult<bool> {
+fn visible(stream_id: Option<i64>, group_name: default!(Option<Text<'_>>, "NULL")) -> crate::error::SqlResult<bool> {
     let Some(stream_id) = stream_id else { return Ok(false) };
     Ok(as_owner(|caller| {
         if caller.is_superuser() {
             return Ok(true);
         }
         Spi::connect(|client| {
-            let row = MAY_SEE.read(client, 0, &[caller.role.into(), stream_id.into(), group_name.into()])?.first();
+            let row =
+                MAY_SEE.read(client, 0, &[caller.role.into(), stream_id.into(), group_name.as_deref().into()])?.first();
             Ok(row.value::<bool>("may")?.unwrap_or(false))
         })
     })?)

@@ -12,6 +12,7 @@ use crate::access;
 use crate::error::{Result, SqlResult};
 use crate::inspect::resolve;
 use crate::statement::{Access, Columns, Statement};
+use crate::text::Text;
 
 /// The earliest `$column` of group `$1`'s queue rows (alias `e`) that match the predicate, among
 /// those a claim could take: in a group whose lanes are held (`$3`), not in a lane another
@@ -101,10 +102,10 @@ pub fn until(client: &SpiClient<'_>, stream_id: i64, group_id: i64, now: i64) ->
 /// `deferred`), an expiring lease or lane hold; NULL when nothing waits for a time (or the group
 /// is paused). A time already past means work is due now. Needs the inspect right.
 #[pg_extern(stable, parallel_safe, sql = false)]
-fn next_due(stream: Option<&str>, group_name: Option<&str>) -> SqlResult<Option<TimestampWithTimeZone>> {
+fn next_due(stream: Option<Text<'_>>, group_name: Option<Text<'_>>) -> SqlResult<Option<TimestampWithTimeZone>> {
     Ok(access::as_owner(|caller| {
         Spi::connect(|client| {
-            let group = resolve(client, caller, stream, group_name)?;
+            let group = resolve(client, caller, stream.as_deref(), group_name.as_deref())?;
             let (now, holds) = (crate::statement::timestamptz(crate::clock::now()), crate::lanes::holds(&group));
             let args = [group.id.into(), now, holds.into()];
             NEXT_DUE.exec(client, group.stream.id, &args, Access::Read)?.first().value("due")

@@ -21,6 +21,7 @@ use crate::partition::Log;
 use crate::payload::RawJsonb;
 use crate::statement::{Access, Columns, Statement};
 use crate::stream::StreamRef;
+use crate::text::Text;
 
 /// A group's progress, given `$2`, how far it has handed out everything
 /// (`lanes::claimed_through`). `group_status` is `stable`: its statements all read the
@@ -246,8 +247,8 @@ fn oldest_unresolved_at(
 /// it adds this backend's unwritten count changes, which a parallel worker does not have.
 #[pg_extern(stable, parallel_restricted, sql = false)]
 fn group_status(
-    stream: Option<&str>,
-    group_name: Option<&str>,
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
 ) -> std::result::Result<
     TableIterator<
         'static,
@@ -269,7 +270,7 @@ fn group_status(
     >,
     ErrorReport,
 > {
-    let p = progress(stream, group_name)?;
+    let p = progress(stream.as_deref(), group_name.as_deref())?;
     Ok(TableIterator::once((
         p.claimed,
         p.committed,
@@ -291,8 +292,8 @@ fn group_status(
 /// its status, and how many later messages of the key wait behind it.
 #[pg_extern(stable, parallel_safe, sql = false)]
 fn blocked_keys(
-    stream: Option<&str>,
-    group_name: Option<&str>,
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
 ) -> std::result::Result<
     TableIterator<
         'static,
@@ -308,7 +309,7 @@ fn blocked_keys(
     >,
     ErrorReport,
 > {
-    let rows = list(stream, group_name, &BLOCKED_KEYS, |row| {
+    let rows = list(stream.as_deref(), group_name.as_deref(), &BLOCKED_KEYS, |row| {
         Ok((
             row.required("message_key")?,
             row.required("message_id")?,
@@ -326,8 +327,8 @@ fn blocked_keys(
 /// successors; it does not mean its business operation happened.
 #[pg_extern(stable, parallel_safe, sql = false)]
 fn dead_messages(
-    stream: Option<&str>,
-    group_name: Option<&str>,
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
 ) -> std::result::Result<
     TableIterator<
         'static,
@@ -346,7 +347,7 @@ fn dead_messages(
 > {
     let rows = access::as_owner(|caller| {
         Spi::connect(|client| {
-            let group = resolve(client, caller, stream, group_name)?;
+            let group = resolve(client, caller, stream.as_deref(), group_name.as_deref())?;
             let mut addresses = Vec::new();
             let rows = DEAD
                 .read(client, group.stream.id, &[group.id.into()])?
@@ -383,8 +384,8 @@ fn dead_messages(
 /// Leases a group holds right now: ranges, exception-queue deliveries and held lanes.
 #[pg_extern(stable, parallel_safe, sql = false)]
 fn open_leases(
-    stream: Option<&str>,
-    group_name: Option<&str>,
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
 ) -> std::result::Result<
     TableIterator<
         'static,
@@ -401,7 +402,7 @@ fn open_leases(
     >,
     ErrorReport,
 > {
-    let rows = list(stream, group_name, &LEASES, |row| {
+    let rows = list(stream.as_deref(), group_name.as_deref(), &LEASES, |row| {
         Ok((
             row.required("kind")?,
             row.value("first_id")?,
@@ -465,7 +466,7 @@ const PEEK: Statement = Statement {
 /// stream's groups (or pg_monitor).
 #[pg_extern(stable, parallel_safe, sql = false)]
 fn peek(
-    stream: Option<&str>,
+    stream: Option<Text<'_>>,
     after_id: default!(Option<i64>, 0),
     max_messages: default!(Option<i32>, 100),
 ) -> std::result::Result<
@@ -480,7 +481,7 @@ fn peek(
     >,
     ErrorReport,
 > {
-    let stream = validate_name("stream", stream)?;
+    let stream = validate_name("stream", stream.as_deref())?;
     let limit = match max_messages {
         Some(n) if (1..=10_000).contains(&n) => n,
         other => {

@@ -35,47 +35,6 @@ impl From<String> for Key {
     }
 }
 
-/// A key argument (`text`) as its bytes, in the database's encoding. pgrx's `&str` fails, with
-/// an internal error, on a text that is not ASCII in a database whose encoding is not UTF-8, and
-/// its `text[]` of `String`s takes such a text as UTF-8 without a check; produce refuses such a
-/// key with its own error instead (src/produce.rs).
-#[derive(Clone, Copy, Debug)]
-pub struct KeyText<'a>(pub &'a [u8]);
-
-pgrx::impl_sql_translatable!(KeyText<'_>, "text");
-
-// SAFETY: a `text` argument is a varlena, unboxed as `&[u8]` unboxes one (detoasted, packed).
-unsafe impl<'fcx> pgrx::callconv::ArgAbi<'fcx> for KeyText<'fcx> {
-    unsafe fn unbox_arg_unchecked(arg: pgrx::callconv::Arg<'_, 'fcx>) -> Self {
-        // SAFETY: the caller's promise: a `text` argument that is not NULL.
-        KeyText(unsafe { <&'fcx [u8] as pgrx::callconv::ArgAbi<'fcx>>::unbox_arg_unchecked(arg) })
-    }
-
-    unsafe fn unbox_nullable_arg(arg: pgrx::callconv::Arg<'_, 'fcx>) -> pgrx::nullable::Nullable<Self> {
-        // SAFETY: the caller's promise: a `text` argument; a null pointer reads as NULL.
-        match unsafe { <&'fcx [u8] as pgrx::callconv::ArgAbi<'fcx>>::unbox_nullable_arg(arg) } {
-            pgrx::nullable::Nullable::Valid(bytes) => pgrx::nullable::Nullable::Valid(KeyText(bytes)),
-            pgrx::nullable::Nullable::Null => pgrx::nullable::Nullable::Null,
-        }
-    }
-}
-
-// SAFETY: an element of a `text[]` is a varlena, unboxed as `&[u8]` unboxes one.
-unsafe impl pgrx::datum::UnboxDatum for KeyText<'_> {
-    type As<'src>
-        = KeyText<'src>
-    where
-        Self: 'src;
-
-    unsafe fn unbox<'src>(datum: pgrx::datum::Datum<'src>) -> KeyText<'src>
-    where
-        Self: 'src,
-    {
-        // SAFETY: the caller's promise: a `text` element that is not NULL.
-        KeyText(unsafe { <&[u8] as pgrx::datum::UnboxDatum>::unbox(datum) })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::Key;

@@ -21,6 +21,7 @@ use crate::notify;
 use crate::outcome;
 use crate::range;
 use crate::statement::{self, Access, Columns, Statement};
+use crate::text::Text;
 
 /// Locks everything `token` holds, so the new expiry is computed after any wait for it.
 const LOCK_HELD: Statement = Statement {
@@ -121,13 +122,13 @@ pub fn release(stream: &str, group_name: &str, token: pgrx::Uuid, ids: &[i64]) -
 /// lease was taken over, or everything was resolved).
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn extend_lease(
-    stream: Option<&str>,
-    group_name: Option<&str>,
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
     lease_token: Option<pgrx::Uuid>,
     lease: default!(Option<Interval>, "'30 seconds'"),
 ) -> SqlResult<bool> {
     crate::standby::refuse_writes("extend_lease")?;
-    let a = Answer::validate(stream, group_name, lease_token)?;
+    let a = Answer::validate(stream.as_deref(), group_name.as_deref(), lease_token)?;
     let lease =
         crate::settings::check_lease("lease", positive_micros("lease", lease.map(|l| l.as_micros()), "'30 seconds'")?)?;
     Ok(extend(a.stream, a.group, a.token, lease)?)
@@ -138,13 +139,13 @@ fn extend_lease(
 /// lease was lost is left out.
 #[pg_extern(volatile, parallel_unsafe, name = "release", sql = false)]
 fn release_sql(
-    stream: Option<&str>,
-    group_name: Option<&str>,
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
     lease_token: Option<pgrx::Uuid>,
     message_ids: Option<Vec<Option<i64>>>,
 ) -> SqlResult<Vec<i64>> {
     crate::standby::refuse_writes("release")?;
-    let a = Answer::validate(stream, group_name, lease_token)?;
+    let a = Answer::validate(stream.as_deref(), group_name.as_deref(), lease_token)?;
     Ok(release(a.stream, a.group, a.token, &names::message_ids("message_ids", message_ids)?)?)
 }
 
@@ -152,8 +153,12 @@ fn release_sql(
 /// holds), so the next claim takes the work over. Returns false when the token holds nothing.
 /// For admins: a consumer that hangs on to work it will never finish.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
-fn break_lease(stream: Option<&str>, group_name: Option<&str>, lease_token: Option<pgrx::Uuid>) -> SqlResult<bool> {
+fn break_lease(
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
+    lease_token: Option<pgrx::Uuid>,
+) -> SqlResult<bool> {
     crate::standby::refuse_writes("break_lease")?;
-    let a = Answer::validate(stream, group_name, lease_token)?;
+    let a = Answer::validate(stream.as_deref(), group_name.as_deref(), lease_token)?;
     Ok(break_now(a.stream, a.group, a.token)?)
 }

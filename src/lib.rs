@@ -59,6 +59,7 @@ mod srf;
 mod standby;
 mod statement;
 mod stream;
+mod text;
 mod transient;
 mod version;
 mod worker;

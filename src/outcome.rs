@@ -26,6 +26,7 @@ use crate::names::{self, positive_micros, Answer};
 use crate::notify;
 use crate::own_claims;
 use crate::range;
+use crate::text::{RawText, Text};
 
 /// What an ack recorded.
 pub struct Acked {
@@ -197,13 +198,13 @@ fn record_setback(
 /// lease_token was lost (expired and taken over, or already resolved): nothing changed.
 #[pg_extern(volatile, parallel_unsafe, name = "ack", sql = false)]
 fn ack_sql(
-    stream: Option<&str>,
-    group_name: Option<&str>,
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
     lease_token: Option<pgrx::Uuid>,
     message_id: Option<i64>,
 ) -> SqlResult<bool> {
     crate::standby::refuse_writes("ack")?;
-    let a = Answer::validate(stream, group_name, lease_token)?;
+    let a = Answer::validate(stream.as_deref(), group_name.as_deref(), lease_token)?;
     let id = names::message_id(message_id)?;
     Ok(!ack(a.stream, a.group, a.token, &[id])?.is_empty())
 }
@@ -212,13 +213,13 @@ fn ack_sql(
 /// whose lease was lost is left out).
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn ack_batch(
-    stream: Option<&str>,
-    group_name: Option<&str>,
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
     lease_token: Option<pgrx::Uuid>,
     message_ids: Option<Vec<Option<i64>>>,
 ) -> SqlResult<Vec<i64>> {
     crate::standby::refuse_writes("ack_batch")?;
-    let a = Answer::validate(stream, group_name, lease_token)?;
+    let a = Answer::validate(stream.as_deref(), group_name.as_deref(), lease_token)?;
     Ok(ack(a.stream, a.group, a.token, &names::message_ids("message_ids", message_ids)?)?)
 }
 
@@ -227,16 +228,16 @@ fn ack_batch(
 /// spent); NULL when the lease was lost. The rest of its same-key chain is recorded deferred.
 #[pg_extern(volatile, parallel_unsafe, name = "fail", sql = false)]
 fn fail_sql(
-    stream: Option<&str>,
-    group_name: Option<&str>,
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
     lease_token: Option<pgrx::Uuid>,
     message_id: Option<i64>,
-    error: Option<String>,
+    error: Option<RawText<'_>>,
     permanent: default!(Option<bool>, false),
     retry_after: default!(Option<Interval>, "NULL"),
 ) -> SqlResult<Option<String>> {
     crate::standby::refuse_writes("fail")?;
-    let a = Answer::validate(stream, group_name, lease_token)?;
+    let a = Answer::validate(stream.as_deref(), group_name.as_deref(), lease_token)?;
     let id = names::message_id(message_id)?;
     let retry_after = match retry_after.map(|i| i.as_micros()) {
         Some(m) if m < 0 => {
@@ -249,7 +250,8 @@ fn fail_sql(
         other => other.map(|m| m.min(i64::MAX as i128) as i64),
     };
     let permanent = permanent.unwrap_or(false);
-    let error = Some(error.unwrap_or_else(|| "(no error message)".to_string()));
+    // Kept as written; in a database that is not UTF8, with its bytes beyond ASCII escaped.
+    let error = Some(error.map_or_else(|| "(no error message)".to_string(), |e| e.or_escaped().into_owned()));
     let status =
         record_setback(SetbackKind::Fail, a.stream, a.group, a.token, id, error, |group, attempts, delays, now| {
             backoff::fail(&group.backoff, group.max_retries, attempts, delays, permanent, retry_after, now)
@@ -261,14 +263,14 @@ fn fail_sql(
 /// when the lease was lost. The message stays unresolved, so an ordered key keeps waiting.
 #[pg_extern(volatile, parallel_unsafe, name = "delay", sql = false)]
 fn delay_sql(
-    stream: Option<&str>,
-    group_name: Option<&str>,
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
     lease_token: Option<pgrx::Uuid>,
     message_id: Option<i64>,
     delay: Option<Interval>,
 ) -> SqlResult<bool> {
     crate::standby::refuse_writes("delay")?;
-    let a = Answer::validate(stream, group_name, lease_token)?;
+    let a = Answer::validate(stream.as_deref(), group_name.as_deref(), lease_token)?;
     let id = names::message_id(message_id)?;
     let delay = positive_micros("delay", delay.map(|d| d.as_micros()), "'10 seconds'")?;
     let status =

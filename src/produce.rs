@@ -11,7 +11,6 @@ use crate::access::{self, Right};
 use crate::append;
 use crate::concurrency::{Concurrency, ProduceRequest};
 use crate::error::{Result, SqlResult, StreamError};
-use crate::key::KeyText;
 use crate::locks;
 use crate::names::validate_name;
 use crate::notify;
@@ -20,6 +19,7 @@ use crate::payload::{RawJsonb, RawJsonbArray};
 use crate::srf;
 use crate::statement::{Columns, Statement};
 use crate::stream::{self, StreamRef};
+use crate::text::{RawText, Text};
 use pgrx::pg_sys::panic::ErrorReport;
 
 const NEXT_ID: Statement =
@@ -412,20 +412,20 @@ pub fn produce_many(
 #[allow(clippy::too_many_arguments)]
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn produce(
-    stream: Option<&str>,
+    stream: Option<Text<'_>>,
     payload: Option<RawJsonb>,
-    message_key: default!(Option<KeyText<'_>>, "NULL"),
-    concurrency: default!(Option<&str>, "NULL"),
+    message_key: default!(Option<RawText<'_>>, "NULL"),
+    concurrency: default!(Option<Text<'_>>, "NULL"),
     compaction: default!(Option<bool>, false),
-    idempotency_key: default!(Option<KeyText<'_>>, "NULL"),
+    idempotency_key: default!(Option<RawText<'_>>, "NULL"),
     headers: default!(Option<RawJsonb>, "NULL"),
     deliver_after: default!(Option<Interval>, "NULL"),
 ) -> SqlResult<Option<i64>> {
     crate::standby::refuse_writes("produce")?;
-    let stream = validate_name("stream", stream)?;
+    let stream = validate_name("stream", stream.as_deref())?;
     let message_key = key_text("message_key", message_key)?;
     let idempotency_key = key_text("idempotency_key", idempotency_key)?;
-    let request = ProduceRequest::validate(message_key, concurrency, compaction.unwrap_or(false))?;
+    let request = ProduceRequest::validate(message_key, concurrency.as_deref(), compaction.unwrap_or(false))?;
     let payload = payload.ok_or_else(|| {
         StreamError::invalid(
             "payload must not be NULL",
@@ -473,11 +473,11 @@ fn check_idempotency_keys(keys: &[Option<&str>], count: usize) -> Result<()> {
 /// `text[]` does not check at all. The extension reads keys as UTF-8 (src/statement/text.rs), and
 /// in such a database only an ASCII key reads the same either way; a key that passed produce
 /// must never make a later claim or outcome fail. A UTF-8 database keeps its texts valid UTF-8.
-fn key_text<'a>(what: &str, key: Option<KeyText<'a>>) -> Result<Option<&'a str>> {
-    let Some(KeyText(bytes)) = key else { return Ok(None) };
+fn key_text<'a>(what: &str, key: Option<RawText<'a>>) -> Result<Option<&'a str>> {
+    let Some(RawText(bytes)) = key else { return Ok(None) };
     if !bytes.is_ascii() && !crate::statement::utf8_database() {
         return Err(StreamError::invalid(
-            format!("{what} '{}' is not ASCII, and the database's encoding is not UTF8", bytes.escape_ascii()),
+            format!("{what} '{}' is not ASCII, and the database's encoding is not UTF8", crate::text::escaped(bytes)),
             "Use ASCII keys in this database (or a hash of the natural key), or keep the streams in a UTF8 database.",
         ));
     }
@@ -487,7 +487,7 @@ fn key_text<'a>(what: &str, key: Option<KeyText<'a>>) -> Result<Option<&'a str>>
 }
 
 /// `key_text` of every element of a `text[]` of keys.
-fn keys_text<'a>(what: &str, keys: Option<&'a Array<'_, KeyText<'_>>>) -> Result<Option<Vec<Option<&'a str>>>> {
+fn keys_text<'a>(what: &str, keys: Option<&'a Array<'_, RawText<'_>>>) -> Result<Option<Vec<Option<&'a str>>>> {
     keys.map(|keys| keys.iter().map(|key| key_text(what, key)).collect()).transpose()
 }
 
@@ -499,17 +499,17 @@ fn keys_text<'a>(what: &str, keys: Option<&'a Array<'_, KeyText<'_>>>) -> Result
 #[allow(clippy::too_many_arguments)]
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn produce_batch(
-    stream: Option<&str>,
+    stream: Option<Text<'_>>,
     payloads: Option<RawJsonbArray>,
-    message_keys: default!(Option<Array<'_, KeyText<'_>>>, "NULL"),
-    concurrency: default!(Option<&str>, "NULL"),
+    message_keys: default!(Option<Array<'_, RawText<'_>>>, "NULL"),
+    concurrency: default!(Option<Text<'_>>, "NULL"),
     compaction: default!(Option<bool>, false),
-    idempotency_keys: default!(Option<Array<'_, KeyText<'_>>>, "NULL"),
+    idempotency_keys: default!(Option<Array<'_, RawText<'_>>>, "NULL"),
     headers: default!(Option<RawJsonbArray>, "NULL"),
     deliver_after: default!(Option<Interval>, "NULL"),
 ) -> std::result::Result<srf::SetOfIterator<'static, Option<i64>>, ErrorReport> {
     crate::standby::refuse_writes("produce_batch")?;
-    let stream = validate_name("stream", stream)?;
+    let stream = validate_name("stream", stream.as_deref())?;
     let payloads = payloads.ok_or_else(|| {
         StreamError::invalid("payloads must not be NULL", "Pass an array with one jsonb per message.")
     })?;
@@ -517,6 +517,7 @@ fn produce_batch(
     let idempotency = keys_text("idempotency_key", idempotency_keys.as_ref())?;
     let extras =
         BatchExtras { headers, deliver_after: check_deliver_after(deliver_after, compaction.unwrap_or(false))? };
-    let ids = produce_many(stream, payloads, keys, concurrency, compaction.unwrap_or(false), idempotency, extras)?;
+    let ids =
+        produce_many(stream, payloads, keys, concurrency.as_deref(), compaction.unwrap_or(false), idempotency, extras)?;
     Ok(srf::SetOfIterator::new(ids))
 }

@@ -158,24 +158,31 @@ fn drop_stream_under_repeatable_read_leaves_no_group_behind() {
     assert_eq!(orphans, 0);
 }
 
-/// In a database whose encoding is not UTF-8, a key that is not ASCII reads differently as bytes
-/// and as UTF-8: produce refuses it, in a batch too, rather than store a message that every
-/// later claim of its lane would fail on. ASCII keys work there as anywhere.
-#[test]
-fn a_key_that_is_not_ascii_is_refused_where_the_encoding_is_not_utf8() {
+/// A database of its own in `encoding`, with the extension: the admin connection, its name, and
+/// a connection to it.
+fn database_in(encoding: &str) -> (Client, String, Client) {
     let mut admin = connect();
-    let name = unique("ascii_db").replace('-', "_");
+    let name = unique("encoding_db").replace('-', "_");
     admin
         .batch_execute(&format!(
-            "CREATE DATABASE {name} TEMPLATE template0 ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C'"
+            "CREATE DATABASE {name} TEMPLATE template0 ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C'"
         ))
         .unwrap();
     let url = database_url();
     let url = format!("{}/{name}", url.rsplit_once('/').unwrap().0);
     let mut c = Client::connect(&url, postgres::NoTls).unwrap();
+    c.batch_execute("CREATE EXTENSION sqlstreams").unwrap();
+    (admin, name, c)
+}
+
+/// In a database whose encoding is not UTF-8, a key that is not ASCII reads differently as bytes
+/// and as UTF-8: produce refuses it, in a batch too, rather than store a message that every
+/// later claim of its lane would fail on. ASCII keys work there as anywhere.
+#[test]
+fn a_key_that_is_not_ascii_is_refused_where_the_encoding_is_not_utf8() {
+    let (mut admin, name, mut c) = database_in("SQL_ASCII");
     c.batch_execute(
-        "CREATE EXTENSION sqlstreams;
-         SELECT sqlstreams.create_stream('s');
+        "SELECT sqlstreams.create_stream('s');
          SELECT sqlstreams.create_group('s', 'g', 'ordered');",
     )
     .unwrap();
@@ -211,6 +218,60 @@ fn a_key_that_is_not_ascii_is_refused_where_the_encoding_is_not_utf8() {
         .map(|r| r.get(0))
         .collect();
     assert_eq!(keys, ["plain", "other"]);
+    drop(c);
+    admin.batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)")).unwrap();
+}
+
+/// In a LATIN1 database, a name or another word that is not ASCII cannot be read as UTF-8: every
+/// call refuses it with 22023 naming the argument (not with pgrx's internal error), and changes
+/// nothing. A failure's error message is kept, its bytes beyond ASCII escaped. In an SQL_ASCII
+/// database, a name that is valid UTF-8 works, as it did.
+#[test]
+fn a_text_argument_that_cannot_be_read_as_utf8_is_refused_naming_it() {
+    let (mut admin, name, mut c) = database_in("LATIN1");
+    c.batch_execute("SELECT sqlstreams.create_stream('s'); SELECT sqlstreams.create_group('s', 'g')").unwrap();
+    // The bytes are spelled in SQL: 0xE9 is é in LATIN1, and not UTF-8.
+    for (call, argument) in [
+        (r"SELECT sqlstreams.create_stream(E'caf\xe9')", r"argument 1 ('caf\xe9')"),
+        (r"SELECT sqlstreams.create_group('s', E'gr\xfcn')", r"argument 2 ('gr\xfcn')"),
+        (r"SELECT * FROM sqlstreams.claim('s', E'g\xe9', 10)", r"argument 2 ('g\xe9')"),
+        (r"SELECT sqlstreams.produce('s', '{}', 'k', concurrency => E'ordered\xe9')", "argument 4"),
+        (r"SELECT * FROM sqlstreams.group_status(E'\xe9', 'g')", "argument 1"),
+    ] {
+        let err = c.batch_execute(call).unwrap_err();
+        assert_eq!(sqlstate(&err), "22023", "{call}: {err:?}");
+        let db = err.as_db_error().unwrap();
+        assert!(db.message().contains(argument) && db.message().contains("LATIN1"), "{call}: {}", db.message());
+        assert!(db.hint().is_some_and(|h| h.contains("UTF8")), "{call}: {err:?}");
+    }
+    let counts: (i64, i64) = c
+        .query_one(
+            "SELECT (SELECT count(*) FROM sqlstreams.stream), (SELECT count(*) FROM sqlstreams.consumer_group)",
+            &[],
+        )
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert_eq!(counts, (1, 1), "the refused calls created nothing");
+
+    c.batch_execute("SELECT sqlstreams.produce('s', '{}', 'k')").unwrap();
+    let row = c.query_one("SELECT message_id, lease_token FROM sqlstreams.claim('s', 'g', 10)", &[]).unwrap();
+    let (id, token): (i64, uuid::Uuid) = (row.get(0), row.get(1));
+    let status: String = c
+        .query_one(r"SELECT sqlstreams.fail('s', 'g', $1, $2, E'Konto ung\xfcltig', permanent => true)", &[&token, &id])
+        .unwrap()
+        .get(0);
+    assert_eq!(status, "dead");
+    let error: String = c.query_one("SELECT last_error FROM sqlstreams.dead_messages('s', 'g')", &[]).unwrap().get(0);
+    assert_eq!(error, r"Konto ung\xfcltig");
+    drop(c);
+    admin.batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)")).unwrap();
+
+    let (mut admin, name, mut c) = database_in("SQL_ASCII");
+    let stream = "caf\u{e9}";
+    c.execute("SELECT sqlstreams.create_stream($1)", &[&stream]).unwrap();
+    let names: Vec<String> =
+        c.query("SELECT name FROM sqlstreams.streams", &[]).unwrap().iter().map(|r| r.get(0)).collect();
+    assert_eq!(names, [stream]);
     drop(c);
     admin.batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)")).unwrap();
 }

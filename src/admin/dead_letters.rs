@@ -11,6 +11,7 @@ use crate::exception_queue::{self, Waker};
 use crate::names::{message_id, validate_name};
 use crate::notify;
 use crate::statement::{self, Columns, Statement};
+use crate::text::Text;
 
 /// The dead rows become ready, and the group's stored `committed` moves back below the first
 /// of them: a redriven message is unresolved again, so `group_status`, its lag and
@@ -58,13 +59,13 @@ const PURGE: Statement = Statement {
 /// Returns the ids redriven. Admins only.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn redrive(
-    stream: Option<&str>,
-    group_name: Option<&str>,
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
     message_ids: default!(Option<Vec<Option<i64>>>, "NULL"),
 ) -> SqlResult<Vec<i64>> {
     crate::standby::refuse_writes("redrive")?;
-    let stream = validate_name("stream", stream)?;
-    let group_name = validate_name("group", group_name)?;
+    let stream = validate_name("stream", stream.as_deref())?;
+    let group_name = validate_name("group", group_name.as_deref())?;
     let ids: Option<Vec<i64>> = message_ids.map(|ids| ids.into_iter().flatten().collect());
     Ok(crate::admin::admin_call(stream, group_name, "redrive dead messages", |client, g| {
         let now = clock::now();
@@ -83,10 +84,10 @@ fn redrive(
 /// Resolves one dead message for good without running it: its row goes, and with
 /// `on_dead = 'hold'` its ordered key goes on. Returns false when it was not dead. Admins only.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
-fn skip(stream: Option<&str>, group_name: Option<&str>, message_id: Option<i64>) -> SqlResult<bool> {
+fn skip(stream: Option<Text<'_>>, group_name: Option<Text<'_>>, message_id: Option<i64>) -> SqlResult<bool> {
     crate::standby::refuse_writes("skip")?;
-    let stream = validate_name("stream", stream)?;
-    let group_name = validate_name("group", group_name)?;
+    let stream = validate_name("stream", stream.as_deref())?;
+    let group_name = validate_name("group", group_name.as_deref())?;
     let id = self::message_id(message_id)?;
     Ok(crate::admin::admin_call(stream, group_name, "skip dead messages", |client, g| {
         let rows = SKIP.run(client, g.stream.id, &[g.id.into(), id.into()])?;
@@ -110,13 +111,13 @@ fn skip(stream: Option<&str>, group_name: Option<&str>, message_id: Option<i64>)
 /// default). With `on_dead = 'hold'` their ordered keys go on. Returns how many. Admins only.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn purge_dead(
-    stream: Option<&str>,
-    group_name: Option<&str>,
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
     older_than: default!(Option<Interval>, "'0 seconds'"),
 ) -> SqlResult<i64> {
     crate::standby::refuse_writes("purge_dead")?;
-    let stream = validate_name("stream", stream)?;
-    let group_name = validate_name("group", group_name)?;
+    let stream = validate_name("stream", stream.as_deref())?;
+    let group_name = validate_name("group", group_name.as_deref())?;
     let older = match older_than.map(|i| i.as_micros()) {
         Some(m) if m >= 0 => m.min(i64::MAX as i128) as i64,
         _ => {

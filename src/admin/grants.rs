@@ -8,6 +8,7 @@ use crate::access::as_owner;
 use crate::error::quoted;
 use crate::error::{Result, StreamError};
 use crate::statement::{Columns, Statement};
+use crate::text::Text;
 
 const ROLE: Statement = Statement {
     name: "access_role",
@@ -60,24 +61,40 @@ fn grant_args(
 /// false when the role already had that grant. Admins only.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn grant_stream(
-    stream: Option<&str>,
-    role: Option<&str>,
-    privilege: Option<&str>,
-    group_name: default!(Option<&str>, "NULL"),
+    stream: Option<Text<'_>>,
+    role: Option<Text<'_>>,
+    privilege: Option<Text<'_>>,
+    group_name: default!(Option<Text<'_>>, "NULL"),
 ) -> crate::error::SqlResult<bool> {
-    Ok(change_grant("grant_stream", "grant access to streams", &GRANT, stream, role, privilege, group_name)?)
+    Ok(change_grant(
+        "grant_stream",
+        "grant access to streams",
+        &GRANT,
+        stream.as_deref(),
+        role.as_deref(),
+        privilege.as_deref(),
+        group_name.as_deref(),
+    )?)
 }
 
 /// Takes back exactly one grant of `grant_stream`. Returns false when there was none. Admins
 /// only.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn revoke_stream(
-    stream: Option<&str>,
-    role: Option<&str>,
-    privilege: Option<&str>,
-    group_name: default!(Option<&str>, "NULL"),
+    stream: Option<Text<'_>>,
+    role: Option<Text<'_>>,
+    privilege: Option<Text<'_>>,
+    group_name: default!(Option<Text<'_>>, "NULL"),
 ) -> crate::error::SqlResult<bool> {
-    Ok(change_grant("revoke_stream", "revoke access to streams", &REVOKE, stream, role, privilege, group_name)?)
+    Ok(change_grant(
+        "revoke_stream",
+        "revoke access to streams",
+        &REVOKE,
+        stream.as_deref(),
+        role.as_deref(),
+        privilege.as_deref(),
+        group_name.as_deref(),
+    )?)
 }
 
 /// `grant_stream` or `revoke_stream` (`call`): the arguments checked, then `statement` (`GRANT`

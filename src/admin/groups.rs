@@ -15,6 +15,7 @@ use crate::lanes;
 use crate::names::{positive_micros, validate_name, StartAt};
 use crate::statement::{Columns, Statement};
 use crate::stream;
+use crate::text::Text;
 
 const UPSERT: Statement = Statement {
     name: "group_upsert",
@@ -221,11 +222,11 @@ fn settings(
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 #[allow(clippy::too_many_arguments)]
 fn create_group(
-    stream: Option<&str>,
-    name: Option<&str>,
-    concurrency_override: default!(Option<&str>, "NULL"),
+    stream: Option<Text<'_>>,
+    name: Option<Text<'_>>,
+    concurrency_override: default!(Option<Text<'_>>, "NULL"),
     max_retries: default!(Option<i32>, 3),
-    start_at: default!(Option<&str>, "'beginning'"),
+    start_at: default!(Option<Text<'_>>, "'beginning'"),
     backoff_base: default!(Option<Interval>, "'1 second'"),
     backoff_cap: default!(Option<Interval>, "'5 minutes'"),
     backoff_exponent: default!(Option<f64>, 2.0),
@@ -233,12 +234,12 @@ fn create_group(
     max_reclaims: default!(Option<i32>, 2),
 ) -> SqlResult<i64> {
     crate::standby::refuse_writes("create_group")?;
-    let stream = validate_name("stream", stream)?;
-    let name = validate_name("group", name)?;
+    let stream = validate_name("stream", stream.as_deref())?;
+    let name = validate_name("group", name.as_deref())?;
     let settings = settings(
-        concurrency_override,
+        concurrency_override.as_deref(),
         max_retries,
-        start_at,
+        start_at.as_deref(),
         backoff_base,
         backoff_cap,
         backoff_exponent,
@@ -251,10 +252,10 @@ fn create_group(
 /// Drops a consumer group with its cursor, leases and exception queue rows. Returns false when
 /// the stream has no such group.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
-fn drop_group(stream: Option<&str>, name: Option<&str>) -> SqlResult<bool> {
+fn drop_group(stream: Option<Text<'_>>, name: Option<Text<'_>>) -> SqlResult<bool> {
     crate::standby::refuse_writes("drop_group")?;
-    let stream = validate_name("stream", stream)?;
-    let name = validate_name("group", name)?;
+    let stream = validate_name("stream", stream.as_deref())?;
+    let name = validate_name("group", name.as_deref())?;
     Ok(drop(stream, name)?)
 }
 
@@ -289,16 +290,16 @@ const SET_PAUSED: Statement = Statement {
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 #[allow(clippy::too_many_arguments)]
 fn alter_group(
-    stream: Option<&str>,
-    group_name: Option<&str>,
-    concurrency_override: default!(Option<&str>, "NULL"),
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
+    concurrency_override: default!(Option<Text<'_>>, "NULL"),
     max_retries: default!(Option<i32>, "NULL"),
     backoff_base: default!(Option<Interval>, "NULL"),
     backoff_cap: default!(Option<Interval>, "NULL"),
     backoff_exponent: default!(Option<f64>, "NULL"),
     max_delays: default!(Option<i32>, "NULL"),
     max_reclaims: default!(Option<i32>, "NULL"),
-    on_dead: default!(Option<&str>, "NULL"),
+    on_dead: default!(Option<Text<'_>>, "NULL"),
     max_inflight: default!(Option<i32>, "NULL"),
 ) -> SqlResult<bool> {
     crate::standby::refuse_writes("alter_group")?;
@@ -309,10 +310,10 @@ fn alter_group(
         )
         .into());
     }
-    let stream = validate_name("stream", stream)?;
-    let group_name = validate_name("group", group_name)?;
-    let on_dead = match on_dead {
-        None | Some("release") | Some("hold") => on_dead,
+    let stream = validate_name("stream", stream.as_deref())?;
+    let group_name = validate_name("group", group_name.as_deref())?;
+    let on_dead = match on_dead.as_deref() {
+        None | Some("release") | Some("hold") => on_dead.as_deref(),
         Some(other) => {
             return Err(StreamError::invalid(
                 format!("on_dead {} is not valid", crate::error::quoted(Some(other))),
@@ -328,7 +329,7 @@ fn alter_group(
         let micros = |i: Option<Interval>| i.map(|i| i.as_micros().clamp(i64::MIN as i128, i64::MAX as i128) as i64);
         let current_override = g.concurrency_override.map(Concurrency::as_str);
         let merged = settings(
-            match concurrency_override {
+            match concurrency_override.as_deref() {
                 Some("none") => None,
                 Some(c) => Some(c),
                 None => current_override,
@@ -371,16 +372,16 @@ fn alter_group(
 /// Pauses a group: its claims hand out nothing (outcomes of what it already holds still count)
 /// until `resume_group`. Returns false when it was paused already. Admins only.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
-fn pause_group(stream: Option<&str>, group_name: Option<&str>) -> SqlResult<bool> {
+fn pause_group(stream: Option<Text<'_>>, group_name: Option<Text<'_>>) -> SqlResult<bool> {
     crate::standby::refuse_writes("pause_group")?;
-    set_paused(stream, group_name, true)
+    set_paused(stream.as_deref(), group_name.as_deref(), true)
 }
 
 /// Resumes a paused group. Returns false when it was not paused. Admins only.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
-fn resume_group(stream: Option<&str>, group_name: Option<&str>) -> SqlResult<bool> {
+fn resume_group(stream: Option<Text<'_>>, group_name: Option<Text<'_>>) -> SqlResult<bool> {
     crate::standby::refuse_writes("resume_group")?;
-    set_paused(stream, group_name, false)
+    set_paused(stream.as_deref(), group_name.as_deref(), false)
 }
 
 fn set_paused(stream: Option<&str>, group_name: Option<&str>, paused: bool) -> SqlResult<bool> {

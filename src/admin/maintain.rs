@@ -13,6 +13,7 @@ use crate::range;
 use crate::retention;
 use crate::statement::{Columns, Statement};
 use crate::stream::{self, StreamRef};
+use crate::text::Text;
 
 const STREAMS: Statement =
     Statement { name: "maintain_streams", sql: "SELECT name FROM sqlstreams.stream ORDER BY id", params: &[] };
@@ -146,7 +147,7 @@ fn maintain() -> std::result::Result<
 /// commit) only for that stream's step, not for every other stream's.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn maintain_stream(
-    stream_name: Option<&str>,
+    stream_name: Option<Text<'_>>,
 ) -> std::result::Result<
     TableIterator<
         'static,
@@ -164,6 +165,6 @@ fn maintain_stream(
 > {
     crate::standby::refuse_writes("maintain_stream")?;
     // Not STRICT: a NULL name is refused with 22023 like every other call's, not an empty result.
-    let name = crate::names::validate_name("stream", stream_name)?;
+    let name = crate::names::validate_name("stream", stream_name.as_deref())?;
     Ok(TableIterator::new(maintain_stream_named(name)?))
 }

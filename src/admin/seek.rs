@@ -17,6 +17,7 @@ use crate::error::{SqlResult, StreamError};
 use crate::names::validate_name;
 use crate::notify;
 use crate::statement::{self, Columns, Statement};
+use crate::text::Text;
 
 const LOCK: Statement = Statement {
     name: "seek_lock",
@@ -59,14 +60,14 @@ const MOVE: Statement = Statement {
 /// Admins only.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn seek(
-    stream: Option<&str>,
-    group_name: Option<&str>,
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
     to_id: default!(Option<i64>, "NULL"),
     to_time: default!(Option<TimestampWithTimeZone>, "NULL"),
 ) -> SqlResult<i64> {
     crate::standby::refuse_writes("seek")?;
-    let stream = validate_name("stream", stream)?;
-    let group_name = validate_name("group", group_name)?;
+    let stream = validate_name("stream", stream.as_deref())?;
+    let group_name = validate_name("group", group_name.as_deref())?;
     if to_id.is_some() == to_time.is_some() {
         return Err(StreamError::invalid(
             "seek needs exactly one of to_id and to_time",

@@ -14,6 +14,7 @@ use crate::locks;
 use crate::names::{stream_period, validate_name};
 use crate::statement::{self, Access, Columns, Statement};
 use crate::stream::{find, lookup};
+use crate::text::Text;
 
 const INSERT: Statement = Statement {
     name: "stream_insert",
@@ -186,13 +187,13 @@ pub const LANES: std::ops::RangeInclusive<i32> = 1..=1024;
 /// count is refused.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn create_stream(
-    name: Option<&str>,
+    name: Option<Text<'_>>,
     partition_size: default!(Option<i64>, 1000000),
     idempotency_ttl: default!(Option<Interval>, "'1 day'"),
     lanes: default!(Option<i32>, 16),
 ) -> SqlResult<i64> {
     crate::standby::refuse_writes("create_stream")?;
-    let name = validate_name("stream", name)?;
+    let name = validate_name("stream", name.as_deref())?;
     let Some(partition_size) = partition_size else {
         return Err(StreamError::invalid(
             "partition_size must not be NULL",
@@ -221,9 +222,9 @@ fn create_stream(
 /// Drops a stream with its groups, messages and exception queue. Returns false when no stream
 /// of that name exists.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
-fn drop_stream(name: Option<&str>) -> SqlResult<bool> {
+fn drop_stream(name: Option<Text<'_>>) -> SqlResult<bool> {
     crate::standby::refuse_writes("drop_stream")?;
-    let name = validate_name("stream", name)?;
+    let name = validate_name("stream", name.as_deref())?;
     Ok(drop(name)?)
 }
 
@@ -245,14 +246,14 @@ const ALTER: Statement = Statement {
 /// Admins only.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn alter_stream(
-    name: Option<&str>,
+    name: Option<Text<'_>>,
     dead_retention: default!(Option<Interval>, "NULL"),
     idempotency_ttl: default!(Option<Interval>, "NULL"),
     max_age: default!(Option<Interval>, "NULL"),
     max_bytes: default!(Option<i64>, "NULL"),
 ) -> SqlResult<bool> {
     crate::standby::refuse_writes("alter_stream")?;
-    let name = validate_name("stream", name)?;
+    let name = validate_name("stream", name.as_deref())?;
     let retention =
         dead_retention.map(|i| stream_period("dead_retention", Some(i.as_micros()), "'7 days'")).transpose()?;
     let ttl = idempotency_ttl.map(|i| stream_period("idempotency_ttl", Some(i.as_micros()), "'1 day'")).transpose()?;

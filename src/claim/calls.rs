@@ -10,6 +10,7 @@ use crate::key::Key;
 use crate::names::{self, positive_micros, validate_name};
 use crate::payload::RawJsonb;
 use crate::srf;
+use crate::text::Text;
 
 /// The arguments both claim functions share, checked.
 struct ClaimArgs<'a> {
@@ -78,8 +79,8 @@ impl<'a> ClaimArgs<'a> {
 /// and one commit instead of two.
 #[pg_extern(volatile, parallel_unsafe, name = "claim", sql = false)]
 fn claim_sql(
-    stream: Option<&str>,
-    group_name: Option<&str>,
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
     batch_size: default!(Option<i32>, 100),
     lease: default!(Option<Interval>, "'30 seconds'"),
     ack_lease_token: default!(Option<pgrx::Uuid>, "NULL"),
@@ -100,7 +101,14 @@ fn claim_sql(
     ErrorReport,
 > {
     crate::standby::refuse_writes("claim")?;
-    let args = ClaimArgs::check(stream, group_name, batch_size, lease, ack_lease_token, ack_message_ids)?;
+    let args = ClaimArgs::check(
+        stream.as_deref(),
+        group_name.as_deref(),
+        batch_size,
+        lease,
+        ack_lease_token,
+        ack_message_ids,
+    )?;
     Ok(srf::TableIterator::new(args.claim()?.into_iter().map(|d| {
         (d.message_id, d.message_key, d.concurrency.as_str(), d.attempt, d.payload, d.lease_token, d.run_after)
     })))
@@ -110,8 +118,8 @@ fn claim_sql(
 /// contract fixes `claim`'s columns, so the longer row has a function of its own.
 #[pg_extern(volatile, parallel_unsafe, name = "claim_with_metadata", sql = false)]
 fn claim_with_metadata_sql(
-    stream: Option<&str>,
-    group_name: Option<&str>,
+    stream: Option<Text<'_>>,
+    group_name: Option<Text<'_>>,
     batch_size: default!(Option<i32>, 100),
     lease: default!(Option<Interval>, "'30 seconds'"),
     ack_lease_token: default!(Option<pgrx::Uuid>, "NULL"),
@@ -134,7 +142,14 @@ fn claim_with_metadata_sql(
     ErrorReport,
 > {
     crate::standby::refuse_writes("claim_with_metadata")?;
-    let args = ClaimArgs::check(stream, group_name, batch_size, lease, ack_lease_token, ack_message_ids)?;
+    let args = ClaimArgs::check(
+        stream.as_deref(),
+        group_name.as_deref(),
+        batch_size,
+        lease,
+        ack_lease_token,
+        ack_message_ids,
+    )?;
     let rows: Vec<_> = args
         .claim()?
         .into_iter()

@@ -83,14 +83,15 @@ const MAY: Statement = Statement {
                            AND ($3 = 'any' OR ($3 = 'consume-any' AND g.privilege = 'consume')
                                 OR (g.privilege = $3 AND (g.group_name IS NULL OR g.group_name = $5)))
                            AND pg_catalog.pg_has_role(r.oid, g.grantee, 'USAGE')) AS may,
-                 r.rolname::text AS rolname
+                 pg_catalog.convert_to(r.rolname::text, pg_catalog.getdatabaseencoding()) AS rolname
           FROM pg_catalog.pg_roles r WHERE r.oid = $1",
     params: &[OIDOID, INT8OID, TEXTOID, BOOLOID, TEXTOID],
 };
 
 const ADMIN: Statement = Statement {
     name: "access_admin",
-    sql: "SELECT r.rolsuper OR pg_catalog.pg_has_role(r.oid, 'sqlstreams_admin', 'USAGE') AS may, r.rolname::text AS rolname
+    sql: "SELECT r.rolsuper OR pg_catalog.pg_has_role(r.oid, 'sqlstreams_admin', 'USAGE') AS may,
+                 pg_catalog.convert_to(r.rolname::text, pg_catalog.getdatabaseencoding()) AS rolname
           FROM pg_catalog.pg_roles r WHERE r.oid = $1",
     params: &[OIDOID],
 };
@@ -183,7 +184,7 @@ impl Caller {
             GRANTED.with(|memo| memo.put(key, generation, ()));
             return Ok(());
         }
-        let role: String = row.value("rolname")?.unwrap_or_default();
+        let role = role_name(&row)?;
         let (what, grant) = match right {
             Right::Produce => (format!("produce to stream {}", named(stream)), "'produce'".to_string()),
             Right::Consume(group) | Right::Inspect(group) => (
@@ -211,12 +212,20 @@ impl Caller {
         if row.value::<bool>("may")?.unwrap_or(false) {
             return Ok(());
         }
-        let role: String = row.value("rolname")?.unwrap_or_default();
+        let role = role_name(&row)?;
         Err(StreamError::PermissionDenied {
             message: format!("role {} may not {what}", named(&role)),
             hint: "Ask an admin (a member of sqlstreams_admin) to do it, or to grant you that role.".into(),
         })
     }
+}
+
+/// The caller's role name, from `rolname` (its bytes: a role name need not be ASCII, in a database
+/// whose encoding is not UTF8 either), as messages show it.
+fn role_name<R: Columns>(row: &R) -> Result<String> {
+    let bytes: Vec<u8> = row.value("rolname")?.unwrap_or_default();
+    // SAFETY: the bytes of a text of this database (converted to its own encoding).
+    Ok(unsafe { crate::text::shown(&bytes) }.into_owned())
 }
 
 const MAY_SEE: Statement = Statement {

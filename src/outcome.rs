@@ -250,7 +250,7 @@ fn fail_sql(
         other => other.map(|m| m.min(i64::MAX as i128) as i64),
     };
     let permanent = permanent.unwrap_or(false);
-    // Kept as written; in a database that is not UTF8, with its bytes beyond ASCII escaped.
+    // Kept as written where it reads as UTF-8, else with its bytes beyond ASCII escaped (src/text.rs).
     let error = Some(error.map_or_else(|| "(no error message)".to_string(), |e| e.or_escaped().into_owned()));
     let status =
         record_setback(SetbackKind::Fail, a.stream, a.group, a.token, id, error, |group, attempts, delays, now| {

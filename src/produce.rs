@@ -467,23 +467,11 @@ fn check_idempotency_keys(keys: &[Option<&str>], count: usize) -> Result<()> {
     Ok(())
 }
 
-/// A key argument as text, refused where a later read could not take it. Keys arrive as their
-/// bytes rather than as `&str`: pgrx's conversion to `&str` fails, with an internal error, on a
-/// text that is not ASCII in a database whose encoding is not UTF-8, and its conversion of a
-/// `text[]` does not check at all. The extension reads keys as UTF-8 (src/statement/text.rs), and
-/// in such a database only an ASCII key reads the same either way; a key that passed produce
-/// must never make a later claim or outcome fail. A UTF-8 database keeps its texts valid UTF-8.
+/// A key argument as text, refused where it cannot be read as UTF-8 (src/text.rs), as names
+/// are: the extension reads keys as UTF-8 (src/statement/text.rs), and a key that passed produce
+/// must never make a later claim or outcome fail.
 fn key_text<'a>(what: &str, key: Option<RawText<'a>>) -> Result<Option<&'a str>> {
-    let Some(RawText(bytes)) = key else { return Ok(None) };
-    if !bytes.is_ascii() && !crate::statement::utf8_database() {
-        return Err(StreamError::invalid(
-            format!("{what} '{}' is not ASCII, and the database's encoding is not UTF8", crate::text::escaped(bytes)),
-            "Use ASCII keys in this database (or a hash of the natural key), or keep the streams in a UTF8 database.",
-        ));
-    }
-    std::str::from_utf8(bytes)
-        .map(Some)
-        .map_err(|_| StreamError::Internal(format!("{what} is not UTF-8 in a database that keeps its texts UTF-8")))
+    key.map(|key| key.utf8().ok_or_else(|| crate::text::refusal(what, key.bytes()))).transpose()
 }
 
 /// `key_text` of every element of a `text[]` of keys.

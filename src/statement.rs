@@ -24,7 +24,7 @@ use crate::error::{Result, StreamError};
 
 pub mod probe;
 mod text;
-pub use text::{text_array, utf8_database};
+pub use text::text_array;
 
 /// Whether a call may write. Inspection functions are declared `stable`: they read the
 /// caller's snapshot through read-only SPI; everything else takes a fresh snapshot per statement.

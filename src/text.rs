@@ -5,10 +5,13 @@
 //! UTF-8. The extension takes its text arguments as one of these instead:
 //!
 //! - `Text`, for names and words (streams, groups, roles, policies): read as pgrx would, and
-//!   refused with 22023 where pgrx would fail;
+//!   refused with 22023 where pgrx would fail (`utf8` says where);
 //! - `RawText`, the bytes, for what the extension keeps as the caller wrote it: keys (refused by
 //!   produce where they would not read back, src/produce.rs) and a failure's error message (kept
 //!   with its other bytes escaped).
+
+use std::borrow::Cow;
+use std::cell::OnceCell;
 
 use pgrx::callconv::{Arg, ArgAbi};
 use pgrx::nullable::Nullable;
@@ -16,10 +19,87 @@ use pgrx::pg_sys;
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::PgLogLevel;
 
-use crate::error::StreamError;
+use crate::error::{quoted, StreamError};
 
-/// A `text` argument read as UTF-8, which it must be (see `utf8`). Refused, before the call
-/// does anything, where it is not.
+/// How a database's texts read as UTF-8, as pgrx decides it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Encoding {
+    /// UTF8: Postgres keeps every text valid UTF-8.
+    Utf8,
+    /// SQL_ASCII: any bytes; those that are valid UTF-8 read as such.
+    SqlAscii,
+    /// Any other: all extend ASCII, and only ASCII reads the same as UTF-8.
+    Other,
+}
+
+thread_local! {
+    /// The database's encoding, read once per backend (it never changes).
+    static ENCODING: OnceCell<Encoding> = const { OnceCell::new() };
+}
+
+fn encoding() -> Encoding {
+    ENCODING.with(|e| {
+        *e.get_or_init(|| {
+            // SAFETY: reads the backend's database encoding.
+            match unsafe { pg_sys::GetDatabaseEncoding() } as u32 {
+                pg_sys::pg_enc::PG_UTF8 => Encoding::Utf8,
+                pg_sys::pg_enc::PG_SQL_ASCII => Encoding::SqlAscii,
+                _ => Encoding::Other,
+            }
+        })
+    })
+}
+
+/// Whether the database's encoding is UTF8: otherwise only ASCII texts surely read the same as
+/// bytes and as UTF-8.
+pub fn utf8_database() -> bool {
+    encoding() == Encoding::Utf8
+}
+
+/// The bytes of a text of this database as UTF-8, where pgrx would take them so: always in a
+/// UTF8 database, when valid in an SQL_ASCII one, when ASCII in any other.
+///
+/// # Safety
+/// `bytes` are a text value of this database: in a UTF8 database they are taken as UTF-8 unchecked.
+unsafe fn utf8(bytes: &[u8]) -> Option<&str> {
+    match encoding() {
+        // SAFETY: ASCII is UTF-8; the caller's promise: a UTF8 database's text, kept valid.
+        _ if bytes.is_ascii() => Some(unsafe { std::str::from_utf8_unchecked(bytes) }),
+        Encoding::Utf8 => Some(unsafe { std::str::from_utf8_unchecked(bytes) }),
+        Encoding::SqlAscii => std::str::from_utf8(bytes).ok(),
+        Encoding::Other => None,
+    }
+}
+
+/// A text of this database as messages show it: as UTF-8 where it reads so, else `escaped`.
+///
+/// # Safety
+/// As `utf8`.
+pub unsafe fn shown(bytes: &[u8]) -> Cow<'_, str> {
+    // SAFETY: the caller's promise.
+    match unsafe { utf8(bytes) } {
+        Some(text) => text.into(),
+        None => escaped(bytes).into(),
+    }
+}
+
+/// The bytes with every byte beyond ASCII written `\xNN`, and a backslash doubled so that one
+/// cannot be taken for the other: how a text that cannot be read as UTF-8 is shown, and kept (a
+/// failure's error message).
+pub fn escaped(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len());
+    for &b in bytes {
+        match b {
+            b'\\' => out.push_str("\\\\"),
+            b if b.is_ascii() => out.push(b as char),
+            b => out.push_str(&format!("\\x{b:02x}")),
+        }
+    }
+    out
+}
+
+/// A `text` argument read as UTF-8, which it must be (`utf8`): refused, before the call does
+/// anything, where it is not.
 #[derive(Clone, Copy, Debug)]
 pub struct Text<'a>(&'a str);
 
@@ -33,93 +113,79 @@ impl std::ops::Deref for Text<'_> {
     }
 }
 
-/// The argument at `index` (0-based), refused as a 22023 error when it is not UTF-8.
-fn checked(index: usize, bytes: &[u8]) -> &str {
-    match utf8(bytes) {
-        Some(text) => text,
-        None => {
-            ErrorReport::from(refusal(index, bytes)).report(PgLogLevel::ERROR);
-            unreachable!("an ERROR does not return")
+impl<'a> Text<'a> {
+    /// The argument at `index` (0-based), refused as a 22023 error when it cannot be read as
+    /// UTF-8.
+    fn checked(index: usize, text: RawText<'a>) -> Text<'a> {
+        match text.utf8() {
+            Some(text) => Text(text),
+            None => {
+                ErrorReport::from(refusal(&format!("argument {}", index + 1), text.0)).report(PgLogLevel::ERROR);
+                unreachable!("an ERROR does not return")
+            }
         }
     }
 }
 
-fn refusal(index: usize, bytes: &[u8]) -> StreamError {
+/// The refusal of a text that cannot be read as UTF-8 (`utf8`): `what` names it.
+pub fn refusal(what: &str, bytes: &[u8]) -> StreamError {
+    let shown = escaped(bytes);
+    let shown = match shown.char_indices().nth(40) {
+        Some((end, _)) => format!("{}...", &shown[..end]),
+        None => shown,
+    };
+    // SAFETY: the name of the backend's database encoding, a static string.
+    let name = unsafe { std::ffi::CStr::from_ptr(pg_sys::GetDatabaseEncodingName()) }.to_string_lossy();
+    let (is_not, pass) = match encoding() {
+        Encoding::SqlAscii => ("is not valid UTF-8", "ASCII or UTF-8 text"),
+        _ => ("is not ASCII", "ASCII text"),
+    };
     StreamError::invalid(
-        format!(
-            "argument {} ('{}') is not ASCII, and the database's encoding, {}, is not UTF8",
-            index + 1,
-            escaped(bytes),
-            encoding_name()
-        ),
-        "Pass ASCII text in this database, or keep the streams in a UTF8 database \
-         (CREATE DATABASE ... ENCODING 'UTF8').",
+        format!("{what} {} {is_not}, and the database's encoding is {name}", quoted(Some(&shown))),
+        format!("Pass {pass} in this database, or keep the streams in a UTF8 database (CREATE DATABASE ... ENCODING 'UTF8')."),
     )
 }
 
-/// The text's bytes as UTF-8, where pgrx would take them so: always in a UTF8 database (Postgres
-/// keeps its texts valid), when valid in an SQL_ASCII one (whose bytes may be anything), when
-/// ASCII in any other (all extend ASCII).
-pub fn utf8(bytes: &[u8]) -> Option<&str> {
-    if bytes.is_ascii() || crate::statement::utf8_database() {
-        // SAFETY: ASCII is UTF-8; a UTF8 database's texts are valid UTF-8.
-        return Some(unsafe { std::str::from_utf8_unchecked(bytes) });
-    }
-    // SAFETY: reads the backend's database encoding.
-    let sql_ascii = unsafe { pg_sys::GetDatabaseEncoding() } == pg_sys::pg_enc::PG_SQL_ASCII as i32;
-    sql_ascii.then(|| std::str::from_utf8(bytes).ok()).flatten()
-}
-
-/// The bytes with every byte that is not ASCII written as `\xNN`: how a refusal shows a text, and
-/// how a text that cannot be read as UTF-8 is kept (a failure's error message).
-pub fn escaped(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len());
-    for &b in bytes {
-        if b.is_ascii() {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("\\x{b:02x}"));
-        }
-    }
-    out
-}
-
-fn encoding_name() -> String {
-    // SAFETY: the name of the backend's database encoding, a static string.
-    unsafe { std::ffi::CStr::from_ptr(pg_sys::GetDatabaseEncodingName()) }.to_string_lossy().into_owned()
-}
-
-// SAFETY: a `text` argument is a varlena, unboxed as `&[u8]` unboxes one (detoasted, packed).
+// SAFETY: as `RawText`'s, which unboxes the argument.
 unsafe impl<'fcx> ArgAbi<'fcx> for Text<'fcx> {
     unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
         let index = arg.index();
-        // SAFETY: the caller's promise: a `text` argument that is not NULL.
-        Text(checked(index, unsafe { <&'fcx [u8] as ArgAbi<'fcx>>::unbox_arg_unchecked(arg) }))
+        // SAFETY: the caller's promise, passed on.
+        Text::checked(index, unsafe { RawText::unbox_arg_unchecked(arg) })
     }
 
     unsafe fn unbox_nullable_arg(arg: Arg<'_, 'fcx>) -> Nullable<Self> {
         let index = arg.index();
-        // SAFETY: the caller's promise: a `text` argument; a null pointer reads as NULL.
-        match unsafe { <&'fcx [u8] as ArgAbi<'fcx>>::unbox_nullable_arg(arg) } {
-            Nullable::Valid(bytes) => Nullable::Valid(Text(checked(index, bytes))),
+        // SAFETY: the caller's promise, passed on.
+        match unsafe { RawText::unbox_nullable_arg(arg) } {
+            Nullable::Valid(text) => Nullable::Valid(Text::checked(index, text)),
             Nullable::Null => Nullable::Null,
         }
     }
 }
 
-/// A `text` argument as its bytes, in the database's encoding.
+/// A `text` argument (or element of a `text[]` argument) as its bytes, in the database's
+/// encoding. Made only from a text value, so its bytes are one.
 #[derive(Clone, Copy, Debug)]
-pub struct RawText<'a>(pub &'a [u8]);
+pub struct RawText<'a>(&'a [u8]);
 
 pgrx::impl_sql_translatable!(RawText<'_>, "text");
 
-impl RawText<'_> {
-    /// The text as UTF-8 where it reads so (`utf8`), else with its other bytes escaped.
-    pub fn or_escaped(&self) -> std::borrow::Cow<'_, str> {
-        match utf8(self.0) {
-            Some(text) => text.into(),
-            None => escaped(self.0).into(),
-        }
+impl<'a> RawText<'a> {
+    pub fn bytes(&self) -> &'a [u8] {
+        self.0
+    }
+
+    /// The text as UTF-8, where it reads so (`utf8`).
+    pub fn utf8(&self) -> Option<&'a str> {
+        // SAFETY: the bytes of a text value of this database.
+        unsafe { utf8(self.0) }
+    }
+
+    /// The text as UTF-8 where it reads so, else `escaped`.
+    pub fn or_escaped(&self) -> Cow<'a, str> {
+        // SAFETY: the bytes of a text value of this database.
+        unsafe { shown(self.0) }
     }
 }
 
@@ -161,7 +227,7 @@ mod tests {
 
     #[test]
     fn only_bytes_beyond_ascii_are_escaped() {
-        assert_eq!(escaped(b"caf\xe9 'x' \\ \n"), "caf\\xe9 'x' \\ \n");
+        assert_eq!(escaped(b"caf\xe9 'x' \\ \n"), "caf\\xe9 'x' \\\\ \n");
         assert_eq!(escaped("日".as_bytes()), "\\xe6\\x97\\xa5");
     }
 }

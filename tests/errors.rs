@@ -158,29 +158,12 @@ fn drop_stream_under_repeatable_read_leaves_no_group_behind() {
     assert_eq!(orphans, 0);
 }
 
-/// A database of its own in `encoding`, with the extension: the admin connection, its name, and
-/// a connection to it.
-fn database_in(encoding: &str) -> (Client, String, Client) {
-    let mut admin = connect();
-    let name = unique("encoding_db").replace('-', "_");
-    admin
-        .batch_execute(&format!(
-            "CREATE DATABASE {name} TEMPLATE template0 ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C'"
-        ))
-        .unwrap();
-    let url = database_url();
-    let url = format!("{}/{name}", url.rsplit_once('/').unwrap().0);
-    let mut c = Client::connect(&url, postgres::NoTls).unwrap();
-    c.batch_execute("CREATE EXTENSION sqlstreams").unwrap();
-    (admin, name, c)
-}
-
-/// In a database whose encoding is not UTF-8, a key that is not ASCII reads differently as bytes
-/// and as UTF-8: produce refuses it, in a batch too, rather than store a message that every
-/// later claim of its lane would fail on. ASCII keys work there as anywhere.
+/// In an SQL_ASCII database, a key that is not valid UTF-8 cannot be read as UTF-8: produce
+/// refuses it, in a batch too, rather than store a message that every later claim of its lane
+/// would fail on. ASCII keys work there as anywhere.
 #[test]
 fn a_key_that_is_not_ascii_is_refused_where_the_encoding_is_not_utf8() {
-    let (mut admin, name, mut c) = database_in("SQL_ASCII");
+    let (mut c, _) = own_database_in("encoding_db", "SQL_ASCII");
     c.batch_execute(
         "SELECT sqlstreams.create_stream('s');
          SELECT sqlstreams.create_group('s', 'g', 'ordered');",
@@ -191,8 +174,8 @@ fn a_key_that_is_not_ascii_is_refused_where_the_encoding_is_not_utf8() {
     let err = c.batch_execute(batch).unwrap_err();
     assert_eq!(sqlstate(&err), "22023", "{err:?}");
     let message = err.as_db_error().unwrap().message().to_string();
-    assert!(message.contains(r"message_key 'x\xe9' is not ASCII"), "{message}");
-    assert!(err.as_db_error().unwrap().hint().is_some_and(|h| h.contains("ASCII keys")), "{err:?}");
+    assert!(message.contains(r"message_key 'x\xe9' is not valid UTF-8"), "{message}");
+    assert!(err.as_db_error().unwrap().hint().is_some_and(|h| h.contains("ASCII or UTF-8")), "{err:?}");
     let idempotency =
         "SELECT sqlstreams.produce_batch('s', ARRAY['{}']::jsonb[], ARRAY['k'], idempotency_keys => ARRAY[E'i\\xe9'])";
     assert_eq!(sqlstate(&c.batch_execute(idempotency).unwrap_err()), "22023");
@@ -218,25 +201,25 @@ fn a_key_that_is_not_ascii_is_refused_where_the_encoding_is_not_utf8() {
         .map(|r| r.get(0))
         .collect();
     assert_eq!(keys, ["plain", "other"]);
-    drop(c);
-    admin.batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)")).unwrap();
 }
 
 /// In a LATIN1 database, a name or another word that is not ASCII cannot be read as UTF-8: every
 /// call refuses it with 22023 naming the argument (not with pgrx's internal error), and changes
-/// nothing. A failure's error message is kept, its bytes beyond ASCII escaped. In an SQL_ASCII
-/// database, a name that is valid UTF-8 works, as it did.
+/// nothing. A failure's error message is kept, its bytes beyond ASCII escaped. A role's name may
+/// be anything: such a role is refused by name, and granted. In an SQL_ASCII database, a name
+/// that is valid UTF-8 works, as it did, and one that is not is refused.
 #[test]
 fn a_text_argument_that_cannot_be_read_as_utf8_is_refused_naming_it() {
-    let (mut admin, name, mut c) = database_in("LATIN1");
+    let (mut c, _) = own_database_in("encoding_db", "LATIN1");
     c.batch_execute("SELECT sqlstreams.create_stream('s'); SELECT sqlstreams.create_group('s', 'g')").unwrap();
     // The bytes are spelled in SQL: 0xE9 is é in LATIN1, and not UTF-8.
     for (call, argument) in [
-        (r"SELECT sqlstreams.create_stream(E'caf\xe9')", r"argument 1 ('caf\xe9')"),
-        (r"SELECT sqlstreams.create_group('s', E'gr\xfcn')", r"argument 2 ('gr\xfcn')"),
-        (r"SELECT * FROM sqlstreams.claim('s', E'g\xe9', 10)", r"argument 2 ('g\xe9')"),
+        (r"SELECT sqlstreams.create_stream(E'caf\xe9')", r"argument 1 'caf\xe9' is not ASCII"),
+        (r"SELECT sqlstreams.create_group('s', E'gr\xfcn')", r"argument 2 'gr\xfcn'"),
+        (r"SELECT * FROM sqlstreams.claim('s', E'g\xe9', 10)", r"argument 2 'g\xe9'"),
         (r"SELECT sqlstreams.produce('s', '{}', 'k', concurrency => E'ordered\xe9')", "argument 4"),
         (r"SELECT * FROM sqlstreams.group_status(E'\xe9', 'g')", "argument 1"),
+        (r"SELECT sqlstreams.produce('s', '{}', E'k\xe9')", r"message_key 'k\xe9'"),
     ] {
         let err = c.batch_execute(call).unwrap_err();
         assert_eq!(sqlstate(&err), "22023", "{call}: {err:?}");
@@ -244,34 +227,48 @@ fn a_text_argument_that_cannot_be_read_as_utf8_is_refused_naming_it() {
         assert!(db.message().contains(argument) && db.message().contains("LATIN1"), "{call}: {}", db.message());
         assert!(db.hint().is_some_and(|h| h.contains("UTF8")), "{call}: {err:?}");
     }
-    let counts: (i64, i64) = c
+    let counts: (i64, i64, i64) = c
         .query_one(
-            "SELECT (SELECT count(*) FROM sqlstreams.stream), (SELECT count(*) FROM sqlstreams.consumer_group)",
+            "SELECT (SELECT count(*) FROM sqlstreams.stream), (SELECT count(*) FROM sqlstreams.consumer_group),
+                    (SELECT head FROM sqlstreams.streams)",
             &[],
         )
-        .map(|r| (r.get(0), r.get(1)))
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
         .unwrap();
-    assert_eq!(counts, (1, 1), "the refused calls created nothing");
+    assert_eq!(counts, (1, 1, 0), "the refused calls created and produced nothing");
 
     c.batch_execute("SELECT sqlstreams.produce('s', '{}', 'k')").unwrap();
     let row = c.query_one("SELECT message_id, lease_token FROM sqlstreams.claim('s', 'g', 10)", &[]).unwrap();
     let (id, token): (i64, uuid::Uuid) = (row.get(0), row.get(1));
-    let status: String = c
-        .query_one(r"SELECT sqlstreams.fail('s', 'g', $1, $2, E'Konto ung\xfcltig', permanent => true)", &[&token, &id])
-        .unwrap()
-        .get(0);
+    let fail = r"SELECT sqlstreams.fail('s', 'g', $1, $2, E'Konto ung\xfcltig \\ ok', permanent => true)";
+    let status: String = c.query_one(fail, &[&token, &id]).unwrap().get(0);
     assert_eq!(status, "dead");
     let error: String = c.query_one("SELECT last_error FROM sqlstreams.dead_messages('s', 'g')", &[]).unwrap().get(0);
-    assert_eq!(error, r"Konto ung\xfcltig");
-    drop(c);
-    admin.batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)")).unwrap();
+    assert_eq!(error, r"Konto ung\xfcltig \\ ok");
 
-    let (mut admin, name, mut c) = database_in("SQL_ASCII");
+    // A role named in UTF-8 by this client, stored in LATIN1 by the server.
+    let role = unique("j\u{fc}rgen");
+    c.batch_execute(&format!("CREATE ROLE \"{role}\" IN ROLE sqlstreams_producer")).unwrap();
+    let escaped = role.replace('\u{fc}', r"\xfc");
+    c.batch_execute(&format!("SET ROLE \"{role}\"")).unwrap();
+    let err = c.batch_execute("SELECT sqlstreams.produce('s', '{}')").unwrap_err();
+    assert_eq!(sqlstate(&err), "42501", "{err:?}");
+    assert!(err.as_db_error().unwrap().message().contains(&escaped), "{err:?}");
+    c.batch_execute("RESET ROLE").unwrap();
+    let granted: bool = c.query_one("SELECT sqlstreams.grant_stream('s', $1, 'produce')", &[&role]).unwrap().get(0);
+    assert!(granted);
+    c.batch_execute(&format!("SET ROLE \"{role}\"; SELECT sqlstreams.produce('s', '{{}}'); RESET ROLE")).unwrap();
+    let unknown = c.batch_execute(r"SELECT sqlstreams.grant_stream('s', E'nobody\xe9', 'produce')").unwrap_err();
+    assert_eq!(sqlstate(&unknown), "42704", "{unknown:?}");
+    assert!(unknown.as_db_error().unwrap().message().contains(r"nobody\xe9"), "{unknown:?}");
+
+    let (mut c, _) = own_database_in("encoding_db", "SQL_ASCII");
     let stream = "caf\u{e9}";
     c.execute("SELECT sqlstreams.create_stream($1)", &[&stream]).unwrap();
     let names: Vec<String> =
         c.query("SELECT name FROM sqlstreams.streams", &[]).unwrap().iter().map(|r| r.get(0)).collect();
     assert_eq!(names, [stream]);
-    drop(c);
-    admin.batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)")).unwrap();
+    let err = c.batch_execute(r"SELECT sqlstreams.create_stream(E'\xff')").unwrap_err();
+    assert_eq!(sqlstate(&err), "22023", "{err:?}");
+    assert!(err.as_db_error().unwrap().message().contains(r"'\xff' is not valid UTF-8"), "{err:?}");
 }

@@ -36,9 +36,18 @@ pub fn connect() -> Client {
 /// A database of its own for one test, with the extension: for tests whose ids must come out
 /// as written, or that drop the extension. Returns a connection to it and its URL.
 pub fn own_database(prefix: &str) -> (Client, String) {
+    database_with(prefix, "")
+}
+
+/// `own_database` in `encoding` (with the C locale, which suits every encoding).
+pub fn own_database_in(prefix: &str, encoding: &str) -> (Client, String) {
+    database_with(prefix, &format!("TEMPLATE template0 ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C'"))
+}
+
+fn database_with(prefix: &str, options: &str) -> (Client, String) {
     let mut admin = connect();
     let name = unique(prefix).replace('-', "_");
-    admin.batch_execute(&format!("CREATE DATABASE {name}")).expect("create a database");
+    admin.batch_execute(&format!("CREATE DATABASE {name} {options}")).expect("create a database");
     let url = database_url();
     let base = url.rsplit_once('/').map(|(base, _)| base).expect("a database URL");
     let url = format!("{base}/{name}");

@@ -8,12 +8,12 @@ use crate::access::as_owner;
 use crate::error::quoted;
 use crate::error::{Result, StreamError};
 use crate::statement::{Columns, Statement};
-use crate::text::Text;
+use crate::text::{RawText, Text};
 
 const ROLE: Statement = Statement {
     name: "access_role",
-    sql: "SELECT oid FROM pg_catalog.pg_roles WHERE rolname = $1",
-    params: &[TEXTOID],
+    sql: "SELECT oid FROM pg_catalog.pg_roles WHERE rolname = pg_catalog.convert_from($1, pg_catalog.getdatabaseencoding())",
+    params: &[BYTEAOID],
 };
 
 const GRANT: Statement = Statement {
@@ -35,14 +35,15 @@ const REVOKE: Statement = Statement {
 fn grant_args(
     client: &SpiClient<'_>,
     stream: &str,
-    role: &str,
+    role: RawText<'_>,
     privilege: &str,
     group: Option<&str>,
 ) -> Result<(i64, pg_sys::Oid)> {
     let stream_id = crate::stream::lookup(client, stream)?.id;
-    let row = ROLE.run(client, 0, &[role.into()])?.first();
+    // By its bytes: a role name need not be ASCII, in a database whose encoding is not UTF8 either.
+    let row = ROLE.run(client, 0, &[role.bytes().into()])?.first();
     let Some(oid) = (if row.is_empty() { None } else { row.value::<pg_sys::Oid>("oid")? }) else {
-        return Err(StreamError::UnknownRole(role.to_string()));
+        return Err(StreamError::UnknownRole(role.or_escaped().into_owned()));
     };
     match (privilege, group) {
         ("consume", _) | ("produce", None) => Ok((stream_id, oid)),
@@ -62,7 +63,7 @@ fn grant_args(
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn grant_stream(
     stream: Option<Text<'_>>,
-    role: Option<Text<'_>>,
+    role: Option<RawText<'_>>,
     privilege: Option<Text<'_>>,
     group_name: default!(Option<Text<'_>>, "NULL"),
 ) -> crate::error::SqlResult<bool> {
@@ -71,7 +72,7 @@ fn grant_stream(
         "grant access to streams",
         &GRANT,
         stream.as_deref(),
-        role.as_deref(),
+        role,
         privilege.as_deref(),
         group_name.as_deref(),
     )?)
@@ -82,7 +83,7 @@ fn grant_stream(
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn revoke_stream(
     stream: Option<Text<'_>>,
-    role: Option<Text<'_>>,
+    role: Option<RawText<'_>>,
     privilege: Option<Text<'_>>,
     group_name: default!(Option<Text<'_>>, "NULL"),
 ) -> crate::error::SqlResult<bool> {
@@ -91,7 +92,7 @@ fn revoke_stream(
         "revoke access to streams",
         &REVOKE,
         stream.as_deref(),
-        role.as_deref(),
+        role,
         privilege.as_deref(),
         group_name.as_deref(),
     )?)
@@ -104,7 +105,7 @@ fn change_grant(
     what: &str,
     statement: &Statement,
     stream: Option<&str>,
-    role: Option<&str>,
+    role: Option<RawText<'_>>,
     privilege: Option<&str>,
     group_name: Option<&str>,
 ) -> Result<bool> {

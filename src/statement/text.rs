@@ -1,25 +1,12 @@
 //! Texts in and out of statements without a call into Postgres per value: a claim reads and
 //! writes a key per message it hands out, a hundred at a time.
 
-use std::cell::OnceCell;
-
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys;
 
 use super::Row;
 use crate::error::Result;
-
-thread_local! {
-    /// Whether the database's encoding is UTF-8, read once per backend (it never changes).
-    static UTF8: OnceCell<bool> = const { OnceCell::new() };
-}
-
-/// Whether the database's encoding is UTF-8: otherwise only ASCII texts read the same as bytes
-/// and as UTF-8.
-pub fn utf8_database() -> bool {
-    // SAFETY: reads the backend's database encoding.
-    UTF8.with(|utf8| *utf8.get_or_init(|| unsafe { pg_sys::GetDatabaseEncoding() } == pg_sys::pg_enc::PG_UTF8 as i32))
-}
+use crate::text::utf8_database;
 
 impl Row<'_> {
     /// The text at `ordinal` (1-based) handed to `f` as a `&str`; `None` for SQL NULL. A value

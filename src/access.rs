@@ -83,7 +83,7 @@ const MAY: Statement = Statement {
                            AND ($3 = 'any' OR ($3 = 'consume-any' AND g.privilege = 'consume')
                                 OR (g.privilege = $3 AND (g.group_name IS NULL OR g.group_name = $5)))
                            AND pg_catalog.pg_has_role(r.oid, g.grantee, 'USAGE')) AS may,
-                 pg_catalog.convert_to(r.rolname::text, pg_catalog.getdatabaseencoding()) AS rolname
+                 r.rolname::text AS rolname
           FROM pg_catalog.pg_roles r WHERE r.oid = $1",
     params: &[OIDOID, INT8OID, TEXTOID, BOOLOID, TEXTOID],
 };
@@ -91,7 +91,7 @@ const MAY: Statement = Statement {
 const ADMIN: Statement = Statement {
     name: "access_admin",
     sql: "SELECT r.rolsuper OR pg_catalog.pg_has_role(r.oid, 'sqlstreams_admin', 'USAGE') AS may,
-                 pg_catalog.convert_to(r.rolname::text, pg_catalog.getdatabaseencoding()) AS rolname
+                 r.rolname::text AS rolname
           FROM pg_catalog.pg_roles r WHERE r.oid = $1",
     params: &[OIDOID],
 };
@@ -194,11 +194,11 @@ impl Caller {
             Right::Observe | Right::ReadMessages => (format!("read stream {}", named(stream)), "'consume'".to_string()),
         };
         Err(StreamError::PermissionDenied {
-            message: format!("role {} may not {what}", named(&role)),
+            message: format!("role {} may not {what}", named(&role.text)),
             hint: format!(
                 "An admin grants it with sqlstreams.grant_stream({}, {}, {grant}).",
                 quoted(Some(stream)),
-                quoted(Some(&role))
+                role.literal()
             ),
         })
     }
@@ -214,18 +214,24 @@ impl Caller {
         }
         let role = role_name(&row)?;
         Err(StreamError::PermissionDenied {
-            message: format!("role {} may not {what}", named(&role)),
+            message: format!("role {} may not {what}", named(&role.text)),
             hint: "Ask an admin (a member of sqlstreams_admin) to do it, or to grant you that role.".into(),
         })
     }
 }
 
-/// The caller's role name, from `rolname` (its bytes: a role name need not be ASCII, in a database
-/// whose encoding is not UTF8 either), as messages show it.
-fn role_name<R: Columns>(row: &R) -> Result<String> {
-    let bytes: Vec<u8> = row.value("rolname")?.unwrap_or_default();
-    // SAFETY: the bytes of a text of this database (converted to its own encoding).
-    Ok(unsafe { crate::text::shown(&bytes) }.into_owned())
+/// The caller's role name, from the text column `rolname`, as messages show it. Read as bytes:
+/// the catalog of roles is every database's, and a name holds the bytes of the database it was
+/// created from, which may not be valid text here (pgrx's `String` would fail, or take them
+/// unchecked in a UTF8 database).
+fn role_name(row: &pgrx::spi::SpiTupleTable<'_>) -> Result<crate::text::Shown> {
+    let Some(datum) = row.get_datum_by_ordinal(row.column_ordinal("rolname")?)? else {
+        return Ok(crate::text::shown(b""));
+    };
+    // SAFETY: a text datum that is not NULL, valid while the row is; its bytes are copied by
+    // `shown` before it returns.
+    let bytes = unsafe { pgrx::varlena::varlena_to_byte_slice(pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr())) };
+    Ok(crate::text::shown(bytes))
 }
 
 const MAY_SEE: Statement = Statement {

@@ -4,11 +4,13 @@
 //! a text that is not ASCII in a database whose encoding is not UTF8, since Rust's strings are
 //! UTF-8. The extension takes its text arguments as one of these instead:
 //!
-//! - `Text`, for names and words (streams, groups, roles, policies): read as pgrx would, and
-//!   refused with 22023 where pgrx would fail (`utf8` says where);
-//! - `RawText`, the bytes, for what the extension keeps as the caller wrote it: keys (refused by
-//!   produce where they would not read back, src/produce.rs) and a failure's error message (kept
-//!   with its other bytes escaped).
+//! - `Text`, for names and words (streams, groups, policies, privileges): read as pgrx would,
+//!   and refused with 22023 where pgrx would fail (`utf8` says where);
+//! - `RawText`, the bytes, for what is taken as the caller wrote it: keys (refused by produce
+//!   where they would not read back, src/produce.rs), a failure's error message (kept escaped
+//!   where it would not), and a role's name (looked up by its bytes, src/admin/grants.rs).
+//!
+//! Messages show such texts with `shown`.
 
 use std::borrow::Cow;
 use std::cell::OnceCell;
@@ -50,42 +52,53 @@ fn encoding() -> Encoding {
     })
 }
 
-/// Whether the database's encoding is UTF8: otherwise only ASCII texts surely read the same as
-/// bytes and as UTF-8.
-pub fn utf8_database() -> bool {
-    encoding() == Encoding::Utf8
-}
-
 /// The bytes of a text of this database as UTF-8, where pgrx would take them so: always in a
 /// UTF8 database, when valid in an SQL_ASCII one, when ASCII in any other.
 ///
 /// # Safety
 /// `bytes` are a text value of this database: in a UTF8 database they are taken as UTF-8 unchecked.
-unsafe fn utf8(bytes: &[u8]) -> Option<&str> {
+pub unsafe fn utf8(bytes: &[u8]) -> Option<&str> {
     match encoding() {
-        // SAFETY: ASCII is UTF-8; the caller's promise: a UTF8 database's text, kept valid.
-        _ if bytes.is_ascii() => Some(unsafe { std::str::from_utf8_unchecked(bytes) }),
+        // SAFETY: the caller's promise: a UTF8 database's text, which Postgres keeps valid.
         Encoding::Utf8 => Some(unsafe { std::str::from_utf8_unchecked(bytes) }),
+        // SAFETY: ASCII is UTF-8.
+        _ if bytes.is_ascii() => Some(unsafe { std::str::from_utf8_unchecked(bytes) }),
         Encoding::SqlAscii => std::str::from_utf8(bytes).ok(),
         Encoding::Other => None,
     }
 }
 
-/// A text of this database as messages show it: as UTF-8 where it reads so, else `escaped`.
-///
-/// # Safety
-/// As `utf8`.
-pub unsafe fn shown(bytes: &[u8]) -> Cow<'_, str> {
-    // SAFETY: the caller's promise.
-    match unsafe { utf8(bytes) } {
-        Some(text) => text.into(),
-        None => escaped(bytes).into(),
+/// A text as a message shows it: as it is where it reads as UTF-8 and the server can show it (any
+/// valid UTF-8 in a UTF8 or SQL_ASCII database, ASCII in another), else `escaped`. Safe for any
+/// bytes: a role's name comes from the catalog every database shares, in the encoding of the
+/// database it was created from.
+pub struct Shown {
+    pub text: String,
+    pub escaped: bool,
+}
+
+pub fn shown(bytes: &[u8]) -> Shown {
+    let readable = match encoding() {
+        Encoding::Other => bytes.is_ascii(),
+        Encoding::Utf8 | Encoding::SqlAscii => std::str::from_utf8(bytes).is_ok(),
+    };
+    match readable {
+        // SAFETY: checked just now (ASCII is UTF-8).
+        true => Shown { text: unsafe { std::str::from_utf8_unchecked(bytes) }.to_string(), escaped: false },
+        false => Shown { text: escaped(bytes), escaped: true },
     }
 }
 
-/// The bytes with every byte beyond ASCII written `\xNN`, and a backslash doubled so that one
-/// cannot be taken for the other: how a text that cannot be read as UTF-8 is shown, and kept (a
-/// failure's error message).
+impl Shown {
+    /// The text as an SQL literal that spells the same bytes: `E'...'` when escaped.
+    pub fn literal(&self) -> String {
+        format!("{}{}", if self.escaped { "E" } else { "" }, quoted(Some(&self.text)))
+    }
+}
+
+/// The bytes with every byte beyond ASCII written `\xNN` and every backslash doubled, as an
+/// `E'...'` literal spells them: how a text that cannot be read as UTF-8 is shown, and kept (a
+/// failure's error message, escaped as a whole).
 pub fn escaped(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len());
     for &b in bytes {
@@ -129,10 +142,14 @@ impl<'a> Text<'a> {
 
 /// The refusal of a text that cannot be read as UTF-8 (`utf8`): `what` names it.
 pub fn refusal(what: &str, bytes: &[u8]) -> StreamError {
-    let shown = escaped(bytes);
-    let shown = match shown.char_indices().nth(40) {
-        Some((end, _)) => format!("{}...", &shown[..end]),
-        None => shown,
+    // Up to 40 characters (bytes, where they are not UTF-8), then "...".
+    let end = match std::str::from_utf8(bytes) {
+        Ok(text) => text.char_indices().nth(40).map(|(end, _)| end),
+        Err(_) => (bytes.len() > 40).then_some(40),
+    };
+    let (head, more) = match end {
+        Some(end) => (&bytes[..end], "..."),
+        None => (bytes, ""),
     };
     // SAFETY: the name of the backend's database encoding, a static string.
     let name = unsafe { std::ffi::CStr::from_ptr(pg_sys::GetDatabaseEncodingName()) }.to_string_lossy();
@@ -141,7 +158,7 @@ pub fn refusal(what: &str, bytes: &[u8]) -> StreamError {
         _ => ("is not ASCII", "ASCII text"),
     };
     StreamError::invalid(
-        format!("{what} {} {is_not}, and the database's encoding is {name}", quoted(Some(&shown))),
+        format!("{what} {}{more} {is_not}, and the database's encoding is {name}", shown(head).literal()),
         format!("Pass {pass} in this database, or keep the streams in a UTF8 database (CREATE DATABASE ... ENCODING 'UTF8')."),
     )
 }
@@ -172,6 +189,7 @@ pub struct RawText<'a>(&'a [u8]);
 pgrx::impl_sql_translatable!(RawText<'_>, "text");
 
 impl<'a> RawText<'a> {
+    /// The text's bytes, in the database's encoding.
     pub fn bytes(&self) -> &'a [u8] {
         self.0
     }
@@ -182,10 +200,12 @@ impl<'a> RawText<'a> {
         unsafe { utf8(self.0) }
     }
 
-    /// The text as UTF-8 where it reads so, else `escaped`.
+    /// The text as UTF-8 where it reads so (`utf8`), else `escaped` as a whole.
     pub fn or_escaped(&self) -> Cow<'a, str> {
-        // SAFETY: the bytes of a text value of this database.
-        unsafe { shown(self.0) }
+        match self.utf8() {
+            Some(text) => text.into(),
+            None => escaped(self.0).into(),
+        }
     }
 }
 

@@ -6,14 +6,12 @@ use pgrx::pg_sys;
 
 use super::Row;
 use crate::error::Result;
-use crate::text::utf8_database;
 
 impl Row<'_> {
     /// The text at `ordinal` (1-based) handed to `f` as a `&str`; `None` for SQL NULL. A value
     /// stored inline and uncompressed (a key or a policy's name, as a rule) is read where it
-    /// lies, without the copy and the calls into Postgres `get` makes: as it is in a UTF-8
-    /// database, whose texts Postgres keeps valid UTF-8, and in another when it is ASCII. Any
-    /// other takes `get`'s way, which decides as pgrx does.
+    /// lies, without the copy and the calls into Postgres `get` makes, where it reads as UTF-8
+    /// (`text::utf8`, pgrx's rule). Any other takes `get`'s way, which decides as pgrx does.
     pub fn text<R>(&self, ordinal: usize, f: impl FnOnce(&str) -> R) -> Result<Option<R>> {
         let i = ordinal - 1;
         debug_assert!([pg_sys::TEXTOID, pg_sys::VARCHAROID].contains(&self.types[i]), "column {ordinal} is text");
@@ -23,12 +21,12 @@ impl Row<'_> {
         let value = self.values[i].cast_mut_ptr::<pg_sys::varlena>();
         // SAFETY: a text datum that is not NULL points to a varlena, valid while the row is
         // (`Row::of`); its bytes are read only when they lie inline, with its length, and taken
-        // as UTF-8 only where they are.
+        // as UTF-8 only where `utf8` reads them so (they are a text of this database).
         let inline = unsafe {
             use pgrx::varlena::*;
             let inline = (varatt_is_1b(value) && !varatt_is_1b_e(value)) || varatt_is_4b_u(value);
             let bytes = inline.then(|| varlena_to_byte_slice(value));
-            bytes.filter(|bytes| utf8_database() || bytes.is_ascii()).map(|bytes| std::str::from_utf8_unchecked(bytes))
+            bytes.and_then(|bytes| crate::text::utf8(bytes))
         };
         match inline {
             Some(text) => Ok(Some(f(text))),

@@ -23,6 +23,9 @@ use pgrx::PgLogLevel;
 
 use crate::error::{quoted, StreamError};
 
+/// The longest text a varlena holds (`MaxAllocSize` less the header).
+pub const MAX_TEXT: usize = 0x3fff_ffff - pg_sys::VARHDRSZ;
+
 /// How a database's texts read as UTF-8, as pgrx decides it.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Encoding {
@@ -100,13 +103,25 @@ impl Shown {
 /// `E'...'` literal spells them: how a text that cannot be read as UTF-8 is shown, and kept (a
 /// failure's error message, escaped as a whole).
 pub fn escaped(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len());
-    for &b in bytes {
-        match b {
-            b'\\' => out.push_str("\\\\"),
-            b if b.is_ascii() => out.push(b as char),
-            b => out.push_str(&format!("\\x{b:02x}")),
+    escaped_at_most(bytes, usize::MAX)
+}
+
+/// `escaped`, cut to at most `max` bytes (with "..." after what it keeps): escaping may make a
+/// text four times as long, past what a text can hold.
+fn escaped_at_most(bytes: &[u8], max: usize) -> String {
+    let mut out = String::with_capacity(bytes.len().min(max));
+    for (i, &b) in bytes.iter().enumerate() {
+        let one = match b {
+            b'\\' => "\\\\".into(),
+            b if b.is_ascii() => (b as char).to_string().into(),
+            b => Cow::Owned(format!("\\x{b:02x}")),
+        };
+        let room = if i + 1 < bytes.len() { 3 } else { 0 };
+        if out.len() + one.len() + room > max {
+            out.push_str("...");
+            break;
         }
+        out.push_str(&one);
     }
     out
 }
@@ -200,11 +215,12 @@ impl<'a> RawText<'a> {
         unsafe { utf8(self.0) }
     }
 
-    /// The text as UTF-8 where it reads so (`utf8`), else `escaped` as a whole.
+    /// The text as UTF-8 where it reads so (`utf8`), else `escaped` as a whole (cut to what a
+    /// text can hold).
     pub fn or_escaped(&self) -> Cow<'a, str> {
         match self.utf8() {
             Some(text) => text.into(),
-            None => escaped(self.0).into(),
+            None => escaped_at_most(self.0, MAX_TEXT).into(),
         }
     }
 }
@@ -249,5 +265,8 @@ mod tests {
     fn only_bytes_beyond_ascii_are_escaped() {
         assert_eq!(escaped(b"caf\xe9 'x' \\ \n"), "caf\\xe9 'x' \\\\ \n");
         assert_eq!(escaped("日".as_bytes()), "\\xe6\\x97\\xa5");
+        assert_eq!(super::escaped_at_most(b"ab\xe9cd", 8), "ab...");
+        assert_eq!(super::escaped_at_most(b"ab\xe9cd", 9), "ab\\xe9...");
+        assert_eq!(super::escaped_at_most(b"ab\xe9", 6), "ab\\xe9");
     }
 }

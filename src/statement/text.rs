@@ -6,6 +6,7 @@ use pgrx::pg_sys;
 
 use super::Row;
 use crate::error::Result;
+use crate::text::MAX_TEXT;
 
 impl Row<'_> {
     /// The text at `ordinal` (1-based) handed to `f` as a `&str`; `None` for SQL NULL. A value
@@ -34,9 +35,6 @@ impl Row<'_> {
         }
     }
 }
-
-/// The longest text a varlena holds (`MaxAllocSize` less the header).
-const MAX_TEXT: usize = 0x3fff_ffff - pg_sys::VARHDRSZ;
 
 /// A `text[]` parameter of `texts` (`None` a NULL element), made by one call into Postgres rather
 /// than one per element as pgrx's conversion does: a claim passes a key per message it hands out.

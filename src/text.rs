@@ -142,6 +142,11 @@ impl std::ops::Deref for Text<'_> {
 }
 
 impl<'a> Text<'a> {
+    /// The text, for as long as the argument lives.
+    pub fn into_str(self) -> &'a str {
+        self.0
+    }
+
     /// The argument at `index` (0-based), refused as a 22023 error when it cannot be read as
     /// UTF-8.
     fn checked(index: usize, text: RawText<'a>) -> Text<'a> {

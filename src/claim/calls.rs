@@ -23,15 +23,15 @@ struct ClaimArgs<'a> {
 
 impl<'a> ClaimArgs<'a> {
     fn check(
-        stream: Option<&'a str>,
-        group_name: Option<&'a str>,
+        stream: Option<Text<'a>>,
+        group_name: Option<Text<'a>>,
         batch_size: Option<i32>,
         lease: Option<Interval>,
         ack_lease_token: Option<pgrx::Uuid>,
         ack_message_ids: Option<Vec<Option<i64>>>,
     ) -> Result<Self> {
-        let stream = validate_name("stream", stream)?;
-        let group_name = validate_name("group", group_name)?;
+        let stream = validate_name("stream", stream.map(Text::into_str))?;
+        let group_name = validate_name("group", group_name.map(Text::into_str))?;
         let batch = match batch_size {
             Some(n) if (1..=MAX_BATCH).contains(&n) => n,
             other => {
@@ -101,14 +101,7 @@ fn claim_sql(
     ErrorReport,
 > {
     crate::standby::refuse_writes("claim")?;
-    let args = ClaimArgs::check(
-        stream.as_deref(),
-        group_name.as_deref(),
-        batch_size,
-        lease,
-        ack_lease_token,
-        ack_message_ids,
-    )?;
+    let args = ClaimArgs::check(stream, group_name, batch_size, lease, ack_lease_token, ack_message_ids)?;
     Ok(srf::TableIterator::new(args.claim()?.into_iter().map(|d| {
         (d.message_id, d.message_key, d.concurrency.as_str(), d.attempt, d.payload, d.lease_token, d.run_after)
     })))
@@ -142,14 +135,7 @@ fn claim_with_metadata_sql(
     ErrorReport,
 > {
     crate::standby::refuse_writes("claim_with_metadata")?;
-    let args = ClaimArgs::check(
-        stream.as_deref(),
-        group_name.as_deref(),
-        batch_size,
-        lease,
-        ack_lease_token,
-        ack_message_ids,
-    )?;
+    let args = ClaimArgs::check(stream, group_name, batch_size, lease, ack_lease_token, ack_message_ids)?;
     let rows: Vec<_> = args
         .claim()?
         .into_iter()

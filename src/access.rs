@@ -195,11 +195,17 @@ impl Caller {
         };
         Err(StreamError::PermissionDenied {
             message: format!("role {} may not {what}", named(&role.text)),
-            hint: format!(
-                "An admin grants it with sqlstreams.grant_stream({}, {}, {grant}).",
-                quoted(Some(stream)),
-                role.literal()
-            ),
+            hint: match role.literal() {
+                Some(role) => {
+                    format!("An admin grants it with sqlstreams.grant_stream({}, {role}, {grant}).", quoted(Some(stream)))
+                }
+                // A name from a database of another encoding, which no text here can spell.
+                None => format!(
+                    "This database cannot spell the role's name (it was created in a database of another encoding): \
+                     an admin grants it to a role this one is a member of, with sqlstreams.grant_stream({}, <that role>, {grant}).",
+                    quoted(Some(stream))
+                ),
+            },
         })
     }
 

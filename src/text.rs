@@ -78,6 +78,9 @@ pub unsafe fn utf8(bytes: &[u8]) -> Option<&str> {
 pub struct Shown {
     pub text: String,
     pub escaped: bool,
+    /// Whether an `E'...'` literal can spell the bytes here: they are valid text in this
+    /// database's encoding (a name from a database of another encoding may not be).
+    spellable: bool,
 }
 
 pub fn shown(bytes: &[u8]) -> Shown {
@@ -85,17 +88,24 @@ pub fn shown(bytes: &[u8]) -> Shown {
         Encoding::Other => bytes.is_ascii(),
         Encoding::Utf8 | Encoding::SqlAscii => std::str::from_utf8(bytes).is_ok(),
     };
-    match readable {
+    if readable {
         // SAFETY: checked just now (ASCII is UTF-8).
-        true => Shown { text: unsafe { std::str::from_utf8_unchecked(bytes) }.to_string(), escaped: false },
-        false => Shown { text: escaped(bytes), escaped: true },
+        let text = unsafe { std::str::from_utf8_unchecked(bytes) }.to_string();
+        return Shown { text, escaped: false, spellable: true };
     }
+    // SAFETY: reads `bytes.len()` bytes of `bytes`; never raises (noError).
+    let spellable = i32::try_from(bytes.len()).is_ok_and(|len| unsafe {
+        pg_sys::pg_verify_mbstr(pg_sys::GetDatabaseEncoding(), bytes.as_ptr().cast(), len, true)
+    });
+    Shown { text: escaped(bytes), escaped: true, spellable }
 }
 
 impl Shown {
-    /// The text as an SQL literal that spells the same bytes: `E'...'` when escaped.
-    pub fn literal(&self) -> String {
-        format!("{}{}", if self.escaped { "E" } else { "" }, quoted(Some(&self.text)))
+    /// The text as an SQL literal that spells the same bytes (`E'...'` when escaped); `None`
+    /// when no literal can here.
+    pub fn literal(&self) -> Option<String> {
+        let e = if self.escaped { "E" } else { "" };
+        self.spellable.then(|| format!("{e}{}", quoted(Some(&self.text))))
     }
 }
 
@@ -178,9 +188,15 @@ pub fn refusal(what: &str, bytes: &[u8]) -> StreamError {
         _ => ("is not ASCII", "ASCII text"),
     };
     StreamError::invalid(
-        format!("{what} {}{more} {is_not}, and the database's encoding is {name}", shown(head).literal()),
+        format!("{what} {}{more} {is_not}, and the database's encoding is {name}", shown_literal(head)),
         format!("Pass {pass} in this database, or keep the streams in a UTF8 database (CREATE DATABASE ... ENCODING 'UTF8')."),
     )
+}
+
+/// A refused text as a literal (a text of this database, so one can spell it).
+fn shown_literal(bytes: &[u8]) -> String {
+    let shown = shown(bytes);
+    shown.literal().unwrap_or_else(|| quoted(Some(&shown.text)))
 }
 
 // SAFETY: as `RawText`'s, which unboxes the argument.
@@ -220,12 +236,13 @@ impl<'a> RawText<'a> {
         unsafe { utf8(self.0) }
     }
 
-    /// The text as UTF-8 where it reads so (`utf8`), else `escaped` as a whole (cut to what a
-    /// text can hold).
+    /// The text as UTF-8 where it reads so (`utf8`), else `escaped` as a whole, cut to half of
+    /// what a text holds: it goes into a `text[]` and a row, each built in one allocation of at
+    /// most 1 GB.
     pub fn or_escaped(&self) -> Cow<'a, str> {
         match self.utf8() {
             Some(text) => text.into(),
-            None => escaped_at_most(self.0, MAX_TEXT).into(),
+            None => escaped_at_most(self.0, MAX_TEXT / 2).into(),
         }
     }
 }

@@ -276,6 +276,21 @@ fn a_text_argument_that_cannot_be_read_as_utf8_is_refused_naming_it() {
     assert_eq!(sqlstate(&unknown), "42704", "{unknown:?}");
     assert!(unknown.as_db_error().unwrap().message().contains(r"nobody\xe9"), "{unknown:?}");
 
+    // Roles are every database's: in a UTF8 one, no text can spell this name's LATIN1 bytes, so the
+    // refusal names it escaped, and its hint says what to do instead of a call that cannot run.
+    let oid: u32 = c.query_one("SELECT oid FROM pg_catalog.pg_roles WHERE rolname = $1", &[&role]).unwrap().get(0);
+    let (mut utf8, _) = own_database_in("encoding_db", "UTF8");
+    utf8.batch_execute(&format!(
+        "SELECT sqlstreams.create_stream('s');
+         DO $$ BEGIN EXECUTE 'SET ROLE ' || quote_ident((SELECT rolname FROM pg_catalog.pg_roles WHERE oid = {oid})); END $$"
+    ))
+    .unwrap();
+    let err = utf8.batch_execute("SELECT sqlstreams.produce('s', '{}')").unwrap_err();
+    assert_eq!(sqlstate(&err), "42501", "{err:?}");
+    let db = err.as_db_error().unwrap();
+    assert!(db.message().contains(&format!("role \"{escaped}\" may not")), "{err:?}");
+    assert!(db.hint().is_some_and(|h| h.contains("cannot spell") && !h.contains(&escaped)), "{err:?}");
+    drop(utf8);
     c.batch_execute(&format!("DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\"")).unwrap();
 
     let (mut c, _) = own_database_in("encoding_db", "SQL_ASCII");

@@ -202,7 +202,7 @@ impl Caller {
                 // A name from a database of another encoding, which no text here can spell.
                 None => format!(
                     "This database cannot spell the role's name (it was created in a database of another encoding): \
-                     an admin grants it to a role this one is a member of, with sqlstreams.grant_stream({}, <that role>, {grant}).",
+                     an admin grants it to a role whose rights this one inherits, with sqlstreams.grant_stream({}, <that role>, {grant}).",
                     quoted(Some(stream))
                 ),
             },

@@ -223,6 +223,10 @@ fn ack_batch(
     Ok(ack(a.stream, a.group, a.token, &names::message_ids("message_ids", message_ids)?)?)
 }
 
+/// The most of a failure's error message kept, in bytes: it is read back with its message's
+/// other values in one row (`dead_messages`), and a row is built in one allocation of at most 1 GB.
+const MAX_ERROR: usize = 1 << 20;
+
 /// Records that a handler failed. Returns the message's new status: 'ready' (a retry is
 /// scheduled with backoff, or after retry_after) or 'dead' (permanent, or the retry budget is
 /// spent); NULL when the lease was lost. The rest of its same-key chain is recorded deferred.
@@ -251,7 +255,7 @@ fn fail_sql(
     };
     let permanent = permanent.unwrap_or(false);
     // Kept as written where it reads as UTF-8, else with its bytes beyond ASCII escaped (src/text.rs).
-    let error = Some(error.map_or_else(|| "(no error message)".to_string(), |e| e.or_escaped().into_owned()));
+    let error = Some(error.map_or_else(|| "(no error message)".to_string(), |e| e.kept(MAX_ERROR).into_owned()));
     let status =
         record_setback(SetbackKind::Fail, a.stream, a.group, a.token, id, error, |group, attempts, delays, now| {
             backoff::fail(&group.backoff, group.max_retries, attempts, delays, permanent, retry_after, now)

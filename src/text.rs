@@ -14,6 +14,7 @@
 
 use std::borrow::Cow;
 use std::cell::OnceCell;
+use std::fmt::Write;
 
 use pgrx::callconv::{Arg, ArgAbi};
 use pgrx::nullable::Nullable;
@@ -55,19 +56,28 @@ fn encoding() -> Encoding {
     })
 }
 
-/// The bytes of a text of this database as UTF-8, where pgrx would take them so: always in a
-/// UTF8 database, when valid in an SQL_ASCII one, when ASCII in any other.
+/// The bytes of a text as UTF-8, where they read so: valid UTF-8 in a UTF8 or an SQL_ASCII
+/// database (pgrx's rule), ASCII in any other (all extend ASCII). Checked in a UTF8 database too:
+/// a text can carry bytes of another encoding there (a role's name, cast from the catalog every
+/// database shares).
+pub fn utf8(bytes: &[u8]) -> Option<&str> {
+    match encoding() {
+        Encoding::Utf8 | Encoding::SqlAscii => std::str::from_utf8(bytes).ok(),
+        // SAFETY: ASCII is UTF-8.
+        Encoding::Other => bytes.is_ascii().then(|| unsafe { std::str::from_utf8_unchecked(bytes) }),
+    }
+}
+
+/// `utf8`, unchecked in a UTF8 database: for the texts the extension wrote itself (keys it read
+/// back), which went through `utf8` on their way in.
 ///
 /// # Safety
-/// `bytes` are a text value of this database: in a UTF8 database they are taken as UTF-8 unchecked.
-pub unsafe fn utf8(bytes: &[u8]) -> Option<&str> {
+/// In a UTF8 database, `bytes` are valid UTF-8.
+pub unsafe fn utf8_trusted(bytes: &[u8]) -> Option<&str> {
     match encoding() {
-        // SAFETY: the caller's promise: a UTF8 database's text, which Postgres keeps valid.
+        // SAFETY: the caller's promise.
         Encoding::Utf8 => Some(unsafe { std::str::from_utf8_unchecked(bytes) }),
-        // SAFETY: ASCII is UTF-8.
-        _ if bytes.is_ascii() => Some(unsafe { std::str::from_utf8_unchecked(bytes) }),
-        Encoding::SqlAscii => std::str::from_utf8(bytes).ok(),
-        Encoding::Other => None,
+        _ => utf8(bytes),
     }
 }
 
@@ -119,19 +129,29 @@ pub fn escaped(bytes: &[u8]) -> String {
 /// `escaped`, cut to at most `max` bytes (with "..." after what it keeps): escaping may make a
 /// text four times as long, past what a text can hold.
 fn escaped_at_most(bytes: &[u8], max: usize) -> String {
-    let mut out = String::with_capacity(bytes.len().min(max));
-    for (i, &b) in bytes.iter().enumerate() {
-        let one = match b {
-            b'\\' => "\\\\".into(),
-            b if b.is_ascii() => (b as char).to_string().into(),
-            b => Cow::Owned(format!("\\x{b:02x}")),
-        };
-        let room = if i + 1 < bytes.len() { 3 } else { 0 };
-        if out.len() + one.len() + room > max {
-            out.push_str("...");
+    let unit = |b: u8| match b {
+        b'\\' => 2,
+        b if b.is_ascii() => 1,
+        _ => 4,
+    };
+    // All of it when it fits; else what fits with the "..." after it.
+    let whole: usize = bytes.iter().map(|&b| unit(b)).sum();
+    let room = if whole <= max { whole } else { max.saturating_sub(3) };
+    let mut out = String::with_capacity(room + 3);
+    for &b in bytes {
+        if out.len() + unit(b) > room {
             break;
         }
-        out.push_str(&one);
+        match b {
+            b'\\' => out.push_str("\\\\"),
+            b if b.is_ascii() => out.push(b as char),
+            b => {
+                let _ = write!(out, "\\x{b:02x}");
+            }
+        }
+    }
+    if whole > max {
+        out.push_str("...");
     }
     out
 }
@@ -172,31 +192,47 @@ impl<'a> Text<'a> {
 
 /// The refusal of a text that cannot be read as UTF-8 (`utf8`): `what` names it.
 pub fn refusal(what: &str, bytes: &[u8]) -> StreamError {
-    // Up to 40 characters (bytes, where they are not UTF-8), then "...".
-    let end = match std::str::from_utf8(bytes) {
-        Ok(text) => text.char_indices().nth(40).map(|(end, _)| end),
-        Err(_) => (bytes.len() > 40).then_some(40),
-    };
-    let (head, more) = match end {
-        Some(end) => (&bytes[..end], "..."),
-        None => (bytes, ""),
-    };
     // SAFETY: the name of the backend's database encoding, a static string.
     let name = unsafe { std::ffi::CStr::from_ptr(pg_sys::GetDatabaseEncodingName()) }.to_string_lossy();
-    let (is_not, pass) = match encoding() {
-        Encoding::SqlAscii => ("is not valid UTF-8", "ASCII or UTF-8 text"),
-        _ => ("is not ASCII", "ASCII text"),
+    let (is_not, hint) = match encoding() {
+        Encoding::Utf8 => ("is not valid UTF-8", "Pass valid UTF-8 text.".to_string()),
+        Encoding::SqlAscii => (
+            "is not valid UTF-8",
+            "Pass ASCII or UTF-8 text in this database, or keep the streams in a UTF8 database.".to_string(),
+        ),
+        Encoding::Other => (
+            "is not ASCII",
+            format!(
+                "Pass ASCII text in this database, or keep the streams in a UTF8 database \
+                 (CREATE DATABASE ... ENCODING 'UTF8'): sqlstreams reads texts as UTF-8, and {name} \
+                 shares only ASCII with it."
+            ),
+        ),
     };
-    StreamError::invalid(
-        format!("{what} {}{more} {is_not}, and the database's encoding is {name}", shown_literal(head)),
-        format!("Pass {pass} in this database, or keep the streams in a UTF8 database (CREATE DATABASE ... ENCODING 'UTF8')."),
-    )
+    StreamError::invalid(format!("{what} {} {is_not}, and the database's encoding is {name}", clipped(bytes)), hint)
 }
 
-/// A refused text as a literal (a text of this database, so one can spell it).
-fn shown_literal(bytes: &[u8]) -> String {
-    let shown = shown(bytes);
-    shown.literal().unwrap_or_else(|| quoted(Some(&shown.text)))
+/// How a message shows a text given to a call: up to 40 characters, as a literal that spells
+/// its bytes where one can, then "..." if there is more.
+pub fn clipped(bytes: &[u8]) -> String {
+    const SHOWN: usize = 40;
+    let end = match std::str::from_utf8(bytes) {
+        Ok(text) => text.char_indices().nth(SHOWN).map(|(end, _)| end),
+        Err(_) if bytes.len() <= SHOWN => None,
+        // Whole characters of a multibyte encoding (EUC_JP, ...), so the literal stays valid.
+        // SAFETY: reads at most `len` bytes of `bytes`.
+        Err(_) if encoding() == Encoding::Other => {
+            let len = i32::try_from(bytes.len()).unwrap_or(i32::MAX);
+            Some(unsafe { pg_sys::pg_mbcliplen(bytes.as_ptr().cast(), len, SHOWN as i32) } as usize)
+        }
+        Err(_) => Some(SHOWN),
+    };
+    let (head, more) = match end {
+        Some(end) if end < bytes.len() => (&bytes[..end], "..."),
+        _ => (bytes, ""),
+    };
+    let shown = shown(head);
+    format!("{}{more}", shown.literal().unwrap_or_else(|| quoted(Some(&shown.text))))
 }
 
 // SAFETY: as `RawText`'s, which unboxes the argument.
@@ -232,17 +268,22 @@ impl<'a> RawText<'a> {
 
     /// The text as UTF-8, where it reads so (`utf8`).
     pub fn utf8(&self) -> Option<&'a str> {
-        // SAFETY: the bytes of a text value of this database.
-        unsafe { utf8(self.0) }
+        utf8(self.0)
     }
 
-    /// The text as UTF-8 where it reads so (`utf8`), else `escaped` as a whole, cut to half of
-    /// what a text holds: it goes into a `text[]` and a row, each built in one allocation of at
-    /// most 1 GB.
-    pub fn or_escaped(&self) -> Cow<'a, str> {
+    /// The text as UTF-8 where it reads so (`utf8`), else `escaped` as a whole; either way cut
+    /// to at most `max` bytes, "..." included.
+    pub fn kept(&self, max: usize) -> Cow<'a, str> {
         match self.utf8() {
-            Some(text) => text.into(),
-            None => escaped_at_most(self.0, MAX_TEXT / 2).into(),
+            Some(text) if text.len() <= max => text.into(),
+            Some(text) => {
+                let mut end = max.saturating_sub(3);
+                while !text.is_char_boundary(end) {
+                    end -= 1;
+                }
+                format!("{}...", &text[..end]).into()
+            }
+            None => escaped_at_most(self.0, max).into(),
         }
     }
 }
@@ -287,8 +328,9 @@ mod tests {
     fn only_bytes_beyond_ascii_are_escaped() {
         assert_eq!(escaped(b"caf\xe9 'x' \\ \n"), "caf\\xe9 'x' \\\\ \n");
         assert_eq!(escaped("日".as_bytes()), "\\xe6\\x97\\xa5");
-        assert_eq!(super::escaped_at_most(b"ab\xe9cd", 8), "ab...");
-        assert_eq!(super::escaped_at_most(b"ab\xe9cd", 9), "ab\\xe9...");
-        assert_eq!(super::escaped_at_most(b"ab\xe9", 6), "ab\\xe9");
+        assert_eq!(super::escaped_at_most(b"ab\xe9cd", 8), "ab\\xe9cd");
+        assert_eq!(super::escaped_at_most(b"ab\xe9cd", 7), "ab...");
+        assert_eq!(super::escaped_at_most(b"ab\xe9cdef", 9), "ab\\xe9...");
+        assert_eq!(super::escaped_at_most(b"a\\b", 4), "a\\\\b");
     }
 }

@@ -290,6 +290,25 @@ fn a_text_argument_that_cannot_be_read_as_utf8_is_refused_naming_it() {
     let db = err.as_db_error().unwrap();
     assert!(db.message().contains(&format!("role \"{escaped}\" may not")), "{err:?}");
     assert!(db.hint().is_some_and(|h| h.contains("cannot spell") && !h.contains(&escaped)), "{err:?}");
+    utf8.batch_execute("RESET ROLE").unwrap();
+    // Cast to text, that name is a text of this UTF8 database that is not UTF-8: refused, not
+    // taken unchecked.
+    let name =
+        format!("SELECT sqlstreams.create_stream((SELECT rolname::text FROM pg_catalog.pg_roles WHERE oid = {oid}))");
+    let err = utf8.batch_execute(&name).unwrap_err();
+    assert_eq!(sqlstate(&err), "22023", "{err:?}");
+    assert!(err.as_db_error().unwrap().message().contains("is not valid UTF-8"), "{err:?}");
+    // A failure's error message is kept up to 1 MB, "..." included.
+    utf8.batch_execute("SELECT sqlstreams.create_group('s', 'g'); SELECT sqlstreams.produce('s', '{}')").unwrap();
+    let row = utf8.query_one("SELECT message_id, lease_token FROM sqlstreams.claim('s', 'g', 10)", &[]).unwrap();
+    let (id, token): (i64, uuid::Uuid) = (row.get(0), row.get(1));
+    let huge = "SELECT sqlstreams.fail('s', 'g', $1, $2, repeat('\u{e9}', 600000), permanent => true)";
+    utf8.execute(huge, &[&token, &id]).unwrap();
+    let (bytes, end): (i32, String) = utf8
+        .query_one("SELECT octet_length(last_error), right(last_error, 4) FROM sqlstreams.dead_messages('s', 'g')", &[])
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert_eq!((bytes, end.as_str()), ((1 << 20) - 1, "\u{e9}..."), "cut at a character, within 1 MB");
     drop(utf8);
     c.batch_execute(&format!("DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\"")).unwrap();
 

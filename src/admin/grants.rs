@@ -43,7 +43,7 @@ fn grant_args(
     // By its bytes: a role name need not be ASCII, in a database whose encoding is not UTF8 either.
     let row = ROLE.run(client, 0, &[role.bytes().into()])?.first();
     let Some(oid) = (if row.is_empty() { None } else { row.value::<pg_sys::Oid>("oid")? }) else {
-        return Err(StreamError::UnknownRole(role.or_escaped().into_owned()));
+        return Err(StreamError::UnknownRole(role.kept(64).into_owned()));
     };
     match (privilege, group) {
         ("consume", _) | ("produce", None) => Ok((stream_id, oid)),

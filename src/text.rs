@@ -4,8 +4,8 @@
 //! a text that is not ASCII in a database whose encoding is not UTF8, since Rust's strings are
 //! UTF-8. The extension takes its text arguments as one of these instead:
 //!
-//! - `Text`, for names and words (streams, groups, policies, privileges): read as pgrx would,
-//!   and refused with 22023 where pgrx would fail (`utf8` says where);
+//! - `Text`, for names and words (streams, groups, policies, privileges): read as UTF-8 where
+//!   it is (`utf8` says where), and refused with 22023 where it is not;
 //! - `RawText`, the bytes, for what is taken as the caller wrote it: keys (refused by produce
 //!   where they would not read back, src/produce.rs), a failure's error message (kept escaped
 //!   where it would not), and a role's name (looked up by its bytes, src/admin/grants.rs).
@@ -30,7 +30,7 @@ pub const MAX_TEXT: usize = 0x3fff_ffff - pg_sys::VARHDRSZ;
 /// How a database's texts read as UTF-8, as pgrx decides it.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Encoding {
-    /// UTF8: Postgres keeps every text valid UTF-8.
+    /// UTF8: valid UTF-8, but for a text cast from another database's bytes (a role's name).
     Utf8,
     /// SQL_ASCII: any bytes; those that are valid UTF-8 read as such.
     SqlAscii,
@@ -87,7 +87,7 @@ pub unsafe fn utf8_trusted(bytes: &[u8]) -> Option<&str> {
 /// database it was created from.
 pub struct Shown {
     pub text: String,
-    pub escaped: bool,
+    escaped: bool,
     /// Whether an `E'...'` literal can spell the bytes here: they are valid text in this
     /// database's encoding (a name from a database of another encoding may not be).
     spellable: bool,
@@ -122,7 +122,7 @@ impl Shown {
 /// The bytes with every byte beyond ASCII written `\xNN` and every backslash doubled, as an
 /// `E'...'` literal spells them: how a text that cannot be read as UTF-8 is shown, and kept (a
 /// failure's error message, escaped as a whole).
-pub fn escaped(bytes: &[u8]) -> String {
+fn escaped(bytes: &[u8]) -> String {
     escaped_at_most(bytes, usize::MAX)
 }
 

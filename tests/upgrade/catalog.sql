@@ -27,7 +27,8 @@ WITH objects AS (
                   pg_catalog.format_type(a.atttypid, a.atttypmod),
                   CASE WHEN a.attnotnull THEN ' not null' ELSE '' END,
                   coalesce(' default ' || pg_catalog.pg_get_expr(d.adbin, d.adrelid), '')
-                  || CASE WHEN a.attidentity <> '' THEN ' identity ' || a.attidentity::text ELSE '' END)
+                  || CASE WHEN a.attidentity <> '' THEN ' identity ' || a.attidentity::text ELSE '' END
+                  || CASE WHEN a.attcompression <> '' THEN ' compression ' || a.attcompression::text ELSE '' END)
     FROM pg_catalog.pg_class c
     JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
     LEFT JOIN pg_catalog.pg_attrdef d ON d.adrelid = c.oid AND d.adnum = a.attnum

@@ -46,6 +46,12 @@ pub enum StreamError {
     #[error("dropping the extension would lose {streams} stream(s): their names, groups and grants, and leave their tables behind")]
     StreamsExist { streams: i64 },
 
+    /// A text stored in the extension's tables that this database cannot read as UTF-8: one that
+    /// came another way than through the extension, such as a UTF8 database's dump restored into a
+    /// LATIN1 one (`text::check_stored`).
+    #[error("{message}")]
+    UnreadableText { message: String, hint: String },
+
     /// A writing call on a hot standby (src/standby.rs).
     #[error("{function} writes, and this server is a standby: recovery is in progress")]
     Standby { function: &'static str },
@@ -78,6 +84,7 @@ impl StreamError {
             StreamError::Standby { .. } => PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,
             StreamError::SerializationFailure { .. } => PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
             StreamError::StreamsExist { .. } => PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
+            StreamError::UnreadableText { .. } => PgSqlErrorCode::ERRCODE_CHARACTER_NOT_IN_REPERTOIRE,
             StreamError::Internal(_) | StreamError::Spi(_) => PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
         }
     }
@@ -108,7 +115,8 @@ impl StreamError {
             | StreamError::WrongTransactionState { hint, .. }
             | StreamError::WrongPrerequisite { hint, .. }
             | StreamError::PermissionDenied { hint, .. }
-            | StreamError::SerializationFailure { hint, .. } => Some(hint.clone()),
+            | StreamError::SerializationFailure { hint, .. }
+            | StreamError::UnreadableText { hint, .. } => Some(hint.clone()),
             StreamError::Internal(_) | StreamError::Spi(_) => None,
         }
     }

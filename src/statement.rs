@@ -426,6 +426,7 @@ impl<'a> Row<'a> {
     /// The value at `ordinal` (1-based); `None` for SQL NULL.
     pub fn get<T: FromDatum + IntoDatum>(&self, ordinal: usize) -> Result<Option<T>> {
         let i = ordinal - 1;
+        crate::text::check_stored(self.values[i], self.nulls[i], self.types[i])?;
         // SAFETY: the datum and its null flag come from the row, with the column's type.
         let value = unsafe {
             T::try_from_datum_in_memory_context(
@@ -452,14 +453,45 @@ pub trait Columns {
 
 impl Columns for SpiHeapTupleData<'_> {
     fn value<T: FromDatum + IntoDatum>(&self, column: &str) -> Result<Option<T>> {
-        Ok(self.get_by_name(column)?)
+        let entry = self.get_datum_by_name(column)?;
+        if let Some(Stored(datum)) = entry.value::<Stored>()? {
+            crate::text::check_stored(datum, false, entry.oid())?;
+        }
+        Ok(entry.value()?)
     }
 }
 
 /// The current row of a table (after `first()`).
 impl Columns for SpiTupleTable<'_> {
     fn value<T: FromDatum + IntoDatum>(&self, column: &str) -> Result<Option<T>> {
+        if let Some(datum) = self.get_datum_by_name(column)? {
+            crate::text::check_stored(datum, false, self.column_type_oid(self.column_ordinal(column)?)?.value())?;
+        }
         Ok(self.get_by_name(column)?)
+    }
+}
+
+/// A column's datum as it is, of any type: what `text::check_stored` looks at before pgrx
+/// converts it.
+struct Stored(pg_sys::Datum);
+
+impl FromDatum for Stored {
+    unsafe fn from_polymorphic_datum(datum: pg_sys::Datum, is_null: bool, _: pg_sys::Oid) -> Option<Self> {
+        (!is_null).then_some(Stored(datum))
+    }
+}
+
+impl IntoDatum for Stored {
+    fn into_datum(self) -> Option<pg_sys::Datum> {
+        Some(self.0)
+    }
+
+    fn type_oid() -> pg_sys::Oid {
+        pg_sys::TEXTOID
+    }
+
+    fn is_compatible_with(_: pg_sys::Oid) -> bool {
+        true
     }
 }
 

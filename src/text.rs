@@ -192,29 +192,97 @@ impl<'a> Text<'a> {
 
 /// The refusal of a text that cannot be read as UTF-8 (`utf8`): `what` names it.
 pub fn refusal(what: &str, bytes: &[u8]) -> StreamError {
-    // SAFETY: the name of the backend's database encoding, a static string.
-    let name = unsafe { std::ffi::CStr::from_ptr(pg_sys::GetDatabaseEncodingName()) }.to_string_lossy();
-    let (is_not, hint) = match encoding() {
-        Encoding::Utf8 => ("is not valid UTF-8", "Pass valid UTF-8 text.".to_string()),
-        Encoding::SqlAscii => (
-            "is not valid UTF-8",
-            "Pass ASCII or UTF-8 text in this database, or keep the streams in a UTF8 database.".to_string(),
-        ),
-        Encoding::Other => (
-            "is not ASCII",
-            format!(
-                "Pass ASCII text in this database, or keep the streams in a UTF8 database \
-                 (CREATE DATABASE ... ENCODING 'UTF8'): sqlstreams reads texts as UTF-8, and {name} \
-                 shares only ASCII with it."
-            ),
+    let (name, is_not) = described();
+    let hint = match encoding() {
+        Encoding::Utf8 => "Pass valid UTF-8 text.".to_string(),
+        Encoding::SqlAscii => {
+            "Pass ASCII or UTF-8 text in this database, or keep the streams in a UTF8 database.".to_string()
+        }
+        Encoding::Other => format!(
+            "Pass ASCII text in this database, or keep the streams in a UTF8 database \
+             (CREATE DATABASE ... ENCODING 'UTF8'): sqlstreams reads texts as UTF-8, and {name} \
+             shares only ASCII with it."
         ),
     };
     StreamError::invalid(format!("{what} {} {is_not}, and the database's encoding is {name}", clipped(bytes)), hint)
 }
 
-/// How a message shows a text given to a call: up to 40 characters, as a literal that spells
-/// its bytes where one can, then "..." if there is more.
-pub fn clipped(bytes: &[u8]) -> String {
+/// Checks a value the extension read back from its own tables (`datum`, of type `type_oid`)
+/// before pgrx converts it: a text, a varchar or an array of them must read as UTF-8 here
+/// (`utf8`), where pgrx would panic (an internal error, `XX000`, with its source's location).
+/// Every text the extension writes does; one that came another way does not, such as a UTF8
+/// database's key restored into a LATIN1 database. Refused with `22021`, naming it. Nothing to
+/// check in a UTF8 database, whose texts went through `utf8` on their way in, nor for other types.
+pub fn check_stored(datum: pg_sys::Datum, is_null: bool, type_oid: pg_sys::Oid) -> Result<(), StreamError> {
+    let array = type_oid == pg_sys::TEXTARRAYOID || type_oid == pg_sys::VARCHARARRAYOID;
+    if is_null
+        || !(array || type_oid == pg_sys::TEXTOID || type_oid == pg_sys::VARCHAROID)
+        || encoding() == Encoding::Utf8
+    {
+        return Ok(());
+    }
+    let check = |value: pg_sys::Datum| {
+        // SAFETY: a text or varchar datum that is not NULL, detoasted as pgrx detoasts it.
+        let bytes =
+            unsafe { pgrx::varlena::varlena_to_byte_slice(pg_sys::pg_detoast_datum_packed(value.cast_mut_ptr())) };
+        match utf8(bytes) {
+            Some(_) => Ok(()),
+            None => Err(unreadable(bytes)),
+        }
+    };
+    if !array {
+        return check(datum);
+    }
+    let (mut elements, mut nulls, mut count) = (std::ptr::null_mut(), std::ptr::null_mut(), 0);
+    // SAFETY: an array of texts (or varchars, laid out alike: varlena, int-aligned), detoasted;
+    // deconstruct_array fills `count` elements and null flags.
+    let (elements, nulls) = unsafe {
+        let array = pg_sys::pg_detoast_datum(datum.cast_mut_ptr()).cast::<pg_sys::ArrayType>();
+        let element_type = (*array).elemtype;
+        pg_sys::deconstruct_array(
+            array,
+            element_type,
+            -1,
+            false,
+            pg_sys::TYPALIGN_INT as _,
+            &mut elements,
+            &mut nulls,
+            &mut count,
+        );
+        let count = usize::try_from(count).unwrap_or(0);
+        (std::slice::from_raw_parts(elements, count), std::slice::from_raw_parts(nulls, count))
+    };
+    elements.iter().zip(nulls).filter(|(_, null)| !**null).try_for_each(|(element, _)| check(*element))
+}
+
+/// The refusal of a stored text that cannot be read as UTF-8 (`check_stored`).
+fn unreadable(bytes: &[u8]) -> StreamError {
+    let (name, is_not) = described();
+    StreamError::UnreadableText {
+        message: format!("a text stored in this database, {}, {is_not}, and the database's encoding is {name}", clipped(bytes)),
+        hint: format!(
+            "sqlstreams reads its texts as UTF-8 and writes only texts that read so in a {name} database; this one \
+             came another way, such as a dump of a UTF8 database restored here. Restore that dump into a UTF8 database (CREATE DATABASE ... ENCODING \
+             'UTF8'), or delete or rewrite what holds the text (docs/operations.md, \"Restoring onto another cluster\")."
+        ),
+    }
+}
+
+/// The database's encoding by name, and how a text that `utf8` does not read fails it.
+fn described() -> (std::borrow::Cow<'static, str>, &'static str) {
+    // SAFETY: the name of the backend's database encoding, a static string.
+    let name = unsafe { std::ffi::CStr::from_ptr(pg_sys::GetDatabaseEncodingName()) }.to_string_lossy();
+    let is_not = match encoding() {
+        Encoding::Utf8 | Encoding::SqlAscii => "is not valid UTF-8",
+        Encoding::Other => "is not ASCII",
+    };
+    (name, is_not)
+}
+
+/// How a message shows a text that cannot be read as UTF-8 here: up to 40 characters, as a
+/// literal that spells its bytes where one can, then "..." if there is more, and the first byte
+/// that cannot be read when it lies past those (`'aaa...'... (byte 51 is \xe9)`).
+fn clipped(bytes: &[u8]) -> String {
     const SHOWN: usize = 40;
     let end = match std::str::from_utf8(bytes) {
         Ok(text) => text.char_indices().nth(SHOWN).map(|(end, _)| end),
@@ -231,8 +299,16 @@ pub fn clipped(bytes: &[u8]) -> String {
         Some(end) if end < bytes.len() => (&bytes[..end], "..."),
         _ => (bytes, ""),
     };
+    let first_unreadable = match encoding() {
+        Encoding::Other => bytes.iter().position(|b| !b.is_ascii()),
+        Encoding::Utf8 | Encoding::SqlAscii => std::str::from_utf8(bytes).err().map(|e| e.valid_up_to()),
+    };
+    let past = match first_unreadable {
+        Some(at) if at >= head.len() => format!(" (byte {} is \\x{:02x})", at + 1, bytes[at]),
+        _ => String::new(),
+    };
     let shown = shown(head);
-    format!("{}{more}", shown.literal().unwrap_or_else(|| quoted(Some(&shown.text))))
+    format!("{}{more}{past}", shown.literal().unwrap_or_else(|| quoted(Some(&shown.text))))
 }
 
 // SAFETY: as `RawText`'s, which unboxes the argument.

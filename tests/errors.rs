@@ -161,6 +161,62 @@ fn drop_stream_under_repeatable_read_leaves_no_group_behind() {
 /// In an SQL_ASCII database, a key that is not valid UTF-8 cannot be read as UTF-8: produce
 /// refuses it, in a batch too, rather than store a message that every later claim of its lane
 /// would fail on. ASCII keys, and keys that are valid UTF-8, work there as anywhere.
+/// Texts the extension never wrote: a UTF8 database's keys, error messages and names restored
+/// into a LATIN1 one. A call that reads one refuses with 22021 naming it, where pgrx's panic
+/// raised XX000 ("datums converted to &str should be valid UTF-8", at pgrx's from.rs).
+#[test]
+fn a_stored_text_that_cannot_be_read_as_utf8_is_refused_naming_it() {
+    let (mut c, _) = own_database_in("restored_db", "LATIN1");
+    c.batch_execute(
+        "SELECT sqlstreams.create_stream('s'); SELECT sqlstreams.create_group('s', 'g');
+         SELECT sqlstreams.produce('s', '{}', 'k1'); SELECT sqlstreams.produce('s', '{}', 'k2')",
+    )
+    .unwrap();
+    let row = c.query_one("SELECT message_id, lease_token FROM sqlstreams.claim('s', 'g', 1)", &[]).unwrap();
+    let (id, token): (i64, uuid::Uuid) = (row.get(0), row.get(1));
+    c.execute("SELECT sqlstreams.fail('s', 'g', $1, $2, 'bad', permanent => true)", &[&token, &id]).unwrap();
+    let stream: i64 = c.query_one("SELECT id FROM sqlstreams.stream WHERE name = 's'", &[]).unwrap().get(0);
+    // What a restore of a UTF8 database's dump writes here: LATIN1 bytes (0xE9 is é, 0xFC ü).
+    c.batch_execute(&format!(
+        r"UPDATE sqlstreams.message_log_{stream} SET message_key = E'k\xe9' WHERE id <> {id};
+          UPDATE sqlstreams.exception_queue_{stream} SET last_error = E'Konto ung\xfcltig'"
+    ))
+    .unwrap();
+    for (call, shown) in [
+        ("SELECT * FROM sqlstreams.claim('s', 'g', 10)", r"E'k\xe9'"),
+        ("SELECT * FROM sqlstreams.peek('s', 0, 10)", r"E'k\xe9'"),
+        ("SELECT * FROM sqlstreams.dead_messages('s', 'g')", r"E'Konto ung\xfcltig'"),
+    ] {
+        let err = c.batch_execute(call).unwrap_err();
+        assert_eq!(sqlstate(&err), "22021", "{call}: {err:?}");
+        let db = err.as_db_error().unwrap();
+        let expected =
+            format!("a text stored in this database, {shown}, is not ASCII, and the database's encoding is LATIN1");
+        assert!(db.message().contains(&expected), "{call}: {}", db.message());
+        assert!(db.hint().is_some_and(|h| h.contains("ENCODING 'UTF8'")), "{call}: {err:?}");
+        assert_eq!(db.routine(), Some("sqlstreams"), "{call}: the extension's own report, not a panic's: {err:?}");
+    }
+    // A stream's name: maintain() reads every stream's.
+    c.batch_execute(r"UPDATE sqlstreams.stream SET name = E'bestellung\xe9' WHERE name = 's'").unwrap();
+    let err = c.batch_execute("SELECT sqlstreams.maintain()").unwrap_err();
+    assert_eq!(sqlstate(&err), "22021", "maintain: {err:?}");
+    assert!(err.as_db_error().unwrap().message().contains(r"E'bestellung\xe9'"), "{err:?}");
+    // Rewritten in ASCII, the texts read again.
+    c.batch_execute(&format!(
+        r"UPDATE sqlstreams.stream SET name = 's'; UPDATE sqlstreams.message_log_{stream} SET message_key = 'k3' WHERE message_key = E'k\xe9';
+          UPDATE sqlstreams.exception_queue_{stream} SET last_error = 'bad'"
+    ))
+    .unwrap();
+    let keys: Vec<String> = c
+        .query("SELECT message_key FROM sqlstreams.claim('s', 'g', 10)", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(keys, vec!["k3"]);
+    c.batch_execute("SELECT sqlstreams.maintain(); SELECT * FROM sqlstreams.dead_messages('s', 'g')").unwrap();
+}
+
 #[test]
 fn a_key_that_is_not_utf8_is_refused_in_an_sql_ascii_database() {
     let (mut c, _) = own_database_in("encoding_db", "SQL_ASCII");
@@ -224,6 +280,11 @@ fn a_text_argument_that_cannot_be_read_as_utf8_is_refused_naming_it() {
         (r"SELECT * FROM sqlstreams.group_status(E'\xe9', 'g')", "argument 1"),
         (r"SELECT sqlstreams.produce('s', '{}', E'k\xe9')", r"message_key E'k\xe9'"),
         (&format!("SELECT sqlstreams.create_stream(E'{}')", r"\xe9".repeat(50)), r"\xe9'... is not ASCII"),
+        // What cannot be read lies past the 40 characters shown: the message says where it is.
+        (
+            &format!(r"SELECT sqlstreams.create_stream(E'{}\xe9')", "a".repeat(50)),
+            &format!(r"argument 1 '{}'... (byte 51 is \xe9) is not ASCII", "a".repeat(40)),
+        ),
     ] {
         let err = c.batch_execute(call).unwrap_err();
         assert_eq!(sqlstate(&err), "22023", "{call}: {err:?}");

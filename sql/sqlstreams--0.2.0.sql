@@ -464,14 +464,6 @@ BEGIN
         -- The exception queue is a visible table (docs/sql-api.md): readable by admins and monitors.
         GRANT SELECT ON sqlstreams.exception_queue_@id@ TO sqlstreams_admin, pg_monitor;
     $family$, '@id@', stream_id::text);
-    -- A range's row lists its pending messages and their keys: a claim of 100 keys passes the 2 kB
-    -- at which Postgres compresses a row, and pglz took a keyed claim about 4 % of its time where
-    -- lz4 takes a fifth of that (docs/benchmarks/cost-model.md, the twenty-fifth pass). lz4 where
-    -- this server was built with it; pg_dump keeps the choice.
-    IF EXISTS (SELECT FROM pg_settings WHERE name = 'default_toast_compression' AND 'lz4' = ANY (enumvals)) THEN
-        EXECUTE format('ALTER TABLE sqlstreams.%I ALTER COLUMN pending SET COMPRESSION lz4,
-                            ALTER COLUMN pending_keys SET COMPRESSION lz4', 'range_lease_' || stream_id);
-    END IF;
     -- The first partition; claims and maintain() add the next ones ahead of the head.
     PERFORM sqlstreams.add_partitions(stream_id, 1, true);
 END

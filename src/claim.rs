@@ -381,6 +381,9 @@ impl Claim<'_> {
             let keys: Vec<Option<&str>> = mine.iter().map(|p| deliveries[p.delivery].message_key.as_deref()).collect();
             let (token, expires) = (self.token, self.expires);
             let lease = range::Lease { range: &range, pending: &ids, keys: &keys, token, expires };
+            if keys.iter().any(Option::is_some) {
+                crate::search_path::compress_with_lz4();
+            }
             // A new range and its lane's position go in one statement (the usual claim).
             if let Some(i) = lanes.iter().position(|l| l.lane == range.lane) {
                 let (claimed, hold) = (lanes[i].claimed, claim_hold(range.lane));

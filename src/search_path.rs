@@ -39,6 +39,10 @@ enum Call {
 
 thread_local! {
     static CALL: Cell<Call> = const { Cell::new(Call::Outside) };
+    /// Whether the call in progress compresses with lz4 (`compress_with_lz4`).
+    static LZ4_IN_CALL: Cell<bool> = const { Cell::new(false) };
+    /// Whether this server has lz4: unknown until a call first asks for it.
+    static LZ4: Cell<Option<bool>> = const { Cell::new(None) };
 }
 
 /// Runs `f`, whose statements pin the settings first; restores the caller's when it returns.
@@ -58,7 +62,47 @@ pub fn when_needed<T>(f: impl FnOnce() -> T) -> T {
         }
     }
     let _scope = Scope(CALL.replace(Call::Unpinned));
+    let _lz4 = Lz4Scope(LZ4_IN_CALL.replace(false));
     f()
+}
+
+/// Puts back whether the enclosing call compresses with lz4 (its setting is restored with the
+/// others, or by the abort).
+struct Lz4Scope(bool);
+impl Drop for Lz4Scope {
+    fn drop(&mut self) {
+        LZ4_IN_CALL.set(self.0);
+    }
+}
+
+/// Makes what the rest of the call writes compress with lz4 where the server was built with it,
+/// as `default_toast_compression = lz4` would, until the call returns. For a claim's range of
+/// keyed messages: 100 ids and keys pass the 2 kB at which Postgres compresses a row, and pglz
+/// took about 4 % of a keyed claim (docs/benchmarks/cost-model.md, the twenty-fifth pass). The
+/// setting, not the ranges' table: a column's own `SET COMPRESSION lz4` goes into `pg_dump`'s
+/// `CREATE TABLE` entry, and a server built without lz4 would refuse the table on restore. Only
+/// inside `when_needed` once a statement pinned the settings; nothing otherwise.
+pub fn compress_with_lz4() {
+    if !matches!(CALL.get(), Call::Pinned(_)) || LZ4_IN_CALL.get() || LZ4.get() == Some(false) {
+        return;
+    }
+    // SAFETY: sets a user-settable setting at the nesting level `pin` opened (restored with
+    // the others when the call returns); a server without lz4 refuses the value, at DEBUG1
+    // rather than ERROR, and is not asked again.
+    let set = unsafe {
+        pg_sys::set_config_option(
+            c"default_toast_compression".as_ptr(),
+            c"lz4".as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+            pg_sys::GucAction::GUC_ACTION_SAVE,
+            true,
+            pg_sys::DEBUG1 as i32,
+            false,
+        )
+    };
+    LZ4.set(Some(set > 0));
+    LZ4_IN_CALL.set(set > 0);
 }
 
 /// Pins the settings for the statement about to run, unless they are in effect.

@@ -453,6 +453,9 @@ pub trait Columns {
 
 impl Columns for SpiHeapTupleData<'_> {
     fn value<T: FromDatum + IntoDatum>(&self, column: &str) -> Result<Option<T>> {
+        if !crate::text::checks_stored() {
+            return Ok(self.get_by_name(column)?);
+        }
         let entry = self.get_datum_by_name(column)?;
         if let Some(Stored(datum)) = entry.value::<Stored>()? {
             crate::text::check_stored(datum, false, entry.oid())?;
@@ -464,10 +467,14 @@ impl Columns for SpiHeapTupleData<'_> {
 /// The current row of a table (after `first()`).
 impl Columns for SpiTupleTable<'_> {
     fn value<T: FromDatum + IntoDatum>(&self, column: &str) -> Result<Option<T>> {
-        if let Some(datum) = self.get_datum_by_name(column)? {
-            crate::text::check_stored(datum, false, self.column_type_oid(self.column_ordinal(column)?)?.value())?;
+        if !crate::text::checks_stored() {
+            return Ok(self.get_by_name(column)?);
         }
-        Ok(self.get_by_name(column)?)
+        let ordinal = self.column_ordinal(column)?;
+        if let Some(datum) = self.get_datum_by_ordinal(ordinal)? {
+            crate::text::check_stored(datum, false, self.column_type_oid(ordinal)?.value())?;
+        }
+        Ok(self.get(ordinal)?)
     }
 }
 
@@ -481,9 +488,10 @@ impl FromDatum for Stored {
     }
 }
 
+/// Only ever read (`FromDatum`), never bound as a parameter: its type is any type.
 impl IntoDatum for Stored {
     fn into_datum(self) -> Option<pg_sys::Datum> {
-        Some(self.0)
+        unreachable!("a column's datum is read, never passed as a parameter")
     }
 
     fn type_oid() -> pg_sys::Oid {

@@ -215,33 +215,23 @@ pub fn refusal(what: &str, bytes: &[u8]) -> StreamError {
 /// check in a UTF8 database, whose texts went through `utf8` on their way in, nor for other types.
 pub fn check_stored(datum: pg_sys::Datum, is_null: bool, type_oid: pg_sys::Oid) -> Result<(), StreamError> {
     let array = type_oid == pg_sys::TEXTARRAYOID || type_oid == pg_sys::VARCHARARRAYOID;
-    if is_null
-        || !(array || type_oid == pg_sys::TEXTOID || type_oid == pg_sys::VARCHAROID)
-        || encoding() == Encoding::Utf8
-    {
+    if is_null || !(array || type_oid == pg_sys::TEXTOID || type_oid == pg_sys::VARCHAROID) || !checks_stored() {
         return Ok(());
     }
-    let check = |value: pg_sys::Datum| {
-        // SAFETY: a text or varchar datum that is not NULL, detoasted as pgrx detoasts it.
-        let bytes =
-            unsafe { pgrx::varlena::varlena_to_byte_slice(pg_sys::pg_detoast_datum_packed(value.cast_mut_ptr())) };
-        match utf8(bytes) {
-            Some(_) => Ok(()),
-            None => Err(unreadable(bytes)),
-        }
-    };
     if !array {
-        return check(datum);
+        return check_text(datum);
     }
     let (mut elements, mut nulls, mut count) = (std::ptr::null_mut(), std::ptr::null_mut(), 0);
     // SAFETY: an array of texts (or varchars, laid out alike: varlena, int-aligned), detoasted;
-    // deconstruct_array fills `count` elements and null flags.
-    let (elements, nulls) = unsafe {
-        let array = pg_sys::pg_detoast_datum(datum.cast_mut_ptr()).cast::<pg_sys::ArrayType>();
-        let element_type = (*array).elemtype;
+    // deconstruct_array fills `count` elements and null flags, pointing into the array. What
+    // was allocated here is freed once the elements are checked.
+    unsafe {
+        let given = datum.cast_mut_ptr::<pg_sys::varlena>();
+        let detoasted = pg_sys::pg_detoast_datum(given);
+        let array = detoasted.cast::<pg_sys::ArrayType>();
         pg_sys::deconstruct_array(
             array,
-            element_type,
+            (*array).elemtype,
             -1,
             false,
             pg_sys::TYPALIGN_INT as _,
@@ -250,9 +240,39 @@ pub fn check_stored(datum: pg_sys::Datum, is_null: bool, type_oid: pg_sys::Oid) 
             &mut count,
         );
         let count = usize::try_from(count).unwrap_or(0);
-        (std::slice::from_raw_parts(elements, count), std::slice::from_raw_parts(nulls, count))
-    };
-    elements.iter().zip(nulls).filter(|(_, null)| !**null).try_for_each(|(element, _)| check(*element))
+        let (values, null) = (std::slice::from_raw_parts(elements, count), std::slice::from_raw_parts(nulls, count));
+        let checked = values.iter().zip(null).filter(|(_, null)| !**null).try_for_each(|(value, _)| check_text(*value));
+        pg_sys::pfree(elements.cast());
+        pg_sys::pfree(nulls.cast());
+        if detoasted != given {
+            pg_sys::pfree(detoasted.cast());
+        }
+        checked
+    }
+}
+
+/// Whether `check_stored` looks at anything: in a database whose encoding is not UTF8.
+pub fn checks_stored() -> bool {
+    encoding() != Encoding::Utf8
+}
+
+/// `check_stored` of one text or varchar datum that is not NULL.
+fn check_text(value: pg_sys::Datum) -> Result<(), StreamError> {
+    // SAFETY: a text or varchar datum that is not NULL, detoasted as pgrx detoasts it; the copy
+    // detoasting makes (if any) is freed once read.
+    unsafe {
+        let given = value.cast_mut_ptr::<pg_sys::varlena>();
+        let detoasted = pg_sys::pg_detoast_datum_packed(given);
+        let bytes = pgrx::varlena::varlena_to_byte_slice(detoasted);
+        let checked = match utf8(bytes) {
+            Some(_) => Ok(()),
+            None => Err(unreadable(bytes)),
+        };
+        if detoasted != given {
+            pg_sys::pfree(detoasted.cast());
+        }
+        checked
+    }
 }
 
 /// The refusal of a stored text that cannot be read as UTF-8 (`check_stored`).
@@ -262,7 +282,7 @@ fn unreadable(bytes: &[u8]) -> StreamError {
         message: format!("a text stored in this database, {}, {is_not}, and the database's encoding is {name}", clipped(bytes)),
         hint: format!(
             "sqlstreams reads its texts as UTF-8 and writes only texts that read so in a {name} database; this one \
-             came another way, such as a dump of a UTF8 database restored here. Restore that dump into a UTF8 database (CREATE DATABASE ... ENCODING \
+             came another way, such as a dump of a database of another encoding restored here. Restore that dump into a UTF8 database (CREATE DATABASE ... ENCODING \
              'UTF8'), or delete or rewrite what holds the text (docs/operations.md, \"Restoring onto another cluster\")."
         ),
     }
@@ -291,9 +311,15 @@ fn clipped(bytes: &[u8]) -> String {
         // SAFETY: reads at most `len` bytes of `bytes`.
         Err(_) if encoding() == Encoding::Other => {
             let len = i32::try_from(bytes.len()).unwrap_or(i32::MAX);
-            Some(unsafe { pg_sys::pg_mbcliplen(bytes.as_ptr().cast(), len, SHOWN as i32) } as usize)
+            Some(unsafe { pg_sys::pg_mbcharcliplen(bytes.as_ptr().cast(), len, SHOWN as i32) } as usize)
         }
-        Err(_) => Some(SHOWN),
+        // UTF-8's characters, and each byte that is not one as one.
+        Err(_) => {
+            let units = bytes
+                .utf8_chunks()
+                .flat_map(|chunk| chunk.valid().chars().map(char::len_utf8).chain(chunk.invalid().iter().map(|_| 1)));
+            Some(units.take(SHOWN).sum())
+        }
     };
     let (head, more) = match end {
         Some(end) if end < bytes.len() => (&bytes[..end], "..."),

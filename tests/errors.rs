@@ -158,9 +158,6 @@ fn drop_stream_under_repeatable_read_leaves_no_group_behind() {
     assert_eq!(orphans, 0);
 }
 
-/// In an SQL_ASCII database, a key that is not valid UTF-8 cannot be read as UTF-8: produce
-/// refuses it, in a batch too, rather than store a message that every later claim of its lane
-/// would fail on. ASCII keys, and keys that are valid UTF-8, work there as anywhere.
 /// Texts the extension never wrote: a UTF8 database's keys, error messages and names restored
 /// into a LATIN1 one. A call that reads one refuses with 22021 naming it, where pgrx's panic
 /// raised XX000 ("datums converted to &str should be valid UTF-8", at pgrx's from.rs).
@@ -196,6 +193,30 @@ fn a_stored_text_that_cannot_be_read_as_utf8_is_refused_naming_it() {
         assert!(db.hint().is_some_and(|h| h.contains("ENCODING 'UTF8'")), "{call}: {err:?}");
         assert_eq!(db.routine(), Some("sqlstreams"), "{call}: the extension's own report, not a panic's: {err:?}");
     }
+    // A range's keys (a text[]), read back by the claim that hands the range out again once its
+    // lease ran out: one that is not ASCII among others, inline, and compressed past 2 kB.
+    for (group, keys) in [("r", 2), ("big", 300)] {
+        c.batch_execute(&format!(
+            "SELECT sqlstreams.create_group('s', '{group}', 'ordered', start_at => 'head');
+             SELECT sqlstreams.produce_batch('s', array_fill('{{}}'::jsonb, ARRAY[{keys}]),
+                                            ARRAY(SELECT 'key-' || i FROM generate_series(1, {keys}) i))"
+        ))
+        .unwrap();
+        let rows = c.query("SELECT lease_token FROM sqlstreams.claim('s', $1, 1000)", &[&group]).unwrap();
+        assert_eq!(rows.len(), keys, "{group}");
+        let token: uuid::Uuid = rows[0].get(0);
+        c.batch_execute(&format!(
+            r"UPDATE sqlstreams.range_lease_{stream} SET pending_keys[2] = E'k\xe9',
+                  lease_expires_at = now() - interval '1 hour'
+              WHERE lease_token = '{token}';
+              UPDATE sqlstreams.lane_{stream} SET held_until = now() - interval '1 hour' WHERE held_by = '{token}'"
+        ))
+        .unwrap();
+        let err = c.execute("SELECT * FROM sqlstreams.claim('s', $1, 1000)", &[&group]).unwrap_err();
+        assert_eq!(sqlstate(&err), "22021", "{group}: {err:?}");
+        assert!(err.as_db_error().unwrap().message().contains(r"E'k\xe9'"), "{group}: {err:?}");
+        c.batch_execute(&format!("UPDATE sqlstreams.range_lease_{stream} SET pending_keys[2] = 'key-2'")).unwrap();
+    }
     // A stream's name: maintain() reads every stream's.
     c.batch_execute(r"UPDATE sqlstreams.stream SET name = E'bestellung\xe9' WHERE name = 's'").unwrap();
     let err = c.batch_execute("SELECT sqlstreams.maintain()").unwrap_err();
@@ -208,15 +229,19 @@ fn a_stored_text_that_cannot_be_read_as_utf8_is_refused_naming_it() {
     ))
     .unwrap();
     let keys: Vec<String> = c
-        .query("SELECT message_key FROM sqlstreams.claim('s', 'g', 10)", &[])
+        .query("SELECT message_key FROM sqlstreams.claim('s', 'g', 1000)", &[])
         .unwrap()
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(keys, vec!["k3"]);
+    assert_eq!(keys.len(), 303, "k3, and the other groups' 302 messages");
+    assert!(keys.iter().any(|k| k == "k3"), "{keys:?}");
     c.batch_execute("SELECT sqlstreams.maintain(); SELECT * FROM sqlstreams.dead_messages('s', 'g')").unwrap();
 }
 
+/// In an SQL_ASCII database, a key that is not valid UTF-8 cannot be read as UTF-8: produce
+/// refuses it, in a batch too, rather than store a message that every later claim of its lane
+/// would fail on. ASCII keys, and keys that are valid UTF-8, work there as anywhere.
 #[test]
 fn a_key_that_is_not_utf8_is_refused_in_an_sql_ascii_database() {
     let (mut c, _) = own_database_in("encoding_db", "SQL_ASCII");
@@ -239,6 +264,11 @@ fn a_key_that_is_not_utf8_is_refused_in_an_sql_ascii_database() {
     for (one, what) in [
         (r"SELECT sqlstreams.produce('s', '{}', E'x\xe9')", r"message_key E'x\xe9'"),
         (r"SELECT sqlstreams.produce('s', '{}', 'k', idempotency_key => E'i\xe9')", r"idempotency_key E'i\xe9'"),
+        // 40 characters shown, a valid é among them (two bytes), then where the bad byte is.
+        (
+            &format!(r"SELECT sqlstreams.produce('s', '{{}}', E'{}\xc3\xa9\xe9')", "a".repeat(39)),
+            &format!("message_key '{}\u{e9}'... (byte 42 is \\xe9) is not valid UTF-8", "a".repeat(39)),
+        ),
     ] {
         let err = c.batch_execute(one).unwrap_err();
         assert_eq!(sqlstate(&err), "22023", "{err:?}");

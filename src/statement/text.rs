@@ -12,7 +12,7 @@ impl Row<'_> {
     /// The text at `ordinal` (1-based) handed to `f` as a `&str`; `None` for SQL NULL. A value
     /// stored inline and uncompressed (a key or a policy's name, as a rule) is read where it
     /// lies, without the copy and the calls into Postgres `get` makes, where it reads as UTF-8
-    /// (`text::utf8_trusted`: keys and names the extension wrote). Any other takes `get`'s way, which decides as pgrx does.
+    /// (`text::utf8_trusted`: keys and names the extension wrote). Any other takes `get`'s way, which refuses one this database cannot read as UTF-8 (`text::check_stored`), then converts as pgrx does.
     pub fn text<R>(&self, ordinal: usize, f: impl FnOnce(&str) -> R) -> Result<Option<R>> {
         let i = ordinal - 1;
         debug_assert!([pg_sys::TEXTOID, pg_sys::VARCHAROID].contains(&self.types[i]), "column {ordinal} is text");

@@ -12,8 +12,3 @@ SELECT c.stream, c.name, st.*
 FROM sqlstreams.consumer_groups c, LATERAL sqlstreams.group_status(c.stream, c.name) st ORDER BY 1, 2;
 SELECT c.stream, c.name, d.message_id, d.last_error
 FROM sqlstreams.consumer_groups c, LATERAL sqlstreams.dead_messages(c.stream, c.name) d ORDER BY 1, 2, 3;
--- How each stream's ranges are compressed (lz4 where the server has it): pg_dump keeps it.
-SELECT s.name, a.attname, a.attcompression::text
-FROM sqlstreams.stream s
-JOIN pg_catalog.pg_attribute a ON a.attrelid = ('sqlstreams.range_lease_' || s.id)::regclass
-WHERE a.attname IN ('pending', 'pending_keys') ORDER BY 1, 2;

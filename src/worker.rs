@@ -21,6 +21,7 @@ use std::ffi::CString;
 use std::time::Duration;
 
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
+use pgrx::pg_sys::panic::CaughtError;
 use pgrx::prelude::*;
 use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
 
@@ -116,14 +117,53 @@ fn round() {
     });
     for name in streams {
         BackgroundWorker::transaction(|| {
-            let maintained = Spi::get_one_with_args::<i64>(
-                "SELECT pg_catalog.count(*) FROM sqlstreams.maintain_stream($1)",
-                &[name.as_str().into()],
-            );
-            if let Err(e) = maintained {
+            // A stream that cannot be maintained (an error of its own) is left for the next
+            // round, with a warning: the streams after it are maintained all the same.
+            let maintained = caught(|| {
+                Spi::get_one_with_args::<i64>(
+                    "SELECT pg_catalog.count(*) FROM sqlstreams.maintain_stream($1)",
+                    &[name.as_str().into()],
+                )
+                .map_err(|e| e.to_string())
+            });
+            if let Err(e) = maintained.and_then(|done| done) {
                 warning!("sqlstreams maintenance of stream \"{name}\": {e}");
             }
         });
+    }
+}
+
+/// Runs `f` in a subtransaction: an error it raises rolls back what it did and comes back as
+/// its message, and the transaction goes on, as a PL/pgSQL block's `EXCEPTION` clause does.
+fn caught<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    // SAFETY: the subtransaction is begun and ended here, and the memory context and resource
+    // owner put back after it either way, as PL/pgSQL's exception blocks do
+    // (exec_stmt_block); pgrx has copied the error's data and flushed its state when
+    // `catch_others` runs.
+    unsafe {
+        let context = pg_sys::CurrentMemoryContext;
+        let owner = pg_sys::CurrentResourceOwner;
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        pg_sys::MemoryContextSwitchTo(context);
+        let f = std::panic::AssertUnwindSafe(f);
+        PgTryBuilder::new(move || {
+            let value = f();
+            pg_sys::ReleaseCurrentSubTransaction();
+            pg_sys::MemoryContextSwitchTo(context);
+            pg_sys::CurrentResourceOwner = owner;
+            Ok(value)
+        })
+        .catch_others(move |error| {
+            pg_sys::MemoryContextSwitchTo(context);
+            pg_sys::RollbackAndReleaseCurrentSubTransaction();
+            pg_sys::MemoryContextSwitchTo(context);
+            pg_sys::CurrentResourceOwner = owner;
+            Err(match error {
+                CaughtError::PostgresError(report) | CaughtError::ErrorReport(report) => report.message().to_string(),
+                CaughtError::RustPanic { ereport, .. } => ereport.message().to_string(),
+            })
+        })
+        .execute()
     }
 }
 

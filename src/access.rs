@@ -22,7 +22,7 @@ use crate::catalog;
 use crate::error::{named, quoted};
 use crate::error::{Result, StreamError};
 use crate::statement::{Columns, Statement};
-use crate::text::Text;
+use crate::text::RawText;
 
 /// What a call needs on a stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -246,25 +246,31 @@ const MAY_SEE: Statement = Statement {
               OR pg_catalog.pg_has_role(r.oid, 'sqlstreams_admin', 'USAGE')
               OR pg_catalog.pg_has_role(r.oid, 'pg_monitor', 'USAGE')
               OR EXISTS (SELECT 1 FROM sqlstreams.stream_grant g
-                         WHERE g.stream_id = $2 AND ($3::text IS NULL OR g.group_name IS NULL OR g.group_name = $3)
-                           AND ($3::text IS NULL OR g.privilege = 'consume')
+                         WHERE g.stream_id = $2
+                           AND ($3 IS NULL OR g.group_name IS NULL
+                                OR g.group_name = pg_catalog.convert_from($3, pg_catalog.getdatabaseencoding()))
+                           AND ($3 IS NULL OR g.privilege = 'consume')
                            AND pg_catalog.pg_has_role(r.oid, g.grantee, 'USAGE')) AS may
           FROM pg_catalog.pg_roles r WHERE r.oid = $1",
-    params: &[OIDOID, INT8OID, TEXTOID],
+    params: &[OIDOID, INT8OID, BYTEAOID],
 };
 
 /// Whether the calling role may see stream `stream_id` (any grant on it), or its group
-/// `group_name` (a consume grant on it): the filter of the views, which never raise.
+/// `group_name` (a consume grant on it): the filter of the views, which never raise. The name
+/// is the view's, read from the catalog, and compared as its bytes: a name this database cannot
+/// read as UTF-8 (a restore's, src/text.rs) is not refused here, so a role never sees it in an
+/// error from a row it may not see.
 #[pg_extern(stable, parallel_safe, sql = false)]
-fn visible(stream_id: Option<i64>, group_name: default!(Option<Text<'_>>, "NULL")) -> crate::error::SqlResult<bool> {
+fn visible(stream_id: Option<i64>, group_name: default!(Option<RawText<'_>>, "NULL")) -> crate::error::SqlResult<bool> {
     let Some(stream_id) = stream_id else { return Ok(false) };
     Ok(as_owner(|caller| {
         if caller.is_superuser() {
             return Ok(true);
         }
         Spi::connect(|client| {
-            let row =
-                MAY_SEE.read(client, 0, &[caller.role.into(), stream_id.into(), group_name.as_deref().into()])?.first();
+            let row = MAY_SEE
+                .read(client, 0, &[caller.role.into(), stream_id.into(), group_name.map(|g| g.bytes()).into()])?
+                .first();
             Ok(row.value::<bool>("may")?.unwrap_or(false))
         })
     })?)

@@ -217,6 +217,29 @@ fn a_stored_text_that_cannot_be_read_as_utf8_is_refused_naming_it() {
         assert!(err.as_db_error().unwrap().message().contains(r"E'k\xe9'"), "{group}: {err:?}");
         c.batch_execute(&format!("UPDATE sqlstreams.range_lease_{stream} SET pending_keys[2] = 'key-2'")).unwrap();
     }
+    // A group's name, in a stream a role may not see: the view shows that role its own groups,
+    // and never the other's name in an error. A superuser, who sees it, is refused naming it.
+    let role = role(&mut c, "viewer", "IN ROLE sqlstreams_consumer");
+    c.batch_execute(&format!(
+        r"SELECT sqlstreams.create_stream('t'); SELECT sqlstreams.create_group('t', 'h');
+          UPDATE sqlstreams.consumer_group SET name = E'h\xe9' WHERE name = 'h';
+          SELECT sqlstreams.grant_stream('s', '{role}', 'consume')"
+    ))
+    .unwrap();
+    c.batch_execute(&format!("SET ROLE \"{role}\"")).unwrap();
+    let seen: Vec<String> = c
+        .query("SELECT stream || '/' || name FROM sqlstreams.consumer_groups ORDER BY 1", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(seen, vec!["s/big", "s/g", "s/r"], "its own stream's groups, and no error");
+    c.batch_execute("RESET ROLE").unwrap();
+    let err = c.batch_execute("SELECT * FROM sqlstreams.consumer_groups").unwrap_err();
+    assert!(err.as_db_error().unwrap().message().contains(r"E'h\xe9' is not ASCII"), "{err:?}");
+    c.batch_execute(r"UPDATE sqlstreams.consumer_group SET name = 'h' WHERE name = E'h\xe9'").unwrap();
+    c.batch_execute(&format!("SELECT sqlstreams.drop_stream('t'); DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\""))
+        .unwrap();
     // A stream's name: maintain() reads every stream's.
     c.batch_execute(r"UPDATE sqlstreams.stream SET name = E'bestellung\xe9' WHERE name = 's'").unwrap();
     let err = c.batch_execute("SELECT sqlstreams.maintain()").unwrap_err();

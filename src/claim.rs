@@ -373,27 +373,31 @@ impl Claim<'_> {
         let claim_hold = |lane: i32| holding.binary_search(&lane).is_ok().then_some((self.token, self.expires));
         let taken: Vec<i32> = self.lanes.iter().map(|l| l.lane).collect();
         let mut lanes = std::mem::take(&mut self.lanes);
-        for range in std::mem::take(&mut self.ranges) {
-            let (mine, rest): (Vec<_>, Vec<_>) = pending.into_iter().partition(|p| p.range == range.first_id);
-            pending = rest;
-            // The keys stay with the deliveries; the range's row takes them from there.
-            let ids: Vec<i64> = mine.iter().map(|p| p.id).collect();
-            let keys: Vec<Option<&str>> = mine.iter().map(|p| deliveries[p.delivery].message_key.as_deref()).collect();
-            let (token, expires) = (self.token, self.expires);
-            let lease = range::Lease { range: &range, pending: &ids, keys: &keys, token, expires };
-            if keys.iter().any(Option::is_some) {
-                crate::search_path::compress_with_lz4();
-            }
-            // A new range and its lane's position go in one statement (the usual claim).
-            if let Some(i) = lanes.iter().position(|l| l.lane == range.lane) {
-                let (claimed, hold) = (lanes[i].claimed, claim_hold(range.lane));
-                if lanes::store_with_new_range(client, self.group, &lease, claimed, hold)? {
-                    lanes.swap_remove(i);
-                    continue;
+        let ranges = std::mem::take(&mut self.ranges);
+        // A range's row holds its messages' keys: past 2 kB compressed, with lz4 where it can.
+        let keyed = deliveries.iter().any(|d| d.message_key.is_some());
+        crate::search_path::with_lz4_if(keyed, || -> Result<()> {
+            for range in ranges {
+                let (mine, rest): (Vec<_>, Vec<_>) = pending.into_iter().partition(|p| p.range == range.first_id);
+                pending = rest;
+                // The keys stay with the deliveries; the range's row takes them from there.
+                let ids: Vec<i64> = mine.iter().map(|p| p.id).collect();
+                let keys: Vec<Option<&str>> =
+                    mine.iter().map(|p| deliveries[p.delivery].message_key.as_deref()).collect();
+                let (token, expires) = (self.token, self.expires);
+                let lease = range::Lease { range: &range, pending: &ids, keys: &keys, token, expires };
+                // A new range and its lane's position go in one statement (the usual claim).
+                if let Some(i) = lanes.iter().position(|l| l.lane == range.lane) {
+                    let (claimed, hold) = (lanes[i].claimed, claim_hold(range.lane));
+                    if lanes::store_with_new_range(client, self.group, &lease, claimed, hold)? {
+                        lanes.swap_remove(i);
+                        continue;
+                    }
                 }
+                range::lease(client, stream_id, self.group.id, &lease)?;
             }
-            range::lease(client, stream_id, self.group.id, &lease)?;
-        }
+            Ok(())
+        })?;
         for lane in lanes {
             let hold = claim_hold(lane.lane);
             lanes::store(client, self.group, lane, hold)?;

@@ -14,7 +14,8 @@
 //! first `pin` applies both settings the way a `SET` clause does, at a new nesting level, and
 //! `when_needed` restores the caller's when it returns. An error restores nothing here: it
 //! becomes a Postgres error, and the abort of the transaction or subtransaction restores them,
-//! as it does for a `SET` clause (nothing in the library catches an error and goes on).
+//! as it does for a `SET` clause (what catches an error and goes on, the maintenance worker,
+//! rolls its subtransaction back first).
 //! Outside `when_needed` the function's own `SET` clause pinned them; debug builds check the
 //! search_path (a few internal functions, triggers among them, leave plans to the default).
 
@@ -39,9 +40,7 @@ enum Call {
 
 thread_local! {
     static CALL: Cell<Call> = const { Cell::new(Call::Outside) };
-    /// Whether the call in progress compresses with lz4 (`compress_with_lz4`).
-    static LZ4_IN_CALL: Cell<bool> = const { Cell::new(false) };
-    /// Whether this server has lz4: unknown until a call first asks for it.
+    /// Whether this server has lz4 (`with_lz4_if`): unknown until a claim first asks for it.
     static LZ4: Cell<Option<bool>> = const { Cell::new(None) };
 }
 
@@ -62,35 +61,27 @@ pub fn when_needed<T>(f: impl FnOnce() -> T) -> T {
         }
     }
     let _scope = Scope(CALL.replace(Call::Unpinned));
-    let _lz4 = Lz4Scope(LZ4_IN_CALL.replace(false));
     f()
 }
 
-/// Puts back whether the enclosing call compresses with lz4 (its setting is restored with the
-/// others, or by the abort).
-struct Lz4Scope(bool);
-impl Drop for Lz4Scope {
-    fn drop(&mut self) {
-        LZ4_IN_CALL.set(self.0);
-    }
-}
-
-/// Makes what the rest of the call writes compress with lz4 where the server was built with it,
-/// as `default_toast_compression = lz4` would, until the call returns. For a claim's range of
-/// keyed messages: 100 ids and keys pass the 2 kB at which Postgres compresses a row, and pglz
-/// took about 4 % of a keyed claim (docs/benchmarks/cost-model.md, the twenty-fifth pass). The
+/// Runs `f` with `default_toast_compression = lz4` when `wanted` and the server was built with
+/// lz4, at a GUC nesting level of its own that closes when `f` returns (an error's abort closes
+/// it otherwise): a claim's writes of its ranges of keyed messages, whose 100 ids and keys pass
+/// the 2 kB at which Postgres compresses a row, and pglz took about 4 % of a keyed claim
+/// (docs/benchmarks/cost-model.md, the twenty-fifth pass). Nothing else the claim writes: a row
+/// that outlives its claim (an archived payload) stays as the caller's setting makes it. The
 /// setting, not the ranges' table: a column's own `SET COMPRESSION lz4` goes into `pg_dump`'s
-/// `CREATE TABLE` entry, and a server built without lz4 would refuse the table on restore. Only
-/// inside `when_needed` once a statement pinned the settings; nothing otherwise.
-pub fn compress_with_lz4() {
-    if !matches!(CALL.get(), Call::Pinned(_)) || LZ4_IN_CALL.get() || LZ4.get() == Some(false) {
-        return;
+/// `CREATE TABLE` entry, and a server built without lz4 then refuses the table on restore.
+pub fn with_lz4_if<T>(wanted: bool, f: impl FnOnce() -> T) -> T {
+    if !wanted || LZ4.get() == Some(false) {
+        return f();
     }
-    // SAFETY: sets a user-settable setting at the nesting level `pin` opened (restored with
-    // the others when the call returns); a server without lz4 refuses the value, at DEBUG1
-    // rather than ERROR, and is not asked again.
-    let set = unsafe {
-        pg_sys::set_config_option(
+    // SAFETY: opens a nesting level and sets a user-settable setting at it, as a function's
+    // `SET` clause does; a server without lz4 refuses the value (at DEBUG1, not ERROR), is not
+    // asked again, and the level closes all the same.
+    let level = unsafe {
+        let level = pg_sys::NewGUCNestLevel();
+        let set = pg_sys::set_config_option(
             c"default_toast_compression".as_ptr(),
             c"lz4".as_ptr(),
             pg_sys::GucContext::PGC_USERSET,
@@ -99,10 +90,14 @@ pub fn compress_with_lz4() {
             true,
             pg_sys::DEBUG1 as i32,
             false,
-        )
+        );
+        LZ4.set(Some(set > 0));
+        level
     };
-    LZ4.set(Some(set > 0));
-    LZ4_IN_CALL.set(set > 0);
+    let value = f();
+    // SAFETY: closes the level opened above, restoring what was set at it.
+    unsafe { pg_sys::AtEOXact_GUC(true, level) };
+    value
 }
 
 /// Pins the settings for the statement about to run, unless they are in effect.

@@ -133,15 +133,21 @@ fn a_range_of_many_keys_is_compressed_with_lz4_where_the_server_has_it() {
     for setting in ["pglz", "pglz", "lz4"] {
         let setting = if lz4 { setting } else { "pglz" };
         c.batch_execute(&format!("SET default_toast_compression = {setting}")).unwrap();
-        let claimed: Vec<String> = c
-            .query("SELECT message_key FROM sqlstreams.claim($1, 'g', 100)", &[&name])
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        // In one transaction with the claim, whose setting would last to its end if the claim
+        // left it behind; and beside the claim in its statement.
+        let mut t = c.transaction().unwrap();
+        let rows = t
+            .query(
+                "SELECT message_key, current_setting('default_toast_compression') FROM sqlstreams.claim($1, 'g', 100)",
+                &[&name],
+            )
+            .unwrap();
+        let claimed: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
         assert_eq!(claimed, keys, "every message, in order");
-        let after: String = c.query_one("SHOW default_toast_compression", &[]).unwrap().get(0);
-        assert_eq!(after, setting, "the caller's setting, as it was");
+        assert!(rows.iter().all(|r| r.get::<_, String>(1) == setting), "the caller's setting, beside the claim");
+        let after: String = t.query_one("SHOW default_toast_compression", &[]).unwrap().get(0);
+        assert_eq!(after, setting, "the caller's setting, after the claim");
+        t.commit().unwrap();
         let stored: Option<String> = c
             .query_one(&format!("SELECT pg_column_compression(pending_keys) FROM sqlstreams.range_lease_{id}"), &[])
             .unwrap()

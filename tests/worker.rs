@@ -107,9 +107,6 @@ fn a_stream_that_cannot_be_maintained_does_not_stop_the_others() {
     c.query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => 'order-1')", &[&healthy.name]).unwrap();
     let keys = format!("SELECT count(*) = 0 FROM {}", healthy.table("idempotency_key"));
     eventually(&mut c, "the healthy stream's expired idempotency keys purged", &keys, &[]);
-    let pid = worker_pid(&mut c);
-    let still = "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)";
-    assert!(c.query_one(still, &[&pid]).unwrap().get::<_, bool>(0), "the worker goes on");
     c.execute("UPDATE sqlstreams.stream SET schema_version = $2 WHERE id = $1", &[&broken.id, &version]).unwrap();
     c.execute("SELECT sqlstreams.drop_stream($1)", &[&broken.name]).unwrap();
 }

@@ -357,7 +357,7 @@ impl Claim<'_> {
         };
         let verdicts = self.decide(client, &candidates, &input)?;
 
-        let (deliveries, mut pending, holding) = self.record(candidates, handouts, verdicts);
+        let (deliveries, pending, holding) = self.record(candidates, handouts, verdicts);
         own_claims::made(
             self.token,
             own_claims::Made {
@@ -369,9 +369,28 @@ impl Claim<'_> {
             },
         );
         exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;
-        // Hold a lane while a key it handed out may need it: ordered and exclusive deliveries.
-        let claim_hold = |lane: i32| holding.binary_search(&lane).is_ok().then_some((self.token, self.expires));
         let taken: Vec<i32> = self.lanes.iter().map(|l| l.lane).collect();
+        self.store(client, &deliveries, pending, &holding)?;
+        let keys = exception_queue::distinct_keys(&self.resolved_keys);
+        exception_queue::after_resolution(client, self.group, &keys, self.now, Waker::Claim)?;
+        if !in_transaction_block() {
+            retention::from_claim(client, &self.group.stream)?;
+        }
+        Ok((deliveries, taken))
+    }
+
+    /// Stores the claim's ranges, with the positions and holds of their lanes in the same
+    /// statements where it can, then the other lanes it took.
+    fn store(
+        &mut self,
+        client: &SpiClient<'_>,
+        deliveries: &[Delivery],
+        mut pending: Vec<Pending>,
+        holding: &[i32],
+    ) -> Result<()> {
+        let (group, token, expires) = (self.group, self.token, self.expires);
+        // Hold a lane while a key it handed out may need it: ordered and exclusive deliveries.
+        let claim_hold = |lane: i32| holding.binary_search(&lane).is_ok().then_some((token, expires));
         let mut lanes = std::mem::take(&mut self.lanes);
         let ranges = std::mem::take(&mut self.ranges);
         // A range's row holds its messages' keys: past 2 kB compressed, with lz4 where it can.
@@ -384,30 +403,23 @@ impl Claim<'_> {
                 let ids: Vec<i64> = mine.iter().map(|p| p.id).collect();
                 let keys: Vec<Option<&str>> =
                     mine.iter().map(|p| deliveries[p.delivery].message_key.as_deref()).collect();
-                let (token, expires) = (self.token, self.expires);
                 let lease = range::Lease { range: &range, pending: &ids, keys: &keys, token, expires };
                 // A new range and its lane's position go in one statement (the usual claim).
                 if let Some(i) = lanes.iter().position(|l| l.lane == range.lane) {
                     let (claimed, hold) = (lanes[i].claimed, claim_hold(range.lane));
-                    if lanes::store_with_new_range(client, self.group, &lease, claimed, hold)? {
+                    if lanes::store_with_new_range(client, group, &lease, claimed, hold)? {
                         lanes.swap_remove(i);
                         continue;
                     }
                 }
-                range::lease(client, stream_id, self.group.id, &lease)?;
+                range::lease(client, group.stream.id, group.id, &lease)?;
             }
             Ok(())
         })?;
         for lane in lanes {
-            let hold = claim_hold(lane.lane);
-            lanes::store(client, self.group, lane, hold)?;
+            lanes::store(client, group, lane, claim_hold(lane.lane))?;
         }
-        let keys = exception_queue::distinct_keys(&self.resolved_keys);
-        exception_queue::after_resolution(client, self.group, &keys, self.now, Waker::Claim)?;
-        if !in_transaction_block() {
-            retention::from_claim(client, &self.group.stream)?;
-        }
-        Ok((deliveries, taken))
+        Ok(())
     }
 
     /// Due exception rows of `lane`, up to `room`.

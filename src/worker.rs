@@ -10,8 +10,10 @@
 //!   superuser. A login role that is a member of `sqlstreams_admin` is all the work needs.
 //! - `sqlstreams.maintain_interval` (reload): seconds between rounds; 0 pauses the worker.
 //!
-//! An error in a round, or a `pg_terminate_backend`, ends the worker process with the error in
-//! the server log; the postmaster starts it again after `RESTART`.
+//! A stream whose maintenance fails is left for the next round with a warning. Any other error
+//! in a round, or a `pg_terminate_backend` (at once, a wait for a lock included), ends the worker
+//! process with the error in the server log, and so does a cancel (`pg_cancel_backend`); the
+//! postmaster starts it again after `RESTART`.
 //!
 //! The worker's database may belong to a role that is not a superuser, who can `ALTER DATABASE
 //! ... SET search_path` to a schema of its own: the worker pins `search_path` over anything a
@@ -117,9 +119,6 @@ fn round() {
         })
     });
     for name in streams {
-        if BackgroundWorker::sigterm_received() {
-            return;
-        }
         BackgroundWorker::transaction(|| {
             // A stream that cannot be maintained (an error of its own) is left for the next
             // round, with a warning: the streams after it are maintained all the same.
@@ -181,10 +180,49 @@ fn caught<T>(f: impl FnOnce() -> T) -> Result<T, String> {
     }
 }
 
+unsafe extern "C-unwind" {
+    /// Postgres' handler of a backend's SIGTERM (postgres.c), by its own symbol: pgrx's binding
+    /// of it is a Rust wrapper, which is no signal handler.
+    fn die(signal: std::ffi::c_int);
+}
+
+/// Waits for the next round (for good while `interval` is paused), or for the postmaster's
+/// end, which ends the worker. A SIGTERM ends it here too (`die`'s FATAL), and a SIGHUP wakes it.
+fn wait(interval: Option<Duration>) {
+    let (events, timeout) = match interval {
+        Some(interval) => {
+            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT, interval.as_millis().try_into().unwrap_or(i64::MAX))
+        }
+        None => (pg_sys::WL_LATCH_SET, 0),
+    };
+    // SAFETY: waits on this process's latch as a backend does, then takes its interrupts.
+    unsafe {
+        pg_sys::WaitLatch(
+            pg_sys::MyLatch,
+            (events | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+            timeout,
+            pg_sys::PG_WAIT_EXTENSION,
+        );
+        pg_sys::ResetLatch(pg_sys::MyLatch);
+        pg_sys::check_for_interrupts!();
+    }
+}
+
 #[pg_guard]
 #[no_mangle]
 pub extern "C-unwind" fn sqlstreams_maintenance_main(_arg: pg_sys::Datum) {
-    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    // SIGTERM (a shutdown, pg_terminate_backend) ends the worker as it ends a backend, at the
+    // next check for interrupts, a wait for a lock included: pgrx's handler only raises a flag
+    // that nothing reads while a round waits, so a lock held to a shutdown's end (a prepared
+    // transaction's) held the shutdown back. Set before pgrx unblocks the signals.
+    // SAFETY: installs Postgres' own handler for a backend's SIGTERM, as its worker_spi does.
+    unsafe {
+        #[cfg(not(feature = "pg18"))]
+        pg_sys::pqsignal(pg_sys::SIGTERM as i32, Some(die));
+        #[cfg(feature = "pg18")]
+        pg_sys::pqsignal_be(pg_sys::SIGTERM as i32, Some(die));
+    }
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP);
     let database = DATABASE.get().and_then(|d| d.into_string().ok()).unwrap_or_else(|| "postgres".into());
     let role = ROLE.get().and_then(|r| r.into_string().ok()).filter(|r| !r.is_empty());
     BackgroundWorker::connect_worker_to_spi(Some(&database), role.as_deref());
@@ -194,19 +232,15 @@ pub extern "C-unwind" fn sqlstreams_maintenance_main(_arg: pg_sys::Datum) {
         if interval().is_some() {
             round();
         }
-        if !BackgroundWorker::wait_latch(interval()) {
-            break;
-        }
+        wait(interval());
         if BackgroundWorker::sighup_received() {
             // SAFETY: rereads the configuration files, as any backend does on SIGHUP.
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
         }
     }
-    // A clean exit would unregister the worker for good: a pg_terminate_backend meant to end a
-    // session would end maintenance until the server restarts. At shutdown nothing restarts it.
-    log!("sqlstreams maintenance worker terminated; the postmaster starts it again in {} seconds", RESTART.as_secs());
-    // SAFETY: ends this process the way an error does, with exit code 1.
-    unsafe { pg_sys::proc_exit(1) };
+    // No way out but `die`'s FATAL (exit code 1) or the postmaster's end: a clean exit would
+    // unregister the worker for good, and a pg_terminate_backend meant to end a session would
+    // end maintenance until the server restarts. At shutdown nothing restarts it.
 }
 
 /// `search_path = pg_catalog, pg_temp` above every source a database owner or role controls

@@ -111,6 +111,26 @@ fn a_stream_that_cannot_be_maintained_does_not_stop_the_others() {
     c.execute("SELECT sqlstreams.drop_stream($1)", &[&broken.name]).unwrap();
 }
 
+/// A `pg_terminate_backend` (or a shutdown) ends the worker at once, even while its round waits
+/// for a lock that another transaction holds: before, the worker's SIGTERM only raised a flag
+/// that nothing read while it waited, and a lock held to a shutdown's end held the shutdown back.
+#[test]
+#[ignore = "needs a cluster that preloads sqlstreams: scripts/rig test runs it"]
+fn the_worker_ends_at_once_when_terminated_while_it_waits_for_a_lock() {
+    let mut c = connect_worker_database();
+    let s = Stream::create_sized(&mut c, "worker-locked", 1000);
+    let mut locker = connect_worker_database_as(None);
+    let mut t = locker.transaction().unwrap();
+    t.batch_execute(&format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", s.table("cursor"))).unwrap();
+    let pid = worker_pid(&mut c);
+    let waits = "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock')";
+    eventually(&mut c, "the worker's round waits for the lock", waits, &[&pid]);
+    let ended: bool = c.query_one("SELECT pg_terminate_backend($1, 10000)", &[&pid]).unwrap().get(0);
+    assert!(ended, "the worker ended within 10 seconds, the lock still held");
+    t.rollback().unwrap();
+    c.execute("SELECT sqlstreams.drop_stream($1)", &[&s.name]).unwrap();
+}
+
 /// The database belongs to a role that is no superuser (`scripts/rig test` makes it so). It plants
 /// an operator and an aggregate that would make it a superuser if a superuser ran them, and puts
 /// its schema first on the database's search_path; the worker then starts again (terminated, as

@@ -214,10 +214,10 @@ pub fn refusal(what: &str, bytes: &[u8]) -> StreamError {
 /// database's key restored into a LATIN1 database. Refused with `22021`, naming it. Nothing to
 /// check in a UTF8 database, whose texts went through `utf8` on their way in, nor for other types.
 pub fn check_stored(datum: pg_sys::Datum, is_null: bool, type_oid: pg_sys::Oid) -> Result<(), StreamError> {
-    let array = type_oid == pg_sys::TEXTARRAYOID || type_oid == pg_sys::VARCHARARRAYOID;
-    if is_null || !(array || type_oid == pg_sys::TEXTOID || type_oid == pg_sys::VARCHAROID) || !checks_stored() {
+    if is_null || !is_text(type_oid) || !checks_stored() {
         return Ok(());
     }
+    let array = type_oid == pg_sys::TEXTARRAYOID || type_oid == pg_sys::VARCHARARRAYOID;
     if !array {
         return check_text(datum);
     }
@@ -249,6 +249,16 @@ pub fn check_stored(datum: pg_sys::Datum, is_null: bool, type_oid: pg_sys::Oid) 
         }
         checked
     }
+}
+
+/// Whether `check_stored` looks at a value of type `type_oid`: a text, a varchar, or an array
+/// of them.
+#[inline]
+pub fn is_text(type_oid: pg_sys::Oid) -> bool {
+    type_oid == pg_sys::TEXTOID
+        || type_oid == pg_sys::VARCHAROID
+        || type_oid == pg_sys::TEXTARRAYOID
+        || type_oid == pg_sys::VARCHARARRAYOID
 }
 
 /// Whether `check_stored` looks at anything: in a database whose encoding is not UTF8.

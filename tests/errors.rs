@@ -436,3 +436,38 @@ fn a_text_argument_that_cannot_be_read_as_utf8_is_refused_naming_it() {
     assert_eq!(sqlstate(&err), "22023", "{err:?}");
     assert!(err.as_db_error().unwrap().message().contains(r"'\xff' is not valid UTF-8"), "{err:?}");
 }
+
+/// The internal function the queue's count triggers call refuses what no trigger passes (a
+/// status no row can hold, in any encoding; arrays of different lengths; a NULL) with an error
+/// that names it, never pgrx's panic with its source's path, and counts nothing. Only a superuser
+/// can call it (tests/privileges.rs).
+#[test]
+fn the_count_triggers_function_refuses_what_no_trigger_passes() {
+    let (mut c, _) = own_database_in("counts_db", "LATIN1");
+    c.batch_execute("SELECT sqlstreams.create_stream('s'); SELECT sqlstreams.create_group('s', 'g')").unwrap();
+    let (stream, group): (i64, i64) = c
+        .query_one("SELECT stream_id, id FROM sqlstreams.consumer_groups WHERE stream = 's'", &[])
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    let call = |statuses: &str, deltas: &str| {
+        format!("SELECT sqlstreams.exception_counts_changed({stream}, ARRAY[{group}, {group}]::int8[], {statuses}, {deltas})")
+    };
+    for (sql, named) in [
+        (call(r"ARRAY['dead', E'dead\xe9']", "ARRAY[1, 1]::int8[]"), r"unknown exception-queue status E'dead\xe9'"),
+        (call("ARRAY['dead', 'gone']", "ARRAY[1, 1]::int8[]"), "unknown exception-queue status 'gone'"),
+        (call("ARRAY['dead']", "ARRAY[1, 1]::int8[]"), "differ in length"),
+        (call("ARRAY['dead', NULL]", "ARRAY[1, 1]::int8[]"), "hold a NULL"),
+        (call("ARRAY['dead', 'ready']", "ARRAY[1, NULL]::int8[]"), "hold a NULL"),
+    ] {
+        let err = c.batch_execute(&sql).unwrap_err();
+        let db = err.as_db_error().unwrap_or_else(|| panic!("{sql}: {err:?}"));
+        assert_eq!(db.code().code(), "XX000", "{sql}: {err:?}");
+        assert!(db.message().contains(named), "{sql}: {}", db.message());
+        let texts = [Some(db.message()), db.detail(), db.hint(), db.where_()];
+        for text in texts.into_iter().flatten() {
+            assert!(!text.contains(".rs") && !text.contains("UTF-8"), "{sql}: internals: {text}");
+        }
+    }
+    let dead: i64 = c.query_one("SELECT dead FROM sqlstreams.group_status('s', 'g')", &[]).unwrap().get(0);
+    assert_eq!(dead, 0, "nothing was counted");
+}

@@ -22,9 +22,10 @@ use std::cell::{Cell, RefCell};
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::prelude::*;
 
-use crate::error::{Result, SqlResult};
+use crate::error::{Result, SqlResult, StreamError};
 use crate::exception_queue::Status;
 use crate::statement::Statement;
+use crate::text::RawText;
 
 /// A change not written yet: `delta` rows of `group` entered (or left) `status`, in
 /// subtransaction `sub`.
@@ -64,21 +65,37 @@ fn exception_count_written<'a>(
 }
 
 /// Adds up one statement's changes to stream `stream_id`'s queue (called by its count trigger;
-/// the three arrays are parallel).
+/// the three arrays are parallel). The statuses are taken as stored bytes, so that a call with a
+/// status no queue row can hold (a caller's own, in any encoding) is refused as such, never
+/// through pgrx's conversion to UTF-8.
 #[pg_extern(volatile, parallel_unsafe, sql = false)]
 fn exception_counts_changed(
     stream_id: i64,
-    groups: Vec<i64>,
-    statuses: Vec<String>,
-    deltas: Vec<i64>,
+    groups: Vec<Option<i64>>,
+    statuses: Array<'_, RawText<'_>>,
+    deltas: Vec<Option<i64>>,
 ) -> SqlResult<()> {
-    assert!(groups.len() == statuses.len() && groups.len() == deltas.len(), "exception count arrays differ in length");
+    if groups.len() != statuses.len() || groups.len() != deltas.len() {
+        return Err(StreamError::Internal("exception count arrays differ in length".into()).into());
+    }
     // SAFETY: reads the current subtransaction's id.
     let sub = unsafe { pg_sys::GetCurrentSubTransactionId() };
-    for ((group, status), delta) in groups.into_iter().zip(statuses).zip(deltas) {
-        record(Pending { stream: stream_id, group, status: Status::from_stored(&status)?, sub, delta });
+    for ((group, status), delta) in groups.into_iter().zip(statuses.iter()).zip(deltas) {
+        let (Some(group), Some(status), Some(delta)) = (group, status, delta) else {
+            return Err(StreamError::Internal("exception count arrays hold a NULL".into()).into());
+        };
+        let status = status.utf8().and_then(|s| Status::from_stored(s).ok()).ok_or_else(|| unknown(status))?;
+        record(Pending { stream: stream_id, group, status, sub, delta });
     }
     Ok(())
+}
+
+/// A status no queue row can hold, shown as an SQL literal that spells it (its first 40 bytes).
+fn unknown(status: RawText<'_>) -> StreamError {
+    let bytes = status.bytes();
+    let shown = crate::text::shown(&bytes[..bytes.len().min(40)]);
+    let literal = shown.literal().unwrap_or_else(|| shown.text.clone());
+    StreamError::Internal(format!("unknown exception-queue status {literal}"))
 }
 
 /// Adds one change to this transaction's pending ones.

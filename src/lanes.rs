@@ -31,6 +31,7 @@ use crate::statement::{self, Access, Columns, Part, Statement};
 use crate::stream::StreamRef;
 
 mod empty;
+mod free;
 mod holds;
 mod next;
 
@@ -174,11 +175,12 @@ const CANDIDATES: Statement = Statement {
     params: &[INT8OID, TIMESTAMPTZOID, BOOLOID, INT8OID, INT4OID],
 };
 
-/// The idle claim's question, in a statement much smaller than `CANDIDATES` (whose many
+/// The usual claim's question, in a statement much smaller than `CANDIDATES` (whose many
 /// subplans cost more to set up than to run): whether group `$1` has anything due or expired
 /// at all, and if not, its free lanes whose positions are below the safe head `$4` (put in
 /// `CANDIDATES`' order by `candidates`). A claim needs `CANDIDATES` only when something is due
-/// or expired.
+/// or expired. Read from the indexes without the statement where the tables are as installed
+/// (src/lanes/free.rs).
 const FREE_LANES: Statement = Statement {
     name: "lanes_free",
     sql: concat!(
@@ -394,20 +396,11 @@ pub fn candidates(
         };
         Candidate { lane, due_rows, expired_range, isolated, claimed, messages, behind }
     };
-    let mut lanes = Vec::new();
-    let mut any_work = false;
-    for row in FREE_LANES.run(client, stream.id, &args[..4])? {
-        if row.required("any_work")? {
-            any_work = true;
-            break;
-        }
-        if let Some(lane) = row.value("lane")? {
-            lanes.push(candidate(lane, row.required("claimed")?, false, false, false));
-        }
-    }
+    let free = free::read(client, group, now, holds(group), safe)?;
+    let mut lanes: Vec<Candidate> =
+        free.lanes.iter().map(|&(lane, claimed)| candidate(lane, claimed, false, false, false)).collect();
     let mut share = None;
-    if any_work {
-        lanes.clear();
+    if free.any_work {
         let mut holders = 0i64;
         for row in CANDIDATES.run(client, stream.id, &args)? {
             lanes.push(candidate(

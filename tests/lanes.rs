@@ -812,3 +812,76 @@ fn a_claim_reads_a_lanes_messages_from_its_key_as_the_statement_reads_them() {
     assert_eq!(kept_plans(&mut a, "message_after"), 0, "no statement read the lanes of the plain partitions");
     assert!(kept_plans(&mut b, "message_after") > 0, "the statement read the partitions with row security");
 }
+
+/// A claim's first question, whether anything is due or expired and else which lanes are free,
+/// is read from three indexes that order a group's rows by a time (src/lanes/free.rs). Any one
+/// of them that a DBA rebuilt under its name, narrower (hiding rows), wider, in the other order,
+/// or dropped, must hide no retry made due, no delivery whose lease ran out and no range whose
+/// lease ran out: the claim asks through a statement instead, and still hands each out again.
+#[test]
+fn due_and_expired_work_is_found_whatever_became_of_the_indexes_ordering_it_by_time() {
+    let mut c = connect();
+    // (index, table, time column, predicate as installed, a narrower one, a wider one)
+    let indexes = [
+        (
+            "exception_queue_{}_due_any_idx",
+            "exception_queue",
+            "can_run_after",
+            "status IN ('ready', 'deferred')",
+            "status = 'deferred'",
+            "status IN ('dead', 'deferred', 'ready')",
+        ),
+        (
+            "exception_queue_{}_expiry_any_idx",
+            "exception_queue",
+            "lease_expires_at",
+            "status = 'inflight'",
+            "status = 'inflight' AND attempts > 5",
+            "status IN ('inflight', 'dead')",
+        ),
+        ("range_lease_{}_expiry_idx", "range_lease", "lease_expires_at", "true", "reclaims > 0", "true"),
+    ];
+    let mut cases = vec![(None, "as installed")];
+    for index in &indexes {
+        cases.extend(["narrower", "wider", "descending", "dropped"].map(|shape| (Some(index), shape)));
+    }
+    for (index, shape) in cases {
+        let s = Stream::create(&mut c, "time-indexes");
+        let g = s.group(&mut c, "g", Some("ordered"));
+        let case = format!("{} {shape}", index.map_or("", |i| i.0));
+        if let Some((name, table, time, installed, narrower, wider)) = index {
+            let (name, table) = (name.replace("{}", &s.id.to_string()), s.table(table));
+            let rebuilt = |order: &str, predicate: &str| {
+                format!("DROP INDEX sqlstreams.{name}; CREATE INDEX {name} ON {table} (consumer_group_id, {time} {order}) WHERE {predicate};")
+            };
+            c.batch_execute(&match shape {
+                "narrower" => rebuilt("", narrower),
+                "wider" => rebuilt("", wider),
+                "descending" => rebuilt("DESC", installed),
+                _ => format!("DROP INDEX sqlstreams.{name}"),
+            })
+            .unwrap();
+        }
+        let first = s.produce(&mut c, json!({}), Some("k"));
+        let d = g.claim(&mut c, 10);
+        assert_eq!(ids(&d), vec![first], "{case}");
+        assert_eq!(g.fail(&mut c, &d[0], "x", false, Some("1 hour")).as_deref(), Some("ready"), "{case}");
+        assert!(g.claim(&mut c, 10).is_empty(), "{case}: the retry waits for its time");
+        g.make_due(&mut c);
+        let retried = g.claim(&mut c, 10);
+        assert_eq!(ids(&retried), vec![first], "{case}: the retry, due");
+        g.expire_leases(&mut c);
+        let again = g.claim(&mut c, 10);
+        assert_eq!(ids(&again), vec![first], "{case}: the retry, its lease expired");
+        assert!(g.ack(&mut c, &again[0]), "{case}");
+        let second = s.produce(&mut c, json!({}), Some("k"));
+        assert_eq!(ids(&g.claim(&mut c, 10)), vec![second], "{case}");
+        g.expire_leases(&mut c);
+        assert_eq!(ids(&g.claim(&mut c, 10)), vec![second], "{case}: the range, its lease expired");
+        assert!(g.claim(&mut c, 10).is_empty(), "{case}");
+        if index.is_none() {
+            assert_eq!(kept_plans(&mut c, "lanes_free"), 0, "as installed, read from the indexes, not by statement");
+        }
+    }
+    assert!(kept_plans(&mut c, "lanes_free") > 0, "an index of another shape: asked by statement");
+}

@@ -13,7 +13,7 @@
 
 use pgrx::pg_sys::{self, BuiltinOid::*};
 use pgrx::spi::SpiClient;
-use pgrx::{PgList, PgRelation};
+use pgrx::PgRelation;
 
 use super::{GatherInput, UNRESOLVED};
 use crate::error::Result;
@@ -111,7 +111,7 @@ impl Queue {
         let status = probe::column(&heap, "status", pg_sys::TEXTOID)
             .filter(|c| [pg_sys::DEFAULT_COLLATION_OID, pg_sys::C_COLLATION_OID].contains(&c.collation))?;
         let unresolved = probe::index(&heap, &format!("exception_queue_{stream_id}_unresolved_idx"))
-            .filter(|index| holds_every_unresolved_row(index.relation(), status.attnum))?;
+            .filter(|index| probe::holds_every_row_with(index.relation(), status.attnum, &UNRESOLVED))?;
         Some(Queue { heap, unresolved, status })
     }
 
@@ -147,44 +147,5 @@ impl Ranges {
             Ok(first_id.is_some_and(|id| !input.own_ranges.contains(&id))
                 && lane.is_some_and(|lane| input.lanes.contains(&lane)))
         })
-    }
-}
-
-/// Whether `index` holds every unresolved row: it has no predicate, or the install script's,
-/// `status IN (...)` naming at least the unresolved statuses (as Postgres keeps it: one
-/// `status = ANY (constant text[])`). Any other predicate (a narrower one would hide rows) and the
-/// statement asks instead.
-fn holds_every_unresolved_row(index: &PgRelation, status: usize) -> bool {
-    // SAFETY: the index is open; its predicate is a copy in the current memory context, of nodes
-    // checked by tag before they are read as that node.
-    unsafe {
-        let predicate = PgList::<pg_sys::Node>::from_pg(pg_sys::RelationGetIndexPredicate(index.as_ptr()));
-        if predicate.is_empty() {
-            return true;
-        }
-        let Some(node) = predicate.get_ptr(0).filter(|_| predicate.len() == 1) else { return false };
-        if !pgrx::is_a(node, pg_sys::NodeTag::T_ScalarArrayOpExpr) {
-            return false;
-        }
-        let any = &*node.cast::<pg_sys::ScalarArrayOpExpr>();
-        let args = PgList::<pg_sys::Node>::from_pg(any.args);
-        let (Some(column), Some(list)) = (args.get_ptr(0), args.get_ptr(1)) else { return false };
-        let compares_status = any.useOr
-            && any.opno == pg_sys::Oid::from(pg_sys::TextEqualOperator)
-            && pgrx::is_a(column, pg_sys::NodeTag::T_Var)
-            && (*column.cast::<pg_sys::Var>()).varattno as usize == status;
-        if !compares_status || !pgrx::is_a(list, pg_sys::NodeTag::T_Const) {
-            return false;
-        }
-        let list = &*list.cast::<pg_sys::Const>();
-        if list.consttype != pg_sys::TEXTARRAYOID || list.constisnull {
-            return false;
-        }
-        // Bytes, not `str`: a DBA's predicate need not be UTF-8 in a database that is not.
-        let Some(statuses) = <pgrx::datum::Array<'_, &[u8]> as pgrx::FromDatum>::from_datum(list.constvalue, false)
-        else {
-            return false;
-        };
-        UNRESOLVED.iter().all(|s| statuses.iter().any(|listed| listed == Some(s.as_bytes())))
     }
 }

@@ -15,7 +15,7 @@
 use std::ffi::CString;
 
 use pgrx::pg_sys;
-use pgrx::PgRelation;
+use pgrx::{PgList, PgRelation};
 
 use super::{caller_context, Row};
 use crate::error::Result;
@@ -70,6 +70,94 @@ pub fn primary_key(heap: &PgRelation) -> Option<GroupIndex> {
         return None;
     }
     group_index(heap, lock_and_open(oid)?)
+}
+
+/// A `group_index` whose second key column is a `timestamptz` column of the table, ascending,
+/// in the type's default btree order (`time_index`): a group's rows in the order of that time.
+pub struct TimeIndex(GroupIndex);
+
+impl TimeIndex {
+    pub fn relation(&self) -> &PgRelation {
+        self.0.relation()
+    }
+}
+
+/// The extension's index `name`, when it is a `TimeIndex` of `heap` over column `time`.
+pub fn time_index(heap: &PgRelation, name: &str, time: Column) -> Option<TimeIndex> {
+    let index = index(heap, name)?;
+    let relation = index.relation();
+    // SAFETY: an open btree index (`group_index`): its index row, and its key columns' options,
+    // operator families and input types, are there for each of its key columns; a catalog look-up.
+    let fits = unsafe {
+        let form = &*relation.rd_index;
+        form.indnkeyatts >= 2
+            && form.indkey.values.as_slice(2)[1] as usize == time.attnum
+            && time.type_oid == pg_sys::TIMESTAMPTZOID
+            && *relation.rd_indoption.add(1) as u32 & pg_sys::INDOPTION_DESC == 0
+            && *relation.rd_opcintype.add(1) == pg_sys::TIMESTAMPTZOID
+            && *relation.rd_opfamily.add(1) == pg_sys::get_opclass_family(pg_sys::TIMESTAMPTZ_BTREE_OPS_OID)
+    };
+    fits.then_some(TimeIndex(index))
+}
+
+/// Whether `index` holds every row of its table whose text column `status` (an attribute number)
+/// is one of `statuses`: it has no predicate, or one that names at least those, as Postgres keeps
+/// the install script's `status IN (...)` (one `status = ANY (constant text[])`) and
+/// `status = '...'`. Any other predicate (a narrower one would hide rows) and the caller asks by
+/// statement.
+pub fn holds_every_row_with(index: &PgRelation, status: usize, statuses: &[&str]) -> bool {
+    // SAFETY: the index is open; its predicate is a copy in the current memory context, of nodes
+    // checked by tag before they are read as that node.
+    unsafe {
+        let predicate = PgList::<pg_sys::Node>::from_pg(pg_sys::RelationGetIndexPredicate(index.as_ptr()));
+        if predicate.is_empty() {
+            return true;
+        }
+        let Some(node) = predicate.get_ptr(0).filter(|_| predicate.len() == 1) else { return false };
+        // The operator's arguments, and whether it is `=` of any element of an array.
+        let (opno, args, of_array) = if pgrx::is_a(node, pg_sys::NodeTag::T_ScalarArrayOpExpr) {
+            let any = &*node.cast::<pg_sys::ScalarArrayOpExpr>();
+            if !any.useOr {
+                return false;
+            }
+            (any.opno, any.args, true)
+        } else if pgrx::is_a(node, pg_sys::NodeTag::T_OpExpr) {
+            let op = &*node.cast::<pg_sys::OpExpr>();
+            (op.opno, op.args, false)
+        } else {
+            return false;
+        };
+        let args = PgList::<pg_sys::Node>::from_pg(args);
+        let (Some(column), Some(value)) = (args.get_ptr(0), args.get_ptr(1)) else { return false };
+        let compares_status = opno == pg_sys::Oid::from(pg_sys::TextEqualOperator)
+            && pgrx::is_a(column, pg_sys::NodeTag::T_Var)
+            && (*column.cast::<pg_sys::Var>()).varattno as usize == status;
+        if !compares_status || !pgrx::is_a(value, pg_sys::NodeTag::T_Const) {
+            return false;
+        }
+        let value = &*value.cast::<pg_sys::Const>();
+        let expected = if of_array { pg_sys::TEXTARRAYOID } else { pg_sys::TEXTOID };
+        if value.consttype != expected || value.constisnull {
+            return false;
+        }
+        // Bytes, not `str`: a DBA's predicate need not be UTF-8 in a database that is not.
+        let listed: Vec<Option<Vec<u8>>> = if of_array {
+            let Some(array) = <pgrx::datum::Array<'_, &[u8]> as pgrx::FromDatum>::from_datum(value.constvalue, false)
+            else {
+                return false;
+            };
+            array.iter().map(|s| s.map(<[u8]>::to_vec)).collect()
+        } else {
+            vec![<&[u8] as pgrx::FromDatum>::from_datum(value.constvalue, false).map(<[u8]>::to_vec)]
+        };
+        statuses.iter().all(|s| listed.iter().any(|l| l.as_deref() == Some(s.as_bytes())))
+    }
+}
+
+/// Whether `index` has no predicate: it holds every row of its table.
+pub fn holds_every_row(index: &PgRelation) -> bool {
+    // SAFETY: the index is open; its predicate is a copy in the current memory context.
+    unsafe { PgList::<pg_sys::Node>::from_pg(pg_sys::RelationGetIndexPredicate(index.as_ptr())).is_empty() }
 }
 
 /// `index`, when it is a valid btree index of `heap` whose first key column is `heap`'s
@@ -188,6 +276,36 @@ pub fn any(
     snapshot: &Snapshot,
     group: i64,
     columns: &[Column],
+    filter: impl FnMut(&Row<'_>) -> Result<bool>,
+) -> Result<bool> {
+    scan(heap, index, snapshot, group, None, columns, filter)
+}
+
+/// `any`, of the rows whose time in `index`'s second column (a `TimeIndex`) is at or before
+/// `until`: a scan that stops at the first entry past it, however many rows wait for a later
+/// time, as a statement's `... AND t <= $2 ORDER BY t LIMIT 1` reads the index.
+pub fn any_until(
+    heap: &PgRelation,
+    index: &TimeIndex,
+    snapshot: &Snapshot,
+    group: i64,
+    until: pg_sys::TimestampTz,
+    columns: &[Column],
+    filter: impl FnMut(&Row<'_>) -> Result<bool>,
+) -> Result<bool> {
+    scan(heap, &index.0, snapshot, group, Some(until), columns, filter)
+}
+
+/// The scan of `any` and `any_until`: the index's entries of `group` (up to `until` in its second
+/// column, when given), in the index's order, each visible row handed to `filter` until it says
+/// yes or fails.
+fn scan(
+    heap: &PgRelation,
+    index: &GroupIndex,
+    snapshot: &Snapshot,
+    group: i64,
+    until: Option<pg_sys::TimestampTz>,
+    columns: &[Column],
     mut filter: impl FnMut(&Row<'_>) -> Result<bool>,
 ) -> Result<bool> {
     assert_eq!(index.heap, heap.oid(), "an index of the table it scans");
@@ -196,24 +314,35 @@ pub fn any(
         assert!(desc.get(c.attnum - 1).is_some_and(|a| a.atttypid == c.type_oid), "a column of the table");
     }
     // SAFETY: both relations are open and locked, `index` is an index of `heap` whose first key
-    // column is an int8 compared with the integer operators (`group_index`), the snapshot is
-    // registered, and `columns` are `heap`'s, of their types (checked above). Each row's values
-    // are read in the heap's buffer while the scan is on it.
+    // column is an int8 compared with the integer operators (`group_index`) and, when `until`
+    // is given, whose second is a timestamptz in the default btree order (`time_index`); the
+    // snapshot is registered, and `columns` are `heap`'s, of their types (checked above). Each
+    // row's values are read in the heap's buffer while the scan is on it.
     unsafe {
+        let nkeys = if until.is_some() { 2 } else { 1 };
         let index = index.index.as_ptr();
         #[cfg(not(feature = "pg18"))]
-        let scan = pg_sys::index_beginscan(heap.as_ptr(), index, snapshot.0, 1, 0);
+        let scan = pg_sys::index_beginscan(heap.as_ptr(), index, snapshot.0, nkeys, 0);
         #[cfg(feature = "pg18")]
-        let scan = pg_sys::index_beginscan(heap.as_ptr(), index, snapshot.0, std::ptr::null_mut(), 1, 0);
-        let mut key: pg_sys::ScanKeyData = std::mem::zeroed();
+        let scan = pg_sys::index_beginscan(heap.as_ptr(), index, snapshot.0, std::ptr::null_mut(), nkeys, 0);
+        let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
         pg_sys::ScanKeyInit(
-            &mut key,
+            &mut keys[0],
             1,
             pg_sys::BTEqualStrategyNumber as u16,
             pg_sys::Oid::from(pg_sys::F_INT8EQ),
             group.into(),
         );
-        pg_sys::index_rescan(scan, &mut key, 1, std::ptr::null_mut(), 0);
+        if let Some(until) = until {
+            pg_sys::ScanKeyInit(
+                &mut keys[1],
+                2,
+                pg_sys::BTLessEqualStrategyNumber as u16,
+                pg_sys::Oid::from(pg_sys::F_TIMESTAMPTZ_LE),
+                until.into(),
+            );
+        }
+        pg_sys::index_rescan(scan, keys.as_mut_ptr(), nkeys, std::ptr::null_mut(), 0);
         let slot = pg_sys::table_slot_create(heap.as_ptr(), std::ptr::null_mut());
         let caller = caller_context();
         let types: Vec<pg_sys::Oid> = columns.iter().map(|c| c.type_oid).collect();

@@ -732,3 +732,42 @@ fn exclusive_rows_parked_before_the_override_became_ordered_wake_at_the_outcome(
     assert_eq!(g.fail(&mut c, &first[0], "later", false, Some("1 hour")).as_deref(), Some("ready"));
     assert_eq!(ids(&g.claim(&mut c, 10)), exclusive, "woken by the outcome");
 }
+
+/// A consumer that claimed a big batch dies; consumers with smaller batches take its expired
+/// ranges over part by part, each splitting one. The rest of a split range is no delivery (its
+/// lease ran out): an exclusive key of the part taken does not wait for it. So a claim hands out
+/// work every time while work is left (before, each came back empty, its messages deferred one
+/// by one behind the rest), no key is ever in two live deliveries, and nothing is lost.
+#[test]
+fn smaller_batches_take_over_expired_exclusive_ranges_without_waiting_for_their_rest() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "exclusive-takeover");
+    let g = s.group(&mut c, "g", Some("exclusive"));
+    let produced: std::collections::BTreeSet<i64> =
+        (0..60).map(|i| s.produce(&mut c, json!({}), Some(&format!("k{}", i % 7)))).collect();
+    assert_eq!(g.claim(&mut c, 100).len(), 60, "the consumer that dies");
+    g.expire_leases(&mut c);
+    let mut acked = std::collections::BTreeSet::new();
+    for round in 0.. {
+        assert!(round < 60, "the takeover ends");
+        // Two consumers, the second claiming while the first's deliveries run.
+        let first = g.claim(&mut c, 3);
+        if acked.len() < produced.len() {
+            assert!(!first.is_empty(), "round {round}: work is left, and no live delivery holds a key");
+        }
+        let second = g.claim(&mut c, 3);
+        let running: std::collections::HashSet<&str> = first.iter().filter_map(|d| d.message_key.as_deref()).collect();
+        for d in &second {
+            let key = d.message_key.as_deref().unwrap();
+            assert!(!running.contains(key), "round {round}: {key} is in two live deliveries");
+        }
+        for d in first.iter().chain(&second) {
+            assert!(g.ack(&mut c, d), "round {round}: {}", d.message_id);
+            assert!(acked.insert(d.message_id), "round {round}: {} delivered twice", d.message_id);
+        }
+        if first.is_empty() && second.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(acked, produced, "every message, once");
+}

@@ -70,10 +70,6 @@ pub struct Candidate {
 pub struct Blocker {
     pub message_id: i64,
     pub clears_at: i64,
-    /// For deliveries elsewhere (checks 2 and 3), the latest lease among them: one whose lease
-    /// ran out no longer runs (the next claim of its lane hands it out again), so an exclusive
-    /// key waits only while this is ahead. Otherwise `clears_at`.
-    pub live_until: i64,
 }
 
 /// What the gate knows about one key.
@@ -154,7 +150,7 @@ pub fn gate(
                 return Verdict::Defer { until };
             }
             let earlier = |b: Option<Blocker>| b.filter(|b| b.message_id < c.message_id).map(|b| b.clears_at);
-            let live = |b: Option<Blocker>| b.map(|b| b.live_until).filter(|&until| until > now);
+            let any = |b: Option<Blocker>| b.map(|b| b.clears_at);
             let blocked = match c.concurrency {
                 Concurrency::Ordered => [
                     earlier(facts.unresolved),
@@ -165,10 +161,9 @@ pub fn gate(
                 .flatten()
                 .min(),
                 // Exclusive ignores a waiting retry (it may overtake it), but never runs beside
-                // another delivery of its key: one whose lease still runs (docs/semantics.md,
-                // "Exclusive delivery").
+                // another delivery of its key.
                 Concurrency::Exclusive if !state.exclusive_running => {
-                    [live(facts.pending_elsewhere), live(facts.inflight_elsewhere)].into_iter().flatten().max()
+                    [any(facts.pending_elsewhere), any(facts.inflight_elsewhere)].into_iter().flatten().min()
                 }
                 _ => None,
             };
@@ -199,13 +194,12 @@ pub fn gate(
 ///   (which wakes the key's parked rows), so its own clear time is the one that matters. No
 ///   key is probed when the group has no unresolved row at all.
 /// - Kind 2, for ordered and exclusive keys `$6`: the earliest same-key message pending in
-///   another open range (`$5` are this claim's own) of a lane the claim took (`$7`), and the
-///   latest of those ranges' leases (`latest`).
+///   another open range (`$5` are this claim's own) of a lane the claim took (`$7`).
 /// - Kind 3, for exclusive keys `$8`: the earliest same-key exception row in flight outside
-///   this claim, and the latest of those rows' leases.
+///   this claim.
 const CHECK: Statement = Statement {
     name: "gate_check",
-    sql: "SELECT 1 AS kind, k.message_key, b.message_id AS blocker, b.clears_at, NULL::timestamptz AS latest
+    sql: "SELECT 1 AS kind, k.message_key, b.message_id AS blocker, b.clears_at
           FROM unnest($2::text[], $3::bigint[]) AS k(message_key, upto)
           CROSS JOIN LATERAL (
               SELECT e.message_id,
@@ -227,7 +221,7 @@ const CHECK: Statement = Statement {
                                 WHERE u.consumer_group_id = $1 AND u.status IN ('ready', 'inflight', 'deferred')
                                 ORDER BY u.message_id LIMIT 1), false)
           UNION ALL
-          SELECT 2, u.message_key, min(u.id), min(r.lease_expires_at), max(r.lease_expires_at)
+          SELECT 2, u.message_key, min(u.id), min(r.lease_expires_at)
           FROM sqlstreams.range_lease_@id@ r
           CROSS JOIN LATERAL unnest(r.pending, r.pending_keys) AS u(id, message_key)
           WHERE r.consumer_group_id = $1 AND r.first_id <> ALL($5) AND r.lane = ANY($7)
@@ -243,7 +237,7 @@ const CHECK: Statement = Statement {
                           ORDER BY o.first_id LIMIT 1), false)
           GROUP BY u.message_key
           UNION ALL
-          SELECT 3, e.message_key, min(e.message_id), min(e.lease_expires_at), max(e.lease_expires_at)
+          SELECT 3, e.message_key, min(e.message_id), min(e.lease_expires_at)
           FROM sqlstreams.exception_queue_@id@ e
           WHERE e.consumer_group_id = $1 AND e.message_key = ANY($8) AND e.status = 'inflight'
             AND e.message_id <> ALL($4)
@@ -288,7 +282,8 @@ pub struct GatherInput<'a> {
     /// Ids of exception rows this claim decides: candidates (not their own blockers) and rows it
     /// dead-letters (resolved by this claim).
     pub exception_ids: &'a [i64],
-    /// First ids of the ranges this claim hands out (their pending messages are candidates).
+    /// First ids of the ranges this claim hands out (their pending messages are candidates), and
+    /// of the rests of expired ranges it split (what it took of them is).
     pub own_ranges: Vec<i64>,
     /// The lanes the claim took.
     pub lanes: Vec<i32>,
@@ -348,10 +343,8 @@ pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<Gathere
         for row in rows {
             let kind: i32 = row.required("kind")?;
             let key: String = row.required("message_key")?;
-            let clears_at = timestamp(row.value("clears_at")?);
-            let live_until =
-                row.value("latest")?.map_or(clears_at, |t: pgrx::datum::TimestampWithTimeZone| t.into_inner());
-            let blocker = Blocker { message_id: row.required("blocker")?, clears_at, live_until };
+            let blocker =
+                Blocker { message_id: row.required("blocker")?, clears_at: timestamp(row.value("clears_at")?) };
             let facts = facts.entry(key).or_default();
             match kind {
                 1 => facts.unresolved = Some(blocker),
@@ -380,11 +373,6 @@ pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<Gathere
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A blocker that clears (and, for a delivery, whose lease runs) until `clears_at`.
-    fn blocker(message_id: i64, clears_at: i64) -> Blocker {
-        Blocker { message_id, clears_at, live_until: clears_at }
-    }
     use Concurrency::*;
 
     const NOW: i64 = 1_000_000_000;
@@ -422,7 +410,10 @@ mod tests {
     #[test]
     fn an_unresolved_predecessor_defers_the_whole_key() {
         let retry_at = NOW + 5_000_000;
-        let f = facts("acct-42", KeyFacts { unresolved: Some(blocker(101, retry_at)), ..Default::default() });
+        let f = facts(
+            "acct-42",
+            KeyFacts { unresolved: Some(Blocker { message_id: 101, clears_at: retry_at }), ..Default::default() },
+        );
         let cands =
             [c(102, Some("acct-42"), Ordered), c(103, Some("acct-42"), Ordered), c(104, Some("acct-9"), Ordered)];
         let g = gate(&cands, &f, LEASE, NOW, false);
@@ -432,7 +423,10 @@ mod tests {
     #[test]
     fn a_later_blocker_defers_only_what_follows_it() {
         // An unresolved row 150 of the key sits between candidates 101 and 160.
-        let f = facts("k", KeyFacts { unresolved: Some(blocker(150, NOW)), ..Default::default() });
+        let f = facts(
+            "k",
+            KeyFacts { unresolved: Some(Blocker { message_id: 150, clears_at: NOW }), ..Default::default() },
+        );
         let g = gate(&[c(101, Some("k"), Ordered), c(160, Some("k"), Ordered)], &f, LEASE, NOW, false);
         assert_eq!(g, vec![run(None), Verdict::Defer { until: NOW + MIN_PARK_MICROS }]);
     }
@@ -440,7 +434,10 @@ mod tests {
     #[test]
     fn pending_in_another_range_defers_until_that_lease_expires() {
         let expiry = NOW + 20_000_000;
-        let f = facts("k", KeyFacts { pending_elsewhere: Some(blocker(90, expiry)), ..Default::default() });
+        let f = facts(
+            "k",
+            KeyFacts { pending_elsewhere: Some(Blocker { message_id: 90, clears_at: expiry }), ..Default::default() },
+        );
         let g = gate(&[c(101, Some("k"), Ordered)], &f, LEASE, NOW, false);
         assert_eq!(g, vec![Verdict::Defer { until: expiry }]);
     }
@@ -461,44 +458,27 @@ mod tests {
     #[test]
     fn exclusive_defers_while_another_delivery_holds_the_key() {
         let held = NOW + 10_000_000;
-        let f = facts("a", KeyFacts { inflight_elsewhere: Some(blocker(90, held)), ..Default::default() });
+        let f = facts(
+            "a",
+            KeyFacts { inflight_elsewhere: Some(Blocker { message_id: 90, clears_at: held }), ..Default::default() },
+        );
         let g = gate(&[c(101, Some("a"), Exclusive), c(102, Some("a"), Exclusive)], &f, LEASE, NOW, false);
         assert_eq!(g, vec![Verdict::Defer { until: held }, Verdict::Defer { until: held }]);
         // A later same-key message pending in another range holds the key as well.
-        let f = facts("a", KeyFacts { pending_elsewhere: Some(blocker(500, held)), ..Default::default() });
+        let f = facts(
+            "a",
+            KeyFacts { pending_elsewhere: Some(Blocker { message_id: 500, clears_at: held }), ..Default::default() },
+        );
         assert_eq!(gate(&[c(101, Some("a"), Exclusive)], &f, LEASE, NOW, false), vec![Verdict::Defer { until: held }]);
-    }
-
-    #[test]
-    fn exclusive_runs_beside_deliveries_whose_leases_ran_out() {
-        // The rest of an expired range this claim split, and an expired delivery: neither runs.
-        let f = facts(
-            "a",
-            KeyFacts {
-                pending_elsewhere: Some(blocker(500, NOW - 1)),
-                inflight_elsewhere: Some(blocker(90, NOW)),
-                ..Default::default()
-            },
-        );
-        let g = gate(&[c(101, Some("a"), Exclusive), c(102, Some("a"), Exclusive)], &f, LEASE, NOW, false);
-        assert_eq!(g, vec![run(None), run(Some(101))]);
-        // One of the key's ranges elsewhere expired, another's lease still runs: the key waits
-        // until that one clears.
-        let live = NOW + 5_000_000;
-        let f = facts(
-            "a",
-            KeyFacts {
-                pending_elsewhere: Some(Blocker { message_id: 500, clears_at: NOW - 1, live_until: live }),
-                ..Default::default()
-            },
-        );
-        assert_eq!(gate(&[c(101, Some("a"), Exclusive)], &f, LEASE, NOW, false), vec![Verdict::Defer { until: live }]);
     }
 
     #[test]
     fn exclusive_ignores_earlier_unresolved_rows() {
         // 101 waits for its retry; exclusive may run 102 first (the ordering guide's reorder).
-        let f = facts("acct-42", KeyFacts { unresolved: Some(blocker(101, NOW + 9)), ..Default::default() });
+        let f = facts(
+            "acct-42",
+            KeyFacts { unresolved: Some(Blocker { message_id: 101, clears_at: NOW + 9 }), ..Default::default() },
+        );
         let g = gate(&[c(102, Some("acct-42"), Exclusive)], &f, LEASE, NOW, false);
         assert_eq!(g, vec![run(None)]);
     }
@@ -525,8 +505,8 @@ mod tests {
         let f = facts(
             "k",
             KeyFacts {
-                unresolved: Some(blocker(1, NOW)),
-                inflight_elsewhere: Some(blocker(2, LEASE)),
+                unresolved: Some(Blocker { message_id: 1, clears_at: NOW }),
+                inflight_elsewhere: Some(Blocker { message_id: 2, clears_at: LEASE }),
                 ..Default::default()
             },
         );
@@ -541,7 +521,10 @@ mod tests {
         let g = gate(&cands, &HashMap::new(), LEASE, NOW, true);
         assert_eq!(g, vec![run(None), Verdict::Defer { until: NOW }, run(None)]);
         // Check 1 found a dead row of the key (it never clears on its own).
-        let f = facts("k", KeyFacts { unresolved: Some(blocker(90, i64::MAX)), ..Default::default() });
+        let f = facts(
+            "k",
+            KeyFacts { unresolved: Some(Blocker { message_id: 90, clears_at: i64::MAX }), ..Default::default() },
+        );
         let g = gate(&cands[..2], &f, LEASE, NOW, true);
         assert_eq!(g, vec![Verdict::Defer { until: i64::MAX }; 2]);
     }

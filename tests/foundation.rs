@@ -420,11 +420,11 @@ fn hold_back(c: &mut Client, s: &Stream, id: i64) {
         .unwrap();
 }
 
-/// A quarantined row is handed out alone, ahead of its lane's other work, and its lane's other
-/// due work still goes out: here an exclusive key's later message, in a range whose lease ran
-/// out (which does not hold the key: docs/semantics.md, "Exclusive delivery"). A claim that
-/// handed out nothing but the quarantined row, again and again, would hold the lane back for
-/// good (claims a second apart, each finding the row due again).
+/// A quarantined row is handed out alone, ahead of its lane's other work; when its key is held
+/// by a delivery that is itself waiting to be handed out again in that lane (here an exclusive
+/// key's later message, in a range whose lease ran out), the row waits, parked, and what holds
+/// it goes out: a claim that handed out nothing but the quarantined row, again and again, would
+/// hold the lane back for good (claims a second apart, each finding the row due again).
 #[test]
 fn a_quarantined_row_held_by_its_lanes_own_due_work_does_not_stall_the_lane() {
     let mut c = connect();
@@ -459,13 +459,14 @@ fn a_quarantined_row_held_by_its_lanes_own_due_work_does_not_stall_the_lane() {
     assert_eq!(delivered, vec![first, second], "both went out, the quarantined one alone");
 }
 
-/// A quarantined exclusive row is not held by an expired range of its key's next message (that
-/// delivery is over): the claim hands it out alone, and the expired range goes out again only
-/// once the row's ack frees the lane, so the two never run at once.
+/// A quarantined row that waits for its key is parked, and the claim that parks it hands out
+/// what holds the key: the expired range of the key's next message (exclusive: it may overtake
+/// a waiting row), handed out again. Its ack wakes the quarantined row, which the next claim hands
+/// out alone.
 #[test]
-fn a_quarantined_row_runs_before_an_expired_range_of_its_key() {
+fn a_claim_parks_a_quarantined_row_and_hands_out_what_holds_its_key() {
     let mut c = connect();
-    let s = Stream::create(&mut c, "quarantine-expired");
+    let s = Stream::create(&mut c, "quarantine-parked");
     let g = quarantining_group(&mut c, &s, "exclusive", 1);
     let first = s.produce(&mut c, json!({}), Some("k"));
     for _ in 0..2 {
@@ -478,11 +479,15 @@ fn a_quarantined_row_runs_before_an_expired_range_of_its_key() {
     assert_eq!(ids(&g.claim(&mut c, 10)), vec![second]);
     g.expire_leases(&mut c);
     g.make_due(&mut c);
-    let alone = g.claim(&mut c, 10);
-    assert_eq!(ids(&alone), vec![first], "alone: {second}'s expired range does not hold the key");
-    assert!(g.claim(&mut c, 10).is_empty(), "{second} waits while {first} runs");
-    assert!(g.ack(&mut c, &alone[0]));
-    assert_eq!(ids(&g.claim(&mut c, 10)), vec![second], "{second}'s range again, once {first} resolved");
+    let again = g.claim(&mut c, 10);
+    assert_eq!(ids(&again), vec![second], "{second}'s range again; {first} parked behind it");
+    let parked: bool = c
+        .query_one(&format!("SELECT parked FROM {} WHERE message_id = $1", s.table("exception_queue")), &[&first])
+        .unwrap()
+        .get(0);
+    assert!(parked, "{first} is parked");
+    assert!(g.ack(&mut c, &again[0]));
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![first], "woken by the ack, alone");
 }
 
 /// A quarantined row that waits for its key is parked, and leaves its lane's next quarantined row

@@ -771,3 +771,48 @@ fn smaller_batches_take_over_expired_exclusive_ranges_without_waiting_for_their_
     }
     assert_eq!(acked, produced, "every message, once");
 }
+
+/// An expired delivery that no claim took over still holds its exclusive key: `extend_lease` may
+/// renew it. A claim that takes its lane over (reclaiming an older expired range there) and finds
+/// a new message of the key defers it, and the renewed delivery's ack lets it go.
+#[test]
+fn an_expired_delivery_not_taken_over_still_holds_its_exclusive_key() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "exclusive-renewed");
+    let g = s.group(&mut c, "g", Some("exclusive"));
+    let lane = s.lane(&mut c, "j");
+    let k = (0..).map(|i| format!("k{i}")).find(|k| s.lane(&mut c, k) == lane).unwrap();
+    let m1 = s.produce(&mut c, json!({}), Some("j"));
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![m1], "a consumer that dies");
+    g.expire_leases(&mut c);
+    let m2 = s.produce(&mut c, json!({}), Some(&k));
+    let a = g.claim(&mut c, 10);
+    assert_eq!(ids(&a), vec![m1, m2], "A takes the lane over: {m1} again, and {m2}");
+    g.expire_leases(&mut c);
+    let m3 = s.produce(&mut c, json!({}), Some(&k));
+    let b = g.claim(&mut c, 1);
+    assert_eq!(ids(&b), vec![m1], "B takes {m1} over (A's older range), and no more room");
+    let b2 = g.claim(&mut c, 10);
+    assert!(!ids(&b2).contains(&m3), "{m3} waits: A's expired range of {m2} was not taken over");
+    assert!(c
+        .query_one("SELECT sqlstreams.extend_lease($1, 'g', $2)", &[&s.name, &a[0].lease_token])
+        .unwrap()
+        .get::<_, bool>(0));
+    let live: i64 = c
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM {} WHERE lease_expires_at > now() AND $1 = ANY(pending_keys)",
+                s.table("range_lease")
+            ),
+            &[&k],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(live, 1, "one live delivery of {k}");
+    assert!(g.ack(&mut c, &a[1]), "A's renewed delivery of {m2}");
+    for d in b.iter().chain(&b2) {
+        assert!(g.ack(&mut c, d));
+    }
+    g.make_due(&mut c);
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![m3], "{m3} once {m2} resolved");
+}

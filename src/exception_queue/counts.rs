@@ -80,13 +80,20 @@ fn exception_counts_changed(
     }
     // SAFETY: reads the current subtransaction's id.
     let sub = unsafe { pg_sys::GetCurrentSubTransactionId() };
-    for ((group, status), delta) in groups.into_iter().zip(statuses.iter()).zip(deltas) {
-        let (Some(group), Some(status), Some(delta)) = (group, status, delta) else {
-            return Err(StreamError::Internal("exception count arrays hold a NULL".into()).into());
-        };
-        let status = status.utf8().and_then(|s| Status::from_stored(s).ok()).ok_or_else(|| unknown(status))?;
-        record(Pending { stream: stream_id, group, status, sub, delta });
-    }
+    // Every change checked before any is recorded.
+    let changes = groups
+        .into_iter()
+        .zip(statuses.iter())
+        .zip(deltas)
+        .map(|((group, status), delta)| {
+            let (Some(group), Some(status), Some(delta)) = (group, status, delta) else {
+                return Err(StreamError::Internal("exception count arrays hold a NULL".into()));
+            };
+            let status = status.utf8().and_then(|s| Status::from_stored(s).ok()).ok_or_else(|| unknown(status))?;
+            Ok(Pending { stream: stream_id, group, status, sub, delta })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    changes.into_iter().for_each(record);
     Ok(())
 }
 

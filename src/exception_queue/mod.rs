@@ -29,6 +29,11 @@ pub(crate) use unresolved;
 // a partial index only for a statement whose conditions imply its predicate, so a statement
 // that needs one says it with these macros, and a test holds the indexes to the same text.
 
+/// The statuses of `waiting!` and `in_flight!`, for what reads rows without SQL
+/// (src/lanes/free.rs; a test holds them to the macros).
+pub const WAITING: [&str; 2] = ["ready", "deferred"];
+pub const IN_FLIGHT: [&str; 1] = ["inflight"];
+
 /// Rows waiting for a time (`can_run_after`): retries, delays, rows a resolution woke. The
 /// `_due` and `_due_any` indexes' predicate; `waiting!("e")` for alias `e`.
 macro_rules! waiting {
@@ -352,6 +357,8 @@ pub fn distinct_keys<'a>(keys: impl IntoIterator<Item = &'a Option<String>>) -> 
 
 #[cfg(test)]
 mod tests {
+    use super::{IN_FLIGHT, WAITING};
+
     /// The predicate of every `CREATE INDEX exception_queue_@id@_<suffix>` in `sql`, by suffix.
     fn predicates(sql: &str) -> Vec<(String, String)> {
         let mut found = Vec::new();
@@ -388,6 +395,9 @@ mod tests {
         }
         let gate: Vec<String> = crate::key_gate::UNRESOLVED.iter().map(|s| format!("'{s}'")).collect();
         assert_eq!(format!("({})", gate.join(", ")), unresolved!(), "the key gate's unresolved statuses");
+        let listed = |statuses: &[&str]| statuses.iter().map(|s| format!("'{s}'")).collect::<Vec<_>>().join(", ");
+        assert_eq!(format!("status IN ({})", listed(&WAITING)), waiting!());
+        assert_eq!(format!("status = {}", listed(&IN_FLIGHT)), in_flight!());
         assert_eq!(
             due_or_expired!("e", "$2"),
             "((e.status IN ('ready', 'deferred') AND e.can_run_after <= $2) OR (e.status = 'inflight' AND e.lease_expires_at <= $2))"

@@ -59,42 +59,12 @@ fn ask(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<bool> {
     ANY_BLOCKER.run(client, input.stream_id, &args(input))?.first().required("any")
 }
 
-/// The question as the statement, in `snapshot` exactly (as foreign keys' checks run theirs):
-/// a plan of its own, planned as the statement is (src/transient.rs) and run read-only by
-/// `SPI_execute_snapshot`, inside the claim's connection.
+/// The question as the statement, in `snapshot` exactly (`probe::rows_in`).
 #[cfg(debug_assertions)]
 fn ask_in(snapshot: &Snapshot, input: &GatherInput<'_>) -> bool {
-    use pgrx::IntoDatum;
-    let sql = std::ffi::CString::new(crate::statement::render(ANY_BLOCKER.sql, input.stream_id)).unwrap();
-    let mut types = [pg_sys::INT8OID, pg_sys::INT8ARRAYOID, pg_sys::INT4ARRAYOID];
-    let values = [input.group_id.into_datum(), input.own_ranges.clone().into_datum(), input.lanes.clone().into_datum()];
-    let mut values: Vec<pg_sys::Datum> = values.into_iter().map(Option::unwrap).collect();
-    let mut nulls = [b' ' as std::ffi::c_char; 3];
-    let _planned = crate::transient::guide(ANY_BLOCKER.name);
-    // SAFETY: inside an SPI connection; the plan takes the three parameters given, of their
-    // types, and returns one boolean row, read before the plan is freed.
-    unsafe {
-        let plan = pg_sys::SPI_prepare(sql.as_ptr(), 3, types.as_mut_ptr());
-        assert!(!plan.is_null(), "gate_any_blocker prepares");
-        let status = pg_sys::SPI_execute_snapshot(
-            plan,
-            values.as_mut_ptr(),
-            nulls.as_mut_ptr(),
-            snapshot.as_ptr(),
-            std::ptr::null_mut(),
-            true,
-            false,
-            1,
-        );
-        assert_eq!(status, pg_sys::SPI_OK_SELECT as i32, "gate_any_blocker runs");
-        let processed = pg_sys::SPI_processed;
-        assert_eq!(processed, 1, "gate_any_blocker returns one row");
-        let table = pg_sys::SPI_tuptable;
-        let mut null = false;
-        let any = pg_sys::SPI_getbinval(*(*table).vals, (*table).tupdesc, 1, &mut null);
-        pg_sys::SPI_freeplan(plan);
-        !null && any.value() != 0
-    }
+    let rows = probe::rows_in(snapshot, &ANY_BLOCKER, input.stream_id, &args(input));
+    assert_eq!(rows.len(), 1, "gate_any_blocker returns one row");
+    rows[0][0].is_some_and(|any| any.value() != 0)
 }
 
 /// The exception queue and its index of unresolved rows.

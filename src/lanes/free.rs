@@ -17,6 +17,7 @@ use pgrx::PgRelation;
 
 use super::FREE_LANES;
 use crate::error::Result;
+use crate::exception_queue::{IN_FLIGHT, WAITING};
 use crate::group::GroupRef;
 use crate::statement::probe::{self, Column, GroupIndex, Snapshot, TimeIndex};
 use crate::statement::{self, Columns, Row};
@@ -61,56 +62,15 @@ fn by_statement(client: &SpiClient<'_>, group: &GroupRef, now: i64, holds: bool,
     Ok(free)
 }
 
-/// The statement in `snapshot` exactly, as src/key_gate/any_blocker.rs asks its own.
+/// The statement in `snapshot` exactly (`probe::rows_in`).
 #[cfg(debug_assertions)]
 fn ask_in(snapshot: &Snapshot, group: &GroupRef, now: i64, holds: bool, safe: i64) -> Free {
-    use pgrx::IntoDatum;
-    let sql = std::ffi::CString::new(statement::render(FREE_LANES.sql, group.stream.id)).unwrap();
-    let mut types = [pg_sys::INT8OID, pg_sys::TIMESTAMPTZOID, pg_sys::BOOLOID, pg_sys::INT8OID];
-    let mut values = [
-        group.id.into_datum().unwrap(),
-        pg_sys::Datum::from(now),
-        holds.into_datum().unwrap(),
-        safe.into_datum().unwrap(),
-    ];
-    let mut nulls = [b' ' as std::ffi::c_char; 4];
-    let _planned = crate::transient::guide(FREE_LANES.name);
-    let mut free = Free { any_work: false, lanes: vec![] };
-    // SAFETY: inside an SPI connection; the plan takes the four parameters given, of their
-    // types, and returns rows of (bool, int4, int8), read before the plan is freed.
-    unsafe {
-        let plan = pg_sys::SPI_prepare(sql.as_ptr(), 4, types.as_mut_ptr());
-        assert!(!plan.is_null(), "lanes_free prepares");
-        let status = pg_sys::SPI_execute_snapshot(
-            plan,
-            values.as_mut_ptr(),
-            nulls.as_mut_ptr(),
-            snapshot.as_ptr(),
-            std::ptr::null_mut(),
-            true,
-            false,
-            0,
-        );
-        assert_eq!(status, pg_sys::SPI_OK_SELECT as i32, "lanes_free runs");
-        let table = pg_sys::SPI_tuptable;
-        for i in 0..pg_sys::SPI_processed as usize {
-            let row = *(*table).vals.add(i);
-            let mut null = false;
-            let value = |column: i32, null: &mut bool| pg_sys::SPI_getbinval(row, (*table).tupdesc, column, null);
-            if value(1, &mut null).value() != 0 {
-                free.any_work = true;
-            }
-            let lane = value(2, &mut null);
-            if !null {
-                free.lanes.push((lane.value() as i32, value(3, &mut null).value() as i64));
-            }
-        }
-        pg_sys::SPI_freeplan(plan);
+    let rows = probe::rows_in(snapshot, &FREE_LANES, group.stream.id, &args(group, now, holds, safe));
+    let mut free = Free { any_work: rows.iter().any(|row| row[0].is_some_and(|any| any.value() != 0)), lanes: vec![] };
+    if !free.any_work {
+        free.lanes = rows.iter().filter_map(|row| Some((row[1]?.value() as i32, row[2]?.value() as i64))).collect();
+        free.lanes.sort_unstable();
     }
-    if free.any_work {
-        free.lanes.clear();
-    }
-    free.lanes.sort_unstable();
     free
 }
 
@@ -130,10 +90,6 @@ struct Tables {
     /// The lanes' `lane`, `claimed` and `held_until`.
     lane_columns: [Column; 3],
 }
-
-/// The statuses of `crate::exception_queue::waiting!` and `in_flight!`, the indexes' predicates.
-const WAITING: [&str; 2] = ["ready", "deferred"];
-const IN_FLIGHT: [&str; 1] = ["inflight"];
 
 impl Tables {
     fn open(stream_id: i64) -> Option<Tables> {

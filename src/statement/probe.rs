@@ -4,9 +4,12 @@
 //! instructions around a probe of a few thousand: the plan cache's check, a portal, the
 //! executor's start and end. Here the table and the index are opened and locked as the
 //! statement's plan would lock them (ACCESS SHARE, to the transaction's end), the index is
-//! scanned with its first column equal to a group's id, under a snapshot taken as SPI takes one
-//! for a statement that may write (`Snapshot`), and each visible row is filtered as the
-//! statement's `WHERE` would filter it, as src/message/scan.rs reads a lane.
+//! scanned with its first column equal to a group's id (`any`), and, for an index whose second
+//! column is a time, with that time at or before a bound (`any_until`: a group's first row due by
+//! then), under a snapshot taken as SPI takes one for a statement that may write (`Snapshot`),
+//! and each visible row is filtered as the statement's `WHERE` would filter it, as
+//! src/message/scan.rs reads a lane. Debug builds run the statement in the same snapshot
+//! (`rows_in`) and compare.
 //!
 //! A table or an index not of the shape the install script made (another kind of table, row
 //! security enabled, inheritance children, an index missing, not valid, not a btree over the
@@ -264,6 +267,61 @@ impl Drop for Snapshot {
     fn drop(&mut self) {
         // SAFETY: registered in `take`.
         unsafe { pg_sys::UnregisterSnapshot(self.0) };
+    }
+}
+
+/// The rows `statement` (a read-only one) returns in `snapshot` exactly, as foreign keys' checks
+/// run theirs: a plan of its own, planned as the statement is (src/transient.rs), run by
+/// `SPI_execute_snapshot` inside the caller's connection. Each row's columns as datums, `None` for
+/// NULL: by-value columns only (bool, int4, int8, timestamptz), read before the plan and rows are
+/// freed. For debug builds, which check that a direct read answers as the statement it replaces.
+#[cfg(debug_assertions)]
+pub fn rows_in(
+    snapshot: &Snapshot,
+    statement: &super::Statement,
+    stream_id: i64,
+    args: &[pgrx::datum::DatumWithOid<'_>],
+) -> Vec<Vec<Option<pg_sys::Datum>>> {
+    let sql = CString::new(super::render(statement.sql, stream_id)).unwrap();
+    let mut types: Vec<pg_sys::Oid> = args.iter().map(|a| a.oid()).collect();
+    let mut values: Vec<pg_sys::Datum> =
+        args.iter().map(|a| a.datum().map_or(pg_sys::Datum::from(0), |d| d.sans_lifetime())).collect();
+    let mut nulls: Vec<std::ffi::c_char> =
+        args.iter().map(|a| if a.datum().is_some() { b' ' } else { b'n' } as std::ffi::c_char).collect();
+    let _planned = crate::transient::guide(statement.name);
+    // SAFETY: inside an SPI connection; the plan takes the parameters given, of their types; its
+    // rows are read, by value, before they and the plan are freed.
+    unsafe {
+        let plan = pg_sys::SPI_prepare(sql.as_ptr(), args.len() as i32, types.as_mut_ptr());
+        assert!(!plan.is_null(), "{} prepares", statement.name);
+        let status = pg_sys::SPI_execute_snapshot(
+            plan,
+            values.as_mut_ptr(),
+            nulls.as_mut_ptr(),
+            snapshot.as_ptr(),
+            std::ptr::null_mut(),
+            true,
+            false,
+            0,
+        );
+        assert_eq!(status, pg_sys::SPI_OK_SELECT as i32, "{} runs", statement.name);
+        let table = pg_sys::SPI_tuptable;
+        let columns = (*(*table).tupdesc).natts;
+        let rows = (0..pg_sys::SPI_processed as usize)
+            .map(|i| {
+                let row = *(*table).vals.add(i);
+                (1..=columns)
+                    .map(|column| {
+                        let mut null = false;
+                        let value = pg_sys::SPI_getbinval(row, (*table).tupdesc, column, &mut null);
+                        (!null).then_some(value)
+                    })
+                    .collect()
+            })
+            .collect();
+        pg_sys::SPI_freetuptable(table);
+        pg_sys::SPI_freeplan(plan);
+        rows
     }
 }
 

@@ -150,8 +150,6 @@ struct Claim<'a> {
     changes: Vec<Change>,
     /// Exception rows this claim resolves before gating (expired deliveries that went dead).
     dead_on_expiry: Vec<i64>,
-    /// First ids of the rests of expired ranges this claim split (`collect_range`).
-    split_rests: Vec<i64>,
     /// Keys of messages this claim resolved (superseded, dead): their parked rows may wake.
     resolved_keys: Vec<Option<String>>,
     /// It hands out an exception row, in flight under its token (src/own_claims.rs).
@@ -248,7 +246,6 @@ pub fn claim(
             parkable: vec![],
             changes: vec![],
             dead_on_expiry: vec![],
-            split_rests: vec![],
             resolved_keys: vec![],
             work_in_flight: false,
             nothing_waited: false,
@@ -354,11 +351,7 @@ impl Claim<'_> {
             group_id: self.group.id,
             candidates: &candidates,
             exception_ids: &exception_ids,
-            // The rest of a range this claim split holds no key of the part it took: in the
-            // result that leased them, the rest's messages of a key are chained after the part's,
-            // and a consumer whose lease on the part was lost starts none of them
-            // (docs/semantics.md, "Exclusive delivery").
-            own_ranges: self.ranges.iter().map(|r| r.first_id).chain(self.split_rests.iter().copied()).collect(),
+            own_ranges: self.ranges.iter().map(|r| r.first_id).collect(),
             hold_on_dead: self.group.hold_on_dead,
             lanes: self.lanes.iter().map(|l| l.lane).collect(),
         };
@@ -522,7 +515,6 @@ impl Claim<'_> {
                     // own, for the next claim.
                     let rest = expired.split_off(room as usize);
                     range::split(client, stream_id, self.group.id, expired.first_id, &rest)?;
-                    self.split_rests.push(rest.first_id);
                 }
                 let messages: Vec<Message> =
                     messages.into_iter().filter(|m| expired.pending.contains(&m.candidate.message_id)).collect();

@@ -282,8 +282,7 @@ pub struct GatherInput<'a> {
     /// Ids of exception rows this claim decides: candidates (not their own blockers) and rows it
     /// dead-letters (resolved by this claim).
     pub exception_ids: &'a [i64],
-    /// First ids of the ranges this claim hands out (their pending messages are candidates), and
-    /// of the rests of expired ranges it split (what it took of them is).
+    /// First ids of the ranges this claim hands out (their pending messages are candidates).
     pub own_ranges: Vec<i64>,
     /// The lanes the claim took.
     pub lanes: Vec<i32>,

@@ -271,10 +271,11 @@ impl Drop for Snapshot {
 }
 
 /// The rows `statement` (a read-only one) returns in `snapshot` exactly, as foreign keys' checks
-/// run theirs: a plan of its own, planned as the statement is (src/transient.rs), run by
-/// `SPI_execute_snapshot` inside the caller's connection. Each row's columns as datums, `None` for
-/// NULL: by-value columns only (bool, int4, int8, timestamptz), read before the plan and rows are
-/// freed. For debug builds, which check that a direct read answers as the statement it replaces.
+/// run theirs: a one-off plan of its own, with the statement's planner settings
+/// (src/transient.rs), run by `SPI_execute_snapshot` inside the caller's connection. Each row's
+/// columns as datums, `None` for NULL: by-value columns only (bool, int4, int8, timestamptz), read
+/// before the plan and rows are freed. For debug builds, which check that a direct read answers
+/// as the statement it replaces.
 #[cfg(debug_assertions)]
 pub fn rows_in(
     snapshot: &Snapshot,
@@ -307,6 +308,10 @@ pub fn rows_in(
         assert_eq!(status, pg_sys::SPI_OK_SELECT as i32, "{} runs", statement.name);
         let table = pg_sys::SPI_tuptable;
         let columns = (*(*table).tupdesc).natts;
+        for column in 0..columns as usize {
+            let attribute = &*(*(*table).tupdesc).attrs.as_ptr().add(column);
+            debug_assert!(attribute.attbyval, "{}: column {} is read by value", statement.name, column + 1);
+        }
         let rows = (0..pg_sys::SPI_processed as usize)
             .map(|i| {
                 let row = *(*table).vals.add(i);

@@ -308,10 +308,11 @@ pub fn rows_in(
         assert_eq!(status, pg_sys::SPI_OK_SELECT as i32, "{} runs", statement.name);
         let table = pg_sys::SPI_tuptable;
         let columns = (*(*table).tupdesc).natts;
-        for column in 0..columns as usize {
-            let attribute = &*(*(*table).tupdesc).attrs.as_ptr().add(column);
+        let desc = pgrx::PgTupleDesc::from_pg_unchecked((*table).tupdesc);
+        for (column, attribute) in desc.iter().enumerate() {
             debug_assert!(attribute.attbyval, "{}: column {} is read by value", statement.name, column + 1);
         }
+        drop(desc);
         let rows = (0..pg_sys::SPI_processed as usize)
             .map(|i| {
                 let row = *(*table).vals.add(i);

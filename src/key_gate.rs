@@ -79,6 +79,9 @@ pub struct KeyFacts {
     pub unresolved: Option<Blocker>,
     /// Check 2: the earliest same-key message pending in another open range.
     pub pending_elsewhere: Option<Blocker>,
+    /// The same, in another open range that a consumer holds: not the rest of an expired range
+    /// this claim split (taken over, it is no one's).
+    pub held_elsewhere: Option<Blocker>,
     /// The earliest same-key exception row in flight under another claim.
     pub inflight_elsewhere: Option<Blocker>,
     /// The newest compacted message of the key.
@@ -163,7 +166,7 @@ pub fn gate(
                 // Exclusive ignores a waiting retry (it may overtake it), but never runs beside
                 // another delivery of its key.
                 Concurrency::Exclusive if !state.exclusive_running => {
-                    [any(facts.pending_elsewhere), any(facts.inflight_elsewhere)].into_iter().flatten().min()
+                    [any(facts.held_elsewhere), any(facts.inflight_elsewhere)].into_iter().flatten().min()
                 }
                 _ => None,
             };
@@ -194,12 +197,14 @@ pub fn gate(
 ///   (which wakes the key's parked rows), so its own clear time is the one that matters. No
 ///   key is probed when the group has no unresolved row at all.
 /// - Kind 2, for ordered and exclusive keys `$6`: the earliest same-key message pending in
-///   another open range (`$5` are this claim's own) of a lane the claim took (`$7`).
+///   another open range (`$5` are this claim's own) of a lane the claim took (`$7`); and, as
+///   `holder`, in one that is not the rest of an expired range this claim split (`$10`).
 /// - Kind 3, for exclusive keys `$8`: the earliest same-key exception row in flight outside
 ///   this claim.
 const CHECK: Statement = Statement {
     name: "gate_check",
-    sql: "SELECT 1 AS kind, k.message_key, b.message_id AS blocker, b.clears_at
+    sql: "SELECT 1 AS kind, k.message_key, b.message_id AS blocker, b.clears_at,
+                 NULL::bigint AS holder, NULL::timestamptz AS holder_clears
           FROM unnest($2::text[], $3::bigint[]) AS k(message_key, upto)
           CROSS JOIN LATERAL (
               SELECT e.message_id,
@@ -221,7 +226,9 @@ const CHECK: Statement = Statement {
                                 WHERE u.consumer_group_id = $1 AND u.status IN ('ready', 'inflight', 'deferred')
                                 ORDER BY u.message_id LIMIT 1), false)
           UNION ALL
-          SELECT 2, u.message_key, min(u.id), min(r.lease_expires_at)
+          SELECT 2, u.message_key, min(u.id), min(r.lease_expires_at),
+                 min(u.id) FILTER (WHERE r.first_id <> ALL($10)),
+                 min(r.lease_expires_at) FILTER (WHERE r.first_id <> ALL($10))
           FROM sqlstreams.range_lease_@id@ r
           CROSS JOIN LATERAL unnest(r.pending, r.pending_keys) AS u(id, message_key)
           WHERE r.consumer_group_id = $1 AND r.first_id <> ALL($5) AND r.lane = ANY($7)
@@ -237,7 +244,7 @@ const CHECK: Statement = Statement {
                           ORDER BY o.first_id LIMIT 1), false)
           GROUP BY u.message_key
           UNION ALL
-          SELECT 3, e.message_key, min(e.message_id), min(e.lease_expires_at)
+          SELECT 3, e.message_key, min(e.message_id), min(e.lease_expires_at), NULL, NULL
           FROM sqlstreams.exception_queue_@id@ e
           WHERE e.consumer_group_id = $1 AND e.message_key = ANY($8) AND e.status = 'inflight'
             AND e.message_id <> ALL($4)
@@ -252,6 +259,7 @@ const CHECK: Statement = Statement {
         INT4ARRAYOID,
         TEXTARRAYOID,
         BOOLOID,
+        INT8ARRAYOID,
     ],
 };
 
@@ -284,6 +292,9 @@ pub struct GatherInput<'a> {
     pub exception_ids: &'a [i64],
     /// First ids of the ranges this claim hands out (their pending messages are candidates).
     pub own_ranges: Vec<i64>,
+    /// First ids of the rests of expired ranges this claim split: taken over, they are no one's
+    /// deliveries (docs/semantics.md, "Exclusive delivery").
+    pub split_rests: Vec<i64>,
     /// The lanes the claim took.
     pub lanes: Vec<i32>,
     /// The group's `on_dead = 'hold'`: dead rows count for check 1.
@@ -337,6 +348,7 @@ pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<Gathere
                 input.lanes.clone().into(),
                 exclusive.into(),
                 input.hold_on_dead.into(),
+                input.split_rests.clone().into(),
             ],
         )?;
         for row in rows {
@@ -347,7 +359,13 @@ pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<Gathere
             let facts = facts.entry(key).or_default();
             match kind {
                 1 => facts.unresolved = Some(blocker),
-                2 => facts.pending_elsewhere = Some(blocker),
+                2 => {
+                    facts.pending_elsewhere = Some(blocker);
+                    if let Some(message_id) = row.value("holder")? {
+                        let clears_at = timestamp(row.value("holder_clears")?);
+                        facts.held_elsewhere = Some(Blocker { message_id, clears_at });
+                    }
+                }
                 _ => facts.inflight_elsewhere = Some(blocker),
             }
         }
@@ -463,12 +481,27 @@ mod tests {
         );
         let g = gate(&[c(101, Some("a"), Exclusive), c(102, Some("a"), Exclusive)], &f, LEASE, NOW, false);
         assert_eq!(g, vec![Verdict::Defer { until: held }, Verdict::Defer { until: held }]);
-        // A later same-key message pending in another range holds the key as well.
-        let f = facts(
-            "a",
-            KeyFacts { pending_elsewhere: Some(Blocker { message_id: 500, clears_at: held }), ..Default::default() },
-        );
+        // A later same-key message pending in another range a consumer holds holds the key too.
+        let pending = Some(Blocker { message_id: 500, clears_at: held });
+        let f = facts("a", KeyFacts { pending_elsewhere: pending, held_elsewhere: pending, ..Default::default() });
         assert_eq!(gate(&[c(101, Some("a"), Exclusive)], &f, LEASE, NOW, false), vec![Verdict::Defer { until: held }]);
+    }
+
+    #[test]
+    fn the_rest_of_a_range_this_claim_split_holds_no_exclusive_key_but_stays_an_ordered_predecessor() {
+        // Message 150 is pending only in the rest this claim split off an expired range.
+        let rest =
+            KeyFacts { pending_elsewhere: Some(Blocker { message_id: 150, clears_at: NOW }), ..Default::default() };
+        let g = gate(
+            &[c(101, Some("a"), Exclusive), c(160, Some("a"), Exclusive)],
+            &facts("a", rest.clone()),
+            LEASE,
+            NOW,
+            false,
+        );
+        assert_eq!(g, vec![run(None), run(Some(101))]);
+        let g = gate(&[c(101, Some("a"), Ordered), c(160, Some("a"), Ordered)], &facts("a", rest), LEASE, NOW, false);
+        assert_eq!(g, vec![run(None), Verdict::Defer { until: NOW + MIN_PARK_MICROS }]);
     }
 
     #[test]

@@ -23,6 +23,11 @@ use crate::range;
 use crate::statement::{self, Access, Columns, Statement};
 use crate::text::Text;
 
+/// A new lease token, random: no consumer can guess another's.
+pub fn new_token() -> pgrx::Uuid {
+    pgrx::Uuid::from_bytes(*uuid::Uuid::new_v4().as_bytes())
+}
+
 /// Locks everything `token` holds, so the new expiry is computed after any wait for it.
 const LOCK_HELD: Statement = Statement {
     name: "lease_lock_held",
@@ -104,7 +109,7 @@ pub fn release(stream: &str, group_name: &str, token: pgrx::Uuid, ids: &[i64]) -
     consumer_call(stream, group_name, |client, group| {
         let stream_id = group.stream.id;
         locks::token(token);
-        let mut ranges = range::for_token(client, stream_id, group.id, token, ids)?;
+        let mut ranges = range::for_token(client, stream_id, group.id, token)?;
         // Given-back rows are due at once: a clock read before a wait only makes them due sooner.
         let now = clock::now();
         let given = exception_queue::give_back(client, group, token, ids, &mut ranges, now)?;

@@ -113,7 +113,7 @@ pub fn ack_in(
             released = covered.released;
         }
         if !rest.is_empty() {
-            let mut ranges = range::for_token(client, stream_id, group.id, token, &rest)?;
+            let mut ranges = range::for_token(client, stream_id, group.id, token)?;
             done.extend(ranges.remove(&rest));
             ranges.store(client, stream_id, group.id)?;
         }
@@ -152,8 +152,7 @@ fn record_setback(
         let stream_id = group.stream.id;
         locks::token(token);
         let row = exception_queue::inflight(client, stream_id, group.id, id, token)?;
-        let wanted: &[i64] = if row.is_some() { &[] } else { &[id] };
-        let mut ranges = range::for_token(client, stream_id, group.id, token, wanted)?;
+        let mut ranges = range::for_token(client, stream_id, group.id, token)?;
         // After the rows' locks: a backoff or a delay counts from when the outcome is recorded.
         let now = clock::now();
         let (key, concurrency, setback) = if let Some(row) = row {

@@ -158,15 +158,16 @@ const LEASE: Statement = Statement {
     params: &[INT8OID, INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID, INT4OID, INT8ARRAYOID, TEXTARRAYOID, INT4OID],
 };
 
-/// The rest of range `$2` as a range of its own (`split_off`), under its old token and
-/// expiry: still expired, it waits for the next claim.
+/// The rest of range `$2` as a range of its own (`split_off`), under token `$6`, which no
+/// consumer holds, and its old expiry: taken over from the consumer whose lease ran out (its
+/// outcomes and `extend_lease` find it no more), it waits, expired, for the next claim.
 const SPLIT: Statement = Statement {
     name: "range_split",
     sql: "INSERT INTO sqlstreams.range_lease_@id@
               (consumer_group_id, first_id, last_id, lease_token, lease_expires_at, reclaims, pending, pending_keys, lane)
-          SELECT consumer_group_id, $3, last_id, lease_token, lease_expires_at, reclaims, $4, $5, lane
+          SELECT consumer_group_id, $3, last_id, $6, lease_expires_at, reclaims, $4, $5, lane
           FROM sqlstreams.range_lease_@id@ WHERE consumer_group_id = $1 AND first_id = $2",
-    params: &[INT8OID, INT8OID, INT8OID, INT8ARRAYOID, TEXTARRAYOID],
+    params: &[INT8OID, INT8OID, INT8OID, INT8ARRAYOID, TEXTARRAYOID, UUIDOID],
 };
 
 /// Inserts a range handed out for the first time (`$1` … `$9` as `LEASE_NEW`'s).
@@ -333,27 +334,11 @@ impl Ranges {
     }
 }
 
-/// The open ranges leased under `token`, locked, for an outcome of `wanted`.
-///
-/// When one of `wanted` is not pending in them, they are read once more: while this waited for
-/// a range's lock, a claim may have handed the start of that expired range out again and split
-/// the rest off as a range of its own, still under `token` (`split`), which the first
-/// statement's snapshot did not see. A lease that expired but was not taken over still counts.
-pub fn for_token(
-    client: &SpiClient<'_>,
-    stream_id: i64,
-    group_id: i64,
-    token: pgrx::Uuid,
-    wanted: &[i64],
-) -> Result<Ranges> {
-    let ranges = locked(client, stream_id, group_id, token)?;
-    if wanted.iter().all(|id| ranges.contains(*id)) {
-        return Ok(ranges);
-    }
-    locked(client, stream_id, group_id, token)
-}
-
-fn locked(client: &SpiClient<'_>, stream_id: i64, group_id: i64, token: pgrx::Uuid) -> Result<Ranges> {
+/// The open ranges leased under `token`, locked, for an outcome. A lease that expired but was
+/// not taken over still counts. A claim that took an expired range over while this waited for
+/// its lock gave it a token of its own, and the rest it split off one no consumer holds
+/// (`split`): neither is read.
+pub fn for_token(client: &SpiClient<'_>, stream_id: i64, group_id: i64, token: pgrx::Uuid) -> Result<Ranges> {
     let ranges: Vec<RangeLease> = FOR_TOKEN
         .run(client, stream_id, &[group_id.into(), token.into()])?
         .map(|row| Ok(from_row(&row)?.1))
@@ -517,8 +502,16 @@ fn keys_arg(keys: &[Option<String>]) -> DatumWithOid<'static> {
     statement::text_array(&keys.iter().map(Option::as_deref).collect::<Vec<_>>())
 }
 
-/// Stores `rest`, split off range `first_id` (see `RangeLease::split_off`).
-pub fn split(client: &SpiClient<'_>, stream_id: i64, group_id: i64, first_id: i64, rest: &RangeLease) -> Result<()> {
+/// Stores `rest`, split off range `first_id` (see `RangeLease::split_off`), under `token`: a
+/// new one, which no consumer holds.
+pub fn split(
+    client: &SpiClient<'_>,
+    stream_id: i64,
+    group_id: i64,
+    first_id: i64,
+    rest: &RangeLease,
+    token: pgrx::Uuid,
+) -> Result<()> {
     debug_assert_eq!(rest.pending.len(), rest.pending_keys.len(), "a key for each pending message");
     SPLIT.run(
         client,
@@ -529,6 +522,7 @@ pub fn split(client: &SpiClient<'_>, stream_id: i64, group_id: i64, first_id: i6
             rest.first_id.into(),
             rest.pending.as_slice().into(),
             keys_arg(&rest.pending_keys),
+            token.into(),
         ],
     )?;
     Ok(())

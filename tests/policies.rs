@@ -777,3 +777,115 @@ fn an_expired_delivery_not_taken_over_still_holds_its_exclusive_key() {
     g.make_due(&mut c);
     assert_eq!(ids(&g.claim(&mut c, 10)), vec![m3], "{m3} once {m2} resolved");
 }
+
+/// A consumer that claimed a big batch dies; consumers with smaller batches take its expired
+/// ranges over part by part, each splitting one. The rest of a split range is taken over too,
+/// by no one: an exclusive key of the part taken does not wait for it. So a claim hands out work
+/// every time while work is left (on 031804f each came back empty, its messages deferred one by
+/// one behind the rest), no key is ever in two live deliveries, and nothing is lost.
+#[test]
+fn smaller_batches_take_over_expired_exclusive_ranges_without_waiting_for_their_rest() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "exclusive-takeover");
+    let g = s.group(&mut c, "g", Some("exclusive"));
+    let produced: std::collections::BTreeSet<i64> =
+        (0..60).map(|i| s.produce(&mut c, json!({}), Some(&format!("k{}", i % 7)))).collect();
+    assert_eq!(g.claim(&mut c, 100).len(), 60, "the consumer that dies");
+    g.expire_leases(&mut c);
+    let mut acked = std::collections::BTreeSet::new();
+    for round in 0.. {
+        assert!(round < 60, "the takeover ends");
+        // Two consumers, the second claiming while the first's deliveries run.
+        let first = g.claim(&mut c, 3);
+        if acked.len() < produced.len() {
+            assert!(!first.is_empty(), "round {round}: work is left, and no live delivery holds a key");
+        }
+        let second = g.claim(&mut c, 3);
+        let running: std::collections::HashSet<&str> = first.iter().filter_map(|d| d.message_key.as_deref()).collect();
+        for d in &second {
+            let key = d.message_key.as_deref().unwrap();
+            assert!(!running.contains(key), "round {round}: {key} is in two live deliveries");
+        }
+        for d in first.iter().chain(&second) {
+            assert!(g.ack(&mut c, d), "round {round}: {}", d.message_id);
+            assert!(acked.insert(d.message_id), "round {round}: {} delivered twice", d.message_id);
+        }
+        if first.is_empty() && second.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(acked, produced, "every message, once");
+}
+
+/// Messages 1 and 2 of key `k` in a range of a consumer that dies, and 3 of `k`, produced to
+/// wait an hour and then made due; the leases run out. A claim of two takes 3 (due work comes
+/// first) and 1, splitting 2 off the expired range. Returns the group, the dead consumer's
+/// deliveries, the claim's, and the three ids.
+fn split_beside_a_due_row(
+    c: &mut Client,
+    prefix: &str,
+    concurrency: &str,
+) -> (Group, Vec<Delivery>, Vec<Delivery>, [i64; 3]) {
+    let s = Stream::create(c, prefix);
+    let g = s.group(c, "g", Some(concurrency));
+    let m1 = s.produce(c, json!({}), Some("k"));
+    let m2 = s.produce(c, json!({}), Some("k"));
+    let m3: i64 =
+        c.query_one("SELECT sqlstreams.produce($1, '{}', 'k', deliver_after => '1 hour')", &[&s.name]).unwrap().get(0);
+    let dead = g.claim(c, 100);
+    assert_eq!(ids(&dead), vec![m1, m2], "the consumer that dies; {m3} waits for its hour");
+    g.expire_leases(c);
+    g.make_due(c);
+    let taken = g.claim(c, 2);
+    (g, dead, taken, [m1, m2, m3])
+}
+
+/// The rest a claim splits off an expired range is taken over, by no one: the consumer whose
+/// lease ran out can neither renew it nor record its outcomes, so an exclusive message of its
+/// key runs beside it, and its own message of the key waits for that one when it is handed out
+/// again. (With the rest still the dead consumer's, `extend_lease` renewed it, and a message of
+/// its key ran beside a live delivery of it.)
+#[test]
+fn the_rest_of_a_split_range_is_no_ones_and_holds_no_exclusive_key() {
+    let mut c = connect();
+    let (g, dead, taken, [m1, m2, m3]) = split_beside_a_due_row(&mut c, "exclusive-split-rest", "exclusive");
+    assert_eq!(ids(&taken), vec![m1, m3], "{m2}, split off, holds no key");
+    assert_eq!(taken[1].run_after, Some(m1), "chained in the result");
+    let renewed: bool = c
+        .query_one("SELECT sqlstreams.extend_lease($1, 'g', $2)", &[&g.stream.name, &dead[0].lease_token])
+        .unwrap()
+        .get(0);
+    assert!(!renewed, "the dead consumer holds nothing any more");
+    assert!(!g.ack(&mut c, &dead[1]), "its outcome of {m2}: the lease was lost");
+    let live: i64 = c
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM {} WHERE lease_expires_at > now() AND $1 = ANY(pending)",
+                g.stream.table("range_lease")
+            ),
+            &[&m2],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(live, 0, "{m2} is in no live delivery");
+    for d in &taken {
+        assert!(g.ack(&mut c, d));
+    }
+    g.make_due(&mut c);
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![m2], "{m2} once the key is free");
+}
+
+/// An ordered message waits for its predecessor in the rest of a range the claim split (that
+/// rest holds no exclusive key, but its messages are still unresolved): the claim hands out the
+/// part it took, and the due message after the rest's.
+#[test]
+fn a_due_ordered_message_does_not_overtake_its_predecessor_in_a_split_rest() {
+    let mut c = connect();
+    let (g, _dead, taken, [m1, m2, m3]) = split_beside_a_due_row(&mut c, "ordered-split-rest", "ordered");
+    assert_eq!(ids(&taken), vec![m1], "{m3} waits for {m2}");
+    assert!(g.ack(&mut c, &taken[0]));
+    g.make_due(&mut c);
+    let next = g.claim(&mut c, 10);
+    assert_eq!(ids(&next), vec![m2, m3], "{m2} again, and {m3} after it");
+    assert_eq!(next[1].run_after, Some(m2), "{m3} starts once {m2} is resolved");
+}

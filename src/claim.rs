@@ -151,8 +151,6 @@ struct Claim<'a> {
     changes: Vec<Change>,
     /// Exception rows this claim resolves before gating (expired deliveries that went dead).
     dead_on_expiry: Vec<i64>,
-    /// First ids of the rests of expired ranges this claim split: no consumer holds them.
-    split_rests: Vec<i64>,
     /// Keys of messages this claim resolved (superseded, dead): their parked rows may wake.
     resolved_keys: Vec<Option<String>>,
     /// It hands out an exception row, in flight under its token (src/own_claims.rs).
@@ -249,7 +247,6 @@ pub fn claim(
             parkable: vec![],
             changes: vec![],
             dead_on_expiry: vec![],
-            split_rests: vec![],
             resolved_keys: vec![],
             work_in_flight: false,
             nothing_waited: false,
@@ -356,7 +353,6 @@ impl Claim<'_> {
             candidates: &candidates,
             exception_ids: &exception_ids,
             own_ranges: self.ranges.iter().map(|r| r.first_id).collect(),
-            split_rests: self.split_rests.clone(),
             hold_on_dead: self.group.hold_on_dead,
             lanes: self.lanes.iter().map(|l| l.lane).collect(),
         };
@@ -519,8 +515,7 @@ impl Claim<'_> {
                     // More than the batch has room for: the rest, taken over too, waits for the
                     // next claim as an expired range of its own that no consumer holds.
                     let rest = expired.split_off(room as usize);
-                    range::split(client, stream_id, self.group.id, expired.first_id, &rest, lease::new_token())?;
-                    self.split_rests.push(rest.first_id);
+                    range::split(client, stream_id, self.group.id, expired.first_id, &rest, lease::no_ones_token())?;
                 }
                 let messages: Vec<Message> =
                     messages.into_iter().filter(|m| expired.pending.contains(&m.candidate.message_id)).collect();

@@ -4,7 +4,8 @@
 //! The decision (`gate`) is pure; `gather` reads the facts it needs in a handful of set-based
 //! statements per claim:
 //! - ordered, check 1: the earliest unresolved exception row of the key outside this claim;
-//! - ordered and exclusive, check 2: a same-key message pending in another open range;
+//! - ordered and exclusive, check 2: a same-key message pending in another open range (for
+//!   exclusive, one a consumer holds: not the rest of a split range);
 //! - exclusive: a same-key delivery in flight from the exception queue under another claim;
 //! - compaction: the key's compaction head.
 //!
@@ -79,8 +80,9 @@ pub struct KeyFacts {
     pub unresolved: Option<Blocker>,
     /// Check 2: the earliest same-key message pending in another open range.
     pub pending_elsewhere: Option<Blocker>,
-    /// The same, in another open range that a consumer holds: not the rest of an expired range
-    /// this claim split (taken over, it is no one's).
+    /// The same, in another open range that a consumer holds: not the rest of an expired range a
+    /// claim split (taken over, it is no one's; docs/semantics.md, "Exclusive delivery"). Set
+    /// only with `pending_elsewhere`, never earlier than it.
     pub held_elsewhere: Option<Blocker>,
     /// The earliest same-key exception row in flight under another claim.
     pub inflight_elsewhere: Option<Blocker>,
@@ -198,7 +200,8 @@ pub fn gate(
 ///   key is probed when the group has no unresolved row at all.
 /// - Kind 2, for ordered and exclusive keys `$6`: the earliest same-key message pending in
 ///   another open range (`$5` are this claim's own) of a lane the claim took (`$7`); and, as
-///   `holder`, in one that is not the rest of an expired range this claim split (`$10`).
+///   `holder`, in one that a consumer holds: not the rest of an expired range a claim split,
+///   whose token (version 8, `lease::no_ones_token`) no consumer was handed.
 /// - Kind 3, for exclusive keys `$8`: the earliest same-key exception row in flight outside
 ///   this claim.
 const CHECK: Statement = Statement {
@@ -227,8 +230,8 @@ const CHECK: Statement = Statement {
                                 ORDER BY u.message_id LIMIT 1), false)
           UNION ALL
           SELECT 2, u.message_key, min(u.id), min(r.lease_expires_at),
-                 min(u.id) FILTER (WHERE r.first_id <> ALL($10)),
-                 min(r.lease_expires_at) FILTER (WHERE r.first_id <> ALL($10))
+                 min(u.id) FILTER (WHERE get_byte(uuid_send(r.lease_token), 6) >> 4 <> 8),
+                 min(r.lease_expires_at) FILTER (WHERE get_byte(uuid_send(r.lease_token), 6) >> 4 <> 8)
           FROM sqlstreams.range_lease_@id@ r
           CROSS JOIN LATERAL unnest(r.pending, r.pending_keys) AS u(id, message_key)
           WHERE r.consumer_group_id = $1 AND r.first_id <> ALL($5) AND r.lane = ANY($7)
@@ -259,7 +262,6 @@ const CHECK: Statement = Statement {
         INT4ARRAYOID,
         TEXTARRAYOID,
         BOOLOID,
-        INT8ARRAYOID,
     ],
 };
 
@@ -292,9 +294,6 @@ pub struct GatherInput<'a> {
     pub exception_ids: &'a [i64],
     /// First ids of the ranges this claim hands out (their pending messages are candidates).
     pub own_ranges: Vec<i64>,
-    /// First ids of the rests of expired ranges this claim split: taken over, they are no one's
-    /// deliveries (docs/semantics.md, "Exclusive delivery").
-    pub split_rests: Vec<i64>,
     /// The lanes the claim took.
     pub lanes: Vec<i32>,
     /// The group's `on_dead = 'hold'`: dead rows count for check 1.
@@ -348,7 +347,6 @@ pub fn gather(client: &SpiClient<'_>, input: &GatherInput<'_>) -> Result<Gathere
                 input.lanes.clone().into(),
                 exclusive.into(),
                 input.hold_on_dead.into(),
-                input.split_rests.clone().into(),
             ],
         )?;
         for row in rows {
@@ -488,8 +486,8 @@ mod tests {
     }
 
     #[test]
-    fn the_rest_of_a_range_this_claim_split_holds_no_exclusive_key_but_stays_an_ordered_predecessor() {
-        // Message 150 is pending only in the rest this claim split off an expired range.
+    fn the_rest_of_a_split_range_holds_no_exclusive_key_but_stays_an_ordered_predecessor() {
+        // Message 150 is pending only in the rest a claim split off an expired range.
         let rest =
             KeyFacts { pending_elsewhere: Some(Blocker { message_id: 150, clears_at: NOW }), ..Default::default() };
         let g = gate(

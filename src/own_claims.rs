@@ -114,7 +114,7 @@ pub fn facts(token: pgrx::Uuid) -> Option<Facts> {
 
 /// The lanes of the ranges with a keyed message that this backend's committed claim of `token`
 /// handed out, sorted: every range row under the token that lists a keyed message is in one of
-/// them (a range split off stays in its lane).
+/// them.
 pub fn keyed_lanes(token: pgrx::Uuid) -> Option<Vec<i32>> {
     KNOWN.with(|k| known(&k.borrow(), token).map(|c| c.keyed_lanes.to_vec()))
 }

@@ -1038,6 +1038,21 @@ fn next_due_counts_an_expired_lease_in_a_held_lane_from_the_end_of_the_hold() {
     assert!((599.0..=600.5).contains(&due), "due when the hold ends: {due}");
 }
 
+/// The same for a range: the rest of an expired range that a claim split, in the lane that claim
+/// holds, is due when the hold ends, not now (a consumer following the documented loop would
+/// claim again at once, for nothing, until then).
+#[test]
+fn next_due_counts_an_expired_range_in_a_held_lane_from_the_end_of_the_hold() {
+    let mut c = connect();
+    let (_, g, a1, _) = two_keys_in_one_lane(&mut c, "due-held-range");
+    assert_eq!(g.claim(&mut c, 10).len(), 2, "a consumer that dies");
+    g.expire_leases(&mut c);
+    assert_eq!(ids(&g.try_claim(&mut c, 1, "10 minutes").unwrap()), vec![a1], "the rest is split off");
+    assert!(g.try_claim(&mut c, 10, "10 minutes").unwrap().is_empty(), "the lane is held");
+    let due = due_in(&mut c, &g).expect("the hold ends");
+    assert!((599.0..=600.5).contains(&due), "due when the hold ends: {due}");
+}
+
 #[test]
 fn next_due_needs_the_right_to_inspect_the_group() {
     let mut c = connect();

@@ -781,8 +781,8 @@ fn an_expired_delivery_not_taken_over_still_holds_its_exclusive_key() {
 /// A consumer that claimed a big batch dies; consumers with smaller batches take its expired
 /// ranges over part by part, each splitting one. The rest of a split range is taken over too,
 /// by no one: an exclusive key of the part taken does not wait for it. So a claim hands out work
-/// every time while work is left (on 031804f each came back empty, its messages deferred one by
-/// one behind the rest), no key is ever in two live deliveries, and nothing is lost.
+/// every time while work is left (rather than deferring its messages one by one behind the
+/// rest), no key is ever in two live deliveries, and nothing is lost.
 #[test]
 fn smaller_batches_take_over_expired_exclusive_ranges_without_waiting_for_their_rest() {
     let mut c = connect();
@@ -801,11 +801,24 @@ fn smaller_batches_take_over_expired_exclusive_ranges_without_waiting_for_their_
             assert!(!first.is_empty(), "round {round}: work is left, and no live delivery holds a key");
         }
         let second = g.claim(&mut c, 3);
-        let running: std::collections::HashSet<&str> = first.iter().filter_map(|d| d.message_key.as_deref()).collect();
-        for d in &second {
-            let key = d.message_key.as_deref().unwrap();
-            assert!(!running.contains(key), "round {round}: {key} is in two live deliveries");
-        }
+        let twice: Vec<String> = c
+            .query(
+                &format!(
+                    "SELECT key FROM (SELECT DISTINCT r.lease_token, k.key FROM {r} r, unnest(r.pending_keys) k(key)
+                                      WHERE r.lease_expires_at > now()
+                                      UNION SELECT lease_token, message_key FROM {e}
+                                      WHERE status = 'inflight' AND lease_expires_at > now()) live
+                     GROUP BY key HAVING count(*) > 1",
+                    r = s.table("range_lease"),
+                    e = s.table("exception_queue")
+                ),
+                &[],
+            )
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert!(twice.is_empty(), "round {round}: {twice:?} in two live deliveries");
         for d in first.iter().chain(&second) {
             assert!(g.ack(&mut c, d), "round {round}: {}", d.message_id);
             assert!(acked.insert(d.message_id), "round {round}: {} delivered twice", d.message_id);
@@ -843,8 +856,7 @@ fn split_beside_a_due_row(
 /// The rest a claim splits off an expired range is taken over, by no one: the consumer whose
 /// lease ran out can neither renew it nor record its outcomes, so an exclusive message of its
 /// key runs beside it, and its own message of the key waits for that one when it is handed out
-/// again. (With the rest still the dead consumer's, `extend_lease` renewed it, and a message of
-/// its key ran beside a live delivery of it.)
+/// again.
 #[test]
 fn the_rest_of_a_split_range_is_no_ones_and_holds_no_exclusive_key() {
     let mut c = connect();
@@ -888,4 +900,29 @@ fn a_due_ordered_message_does_not_overtake_its_predecessor_in_a_split_rest() {
     let next = g.claim(&mut c, 10);
     assert_eq!(ids(&next), vec![m2, m3], "{m2} again, and {m3} after it");
     assert_eq!(next[1].run_after, Some(m2), "{m3} starts once {m2} is resolved");
+}
+
+/// The rest of a split range is no one's for every claim, not only the one that split it: when
+/// the consumer that took the first part over dies too, the next claims take that part over
+/// piece by piece, each handing out work while an older rest waits in the lane.
+#[test]
+fn a_rest_split_by_an_earlier_claim_holds_no_exclusive_key_either() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "exclusive-second-death");
+    let g = s.group(&mut c, "g", Some("exclusive"));
+    let produced: Vec<i64> = (0..10).map(|_| s.produce(&mut c, json!({}), Some("k"))).collect();
+    assert_eq!(ids(&g.claim(&mut c, 100)), produced, "the consumer that dies first");
+    g.expire_leases(&mut c);
+    assert_eq!(ids(&g.claim(&mut c, 5)), produced[..5], "the one that takes the first five over, and dies");
+    g.expire_leases(&mut c);
+    let mut acked = Vec::new();
+    while acked.len() < produced.len() {
+        let taken = g.claim(&mut c, 2);
+        assert!(!taken.is_empty(), "after {acked:?}: work is left and no live delivery holds k");
+        for d in &taken {
+            assert!(g.ack(&mut c, d));
+            acked.push(d.message_id);
+        }
+    }
+    assert_eq!(acked, produced, "every message once, in order (one lane, one key)");
 }

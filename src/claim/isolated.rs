@@ -55,7 +55,6 @@ impl Claim<'_> {
             candidates: &candidates,
             exception_ids: &ids,
             own_ranges: vec![],
-            split_rests: vec![],
             lanes: vec![lane],
             hold_on_dead: self.group.hold_on_dead,
         };

@@ -183,8 +183,8 @@ where
     }
 
     /// True when `row` must not start, and with it `rest`, the rows after it in its chain:
-    /// the consumer is shutting down (they are released) or their lease is lost. They are
-    /// then counted and finished.
+    /// the consumer is shutting down (they are released) or their lease is lost (released too
+    /// when it ran out here before it was renewed). They are then counted and finished.
     async fn held_back(&self, row: &Claimed, rest: &[Claimed]) -> bool {
         let rows = || std::iter::once(row).chain(rest);
         let event = if self.cancel.is_cancelled() {
@@ -192,6 +192,10 @@ where
             self.counters.add(Event::Released, released.len() as u64);
             Event::Released
         } else if !self.leases.covers(row.token, self.config.handler_timeout).await {
+            if self.leases.lapsed(row.token) {
+                // What is still this consumer's comes again at once, not after the renewed lease.
+                self.writer.release(row.token, rows().map(|r| r.id).collect()).await;
+            }
             self.counters.add(Event::LeaseLost, 1 + rest.len() as u64);
             Event::LeaseLost
         } else {

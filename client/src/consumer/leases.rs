@@ -19,7 +19,23 @@ struct Held {
     unfinished: usize,
     /// When the lease runs out, as far as this consumer knows.
     expires: Instant,
+    /// `extend_lease` answered that the token holds nothing any more.
     lost: bool,
+    /// The lease ran out here before a renewal reached the server. `extend_lease` renews what no
+    /// other consumer took over meanwhile, which may be less than the claim (a claim that takes
+    /// part of an expired range over takes the rest over too), so no row of the claim starts
+    /// here any more (docs/sql-api.md, "Writing a consumer", step 4).
+    lapsed: bool,
+}
+
+impl Held {
+    /// Records a renewal asked at `asked_at` that the server answered with true; returns whether
+    /// the claim's rows may still start.
+    fn renewed(&mut self, asked_at: Instant, lease: Duration) -> bool {
+        self.lapsed |= self.expires <= asked_at;
+        self.expires = asked_at + lease;
+        !self.lapsed
+    }
 }
 
 pub(crate) struct LeaseBook {
@@ -37,7 +53,7 @@ impl LeaseBook {
 
     /// Starts tracking a claim of `rows` rows taken at `claimed_at`.
     pub fn track(&self, token: Uuid, rows: usize, claimed_at: Instant) {
-        let held = Held { unfinished: rows, expires: claimed_at + self.lease, lost: false };
+        let held = Held { unfinished: rows, expires: claimed_at + self.lease, lost: false, lapsed: false };
         self.held.lock().unwrap().insert(token, held);
     }
 
@@ -56,7 +72,7 @@ impl LeaseBook {
     /// when the lease is lost: the row must not start.
     pub async fn covers(&self, token: Uuid, needed: Duration) -> bool {
         let expires = match self.held.lock().unwrap().get(&token) {
-            Some(h) if h.lost => return false,
+            Some(h) if h.lost || h.lapsed => return false,
             Some(h) => h.expires,
             None => return false,
         };
@@ -64,6 +80,11 @@ impl LeaseBook {
             return true;
         }
         self.extend(token).await && needed <= self.lease
+    }
+
+    /// Whether the lease of `token` ran out here before a renewal reached the server (`Held`).
+    pub fn lapsed(&self, token: Uuid) -> bool {
+        self.held.lock().unwrap().get(&token).is_some_and(|h| h.lapsed)
     }
 
     /// Extends every lease with unfinished rows; run it every third of the lease.
@@ -91,8 +112,12 @@ impl LeaseBook {
         let Some(h) = held.get_mut(&token) else { return false };
         match result {
             Ok(true) => {
-                h.expires = asked_at + self.lease;
-                true
+                let went_on = !h.lapsed;
+                let may_start = h.renewed(asked_at, self.lease);
+                if went_on && !may_start {
+                    warn!(%token, "sqlstreams: lease ran out before it was extended; its unstarted rows are given back");
+                }
+                may_start
             }
             Ok(false) => {
                 warn!(%token, "sqlstreams: lease lost; its unstarted rows will not run here");
@@ -102,5 +127,25 @@ impl LeaseBook {
             // Unknown (a lost connection): keep the old expiry and let the next beat try again.
             Err(_) => h.expires.saturating_duration_since(Instant::now()) > Duration::ZERO,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LEASE: Duration = Duration::from_secs(30);
+
+    #[test]
+    fn a_lease_renewed_after_it_ran_out_here_starts_no_more_rows() {
+        let now = Instant::now();
+        let mut held = Held { unfinished: 3, expires: now + Duration::from_secs(5), lost: false, lapsed: false };
+        assert!(held.renewed(now, LEASE), "renewed in time");
+        assert_eq!(held.expires, now + LEASE);
+        let late = now + LEASE + Duration::from_secs(1);
+        assert!(!held.renewed(late, LEASE), "renewed after it ran out");
+        assert!(held.lapsed);
+        assert!(!held.renewed(late + Duration::from_secs(1), LEASE), "and for good");
+        assert_eq!(held.expires, late + Duration::from_secs(1) + LEASE, "still kept alive for rows running");
     }
 }

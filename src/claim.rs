@@ -42,7 +42,6 @@ use crate::group::GroupRef;
 use crate::key::Key;
 use crate::key_gate::{self, Candidate, GatherInput, Verdict};
 use crate::lanes::{self, Lane};
-use crate::lease;
 use crate::locks;
 use crate::message::{self, Address, Message, Meta};
 use crate::notify;
@@ -54,6 +53,7 @@ use crate::quiet;
 use crate::range::{self, RangeLease};
 use crate::retention;
 use crate::statement::{self, Columns, Statement};
+use crate::token;
 
 mod calls;
 mod isolated;
@@ -240,7 +240,7 @@ pub fn claim(
             lanes: vec![],
             ranges: vec![],
             now,
-            token: lease::new_token(),
+            token: token::new(),
             expires: now.saturating_add(lease_micros),
             batch,
             work: vec![],
@@ -515,7 +515,7 @@ impl Claim<'_> {
                     // More than the batch has room for: the rest, taken over too, waits for the
                     // next claim as an expired range of its own that no consumer holds.
                     let rest = expired.split_off(room as usize);
-                    range::split(client, stream_id, self.group.id, expired.first_id, &rest, lease::no_ones_token())?;
+                    range::split(client, stream_id, self.group.id, expired.first_id, &rest, token::no_ones())?;
                 }
                 let messages: Vec<Message> =
                     messages.into_iter().filter(|m| expired.pending.contains(&m.candidate.message_id)).collect();

@@ -43,8 +43,9 @@ macro_rules! earliest_claimable {
 /// paused group, which `resume_group` wakes with a NOTIFY. A row parked behind a held dead row
 /// waits for no time (`infinity`): what frees it notifies. A waiting row, an inflight row or a
 /// range whose lease ran out, in a lane another delivery holds waits for the hold: its
-/// `held_until`, or the outcomes that free it (which notify). (A range in a lane its own claim
-/// holds expires with the hold or before it.) So after a consumer crashed holding lanes with
+/// `held_until`, or the outcomes that free it (which notify). Running range leases are one probe
+/// of their index; expired ranges, as a rule none or a few (the next claim of their lane takes
+/// them), are each looked up with their lane. So after a consumer crashed holding lanes with
 /// retries due in them, the others sleep until its holds run out, rather than claiming
 /// nothing, again and again, until their poll interval.
 const NEXT_DUE: Statement = Statement {
@@ -60,11 +61,12 @@ const NEXT_DUE: Statement = Statement {
                 ",
         earliest_claimable!("lease_expires_at", crate::exception_queue::in_flight!("e")),
         ",
-                (SELECT min(CASE WHEN $3 THEN greatest(r.lease_expires_at, l.held_until) ELSE r.lease_expires_at END)
-                 FROM sqlstreams.range_lease_@id@ r
+                (SELECT r.lease_expires_at FROM sqlstreams.range_lease_@id@ r
+                 WHERE r.consumer_group_id = $1 AND r.lease_expires_at > $2 ORDER BY r.lease_expires_at LIMIT 1),
+                (SELECT min(greatest(r.lease_expires_at, l.held_until)) FROM sqlstreams.range_lease_@id@ r
                  LEFT JOIN sqlstreams.lane_@id@ l
-                   ON l.consumer_group_id = $1 AND l.lane = r.lane AND l.held_until > $2
-                 WHERE r.consumer_group_id = $1),
+                   ON $3 AND l.consumer_group_id = $1 AND l.lane = r.lane AND l.held_until > $2
+                 WHERE r.consumer_group_id = $1 AND r.lease_expires_at <= $2),
                 (SELECT min(held_until) FROM sqlstreams.lane_@id@
                  WHERE consumer_group_id = $1 AND held_by IS NOT NULL)) END AS due
           FROM sqlstreams.consumer_group g WHERE g.id = $1"

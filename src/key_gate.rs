@@ -43,6 +43,7 @@ use crate::concurrency::Concurrency;
 use crate::error::Result;
 use crate::key::Key;
 use crate::statement::{Columns, Statement};
+use crate::token::held_by_a_consumer;
 
 mod any_blocker;
 
@@ -201,12 +202,13 @@ pub fn gate(
 /// - Kind 2, for ordered and exclusive keys `$6`: the earliest same-key message pending in
 ///   another open range (`$5` are this claim's own) of a lane the claim took (`$7`); and, as
 ///   `holder`, in one that a consumer holds: not the rest of an expired range a claim split,
-///   whose token (version 8, `lease::no_ones_token`) no consumer was handed.
+///   whose token (version 8, `token::no_ones`) no consumer was handed.
 /// - Kind 3, for exclusive keys `$8`: the earliest same-key exception row in flight outside
 ///   this claim.
 const CHECK: Statement = Statement {
     name: "gate_check",
-    sql: "SELECT 1 AS kind, k.message_key, b.message_id AS blocker, b.clears_at,
+    sql: concat!(
+        "SELECT 1 AS kind, k.message_key, b.message_id AS blocker, b.clears_at,
                  NULL::bigint AS holder, NULL::timestamptz AS holder_clears
           FROM unnest($2::text[], $3::bigint[]) AS k(message_key, upto)
           CROSS JOIN LATERAL (
@@ -230,8 +232,12 @@ const CHECK: Statement = Statement {
                                 ORDER BY u.message_id LIMIT 1), false)
           UNION ALL
           SELECT 2, u.message_key, min(u.id), min(r.lease_expires_at),
-                 min(u.id) FILTER (WHERE get_byte(uuid_send(r.lease_token), 6) >> 4 <> 8),
-                 min(r.lease_expires_at) FILTER (WHERE get_byte(uuid_send(r.lease_token), 6) >> 4 <> 8)
+                 min(u.id) FILTER (WHERE ",
+        held_by_a_consumer!("r.lease_token"),
+        "),
+                 min(r.lease_expires_at) FILTER (WHERE ",
+        held_by_a_consumer!("r.lease_token"),
+        ")
           FROM sqlstreams.range_lease_@id@ r
           CROSS JOIN LATERAL unnest(r.pending, r.pending_keys) AS u(id, message_key)
           WHERE r.consumer_group_id = $1 AND r.first_id <> ALL($5) AND r.lane = ANY($7)
@@ -251,7 +257,8 @@ const CHECK: Statement = Statement {
           FROM sqlstreams.exception_queue_@id@ e
           WHERE e.consumer_group_id = $1 AND e.message_key = ANY($8) AND e.status = 'inflight'
             AND e.message_id <> ALL($4)
-          GROUP BY e.message_key",
+          GROUP BY e.message_key"
+    ),
     params: &[
         INT8OID,
         TEXTARRAYOID,

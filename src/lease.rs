@@ -23,18 +23,6 @@ use crate::range;
 use crate::statement::{self, Access, Columns, Statement};
 use crate::text::Text;
 
-/// A new lease token for a claim: random (version 4).
-pub fn new_token() -> pgrx::Uuid {
-    pgrx::Uuid::from_bytes(*uuid::Uuid::new_v4().as_bytes())
-}
-
-/// A new token that no claim hands out, for the rest of an expired range a claim split
-/// (src/range.rs, `split`): random too, but version 8, which no claim mints, so every claim's key
-/// gate tells such a range, which no consumer holds, from a consumer's (src/key_gate.rs, check 2).
-pub fn no_ones_token() -> pgrx::Uuid {
-    pgrx::Uuid::from_bytes(*uuid::Uuid::new_v8(*uuid::Uuid::new_v4().as_bytes()).as_bytes())
-}
-
 /// Locks everything `token` holds, so the new expiry is computed after any wait for it.
 const LOCK_HELD: Statement = Statement {
     name: "lease_lock_held",
@@ -173,19 +161,4 @@ fn break_lease(
     crate::standby::refuse_writes("break_lease")?;
     let a = Answer::validate(stream.as_deref(), group_name.as_deref(), lease_token)?;
     Ok(break_now(a.stream, a.group, a.token)?)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The key gate reads a token's version as `get_byte(uuid_send(token), 6) >> 4`.
-    #[test]
-    fn no_ones_tokens_are_of_the_version_no_claim_mints() {
-        for _ in 0..100 {
-            assert_eq!(new_token().as_bytes()[6] >> 4, 4);
-            assert_eq!(no_ones_token().as_bytes()[6] >> 4, 8);
-        }
-        assert_ne!(no_ones_token(), no_ones_token(), "random");
-    }
 }

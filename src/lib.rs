@@ -60,6 +60,7 @@ mod standby;
 mod statement;
 mod stream;
 mod text;
+mod token;
 mod transient;
 mod version;
 mod worker;

@@ -503,7 +503,7 @@ fn keys_arg(keys: &[Option<String>]) -> DatumWithOid<'static> {
 }
 
 /// Stores `rest`, split off range `first_id` (see `RangeLease::split_off`), under `token`: a
-/// new one that no consumer holds (`lease::no_ones_token`).
+/// new one that no consumer holds (`token::no_ones`).
 pub fn split(
     client: &SpiClient<'_>,
     stream_id: i64,

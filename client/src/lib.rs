@@ -74,7 +74,9 @@
 //! for longer than the lease), the lease expires and another consumer may run the same
 //! messages, possibly while an old handler that ignored cancellation still runs. So keep
 //! handlers idempotent, pass [`Delivery::cancellation`] to blocking calls, and finish before
-//! [`Delivery::deadline`].
+//! [`Delivery::deadline`]. A claim whose lease ran out here before a renewal was answered starts
+//! no more of its messages: it gives them back (another consumer may have taken part of the
+//! claim over meanwhile), and they come again.
 //!
 //! Within those limits, a group's policy holds across all its consumers: an `Ordered` key never
 //! starts a message before every earlier message of the key succeeded or was dead-lettered, and

@@ -192,11 +192,13 @@ where
             self.counters.add(Event::Released, released.len() as u64);
             Event::Released
         } else if !self.leases.covers(row.token, self.config.handler_timeout).await {
+            let mut given_back = 0;
             if self.leases.lapsed(row.token) {
                 // What is still this consumer's comes again at once, not after the renewed lease.
-                self.writer.release(row.token, rows().map(|r| r.id).collect()).await;
+                given_back = self.writer.release(row.token, rows().map(|r| r.id).collect()).await.len();
+                self.counters.add(Event::Released, given_back as u64);
             }
-            self.counters.add(Event::LeaseLost, 1 + rest.len() as u64);
+            self.counters.add(Event::LeaseLost, (1 + rest.len()).saturating_sub(given_back) as u64);
             Event::LeaseLost
         } else {
             return false;

@@ -21,20 +21,27 @@ struct Held {
     expires: Instant,
     /// `extend_lease` answered that the token holds nothing any more.
     lost: bool,
-    /// The lease ran out here before a renewal reached the server. `extend_lease` renews what no
-    /// other consumer took over meanwhile, which may be less than the claim (a claim that takes
-    /// part of an expired range over takes the rest over too), so no row of the claim starts
-    /// here any more (docs/sql-api.md, "Writing a consumer", step 4).
+    /// A renewal was answered only after the lease had run out here. `extend_lease` renews what
+    /// no other consumer took over meanwhile, which may be less than the claim (a claim that
+    /// takes part of an expired range over takes the rest over too), so no row of the claim
+    /// starts here any more (docs/sql-api.md, "The consumer loop", step 4). An answer that came
+    /// before proves the renewal ran before the server's expiry, which is later than the one
+    /// here: both count from times read before the request was sent.
     lapsed: bool,
 }
 
 impl Held {
-    /// Records a renewal asked at `asked_at` that the server answered with true; returns whether
-    /// the claim's rows may still start.
-    fn renewed(&mut self, asked_at: Instant, lease: Duration) -> bool {
-        self.lapsed |= self.expires <= asked_at;
+    /// Records a renewal sent at `asked_at` and answered with true at `answered_at`; returns
+    /// whether the claim's rows may still start.
+    fn renewed(&mut self, asked_at: Instant, answered_at: Instant, lease: Duration) -> bool {
+        self.lapsed |= self.expires <= answered_at;
         self.expires = asked_at + lease;
         !self.lapsed
+    }
+
+    /// Whether the claim's rows may start with `needed` of lease left from now.
+    fn covers(&self, needed: Duration) -> bool {
+        !self.lost && !self.lapsed && self.expires.saturating_duration_since(Instant::now()) >= needed
     }
 }
 
@@ -69,17 +76,17 @@ impl LeaseBook {
     }
 
     /// True when the lease covers `needed` from now, extending it first if it does not. False
-    /// when the lease is lost: the row must not start.
+    /// when the lease is lost, lapsed, or could not be extended to cover `needed`: the row must
+    /// not start.
     pub async fn covers(&self, token: Uuid, needed: Duration) -> bool {
-        let expires = match self.held.lock().unwrap().get(&token) {
+        match self.held.lock().unwrap().get(&token) {
             Some(h) if h.lost || h.lapsed => return false,
-            Some(h) => h.expires,
+            Some(h) if h.covers(needed) => return true,
+            Some(_) => {}
             None => return false,
-        };
-        if expires.saturating_duration_since(Instant::now()) >= needed {
-            return true;
         }
-        self.extend(token).await && needed <= self.lease
+        self.extend(token).await;
+        self.held.lock().unwrap().get(&token).is_some_and(|h| h.covers(needed))
     }
 
     /// Whether the lease of `token` ran out here before a renewal reached the server (`Held`).
@@ -95,37 +102,38 @@ impl LeaseBook {
         }
     }
 
-    async fn extend(&self, token: Uuid) -> bool {
-        let asked_at = Instant::now();
+    /// Asks the server to extend the lease of `token`, and records the answer (`Held`).
+    async fn extend(&self, token: Uuid) {
+        let mut asked_at = Instant::now();
         let result = match self.pool.conn().await {
             Ok(conn) => match conn.prepare_cached(sql::EXTEND_LEASE).await {
                 Err(e) => Err(e.into()),
-                Ok(extend) => conn
-                    .query_one(&extend, &[&self.stream, &self.group, &token, &self.lease.as_secs_f64()])
-                    .await
-                    .map(|r| r.get::<_, bool>(0))
-                    .map_err(crate::Error::from),
+                Ok(extend) => {
+                    asked_at = Instant::now();
+                    conn.query_one(&extend, &[&self.stream, &self.group, &token, &self.lease.as_secs_f64()])
+                        .await
+                        .map(|r| r.get::<_, bool>(0))
+                        .map_err(crate::Error::from)
+                }
             },
             Err(e) => Err(e),
         };
+        let answered_at = Instant::now();
         let mut held = self.held.lock().unwrap();
-        let Some(h) = held.get_mut(&token) else { return false };
+        let Some(h) = held.get_mut(&token) else { return };
         match result {
             Ok(true) => {
                 let went_on = !h.lapsed;
-                let may_start = h.renewed(asked_at, self.lease);
-                if went_on && !may_start {
-                    warn!(%token, "sqlstreams: lease ran out before it was extended; its unstarted rows are given back");
+                if !h.renewed(asked_at, answered_at, self.lease) && went_on && h.unfinished > 0 {
+                    warn!(%token, "sqlstreams: lease ran out before it was extended; no more of its rows start here");
                 }
-                may_start
             }
             Ok(false) => {
                 warn!(%token, "sqlstreams: lease lost; its unstarted rows will not run here");
                 h.lost = true;
-                false
             }
             // Unknown (a lost connection): keep the old expiry and let the next beat try again.
-            Err(_) => h.expires.saturating_duration_since(Instant::now()) > Duration::ZERO,
+            Err(_) => {}
         }
     }
 }
@@ -139,13 +147,26 @@ mod tests {
     #[test]
     fn a_lease_renewed_after_it_ran_out_here_starts_no_more_rows() {
         let now = Instant::now();
-        let mut held = Held { unfinished: 3, expires: now + Duration::from_secs(5), lost: false, lapsed: false };
-        assert!(held.renewed(now, LEASE), "renewed in time");
-        assert_eq!(held.expires, now + LEASE);
-        let late = now + LEASE + Duration::from_secs(1);
-        assert!(!held.renewed(late, LEASE), "renewed after it ran out");
+        let secs = Duration::from_secs;
+        let mut held = Held { unfinished: 3, expires: now + secs(5), lost: false, lapsed: false };
+        assert!(held.renewed(now, now + secs(1), LEASE), "answered in time");
+        assert_eq!(held.expires, now + LEASE, "counted from the asking");
+        assert!(held.covers(secs(10)));
+        // Asked before the lease ran out here, answered after: the server may have renewed
+        // after its own expiry, once another claim took part of the claim over.
+        assert!(!held.renewed(now + LEASE - secs(1), now + LEASE + secs(1), LEASE), "answered too late");
         assert!(held.lapsed);
-        assert!(!held.renewed(late + Duration::from_secs(1), LEASE), "and for good");
-        assert_eq!(held.expires, late + Duration::from_secs(1) + LEASE, "still kept alive for rows running");
+        assert!(!held.covers(secs(1)), "no row starts");
+        let later = now + LEASE + secs(2);
+        assert!(!held.renewed(later, later, LEASE), "and for good");
+        assert_eq!(held.expires, later + LEASE, "still kept alive for the rows running");
+    }
+
+    #[test]
+    fn a_lease_that_cannot_cover_the_handler_starts_no_row() {
+        let secs = Duration::from_secs;
+        let held = Held { unfinished: 1, expires: Instant::now() + secs(1), lost: false, lapsed: false };
+        assert!(!held.covers(secs(10)), "a second left for a ten-second handler");
+        assert!(held.covers(Duration::ZERO));
     }
 }

@@ -187,7 +187,8 @@ pub struct Metrics {
     /// Chained deliveries not started because an earlier one of their key did not resolve
     /// (the server recorded them deferred).
     pub deferred: u64,
-    /// Deliveries given back unstarted (at shutdown).
+    /// Deliveries given back unstarted (at shutdown, or once their claim's lease ran out here
+    /// before a renewal was answered).
     pub released: u64,
     /// Deliveries whose lease was lost before their outcome was recorded.
     pub lease_lost: u64,

@@ -22,6 +22,7 @@ use crate::outcome;
 use crate::range;
 use crate::statement::{self, Access, Columns, Statement};
 use crate::text::Text;
+use crate::token;
 
 /// Locks everything `token` holds, so the new expiry is computed after any wait for it.
 const LOCK_HELD: Statement = Statement {
@@ -68,6 +69,9 @@ fn set_expiry(
     lease_micros: i64,
     unexpired_only: bool,
 ) -> Result<bool> {
+    if token::is_no_ones(token) {
+        return Ok(false);
+    }
     locks::token(token);
     LOCK_HELD.run(client, group.stream.id, &[group.id.into(), token.into()])?;
     let now = clock::now();

@@ -26,6 +26,7 @@ use pgrx::{pg_sys, IntoDatum};
 use crate::error::Result;
 use crate::message::Address;
 use crate::statement::{self, Access, Columns, Statement};
+use crate::token;
 
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RangeLease {
@@ -337,8 +338,11 @@ impl Ranges {
 /// The open ranges leased under `token`, locked, for an outcome. A lease that expired but was
 /// not taken over still counts. A claim that took an expired range over while this waited for
 /// its lock gave it a token of its own, and the rest it split off one no consumer holds
-/// (`split`): neither is read.
+/// (`split`): neither is read. Nor is anything under such a token, whoever names it.
 pub fn for_token(client: &SpiClient<'_>, stream_id: i64, group_id: i64, token: pgrx::Uuid) -> Result<Ranges> {
+    if token::is_no_ones(token) {
+        return Ok(Ranges { token, ranges: vec![] });
+    }
     let ranges: Vec<RangeLease> = FOR_TOKEN
         .run(client, stream_id, &[group_id.into(), token.into()])?
         .map(|row| Ok(from_row(&row)?.1))

@@ -14,6 +14,12 @@ pub fn no_ones() -> pgrx::Uuid {
     pgrx::Uuid::from_bytes(*uuid::Uuid::new_v8(*uuid::Uuid::new_v4().as_bytes()).as_bytes())
 }
 
+/// Whether `token` is one `no_ones` minted: a call that names it answers as for a lease lost,
+/// whoever read it (`open_leases` lists it), so no one can renew or resolve what it holds.
+pub fn is_no_ones(token: pgrx::Uuid) -> bool {
+    token.as_bytes()[6] >> 4 == 8
+}
+
 /// SQL: whether the token `$token` (an expression) may be a consumer's, not `no_ones`'s:
 /// its version, the high half of its seventh byte, is not 8.
 macro_rules! held_by_a_consumer {
@@ -34,6 +40,7 @@ mod tests {
         for _ in 0..100 {
             assert_eq!(new().as_bytes()[6] >> 4, 4);
             assert_eq!(no_ones().as_bytes()[6] >> 4, 8);
+            assert!(is_no_ones(no_ones()) && !is_no_ones(new()));
         }
         assert_ne!(no_ones(), no_ones(), "random");
     }

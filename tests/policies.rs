@@ -926,3 +926,52 @@ fn a_rest_split_by_an_earlier_claim_holds_no_exclusive_key_either() {
     }
     assert_eq!(acked, produced, "every message once, in order (one lane, one key)");
 }
+
+/// A rest's token is listed by `open_leases`, but no call can act with it: whoever names it is
+/// answered as for a lease lost, and the rest waits, expired, for the next claim of its lane.
+#[test]
+fn no_call_acts_with_the_token_of_a_rest() {
+    let mut c = connect();
+    let (g, _dead, taken, [m1, m2, m3]) = split_beside_a_due_row(&mut c, "exclusive-rest-token", "exclusive");
+    assert_eq!(ids(&taken), vec![m1, m3]);
+    let rest: uuid::Uuid = c
+        .query_one(
+            "SELECT lease_token FROM sqlstreams.open_leases($1, 'g') WHERE kind = 'range' AND first_id = $2",
+            &[&g.stream.name, &m2],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(rest.get_version_num(), 8, "no claim hands such a token out");
+    let (name, m) = (&g.stream.name, &m2);
+    let one = |c: &mut Client, sql: &str| c.query_one(sql, &[name, &rest, m]).unwrap();
+    assert!(!one(&mut c, "SELECT sqlstreams.extend_lease($1, 'g', $2) AND $3::int8 > 0").get::<_, bool>(0));
+    assert!(!one(&mut c, "SELECT sqlstreams.ack($1, 'g', $2, $3)").get::<_, bool>(0));
+    assert!(!one(&mut c, "SELECT sqlstreams.delay($1, 'g', $2, $3, '1 minute')").get::<_, bool>(0));
+    assert_eq!(one(&mut c, "SELECT sqlstreams.fail($1, 'g', $2, $3, 'no')").get::<_, Option<String>>(0), None);
+    assert_eq!(
+        one(&mut c, "SELECT cardinality(sqlstreams.release($1::text, 'g', $2::uuid, ARRAY[$3::int8]))")
+            .get::<_, i32>(0),
+        0
+    );
+    assert!(!one(&mut c, "SELECT sqlstreams.break_lease($1, 'g', $2) AND $3::int8 > 0").get::<_, bool>(0));
+    let carried = c
+        .query(
+            "SELECT 1 FROM sqlstreams.claim($1, 'g', 10, ack_lease_token => $2, ack_message_ids => ARRAY[$3::int8])",
+            &[name, &rest, m],
+        )
+        .unwrap();
+    assert!(carried.is_empty(), "the lane is held, and the carried ack recorded nothing");
+    let expired: bool = c
+        .query_one(
+            &format!("SELECT lease_expires_at <= now() FROM {} WHERE first_id = $1", g.stream.table("range_lease")),
+            &[&m2],
+        )
+        .unwrap()
+        .get(0);
+    assert!(expired, "the rest still waits for the next claim");
+    for d in &taken {
+        assert!(g.ack(&mut c, d));
+    }
+    g.make_due(&mut c);
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![m2], "{m2} is handed out, unresolved");
+}

@@ -107,7 +107,8 @@ struct KeyState {
     chain_tail: Option<i64>,
     /// Set once a gated row of the key waits: every later gated row of the key waits too.
     blocked_until: Option<i64>,
-    /// A parallel row of the key runs in this result (an ordered row must not overtake it).
+    /// A parallel row of the key runs in this result (an ordered or exclusive row must not run
+    /// beside it).
     parallel_running: bool,
     /// An exclusive row of the key runs in this result: the key's later exclusive rows chain.
     exclusive_running: bool,
@@ -167,10 +168,15 @@ pub fn gate(
                 .flatten()
                 .min(),
                 // Exclusive ignores a waiting retry (it may overtake it), but never runs beside
-                // another delivery of its key.
-                Concurrency::Exclusive if !state.exclusive_running => {
-                    [any(facts.held_elsewhere), any(facts.inflight_elsewhere)].into_iter().flatten().min()
-                }
+                // another delivery of its key: elsewhere, or a parallel one of this result.
+                Concurrency::Exclusive if !state.exclusive_running => [
+                    any(facts.held_elsewhere),
+                    any(facts.inflight_elsewhere),
+                    state.parallel_running.then_some(lease_expires),
+                ]
+                .into_iter()
+                .flatten()
+                .min(),
                 _ => None,
             };
             if let Some(clears_at) = blocked {
@@ -467,6 +473,12 @@ mod tests {
     #[test]
     fn ordered_waits_for_an_earlier_parallel_row_of_the_same_result() {
         let g = gate(&[c(101, Some("k"), Parallel), c(102, Some("k"), Ordered)], &HashMap::new(), LEASE, NOW, false);
+        assert_eq!(g, vec![run(None), Verdict::Defer { until: LEASE }]);
+    }
+
+    #[test]
+    fn exclusive_waits_for_a_parallel_row_of_the_same_result() {
+        let g = gate(&[c(101, Some("k"), Parallel), c(102, Some("k"), Exclusive)], &HashMap::new(), LEASE, NOW, false);
         assert_eq!(g, vec![run(None), Verdict::Defer { until: LEASE }]);
     }
 

@@ -405,6 +405,21 @@ fn ordered_waits_for_an_earlier_parallel_message_of_its_key() {
     assert_eq!(ids(&g.claim(&mut c, 10)), vec![ord]);
 }
 
+/// An exclusive message never runs beside a delivery of its key, a parallel one of the same
+/// claim result included (docs/semantics.md, "Mixing policies on one key").
+#[test]
+fn exclusive_waits_for_a_parallel_message_of_its_key_in_the_same_result() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "mixed-exclusive");
+    let g = s.group(&mut c, "g", None);
+    let par = s.produce_with(&mut c, json!({}), Some("k"), Some("parallel"), false).unwrap().unwrap();
+    let exc = s.produce_with(&mut c, json!({}), Some("k"), Some("exclusive"), false).unwrap().unwrap();
+    let batch = g.claim(&mut c, 10);
+    assert_eq!(ids(&batch), vec![par], "{exc} must not run beside {par}");
+    assert!(g.ack(&mut c, &batch[0]));
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![exc], "woken by the ack");
+}
+
 #[test]
 fn compaction_supersedes_deferred_updates() {
     let mut c = connect();

@@ -9,9 +9,11 @@
 //!    returns at once, and it wrote nothing unless the fence moved.
 //! 4. Candidates, from each lane taken: a due isolated row alone (a message of a quarantined
 //!    range: the claim hands out nothing else; one that waits for its key is parked, and the
-//!    claim goes on: src/claim/isolated.rs), else due exception rows (retries, delays, woken or
-//!    expired rows), the lane's oldest expired range handed out again (or quarantined after
-//!    `max_reclaims`), and a range of the lane's next messages up to the safe head.
+//!    claim goes on: src/claim/isolated.rs), else the lane's oldest work first: due exception
+//!    rows (retries, delays, woken or expired rows) before its oldest expired range's messages,
+//!    its expired ranges handed out again (or quarantined after `max_reclaims`:
+//!    src/claim/takeover.rs), the due rows after them, and a range of the lane's next messages up
+//!    to the safe head.
 //! 5. Gate them (src/key_gate.rs), record every verdict, lease the ranges, store each
 //!    lane's position and hold, return the runs. Now and then, a retention step for the
 //!    stream (src/retention.rs).
@@ -57,6 +59,7 @@ use crate::token;
 
 mod calls;
 mod isolated;
+mod takeover;
 
 /// Largest `batch_size` a claim accepts.
 pub const MAX_BATCH: i32 = 10_000;
@@ -81,12 +84,13 @@ pub struct Delivery {
 /// deliveries. Their messages are read by id afterwards (`message::by_id`), from the partitions
 /// that hold them.
 macro_rules! due_rows {
-    ($isolated:literal, $limit:literal) => {
+    ($isolated:literal, $ids:literal, $limit:literal) => {
         concat!(
             "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane
              FROM sqlstreams.exception_queue_@id@ e
              WHERE e.consumer_group_id = $1 AND e.lane = $3 AND e.isolated = ",
             $isolated,
+            $ids,
             " AND ",
             crate::exception_queue::due_or_expired!("e", "$2"),
             "
@@ -99,15 +103,19 @@ macro_rules! due_rows {
     };
 }
 
+/// Up to `$4` of them, of ids in `[$5, $6)`.
 const DUE_ROWS: Statement = Statement {
     name: "claim_due_rows",
-    sql: due_rows!("false", "$4"),
-    params: &[INT8OID, TIMESTAMPTZOID, INT4OID, INT4OID],
+    sql: due_rows!("false", " AND e.message_id >= $5 AND e.message_id < $6", "$4"),
+    params: &[INT8OID, TIMESTAMPTZOID, INT4OID, INT4OID, INT8OID, INT8OID],
 };
 
 /// The oldest due row of a quarantined range: it is handed out alone.
-const DUE_ISOLATED: Statement =
-    Statement { name: "claim_due_isolated", sql: due_rows!("true", "1"), params: &[INT8OID, TIMESTAMPTZOID, INT4OID] };
+const DUE_ISOLATED: Statement = Statement {
+    name: "claim_due_isolated",
+    sql: due_rows!("true", "", "1"),
+    params: &[INT8OID, TIMESTAMPTZOID, INT4OID],
+};
 
 /// A message the claim could hand out: what the gate decides on, and the rest.
 struct Work {
@@ -311,13 +319,7 @@ impl Claim<'_> {
                 self.lanes.push(lane);
                 break;
             }
-            if candidate.due_rows {
-                self.collect_rows(client, lane.lane, room)?;
-            }
-            let room = self.batch - self.work.len() as i32;
-            if room > 0 {
-                self.collect_range(client, &mut lane, safe, room, candidate.expired_range)?;
-            }
+            self.collect_lane(client, &mut lane, &candidate, safe)?;
             if self.work.len() > before {
                 with_work += 1;
             }
@@ -423,13 +425,55 @@ impl Claim<'_> {
         Ok(())
     }
 
-    /// Due exception rows of `lane`, up to `room`.
-    fn collect_rows(&mut self, client: &SpiClient<'_>, lane: i32, room: i32) -> Result<()> {
-        let rows = DUE_ROWS.run(
-            client,
-            self.group.stream.id,
-            &[self.group.id.into(), statement::timestamptz(self.now), lane.into(), room.into()],
-        )?;
+    /// Room left in the batch.
+    fn room(&self) -> i32 {
+        self.batch - self.work.len() as i32
+    }
+
+    /// A lane's work, oldest first, while the batch has room: its due rows before its oldest
+    /// expired range, the expired ranges taken over, its due rows after them, then a range of its
+    /// next messages. Due rows after an expired range's messages would wait for them (an ordered
+    /// key's predecessors; an exclusive key's delivery, which its consumer may still renew), so
+    /// taken first, with the room for a part only, they would wait claim after claim.
+    fn collect_lane(
+        &mut self,
+        client: &SpiClient<'_>,
+        lane: &mut Lane,
+        candidate: &lanes::Candidate,
+        safe: i64,
+    ) -> Result<()> {
+        let expired = match candidate.expired_range {
+            true => range::oldest_expired(client, self.group.stream.id, self.group.id, lane.lane, self.now, None)?,
+            false => None,
+        };
+        let split = expired.as_ref().map_or(i64::MAX, |r| r.pending.first().copied().unwrap_or(r.first_id));
+        if candidate.due_rows {
+            self.collect_rows(client, lane.lane, i64::MIN..split)?;
+        }
+        if let Some(expired) = expired {
+            self.take_over(client, expired)?;
+            if candidate.due_rows {
+                self.collect_rows(client, lane.lane, split..i64::MAX)?;
+            }
+        }
+        self.collect_range(client, lane, safe)
+    }
+
+    /// Due exception rows of `lane` with `ids`, while the batch has room.
+    fn collect_rows(&mut self, client: &SpiClient<'_>, lane: i32, ids: std::ops::Range<i64>) -> Result<()> {
+        let room = self.room();
+        if room <= 0 {
+            return Ok(());
+        }
+        let args = [
+            self.group.id.into(),
+            statement::timestamptz(self.now),
+            lane.into(),
+            room.into(),
+            ids.start.into(),
+            ids.end.into(),
+        ];
+        let rows = DUE_ROWS.run(client, self.group.stream.id, &args)?;
         self.push_rows(client, rows)
     }
 
@@ -485,46 +529,11 @@ impl Claim<'_> {
         Ok(())
     }
 
-    /// The lane's oldest expired range again (quarantined after `max_reclaims`), then, with room
-    /// left, a range of the lane's next messages up to `safe`, moving the lane's position.
-    fn collect_range(
-        &mut self,
-        client: &SpiClient<'_>,
-        lane: &mut Lane,
-        safe: i64,
-        mut room: i32,
-        look_for_expired: bool,
-    ) -> Result<()> {
+    /// With room left, a range of the lane's next messages up to `safe`, moving the lane's
+    /// position.
+    fn collect_range(&mut self, client: &SpiClient<'_>, lane: &mut Lane, safe: i64) -> Result<()> {
         let stream_id = self.group.stream.id;
-        let expired = if look_for_expired {
-            range::oldest_expired(client, stream_id, self.group.id, lane.lane, self.now)?
-        } else {
-            None
-        };
-        if let Some(mut expired) = expired {
-            let messages = message::by_id(client, self.group, &expired.addresses())?;
-            if expired.reclaims >= self.group.max_reclaims {
-                // Written at once, so this claim's gate sees them as unresolved predecessors of
-                // later same-key messages it hands out.
-                let rows: Vec<_> =
-                    messages.iter().map(|m| exception_queue::quarantine(&m.candidate, &expired, self.now)).collect();
-                exception_queue::insert(client, stream_id, self.group.id, &rows, self.now)?;
-                range::delete(client, stream_id, self.group.id, expired.first_id)?;
-            } else {
-                if expired.pending.len() > room as usize {
-                    // More than the batch has room for: the rest, taken over too, waits for the
-                    // next claim as an expired range of its own that no consumer holds.
-                    let rest = expired.split_off(room as usize);
-                    range::split(client, stream_id, self.group.id, expired.first_id, &rest, token::no_ones())?;
-                }
-                let messages: Vec<Message> =
-                    messages.into_iter().filter(|m| expired.pending.contains(&m.candidate.message_id)).collect();
-                expired.reclaims += 1;
-                room -= messages.len() as i32;
-                self.push_range(messages, expired.reclaims, expired.first_id);
-                self.ranges.push(expired);
-            }
-        }
+        let mut room = self.room();
         // Messages held back for their deliver_after leave their room to the next ones: the lane
         // is read on, a few times at most; past that, consumers are woken to claim again.
         let mut messages = Vec::new();

@@ -125,13 +125,13 @@ const FOR_TOKEN: Statement = Statement {
     params: &[INT8OID, UUIDOID],
 };
 
-/// The lane's oldest expired range.
+/// The lane's oldest expired range after `$4`.
 const OLDEST_EXPIRED: Statement = Statement {
     name: "range_oldest_expired",
     sql: "SELECT first_id, last_id, lease_token, reclaims, pending, pending_keys, lane FROM sqlstreams.range_lease_@id@
-          WHERE consumer_group_id = $1 AND lease_expires_at <= $2 AND lane = $3
+          WHERE consumer_group_id = $1 AND lease_expires_at <= $2 AND lane = $3 AND first_id > $4
           ORDER BY first_id LIMIT 1 FOR UPDATE SKIP LOCKED",
-    params: &[INT8OID, TIMESTAMPTZOID, INT4OID],
+    params: &[INT8OID, TIMESTAMPTZOID, INT4OID, INT8OID],
 };
 
 /// The messages resolved under token `$2`.
@@ -440,17 +440,18 @@ pub fn may_cover(token: pgrx::Uuid, ids: &[i64]) -> bool {
     read_committed && crate::own_claims::covers(token, ids)
 }
 
-/// The lane's oldest range whose lease has expired, locked (skipping one an outcome is
-/// recording).
+/// The lane's oldest range whose lease has expired (after the one that starts at `after`),
+/// locked (skipping one an outcome is recording).
 pub fn oldest_expired(
     client: &SpiClient<'_>,
     stream_id: i64,
     group_id: i64,
     lane: i32,
     now: i64,
+    after: Option<i64>,
 ) -> Result<Option<RangeLease>> {
-    let row =
-        OLDEST_EXPIRED.run(client, stream_id, &[group_id.into(), statement::timestamptz(now), lane.into()])?.first();
+    let args = [group_id.into(), statement::timestamptz(now), lane.into(), after.unwrap_or(i64::MIN).into()];
+    let row = OLDEST_EXPIRED.run(client, stream_id, &args)?.first();
     if row.is_empty() {
         return Ok(None);
     }

@@ -749,8 +749,9 @@ fn exclusive_rows_parked_before_the_override_became_ordered_wake_at_the_outcome(
 }
 
 /// An expired delivery that no claim took over still holds its exclusive key: `extend_lease` may
-/// renew it. A claim that takes its lane over (reclaiming an older expired range there) and reads
-/// a new message of the key defers it, and the renewed delivery's ack lets it go.
+/// renew it. A claim that takes its lane over (reclaiming an older expired range there, and
+/// passing the delivery's range by while an outcome records on it) and reads a new message of the
+/// key defers it, and the renewed delivery's ack lets it go.
 #[test]
 fn an_expired_delivery_not_taken_over_still_holds_its_exclusive_key() {
     let mut c = connect();
@@ -766,7 +767,14 @@ fn an_expired_delivery_not_taken_over_still_holds_its_exclusive_key() {
     assert_eq!(ids(&a), vec![m1, m2], "A takes the lane over: {m1} again, and {m2}");
     g.expire_leases(&mut c);
     let m3 = s.produce(&mut c, json!({}), Some(&k));
+    // An outcome of A's holds the row of its range of m2 (a claim passes a locked range by).
+    let mut outcome = connect();
+    let mut recording = outcome.transaction().unwrap();
+    recording
+        .execute(&format!("SELECT 1 FROM {} WHERE first_id = $1 FOR UPDATE", s.table("range_lease")), &[&m2])
+        .unwrap();
     let b = g.claim(&mut c, 10);
+    recording.rollback().unwrap();
     assert_eq!(
         ids(&b),
         vec![m1],
@@ -845,10 +853,79 @@ fn smaller_batches_take_over_expired_exclusive_ranges_without_waiting_for_their_
     assert_eq!(acked, produced, "every message, once");
 }
 
+/// A consumer that claimed a big batch dies while later messages of its key wait for their
+/// `deliver_after`; by the time its lease has run out they are due. Claims of one take the
+/// lane's oldest work first: the dead consumer's range, part by part, before the due rows after
+/// it. Each claim hands out a message (taking a due row first would defer it behind the range,
+/// claim after claim), in id order for ordered, and nothing is lost.
+fn smaller_batches_take_a_lanes_oldest_work_first(concurrency: &str) {
+    let mut c = connect();
+    let s = Stream::create(&mut c, &format!("{concurrency}-oldest-first"));
+    let g = s.group(&mut c, "g", Some(concurrency));
+    let mut produced: Vec<i64> = (0..8).map(|_| s.produce(&mut c, json!({}), Some("k"))).collect();
+    for _ in 0..4 {
+        let later: i64 = c
+            .query_one("SELECT sqlstreams.produce($1, '{}', 'k', deliver_after => '1 hour')", &[&s.name])
+            .unwrap()
+            .get(0);
+        produced.push(later);
+    }
+    assert_eq!(ids(&g.claim(&mut c, 100)), produced[..8], "the consumer that dies; the rest wait for their hour");
+    g.expire_leases(&mut c);
+    g.make_due(&mut c);
+    let mut acked = Vec::new();
+    for round in 0..produced.len() {
+        let taken = g.claim(&mut c, 1);
+        assert_eq!(taken.len(), 1, "round {round}, after {acked:?}: the lane's oldest work");
+        assert!(g.ack(&mut c, &taken[0]));
+        acked.push(taken[0].message_id);
+    }
+    assert!(g.claim(&mut c, 1).is_empty());
+    if concurrency == "ordered" {
+        assert_eq!(acked, produced, "in order");
+    }
+    acked.sort_unstable();
+    assert_eq!(acked, produced, "every message once");
+}
+
+#[test]
+fn smaller_batches_take_an_ordered_lanes_oldest_work_first() {
+    smaller_batches_take_a_lanes_oldest_work_first("ordered");
+}
+
+#[test]
+fn smaller_batches_take_an_exclusive_lanes_oldest_work_first() {
+    smaller_batches_take_a_lanes_oldest_work_first("exclusive");
+}
+
+/// A takeover by a smaller batch leaves two expired ranges in the lane when its consumer dies
+/// too (the part it took, and the rest no one holds). A claim with room for both takes both.
+#[test]
+fn a_claim_takes_over_every_expired_range_of_its_lane_it_has_room_for() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "ordered-two-expired");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let produced: Vec<i64> = (0..10).map(|_| s.produce(&mut c, json!({}), Some("k"))).collect();
+    assert_eq!(ids(&g.claim(&mut c, 100)), produced, "the consumer that dies first");
+    g.expire_leases(&mut c);
+    assert_eq!(ids(&g.claim(&mut c, 4)), produced[..4], "the one that takes four over, and dies");
+    g.expire_leases(&mut c);
+    let ranges: i64 = c
+        .query_one(&format!("SELECT count(*) FROM {} WHERE lease_expires_at <= now()", s.table("range_lease")), &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(ranges, 2, "the part taken over and the rest");
+    let taken = g.claim(&mut c, 100);
+    assert_eq!(ids(&taken), produced, "both ranges in one claim");
+    for (d, before) in taken[1..].iter().zip(&taken) {
+        assert_eq!(d.run_after, Some(before.message_id), "chained in order");
+    }
+}
+
 /// Messages 1 and 2 of key `k` in a range of a consumer that dies, and 3 of `k`, produced to
-/// wait an hour and then made due; the leases run out. A claim of two takes 3 (due work comes
-/// first) and 1, splitting 2 off the expired range. Returns the group, the dead consumer's
-/// deliveries, the claim's, and the three ids.
+/// wait an hour; the leases run out. A claim of one takes 1, splitting 2 off the expired range,
+/// and 3 is made due. Returns the group, the dead consumer's deliveries, the claim's, and the
+/// three ids.
 fn split_beside_a_due_row(
     c: &mut Client,
     prefix: &str,
@@ -863,9 +940,26 @@ fn split_beside_a_due_row(
     let dead = g.claim(c, 100);
     assert_eq!(ids(&dead), vec![m1, m2], "the consumer that dies; {m3} waits for its hour");
     g.expire_leases(c);
+    let taken = g.claim(c, 1);
+    assert_eq!(ids(&taken), vec![m1], "the lane's oldest work");
     g.make_due(c);
-    let taken = g.claim(c, 2);
     (g, dead, taken, [m1, m2, m3])
+}
+
+/// Claims of `g` while another transaction holds the row of the range that starts at `first_id`
+/// (an outcome recording on it): a claim passes that range by.
+fn claim_beside_a_locked_range(c: &mut Client, g: &Group, first_id: i64, batch: i32) -> Vec<Delivery> {
+    let mut outcome = connect();
+    let mut recording = outcome.transaction().unwrap();
+    recording
+        .execute(
+            &format!("SELECT 1 FROM {} WHERE first_id = $1 FOR UPDATE", g.stream.table("range_lease")),
+            &[&first_id],
+        )
+        .unwrap();
+    let taken = g.claim(c, batch);
+    recording.rollback().unwrap();
+    taken
 }
 
 /// The rest a claim splits off an expired range is taken over, by no one: the consumer whose
@@ -876,8 +970,6 @@ fn split_beside_a_due_row(
 fn the_rest_of_a_split_range_is_no_ones_and_holds_no_exclusive_key() {
     let mut c = connect();
     let (g, dead, taken, [m1, m2, m3]) = split_beside_a_due_row(&mut c, "exclusive-split-rest", "exclusive");
-    assert_eq!(ids(&taken), vec![m1, m3], "{m2}, split off, holds no key");
-    assert_eq!(taken[1].run_after, Some(m1), "chained in the result");
     let renewed: bool = c
         .query_one("SELECT sqlstreams.extend_lease($1, 'g', $2)", &[&g.stream.name, &dead[0].lease_token])
         .unwrap()
@@ -895,22 +987,23 @@ fn the_rest_of_a_split_range_is_no_ones_and_holds_no_exclusive_key() {
         .unwrap()
         .get(0);
     assert_eq!(live, 0, "{m2} is in no live delivery");
-    for d in &taken {
-        assert!(g.ack(&mut c, d));
-    }
-    g.make_due(&mut c);
+    assert!(g.ack(&mut c, &taken[0]), "{m1}");
+    let beside = claim_beside_a_locked_range(&mut c, &g, m2, 10);
+    assert_eq!(ids(&beside), vec![m3], "{m3} runs beside the rest of {m2}, which holds no key");
+    assert!(g.ack(&mut c, &beside[0]));
     assert_eq!(ids(&g.claim(&mut c, 10)), vec![m2], "{m2} once the key is free");
 }
 
 /// An ordered message waits for its predecessor in the rest of a range the claim split (that
-/// rest holds no exclusive key, but its messages are still unresolved): the claim hands out the
-/// part it took, and the due message after the rest's.
+/// rest holds no exclusive key, but its messages are still unresolved): a claim that passes the
+/// rest by (an outcome records on it) does not hand out the due message after it.
 #[test]
 fn a_due_ordered_message_does_not_overtake_its_predecessor_in_a_split_rest() {
     let mut c = connect();
     let (g, _dead, taken, [m1, m2, m3]) = split_beside_a_due_row(&mut c, "ordered-split-rest", "ordered");
-    assert_eq!(ids(&taken), vec![m1], "{m3} waits for {m2}");
-    assert!(g.ack(&mut c, &taken[0]));
+    assert!(g.ack(&mut c, &taken[0]), "{m1}");
+    let beside = claim_beside_a_locked_range(&mut c, &g, m2, 10);
+    assert!(beside.is_empty(), "{m3} waits for {m2}, in the rest: {:?}", ids(&beside));
     g.make_due(&mut c);
     let next = g.claim(&mut c, 10);
     assert_eq!(ids(&next), vec![m2, m3], "{m2} again, and {m3} after it");
@@ -948,7 +1041,7 @@ fn a_rest_split_by_an_earlier_claim_holds_no_exclusive_key_either() {
 fn no_call_acts_with_the_token_of_a_rest() {
     let mut c = connect();
     let (g, _dead, taken, [m1, m2, m3]) = split_beside_a_due_row(&mut c, "exclusive-rest-token", "exclusive");
-    assert_eq!(ids(&taken), vec![m1, m3]);
+    assert_eq!(ids(&taken), vec![m1]);
     let rest: uuid::Uuid = c
         .query_one(
             "SELECT lease_token FROM sqlstreams.open_leases($1, 'g') WHERE kind = 'range' AND first_id = $2",
@@ -988,5 +1081,5 @@ fn no_call_acts_with_the_token_of_a_rest() {
         assert!(g.ack(&mut c, d));
     }
     g.make_due(&mut c);
-    assert_eq!(ids(&g.claim(&mut c, 10)), vec![m2], "{m2} is handed out, unresolved");
+    assert_eq!(ids(&g.claim(&mut c, 10)), vec![m2, m3], "{m2} is handed out, unresolved, and {m3} after it");
 }

@@ -29,23 +29,21 @@
 //! the fence and the clock it reads are never older than what it claims against, and no outcome
 //! that waits for a claim can be waited for in turn.
 
-use std::collections::HashMap;
-
-use pgrx::pg_sys::{self, BuiltinOid::*};
-use pgrx::spi::{SpiClient, SpiTupleTable};
+use pgrx::pg_sys;
+use pgrx::spi::SpiClient;
 
 use crate::clock;
 use crate::concurrency::Concurrency;
 use crate::cursor;
 use crate::error::{Result, StreamError};
-use crate::exception_queue::{self, Change, Expired, Held, Status, Waker};
+use crate::exception_queue::{self, Change, Held, Waker};
 use crate::fence::{self, Fence};
 use crate::group::GroupRef;
 use crate::key::Key;
 use crate::key_gate::{self, Candidate, GatherInput, Verdict};
 use crate::lanes::{self, Lane};
 use crate::locks;
-use crate::message::{self, Address, Message, Meta};
+use crate::message::{self, Message, Meta};
 use crate::notify;
 use crate::outcome::{self, Signal};
 use crate::own_claims;
@@ -54,10 +52,10 @@ use crate::payload::RawJsonb;
 use crate::quiet;
 use crate::range::{self, RangeLease};
 use crate::retention;
-use crate::statement::{self, Columns, Statement};
 use crate::token;
 
 mod calls;
+mod due_rows;
 mod isolated;
 mod takeover;
 
@@ -79,43 +77,6 @@ pub struct Delivery {
     pub run_after: Option<i64>,
     pub meta: Meta,
 }
-
-/// Due exception rows of lane `$3`: retries, delays, woken or expired parked rows, expired
-/// deliveries. Their messages are read by id afterwards (`message::by_id`), from the partitions
-/// that hold them.
-macro_rules! due_rows {
-    ($isolated:literal, $ids:literal, $limit:literal) => {
-        concat!(
-            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane
-             FROM sqlstreams.exception_queue_@id@ e
-             WHERE e.consumer_group_id = $1 AND e.lane = $3 AND e.isolated = ",
-            $isolated,
-            $ids,
-            " AND ",
-            crate::exception_queue::due_or_expired!("e", "$2"),
-            "
-             ORDER BY e.message_id
-             LIMIT ",
-            $limit,
-            "
-             FOR UPDATE OF e SKIP LOCKED"
-        )
-    };
-}
-
-/// Up to `$4` of them, of ids in `[$5, $6)`.
-const DUE_ROWS: Statement = Statement {
-    name: "claim_due_rows",
-    sql: due_rows!("false", " AND e.message_id >= $5 AND e.message_id < $6", "$4"),
-    params: &[INT8OID, TIMESTAMPTZOID, INT4OID, INT4OID, INT8OID, INT8OID],
-};
-
-/// The oldest due row of a quarantined range: it is handed out alone.
-const DUE_ISOLATED: Statement = Statement {
-    name: "claim_due_isolated",
-    sql: due_rows!("true", "", "1"),
-    params: &[INT8OID, TIMESTAMPTZOID, INT4OID],
-};
 
 /// A message the claim could hand out: what the gate decides on, and the rest.
 struct Work {
@@ -447,86 +408,20 @@ impl Claim<'_> {
             false => None,
         };
         let split = expired.as_ref().map_or(i64::MAX, |r| r.pending.first().copied().unwrap_or(r.first_id));
+        let mut expired_tokens = Vec::new();
         if candidate.due_rows {
-            self.collect_rows(client, lane.lane, i64::MIN..split)?;
+            expired_tokens = self.collect_rows(client, lane.lane, i64::MIN..split)?;
         }
         if let Some(expired) = expired {
             self.take_over(client, expired)?;
             if candidate.due_rows {
-                self.collect_rows(client, lane.lane, split..i64::MAX)?;
+                expired_tokens.extend(self.collect_rows(client, lane.lane, split..i64::MAX)?);
             }
+        }
+        if !expired_tokens.is_empty() {
+            self.take_over_rows_left(client, lane.lane, &expired_tokens)?;
         }
         self.collect_range(client, lane, safe)
-    }
-
-    /// Due exception rows of `lane` with `ids`, while the batch has room.
-    fn collect_rows(&mut self, client: &SpiClient<'_>, lane: i32, ids: std::ops::Range<i64>) -> Result<()> {
-        let room = self.room();
-        if room <= 0 {
-            return Ok(());
-        }
-        let args = [
-            self.group.id.into(),
-            statement::timestamptz(self.now),
-            lane.into(),
-            room.into(),
-            ids.start.into(),
-            ids.end.into(),
-        ];
-        let rows = DUE_ROWS.run(client, self.group.stream.id, &args)?;
-        self.push_rows(client, rows)
-    }
-
-    /// Takes due rows as work, with their messages' payloads; a row whose message is gone
-    /// (neither in the log nor in the archive) is passed over, unless its delivery expired for
-    /// the last time (going dead needs no payload).
-    fn push_rows(&mut self, client: &SpiClient<'_>, rows: SpiTupleTable<'_>) -> Result<()> {
-        let rows = rows
-            .map(|row| {
-                let candidate = Candidate {
-                    message_id: row.required("message_id")?,
-                    concurrency: Concurrency::from_stored(&row.required::<String>("concurrency")?)?,
-                    key: row.value::<String>("message_key")?.map(Key::from),
-                    compaction: row.required("compaction")?,
-                    lane: row.required("lane")?,
-                };
-                let status = Status::from_stored(&row.required::<String>("status")?)?;
-                Ok((candidate, status, row.required::<i32>("attempts")?))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        if rows.is_empty() {
-            return Ok(());
-        }
-        let addresses: Vec<Address> = rows.iter().map(|(c, _, _)| Address { lane: c.lane, id: c.message_id }).collect();
-        let messages: HashMap<i64, Message> =
-            message::by_id(client, self.group, &addresses)?.into_iter().map(|m| (m.candidate.message_id, m)).collect();
-        for (candidate, status, mut attempts) in rows {
-            let id = candidate.message_id;
-            let expired = status == Status::Inflight;
-            if expired {
-                match exception_queue::expire(id, attempts, self.group.max_retries) {
-                    Expired::Again { attempts: counted } => attempts = counted,
-                    Expired::Dead(update) => {
-                        self.changes.push(Change::Update(update));
-                        self.dead_on_expiry.push(id);
-                        self.resolved_keys.push(candidate.key.map(Key::into_string));
-                        continue;
-                    }
-                }
-            }
-            let Some(message) = messages.get(&id) else { continue };
-            self.work.push(Work {
-                candidate,
-                handout: Handout {
-                    held: Held::Row { status, expired },
-                    attempt: attempts,
-                    payload: message.payload,
-                    meta: message.meta,
-                    range: None,
-                },
-            });
-        }
-        Ok(())
     }
 
     /// With room left, a range of the lane's next messages up to `safe`, moving the lane's

@@ -210,7 +210,8 @@ pub fn gate(
 ///   `holder`, in one that a consumer holds: not the rest of an expired range a claim split,
 ///   whose token (version 8, `token::no_ones`) no consumer was handed.
 /// - Kind 3, for exclusive keys `$8`: the earliest same-key exception row in flight outside
-///   this claim.
+///   this claim, under a consumer's token (not one a claim took over and left for the next:
+///   src/claim/takeover.rs).
 const CHECK: Statement = Statement {
     name: "gate_check",
     sql: concat!(
@@ -262,7 +263,9 @@ const CHECK: Statement = Statement {
           SELECT 3, e.message_key, min(e.message_id), min(e.lease_expires_at), NULL, NULL
           FROM sqlstreams.exception_queue_@id@ e
           WHERE e.consumer_group_id = $1 AND e.message_key = ANY($8) AND e.status = 'inflight'
-            AND e.message_id <> ALL($4)
+            AND e.message_id <> ALL($4) AND ",
+        held_by_a_consumer!("e.lease_token"),
+        "
           GROUP BY e.message_key"
     ),
     params: &[

@@ -106,6 +106,9 @@ pub fn break_now(stream: &str, group_name: &str, token: pgrx::Uuid) -> Result<bo
 /// ids released.
 pub fn release(stream: &str, group_name: &str, token: pgrx::Uuid, ids: &[i64]) -> Result<Vec<i64>> {
     consumer_call(stream, group_name, |client, group| {
+        if token::is_no_ones(token) {
+            return Ok(vec![]);
+        }
         let stream_id = group.stream.id;
         locks::token(token);
         let mut ranges = range::for_token(client, stream_id, group.id, token)?;

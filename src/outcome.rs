@@ -27,6 +27,7 @@ use crate::notify;
 use crate::own_claims;
 use crate::range;
 use crate::text::{RawText, Text};
+use crate::token;
 
 /// What an ack recorded.
 pub struct Acked {
@@ -86,6 +87,10 @@ pub fn ack_in(
     ids: &[i64],
     signal: Signal,
 ) -> Result<Acked> {
+    // A token no consumer holds (src/token.rs) resolves nothing, whoever names it.
+    if token::is_no_ones(token) {
+        return Ok(Acked { recorded: vec![], released_lanes: vec![] });
+    }
     locks::token(token);
     let stream_id = group.stream.id;
     let mut done = exception_queue::succeed(client, group, token, ids)?;
@@ -149,6 +154,9 @@ fn record_setback(
     decide: impl FnOnce(&GroupRef, i32, i32, i64) -> Setback,
 ) -> Result<Option<Status>> {
     consumer_call(stream, group_name, |client, group| {
+        if token::is_no_ones(token) {
+            return Ok(None);
+        }
         let stream_id = group.stream.id;
         locks::token(token);
         let row = exception_queue::inflight(client, stream_id, group.id, id, token)?;

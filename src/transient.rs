@@ -18,9 +18,9 @@
 //! joins are off too: either would read a whole side). The statements that read these tables
 //! and are not listed are in `NOT_BY_INDEX`, each with why: `claim_due_rows` and
 //! `claim_due_isolated` read a lane's due retries and expired leases, an `OR` of two partial
-//! indexes' conditions that only a bitmap scan combines (src/claim.rs); the rest are sweeps and
-//! admins' calls. Debug builds check each statement they prepare against the two lists
-//! (`check_listed`).
+//! indexes' conditions that only a bitmap scan combines (src/claim/due_rows.rs); the rest are
+//! sweeps and admins' calls. Debug builds check each statement they prepare against the two
+//! lists (`check_listed`).
 //!
 //! And by which index: every index of these tables leads with the group, and on a table the
 //! planner takes for a page or two each is costed at one row, so they tie, and the one that
@@ -39,6 +39,7 @@ use pgrx::PgList;
 /// The statements of the claim and outcome paths that read those tables through their indexes.
 const BY_INDEX: &[&str] = &[
     "gate_any_blocker",
+    "claim_rows_left",
     "gate_check",
     "lanes_candidates",
     "lanes_free",

@@ -824,23 +824,7 @@ fn smaller_batches_take_over_expired_exclusive_ranges_without_waiting_for_their_
             assert!(!first.is_empty(), "round {round}: work is left, and no live delivery holds a key");
         }
         let second = g.claim(&mut c, 3);
-        let twice: Vec<String> = c
-            .query(
-                &format!(
-                    "SELECT key FROM (SELECT DISTINCT r.lease_token, k.key FROM {r} r, unnest(r.pending_keys) k(key)
-                                      WHERE r.lease_expires_at > now()
-                                      UNION SELECT lease_token, message_key FROM {e}
-                                      WHERE status = 'inflight' AND lease_expires_at > now()) live
-                     GROUP BY key HAVING count(*) > 1",
-                    r = s.table("range_lease"),
-                    e = s.table("exception_queue")
-                ),
-                &[],
-            )
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        let twice = keys_in_two_live_deliveries(&mut c, &s);
         assert!(twice.is_empty(), "round {round}: {twice:?} in two live deliveries");
         for d in first.iter().chain(&second) {
             assert!(g.ack(&mut c, d), "round {round}: {}", d.message_id);
@@ -851,6 +835,105 @@ fn smaller_batches_take_over_expired_exclusive_ranges_without_waiting_for_their_
         }
     }
     assert_eq!(acked, produced, "every message, once");
+}
+
+/// Keys of `s` in more than one live delivery (a range or a row whose lease has not run out).
+fn keys_in_two_live_deliveries(c: &mut Client, s: &Stream) -> Vec<String> {
+    c.query(
+        &format!(
+            "SELECT key FROM (SELECT DISTINCT r.lease_token, k.key FROM {r} r, unnest(r.pending_keys) k(key)
+                              WHERE r.lease_expires_at > now()
+                              UNION SELECT lease_token, message_key FROM {e}
+                              WHERE status = 'inflight' AND lease_expires_at > now()) live
+             GROUP BY key HAVING count(*) > 1",
+            r = s.table("range_lease"),
+            e = s.table("exception_queue")
+        ),
+        &[],
+    )
+    .unwrap()
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+/// A consumer dies holding six deliveries of exception rows of one exclusive key (given back
+/// and claimed again, chained in its result). Claims of two take them over two at a time: each
+/// takes the rest over too, under a token no consumer holds, so the two it took run at once
+/// (left under the dead consumer's token, the rest would hold the key, and each claim would
+/// defer the rows it took behind them). The dead consumer can neither renew nor resolve them.
+#[test]
+fn smaller_batches_take_over_expired_deliveries_of_an_exclusive_key_without_waiting_for_the_rest() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "exclusive-rows-takeover");
+    let g = s.group(&mut c, "g", Some("exclusive"));
+    let produced: Vec<i64> = (0..6).map(|_| s.produce(&mut c, json!({}), Some("k"))).collect();
+    let first = g.claim(&mut c, 100);
+    let given: Vec<i64> = c
+        .query_one("SELECT sqlstreams.release($1, 'g', $2, $3)", &[&s.name, &first[0].lease_token, &produced])
+        .unwrap()
+        .get(0);
+    assert_eq!(given, produced, "rows now");
+    let dead = g.claim(&mut c, 100);
+    assert_eq!(ids(&dead), produced, "the consumer that dies, with six rows in flight");
+    g.expire_leases(&mut c);
+    let mut acked = Vec::new();
+    for round in 0..3 {
+        let taken = g.claim(&mut c, 2);
+        assert_eq!(ids(&taken), produced[2 * round..2 * round + 2], "round {round}: two, at once");
+        assert_eq!(taken[1].run_after, Some(taken[0].message_id), "round {round}: chained");
+        let twice = keys_in_two_live_deliveries(&mut c, &s);
+        assert!(twice.is_empty(), "round {round}: {twice:?} in two live deliveries");
+        if round == 0 {
+            let renewed: bool = c
+                .query_one("SELECT sqlstreams.extend_lease($1, 'g', $2)", &[&s.name, &dead[0].lease_token])
+                .unwrap()
+                .get(0);
+            assert!(!renewed, "the dead consumer holds nothing any more");
+            assert!(!g.ack(&mut c, &dead[5]), "nor resolves what it held");
+            let left: Vec<uuid::Uuid> = c
+                .query(
+                    "SELECT DISTINCT lease_token FROM sqlstreams.open_leases($1, 'g') WHERE kind = 'exception'
+                       AND lease_expires_at <= now()",
+                    &[&s.name],
+                )
+                .unwrap()
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            assert_eq!(left.len(), 1, "the four left, under one token");
+            assert_eq!(left[0].get_version_num(), 8, "no claim hands such a token out");
+            let (name, m) = (&s.name, &produced[5]);
+            let one = |c: &mut Client, sql: &str| c.query_one(sql, &[name, &left[0], m]).unwrap();
+            assert!(!one(&mut c, "SELECT sqlstreams.extend_lease($1, 'g', $2) AND $3::int8 > 0").get::<_, bool>(0));
+            assert!(!one(&mut c, "SELECT sqlstreams.ack($1, 'g', $2, $3)").get::<_, bool>(0));
+            assert!(!one(&mut c, "SELECT sqlstreams.delay($1, 'g', $2, $3, '1 minute')").get::<_, bool>(0));
+            assert_eq!(one(&mut c, "SELECT sqlstreams.fail($1, 'g', $2, $3, 'no')").get::<_, Option<String>>(0), None);
+            let released = "SELECT cardinality(sqlstreams.release($1::text, 'g', $2::uuid, ARRAY[$3::int8]))";
+            assert_eq!(one(&mut c, released).get::<_, i32>(0), 0);
+            assert!(!one(&mut c, "SELECT sqlstreams.break_lease($1, 'g', $2) AND $3::int8 > 0").get::<_, bool>(0));
+            let carried = "SELECT count(*) FROM sqlstreams.claim($1, 'g', 10, ack_lease_token => $2,
+                                                             ack_message_ids => ARRAY[$3::int8])";
+            assert_eq!(one(&mut c, carried).get::<_, i64>(0), 0, "the lane is held; the carried ack recorded nothing");
+            let still: i64 = c
+                .query_one(
+                    &format!(
+                        "SELECT count(*) FROM {} WHERE status = 'inflight' AND lease_token = $1 AND lease_expires_at <= now()",
+                        s.table("exception_queue")
+                    ),
+                    &[&left[0]],
+                )
+                .unwrap()
+                .get(0);
+            assert_eq!(still, 4, "they wait, expired, for the next claim");
+        }
+        for d in &taken {
+            assert!(g.ack(&mut c, d));
+            acked.push(d.message_id);
+        }
+    }
+    assert_eq!(acked, produced, "every message once");
+    assert!(g.claim(&mut c, 2).is_empty());
 }
 
 /// A consumer that claimed a big batch dies while later messages of its key wait for their

@@ -12,7 +12,8 @@
 
 use pgrx::spi::SpiClient;
 
-use super::{Claim, DUE_ISOLATED};
+use super::due_rows::DUE_ISOLATED;
+use super::Claim;
 use crate::error::Result;
 use crate::exception_queue;
 use crate::key_gate::{self, Candidate, GatherInput, Verdict};

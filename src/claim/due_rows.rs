@@ -1,0 +1,140 @@
+//! A claim's due exception rows of a lane: retries, delays, woken or expired parked rows, and
+//! deliveries whose lease ran out, which the claim takes over (src/claim/takeover.rs). Their
+//! messages are read by id afterwards, from the partitions that hold them.
+
+use std::collections::HashMap;
+
+use pgrx::pg_sys::BuiltinOid::*;
+use pgrx::spi::{SpiClient, SpiTupleTable};
+
+use super::{Claim, Handout, Work};
+use crate::concurrency::Concurrency;
+use crate::error::Result;
+use crate::exception_queue::{self, Change, Expired, Held, Status};
+use crate::key::Key;
+use crate::key_gate::Candidate;
+use crate::message::{self, Address, Message};
+use crate::statement::{self, Columns, Statement};
+
+/// Due exception rows of lane `$3`: retries, delays, woken or expired parked rows, expired
+/// deliveries. Their messages are read by id afterwards (`message::by_id`), from the partitions
+/// that hold them.
+macro_rules! due_rows {
+    ($isolated:literal, $ids:literal, $limit:literal) => {
+        concat!(
+            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane,
+                    e.lease_token
+             FROM sqlstreams.exception_queue_@id@ e
+             WHERE e.consumer_group_id = $1 AND e.lane = $3 AND e.isolated = ",
+            $isolated,
+            $ids,
+            " AND ",
+            crate::exception_queue::due_or_expired!("e", "$2"),
+            "
+             ORDER BY e.message_id
+             LIMIT ",
+            $limit,
+            "
+             FOR UPDATE OF e SKIP LOCKED"
+        )
+    };
+}
+
+/// Up to `$4` of them, of ids in `[$5, $6)`.
+pub(super) const DUE_ROWS: Statement = Statement {
+    name: "claim_due_rows",
+    sql: due_rows!("false", " AND e.message_id >= $5 AND e.message_id < $6", "$4"),
+    params: &[INT8OID, TIMESTAMPTZOID, INT4OID, INT4OID, INT8OID, INT8OID],
+};
+
+/// The oldest due row of a quarantined range: it is handed out alone.
+pub(super) const DUE_ISOLATED: Statement = Statement {
+    name: "claim_due_isolated",
+    sql: due_rows!("true", "", "1"),
+    params: &[INT8OID, TIMESTAMPTZOID, INT4OID],
+};
+
+impl Claim<'_> {
+    /// Due exception rows of `lane` with `ids`, while the batch has room; returns the tokens of
+    /// the expired deliveries among them.
+    pub(super) fn collect_rows(
+        &mut self,
+        client: &SpiClient<'_>,
+        lane: i32,
+        ids: std::ops::Range<i64>,
+    ) -> Result<Vec<pgrx::Uuid>> {
+        let room = self.room();
+        if room <= 0 {
+            return Ok(vec![]);
+        }
+        let args = [
+            self.group.id.into(),
+            statement::timestamptz(self.now),
+            lane.into(),
+            room.into(),
+            ids.start.into(),
+            ids.end.into(),
+        ];
+        let rows = DUE_ROWS.run(client, self.group.stream.id, &args)?;
+        self.push_rows(client, rows)
+    }
+
+    /// Takes due rows as work, with their messages' payloads; a row whose message is gone
+    /// (neither in the log nor in the archive) is passed over, unless its delivery expired for
+    /// the last time (going dead needs no payload). Returns the tokens of the expired deliveries
+    /// it took over.
+    pub(super) fn push_rows(&mut self, client: &SpiClient<'_>, rows: SpiTupleTable<'_>) -> Result<Vec<pgrx::Uuid>> {
+        let rows = rows
+            .map(|row| {
+                let candidate = Candidate {
+                    message_id: row.required("message_id")?,
+                    concurrency: Concurrency::from_stored(&row.required::<String>("concurrency")?)?,
+                    key: row.value::<String>("message_key")?.map(Key::from),
+                    compaction: row.required("compaction")?,
+                    lane: row.required("lane")?,
+                };
+                let status = Status::from_stored(&row.required::<String>("status")?)?;
+                let token = row.value::<pgrx::Uuid>("lease_token")?;
+                Ok((candidate, status, row.required::<i32>("attempts")?, token))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if rows.is_empty() {
+            return Ok(vec![]);
+        }
+        let addresses: Vec<Address> =
+            rows.iter().map(|(c, _, _, _)| Address { lane: c.lane, id: c.message_id }).collect();
+        let mut tokens = Vec::new();
+        let messages: HashMap<i64, Message> =
+            message::by_id(client, self.group, &addresses)?.into_iter().map(|m| (m.candidate.message_id, m)).collect();
+        for (candidate, status, mut attempts, token) in rows {
+            let id = candidate.message_id;
+            let expired = status == Status::Inflight;
+            if expired {
+                tokens.extend(token);
+                match exception_queue::expire(id, attempts, self.group.max_retries) {
+                    Expired::Again { attempts: counted } => attempts = counted,
+                    Expired::Dead(update) => {
+                        self.changes.push(Change::Update(update));
+                        self.dead_on_expiry.push(id);
+                        self.resolved_keys.push(candidate.key.map(Key::into_string));
+                        continue;
+                    }
+                }
+            }
+            let Some(message) = messages.get(&id) else { continue };
+            self.work.push(Work {
+                candidate,
+                handout: Handout {
+                    held: Held::Row { status, expired },
+                    attempt: attempts,
+                    payload: message.payload,
+                    meta: message.meta,
+                    range: None,
+                },
+            });
+        }
+        tokens.sort_unstable_by_key(|t| *t.as_bytes());
+        tokens.dedup();
+        Ok(tokens)
+    }
+}

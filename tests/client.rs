@@ -408,6 +408,70 @@ async fn a_handler_is_cancelled_at_its_deadline_and_retried() {
     assert_eq!((report.metrics.timed_out, report.metrics.succeeded), (1, 1));
 }
 
+/// A renewal answered only after the lease ran out here (an outcome held the claim's range row,
+/// so the heartbeat's `extend_lease` waited, while the lease ran out on the server) may have
+/// renewed less than the claim: the claim's rows that have not started do not start under it
+/// any more. They are given back (released) and run from a claim of their own. Here the first of
+/// two chained rows of one key holds the claim loop until the renewal came back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_renewal_answered_after_the_lease_ran_out_starts_no_more_of_its_rows() {
+    let client = client();
+    let stream = client.stream::<Adjustment>(unique("lapse"));
+    stream.register().await.unwrap();
+    let config = ConsumerConfig {
+        handler_timeout: Duration::from_secs(1),
+        lease: Duration::from_secs(2),
+        ..config(Some(Concurrency::Exclusive))
+    };
+    let consumer = stream.consumer("g").register(config).await.unwrap();
+    let producer = stream.producer();
+    let m1 = producer.produce(&adjustment("a", 1), keyed("k")).await.unwrap().id().unwrap();
+    let m2 = producer.produce(&adjustment("a", 2), keyed("k")).await.unwrap().id().unwrap();
+    let calls: Calls = Arc::default();
+    let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let gate = Mutex::new((started_tx, go_rx));
+    let handler = {
+        let calls = calls.clone();
+        move |d: Delivery<Adjustment>| {
+            let first = {
+                let mut calls = calls.lock().unwrap();
+                calls.push((d.id, d.attempt));
+                calls.len() == 1
+            };
+            if first {
+                // Before the handler's future, so before its deadline starts.
+                tokio::task::block_in_place(|| {
+                    let gate = gate.lock().unwrap();
+                    gate.0.send(()).unwrap();
+                    gate.1.recv_timeout(Duration::from_secs(30)).unwrap();
+                });
+            }
+            std::future::ready(Ok(()))
+        }
+    };
+    let running = consumer.start(handler);
+    tokio::task::block_in_place(|| started_rx.recv_timeout(Duration::from_secs(30)).unwrap());
+    let name = stream.name().to_string();
+    let holder = client.pool().get().await.unwrap();
+    let id: i64 = holder.query_one("SELECT id FROM sqlstreams.streams WHERE name = $1", &[&name]).await.unwrap().get(0);
+    holder.batch_execute(&format!("BEGIN; SELECT 1 FROM sqlstreams.range_lease_{id} FOR UPDATE")).await.unwrap();
+    let watcher = client.pool().get().await.unwrap();
+    eventually_async("the claim's lease ran out on the server", || async {
+        let sql =
+            "SELECT count(*) FROM sqlstreams.open_leases($1, 'g') WHERE kind = 'range' AND lease_expires_at <= now()";
+        watcher.query_one(sql, &[&name]).await.unwrap().get::<_, i64>(0) == 1
+    })
+    .await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    go_tx.send(()).unwrap();
+    eventually("both messages handled", || calls.lock().unwrap().len() == 2).await;
+    let report = running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(*calls.lock().unwrap(), vec![(m1, 0), (m2, 0)]);
+    let m = &report.metrics;
+    assert_eq!((m.succeeded, m.released, m.lease_lost), (2, 1, 0), "{m2} given back, then run from a claim of its own");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_panicking_handler_is_a_retryable_failure() {
     let client = client();

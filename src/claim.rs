@@ -107,7 +107,7 @@ struct Claim<'a> {
     group: &'a GroupRef,
     /// The lanes taken, with their new positions.
     lanes: Vec<Lane>,
-    /// The ranges handed out (at most one per lane).
+    /// The ranges handed out (one new one per lane at most, and expired ones taken over).
     ranges: Vec<RangeLease>,
     /// The clock, read after the fence.
     now: i64,
@@ -391,11 +391,8 @@ impl Claim<'_> {
         self.batch - self.work.len() as i32
     }
 
-    /// A lane's work, oldest first, while the batch has room: its due rows before its oldest
-    /// expired range, the expired ranges taken over, its due rows after them, then a range of its
-    /// next messages. Due rows after an expired range's messages would wait for them (an ordered
-    /// key's predecessors; an exclusive key's delivery, which its consumer may still renew), so
-    /// taken first, with the room for a part only, they would wait claim after claim.
+    /// A lane's work, oldest first, while the batch has room: its due rows and expired ranges
+    /// (src/claim/takeover.rs), then a range of its next messages.
     fn collect_lane(
         &mut self,
         client: &SpiClient<'_>,
@@ -403,24 +400,7 @@ impl Claim<'_> {
         candidate: &lanes::Candidate,
         safe: i64,
     ) -> Result<()> {
-        let expired = match candidate.expired_range {
-            true => range::oldest_expired(client, self.group.stream.id, self.group.id, lane.lane, self.now, None)?,
-            false => None,
-        };
-        let split = expired.as_ref().map_or(i64::MAX, |r| r.pending.first().copied().unwrap_or(r.first_id));
-        let mut expired_tokens = Vec::new();
-        if candidate.due_rows {
-            expired_tokens = self.collect_rows(client, lane.lane, i64::MIN..split)?;
-        }
-        if let Some(expired) = expired {
-            self.take_over(client, expired)?;
-            if candidate.due_rows {
-                expired_tokens.extend(self.collect_rows(client, lane.lane, split..i64::MAX)?);
-            }
-        }
-        if !expired_tokens.is_empty() {
-            self.take_over_rows_left(client, lane.lane, &expired_tokens)?;
-        }
+        self.take_over_lane(client, lane.lane, candidate.due_rows, candidate.expired_range)?;
         self.collect_range(client, lane, safe)
     }
 

@@ -6,7 +6,8 @@
 //! - ordered, check 1: the earliest unresolved exception row of the key outside this claim;
 //! - ordered and exclusive, check 2: a same-key message pending in another open range (for
 //!   exclusive, one a consumer holds: not the rest of a split range);
-//! - exclusive: a same-key delivery in flight from the exception queue under another claim;
+//! - exclusive: a same-key delivery in flight from the exception queue under another claim (a
+//!   consumer's: not one a claim took over and left for the next);
 //! - compaction: the key's compaction head.
 //!
 //! Both ordered checks are exact per key: a different key stuck in retry never holds this key.
@@ -85,7 +86,7 @@ pub struct KeyFacts {
     /// claim split (taken over, it is no one's; docs/semantics.md, "Exclusive delivery"). Set
     /// only with `pending_elsewhere`, never earlier than it.
     pub held_elsewhere: Option<Blocker>,
-    /// The earliest same-key exception row in flight under another claim.
+    /// The earliest same-key exception row in flight under another claim (a consumer's token).
     pub inflight_elsewhere: Option<Blocker>,
     /// The newest compacted message of the key.
     pub compaction_head: Option<i64>,

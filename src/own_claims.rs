@@ -10,8 +10,10 @@
 //!
 //! The facts are final once the claim commits: only the claim that made a token holds a lane
 //! or puts a row in flight under it (a claim handing out an expired row or range again does so
-//! under its own new token), and a range row under the token only ever lists messages the claim
-//! handed out (one handed out again gets a new token, and so does the rest a claim splits off).
+//! under its own new token, and moves the token's rows it leaves under a token no one holds, so
+//! the token only ever loses rows), and a range row under the token only ever lists messages the
+//! claim handed out (one handed out again gets a new token, and so does the rest a claim splits
+//! off).
 //! A claim's facts count once its transaction commits, and go with it when it rolls back or is
 //! prepared. A token this backend does not know (a claim made on another connection, or
 //! forgotten) gets every statement, as before.

@@ -441,7 +441,7 @@ pub fn may_cover(token: pgrx::Uuid, ids: &[i64]) -> bool {
 }
 
 /// The lane's oldest range whose lease has expired (after the one that starts at `after`),
-/// locked (skipping one an outcome is recording).
+/// locked (skipping one an outcome is recording), with the token it was leased under.
 pub fn oldest_expired(
     client: &SpiClient<'_>,
     stream_id: i64,
@@ -449,14 +449,14 @@ pub fn oldest_expired(
     lane: i32,
     now: i64,
     after: Option<i64>,
-) -> Result<Option<RangeLease>> {
+) -> Result<Option<(pgrx::Uuid, RangeLease)>> {
     let args = [group_id.into(), statement::timestamptz(now), lane.into(), after.unwrap_or(i64::MIN).into()];
     let row = OLDEST_EXPIRED.run(client, stream_id, &args)?.first();
     if row.is_empty() {
         return Ok(None);
     }
     let (token, range) = from_row(&row)?;
-    Ok(without_done(client, stream_id, group_id, token, vec![range])?.pop())
+    Ok(without_done(client, stream_id, group_id, token, vec![range])?.pop().map(|range| (token, range)))
 }
 
 /// A range as a claim leases it: the messages it handed out from it, in id order, and their

@@ -1,15 +1,17 @@
-//! Lease tokens. A claim mints a random one (version 4) for what it hands out; the rest of an
-//! expired range a claim splits gets a random one of version 8, which no claim mints: no
-//! consumer holds it, and every claim's key gate can tell (src/key_gate.rs, check 2).
+//! Lease tokens. A claim mints a random one (version 4) for what it hands out; what a claim takes
+//! over and has no room for (the rest of an expired range it splits, a token's other expired
+//! rows in the lane: src/claim/takeover.rs) gets a random one of version 8, which no claim
+//! mints: no consumer holds it, and every claim's key gate can tell (src/key_gate.rs).
 
 /// A new lease token for a claim: random (version 4).
 pub fn new() -> pgrx::Uuid {
     pgrx::Uuid::from_bytes(*uuid::Uuid::new_v4().as_bytes())
 }
 
-/// A new token that no claim hands out, for the rest of an expired range a claim split
-/// (src/range.rs, `split`): random too, but version 8, which no claim mints, so every claim's key
-/// gate tells such a range, which no consumer holds, from a consumer's (`held_by_a_consumer!`).
+/// A new token that no claim hands out, for what a claim took over and left for the next
+/// (src/claim/takeover.rs): random too, but version 8, which no claim mints, so every claim's key
+/// gate tells such a range or row, which no consumer holds, from a consumer's
+/// (`held_by_a_consumer!`).
 pub fn no_ones() -> pgrx::Uuid {
     pgrx::Uuid::from_bytes(*uuid::Uuid::new_v8(*uuid::Uuid::new_v4().as_bytes()).as_bytes())
 }

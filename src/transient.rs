@@ -39,7 +39,7 @@ use pgrx::PgList;
 /// The statements of the claim and outcome paths that read those tables through their indexes.
 const BY_INDEX: &[&str] = &[
     "gate_any_blocker",
-    "claim_rows_left",
+    "eq_take_over_left",
     "gate_check",
     "lanes_candidates",
     "lanes_free",
@@ -82,6 +82,7 @@ const ADMIN: &str = "an admin's or a monitor's call, planned with the statistics
 /// The statements that read those tables and are not in `BY_INDEX`, each with why.
 const NOT_BY_INDEX: &[(&str, &str)] = &[
     ("claim_due_rows", BITMAP_OR),
+    ("claim_due_rows_between", BITMAP_OR),
     ("claim_due_isolated", BITMAP_OR),
     ("range_purge_done", SWEEP),
     ("retention_purge_resolved", SWEEP),

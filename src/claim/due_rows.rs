@@ -40,9 +40,18 @@ macro_rules! due_rows {
     };
 }
 
-/// Up to `$4` of them, of ids in `[$5, $6)`.
-pub(super) const DUE_ROWS: Statement = Statement {
+/// Up to `$4` of them.
+const DUE_ROWS: Statement = Statement {
     name: "claim_due_rows",
+    sql: due_rows!("false", "", "$4"),
+    params: &[INT8OID, TIMESTAMPTZOID, INT4OID, INT4OID],
+};
+
+/// Up to `$4` of them with ids in `[$5, $6)`: those before or after an expired range
+/// (src/claim/takeover.rs). A statement of its own, so that the usual one's plan does not
+/// weigh bounds it never needs.
+const DUE_ROWS_BETWEEN: Statement = Statement {
+    name: "claim_due_rows_between",
     sql: due_rows!("false", " AND e.message_id >= $5 AND e.message_id < $6", "$4"),
     params: &[INT8OID, TIMESTAMPTZOID, INT4OID, INT4OID, INT8OID, INT8OID],
 };
@@ -56,7 +65,7 @@ pub(super) const DUE_ISOLATED: Statement = Statement {
 
 impl Claim<'_> {
     /// Due exception rows of `lane` with `ids`, while the batch has room; returns the tokens of
-    /// the expired deliveries among them.
+    /// the expired deliveries it took over.
     pub(super) fn collect_rows(
         &mut self,
         client: &SpiClient<'_>,
@@ -67,15 +76,13 @@ impl Claim<'_> {
         if room <= 0 {
             return Ok(vec![]);
         }
-        let args = [
-            self.group.id.into(),
-            statement::timestamptz(self.now),
-            lane.into(),
-            room.into(),
-            ids.start.into(),
-            ids.end.into(),
-        ];
-        let rows = DUE_ROWS.run(client, self.group.stream.id, &args)?;
+        let (group, now) = (self.group.id, statement::timestamptz(self.now));
+        let rows = if ids == (i64::MIN..i64::MAX) {
+            DUE_ROWS.run(client, self.group.stream.id, &[group.into(), now, lane.into(), room.into()])?
+        } else {
+            let args = [group.into(), now, lane.into(), room.into(), ids.start.into(), ids.end.into()];
+            DUE_ROWS_BETWEEN.run(client, self.group.stream.id, &args)?
+        };
         self.push_rows(client, rows)
     }
 
@@ -110,18 +117,21 @@ impl Claim<'_> {
             let id = candidate.message_id;
             let expired = status == Status::Inflight;
             if expired {
-                tokens.extend(token);
                 match exception_queue::expire(id, attempts, self.group.max_retries) {
                     Expired::Again { attempts: counted } => attempts = counted,
                     Expired::Dead(update) => {
                         self.changes.push(Change::Update(update));
                         self.dead_on_expiry.push(id);
                         self.resolved_keys.push(candidate.key.map(Key::into_string));
+                        tokens.extend(token);
                         continue;
                     }
                 }
             }
             let Some(message) = messages.get(&id) else { continue };
+            if expired {
+                tokens.extend(token);
+            }
             self.work.push(Work {
                 candidate,
                 handout: Handout {

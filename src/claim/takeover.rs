@@ -1,17 +1,18 @@
-//! A claim takes over a lane's ranges whose lease ran out: the consumer that held them died, or
-//! stopped renewing. Oldest first, while the batch has room, each handed out again under the
-//! claim's token (or quarantined after `max_reclaims`: docs/semantics.md, "Quarantine of a range
-//! that keeps expiring"). A range with more than the room left is split: the claim takes the
-//! part it has room for, and the rest, taken over too, waits for the next claim as an expired
-//! range of its own that no consumer holds (src/token.rs).
+//! A claim takes over a lane's work whose lease ran out (the consumer that held it died, or
+//! stopped renewing), oldest first, while the batch has room: the due rows before the lane's
+//! oldest expired range (retries and expired deliveries of exception rows:
+//! src/claim/due_rows.rs), that range handed out again (or quarantined after `max_reclaims`:
+//! docs/semantics.md, "Quarantine of a range that keeps expiring"), the due rows up to the next
+//! expired range, that one, and so on. Due work after an expired range's messages would wait for
+//! them (an ordered key's predecessors; an exclusive key's delivery, which its consumer may still
+//! renew), so taken first by claims with room for only a part, it would wait claim after claim.
 //!
-//! Deliveries of exception rows (retries, woken rows) are taken over one by one, as due rows
-//! (src/claim/due_rows.rs); those of the same claims that the batch has no room for are taken
-//! over too, as a range's rest: they stay expired, under a token no consumer holds. Left under
-//! their consumer's token, they would hold their exclusive keys (`extend_lease` could renew
-//! them), and the rows taken would wait for them.
+//! What the batch has no room for is taken over too, and left for the next claim under a token
+//! no consumer holds (src/token.rs): the rest of a range it splits, and the other expired rows,
+//! in the lane, of the tokens whose work it took over. Left under their consumer's token, they
+//! would hold their exclusive keys (`extend_lease` could still renew them), and the work the
+//! claim took would wait for them.
 
-use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::spi::SpiClient;
 
 use super::Claim;
@@ -19,43 +20,57 @@ use crate::error::Result;
 use crate::exception_queue;
 use crate::message::{self, Message};
 use crate::range::{self, RangeLease};
-use crate::statement::{self, Statement};
 use crate::token;
 
-/// Expired deliveries in lane `$2` under the tokens `$3`, but for the claim's own rows (`$6`),
-/// moved under token `$4`; skips any an outcome is recording.
-const ROWS_LEFT: Statement = Statement {
-    name: "claim_rows_left",
-    sql: "UPDATE sqlstreams.exception_queue_@id@ e SET lease_token = $4, updated_at = $5
-          FROM (SELECT message_id FROM sqlstreams.exception_queue_@id@
-                WHERE consumer_group_id = $1 AND lane = $2 AND status = 'inflight' AND lease_expires_at <= $5
-                  AND lease_token = ANY($3) AND message_id <> ALL($6)
-                FOR UPDATE SKIP LOCKED) left_over
-          WHERE e.consumer_group_id = $1 AND e.message_id = left_over.message_id",
-    params: &[INT8OID, INT4OID, UUIDARRAYOID, UUIDOID, TIMESTAMPTZOID, INT8ARRAYOID],
-};
-
 impl Claim<'_> {
-    /// Takes `expired` over, the lane's oldest expired range (its row locked), then the lane's
-    /// next expired ones while the batch has room.
-    pub(super) fn take_over(&mut self, client: &SpiClient<'_>, mut expired: RangeLease) -> Result<()> {
-        let (stream_id, lane) = (self.group.stream.id, expired.lane);
-        while self.room() > 0 {
-            let after = expired.first_id;
-            if !self.take_over_one(client, expired)? {
+    /// The lane's due rows (`due_rows`: the lanes' candidates saw some) and expired ranges
+    /// (`expired_range`), oldest first, while the batch has room.
+    pub(super) fn take_over_lane(
+        &mut self,
+        client: &SpiClient<'_>,
+        lane: i32,
+        due_rows: bool,
+        expired_range: bool,
+    ) -> Result<()> {
+        let (stream_id, group_id) = (self.group.stream.id, self.group.id);
+        let mut next = match expired_range {
+            true => range::oldest_expired(client, stream_id, group_id, lane, self.now, None)?,
+            false => None,
+        };
+        let mut lower = i64::MIN;
+        let mut tokens = Vec::new();
+        loop {
+            let upper = next.as_ref().map_or(i64::MAX, |(_, r)| r.pending.first().copied().unwrap_or(r.first_id));
+            if due_rows {
+                tokens.extend(self.collect_rows(client, lane, lower..upper)?);
+            }
+            let Some((token, range)) = next.take() else { break };
+            if self.room() <= 0 {
                 break;
             }
-            match range::oldest_expired(client, stream_id, self.group.id, lane, self.now, Some(after))? {
-                Some(next) => expired = next,
-                None => break,
+            let after = range.first_id;
+            tokens.push(token);
+            if !self.take_over_range(client, range)? || self.room() <= 0 {
+                break;
             }
+            lower = upper;
+            next = range::oldest_expired(client, stream_id, group_id, lane, self.now, Some(after))?;
         }
-        Ok(())
+        // A no one's token's rows were taken over before.
+        tokens.retain(|t| !token::is_no_ones(*t));
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        tokens.sort_unstable_by_key(|t| *t.as_bytes());
+        tokens.dedup();
+        let taken: Vec<i64> =
+            self.work.iter().map(|w| w.candidate.message_id).chain(self.dead_on_expiry.iter().copied()).collect();
+        exception_queue::take_over_left(client, self.group, lane, &tokens, &taken, self.now)
     }
 
-    /// Hands `expired` out again, or quarantines it; returns whether the batch had room for all
-    /// of it.
-    fn take_over_one(&mut self, client: &SpiClient<'_>, mut expired: RangeLease) -> Result<bool> {
+    /// Hands `expired` (its row locked) out again, or quarantines it; returns whether the batch
+    /// had room for all of it.
+    fn take_over_range(&mut self, client: &SpiClient<'_>, mut expired: RangeLease) -> Result<bool> {
         let stream_id = self.group.stream.id;
         let messages = message::by_id(client, self.group, &expired.addresses())?;
         if expired.reclaims >= self.group.max_reclaims {
@@ -79,27 +94,5 @@ impl Claim<'_> {
         self.push_range(messages, expired.reclaims, expired.first_id);
         self.ranges.push(expired);
         Ok(whole)
-    }
-
-    /// The other expired deliveries in `lane` of the tokens (`tokens`) whose deliveries the
-    /// claim took over: under a token no consumer holds, still expired, for the next claim.
-    pub(super) fn take_over_rows_left(
-        &mut self,
-        client: &SpiClient<'_>,
-        lane: i32,
-        tokens: &[pgrx::Uuid],
-    ) -> Result<()> {
-        let own: Vec<i64> =
-            self.work.iter().map(|w| w.candidate.message_id).chain(self.dead_on_expiry.iter().copied()).collect();
-        let args = [
-            self.group.id.into(),
-            lane.into(),
-            tokens.to_vec().into(),
-            token::no_ones().into(),
-            statement::timestamptz(self.now),
-            own.into(),
-        ];
-        ROWS_LEFT.run(client, self.group.stream.id, &args)?;
-        Ok(())
     }
 }

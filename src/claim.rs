@@ -400,7 +400,8 @@ impl Claim<'_> {
         candidate: &lanes::Candidate,
         safe: i64,
     ) -> Result<()> {
-        self.take_over_lane(client, lane.lane, candidate.due_rows, candidate.expired_range)?;
+        let kinds = [candidate.due_rows, candidate.expired_rows, candidate.expired_range];
+        self.take_over_lane(client, lane.lane, kinds)?;
         self.collect_range(client, lane, safe)
     }
 

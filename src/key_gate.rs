@@ -209,7 +209,8 @@ pub fn gate(
 /// - Kind 2, for ordered and exclusive keys `$6`: the earliest same-key message pending in
 ///   another open range (`$5` are this claim's own) of a lane the claim took (`$7`); and, as
 ///   `holder`, in one that a consumer holds: not the rest of an expired range a claim split,
-///   whose token (version 8, `token::no_ones`) no consumer was handed.
+///   whose token (version 8, `token::no_ones`: work a claim took over and left for the next) no
+///   consumer was handed.
 /// - Kind 3, for exclusive keys `$8`: the earliest same-key exception row in flight outside
 ///   this claim, under a consumer's token (not one a claim took over and left for the next:
 ///   src/claim/takeover.rs).

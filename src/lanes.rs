@@ -138,21 +138,22 @@ const CANDIDATES: Statement = Statement {
         holders!(),
         " AS holders
           )
-          SELECT c.lane, c.claimed, c.due_rows, c.expired_range, c.isolated, c.holders
+          SELECT c.lane, c.claimed, c.waiting_due OR c.expired_rows AS due_rows, c.expired_rows, c.expired_range,
+                 c.isolated, c.holders
           FROM (
           SELECT l.lane, l.claimed, g.holders,
-                 g.any_due AND (coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
-                                          WHERE e.consumer_group_id = $1 AND e.lane = l.lane
-                                            AND ",
+                 g.any_due AND coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
+                                         WHERE e.consumer_group_id = $1 AND e.lane = l.lane
+                                           AND ",
         crate::exception_queue::waiting!("e"),
         " AND e.can_run_after <= $2
-                                          ORDER BY e.lane, e.can_run_after LIMIT 1), false)
-                                OR coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
-                                             WHERE e.consumer_group_id = $1 AND e.lane = l.lane
-                                               AND ",
+                                         ORDER BY e.lane, e.can_run_after LIMIT 1), false) AS waiting_due,
+                 g.any_due AND coalesce((SELECT true FROM sqlstreams.exception_queue_@id@ e
+                                         WHERE e.consumer_group_id = $1 AND e.lane = l.lane
+                                           AND ",
         crate::exception_queue::in_flight!("e"),
         " AND e.lease_expires_at <= $2
-                                             ORDER BY e.lane, e.lease_expires_at LIMIT 1), false)) AS due_rows,
+                                         ORDER BY e.lane, e.lease_expires_at LIMIT 1), false) AS expired_rows,
                  g.any_expired AND coalesce((SELECT true FROM sqlstreams.range_lease_@id@ r
                                              WHERE r.consumer_group_id = $1 AND r.lane = l.lane
                                                AND r.lease_expires_at <= $2
@@ -169,7 +170,7 @@ const CANDIDATES: Statement = Statement {
           WHERE l.consumer_group_id = $1 AND (NOT $3 OR l.held_until IS NULL OR l.held_until <= $2)
           OFFSET 0 -- evaluated once per lane, not again in the filter below
           ) c
-          WHERE c.claimed < $4 OR c.due_rows OR c.expired_range
+          WHERE c.claimed < $4 OR c.waiting_due OR c.expired_rows OR c.expired_range
           ORDER BY c.isolated DESC, c.claimed, c.lane = $5 DESC, c.lane"
     ),
     params: &[INT8OID, TIMESTAMPTZOID, BOOLOID, INT8OID, INT4OID],
@@ -273,6 +274,8 @@ pub struct Candidate {
     pub lane: i32,
     /// Due exception rows (retries, delays, woken or expired rows).
     pub due_rows: bool,
+    /// Exception rows in flight whose lease expired.
+    pub expired_rows: bool,
     /// An expired range.
     pub expired_range: bool,
     /// A due isolated row (it goes out alone).
@@ -385,7 +388,7 @@ pub fn candidates(
     ];
     let stream = &group.stream;
     let safe_part = partition::of(stream, safe);
-    let candidate = |lane: i32, claimed: i64, due_rows: bool, expired_range: bool, isolated: bool| {
+    let candidate = |lane: i32, claimed: i64, [due_rows, expired_rows, expired_range, isolated]: [bool; 4]| {
         let behind = partition::of(stream, claimed + 1) < safe_part;
         let messages = if claimed >= safe || (!behind && empty::known(stream.id, log.oid(), lane, claimed, safe)) {
             Some(false)
@@ -394,22 +397,22 @@ pub fn candidates(
         } else {
             None
         };
-        Candidate { lane, due_rows, expired_range, isolated, claimed, messages, behind }
+        Candidate { lane, due_rows, expired_rows, expired_range, isolated, claimed, messages, behind }
     };
     let free = free::read(client, group, now, holds(group), safe)?;
     let mut lanes: Vec<Candidate> =
-        free.lanes.iter().map(|&(lane, claimed)| candidate(lane, claimed, false, false, false)).collect();
+        free.lanes.iter().map(|&(lane, claimed)| candidate(lane, claimed, [false; 4])).collect();
     let mut share = None;
     if free.any_work {
         let mut holders = 0i64;
         for row in CANDIDATES.run(client, stream.id, &args)? {
-            lanes.push(candidate(
-                row.required("lane")?,
-                row.required("claimed")?,
+            let kinds = [
                 row.required("due_rows")?,
+                row.required("expired_rows")?,
                 row.required("expired_range")?,
                 row.required("isolated")?,
-            ));
+            ];
+            lanes.push(candidate(row.required("lane")?, row.required("claimed")?, kinds));
             holders = row.value("holders")?.unwrap_or(0);
         }
         share = Some(share_of(group, holders));

@@ -507,6 +507,20 @@ fn keys_arg(keys: &[Option<String>]) -> DatumWithOid<'static> {
     statement::text_array(&keys.iter().map(Option::as_deref).collect::<Vec<_>>())
 }
 
+/// Takes `expired` (its row locked by `oldest_expired`) over without handing it out: what is
+/// still pending stays, expired (at `now`), under a new token that no consumer holds
+/// (`token::no_ones`), for the next claim; the outcomes stored under the old token go. A range
+/// with nothing pending is not kept.
+pub fn leave(client: &SpiClient<'_>, stream_id: i64, group_id: i64, expired: &RangeLease, now: i64) -> Result<()> {
+    if expired.pending.is_empty() {
+        return delete(client, stream_id, group_id, expired.first_id);
+    }
+    let keys: Vec<Option<&str>> = expired.pending_keys.iter().map(Option::as_deref).collect();
+    let lease = Lease { range: expired, pending: &expired.pending, keys: &keys, token: token::no_ones(), expires: now };
+    LEASE.run(client, stream_id, &lease_args(group_id, &lease))?;
+    Ok(())
+}
+
 /// Stores `rest`, split off range `first_id` (see `RangeLease::split_off`), under `token`: a
 /// new one that no consumer holds (`token::no_ones`).
 pub fn split(

@@ -936,6 +936,81 @@ fn smaller_batches_take_over_expired_deliveries_of_an_exclusive_key_without_wait
     assert!(g.claim(&mut c, 2).is_empty());
 }
 
+/// Claims of one until every message of `produced` (one exclusive key) is acked: each must hand
+/// a message out, and no key may be in two live deliveries.
+fn claims_of_one_each_hand_out_work(c: &mut Client, g: &Group, produced: &[i64]) {
+    let mut acked = Vec::new();
+    for round in 0..produced.len() {
+        let taken = g.claim(c, 1);
+        assert_eq!(taken.len(), 1, "round {round}, after {acked:?}: work is left and no live delivery holds k");
+        let twice = keys_in_two_live_deliveries(c, &g.stream);
+        assert!(twice.is_empty(), "round {round}: {twice:?} in two live deliveries");
+        assert!(g.ack(c, &taken[0]));
+        acked.push(taken[0].message_id);
+    }
+    assert!(g.claim(c, 1).is_empty());
+    acked.sort_unstable();
+    assert_eq!(acked, produced, "every message once");
+}
+
+/// Retries of an exclusive key (1 to 3) fall due while a consumer that died holds a later range
+/// of the key (4 to 8). Claims of one take the lane's oldest work, a retry, and take the lane's
+/// expired range over too: the batch has no room for it, so it is left, expired, under a token
+/// no consumer holds, and holds the key no more. Each claim hands a message out (before, the
+/// retries were deferred behind the range, which the claims never reached: the second adversary
+/// saw 1,000 retries and 5,000 empty claims a second without end).
+#[test]
+fn retries_before_a_dead_consumers_range_run_when_its_lane_is_taken() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "exclusive-retries-before-range");
+    let g = s.group(&mut c, "g", Some("exclusive"));
+    let mut produced: Vec<i64> = (0..3).map(|_| s.produce(&mut c, json!({}), Some("k"))).collect();
+    for d in g.claim(&mut c, 10).iter().rev() {
+        assert_eq!(g.fail(&mut c, d, "later", false, Some("1 hour")).as_deref(), Some("ready"));
+    }
+    produced.extend((0..5).map(|_| s.produce(&mut c, json!({}), Some("k"))));
+    let dead = g.claim(&mut c, 10);
+    assert_eq!(ids(&dead), produced[3..], "the consumer that dies; the retries wait");
+    g.expire_leases(&mut c);
+    g.make_due(&mut c);
+    let first = g.claim(&mut c, 1);
+    assert_eq!(ids(&first), produced[..1], "the lane's oldest work");
+    let left: Vec<(i64, uuid::Uuid)> = c
+        .query("SELECT first_id, lease_token FROM sqlstreams.open_leases($1, 'g') WHERE kind = 'range'", &[&s.name])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(left.len(), 1);
+    assert_eq!((left[0].0, left[0].1.get_version_num()), (produced[3], 8), "the range, taken over and left");
+    assert!(!g.ack(&mut c, &dead[0]), "the dead consumer's outcome: the lease was lost");
+    assert!(g.ack(&mut c, &first[0]));
+    claims_of_one_each_hand_out_work(&mut c, &g, &produced[1..]);
+}
+
+/// The same with a dead consumer's expired deliveries of exception rows: retries 5 and 6 of an
+/// exclusive key fell due first and went to a consumer that died; 1 to 4 fall due after. Claims
+/// of one take 1 first, and take the lane's expired deliveries over with it.
+#[test]
+fn retries_before_a_dead_consumers_rows_run_when_its_lane_is_taken() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "exclusive-retries-before-rows");
+    let g = s.group(&mut c, "g", Some("exclusive"));
+    let produced: Vec<i64> = (0..6).map(|_| s.produce(&mut c, json!({}), Some("k"))).collect();
+    for d in g.claim(&mut c, 10).iter().rev() {
+        assert_eq!(g.fail(&mut c, d, "later", false, Some("1 hour")).as_deref(), Some("ready"));
+    }
+    c.execute(
+        &format!("UPDATE {} SET can_run_after = now() WHERE message_id = ANY($1)", s.table("exception_queue")),
+        &[&produced[4..].to_vec()],
+    )
+    .unwrap();
+    assert_eq!(ids(&g.claim(&mut c, 10)), produced[4..], "the consumer that dies, with the retries due first");
+    g.expire_leases(&mut c);
+    g.make_due(&mut c);
+    claims_of_one_each_hand_out_work(&mut c, &g, &produced);
+}
+
 /// A consumer that claimed a big batch dies while later messages of its key wait for their
 /// `deliver_after`; by the time its lease has run out they are due. Claims of one take the
 /// lane's oldest work first: the dead consumer's range, part by part, before the due rows after

@@ -22,8 +22,7 @@ use crate::statement::{self, Columns, Statement};
 macro_rules! due_rows {
     ($isolated:literal, $ids:literal, $limit:literal) => {
         concat!(
-            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane,
-                    e.lease_token
+            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane
              FROM sqlstreams.exception_queue_@id@ e
              WHERE e.consumer_group_id = $1 AND e.lane = $3 AND e.isolated = ",
             $isolated,
@@ -64,17 +63,11 @@ pub(super) const DUE_ISOLATED: Statement = Statement {
 };
 
 impl Claim<'_> {
-    /// Due exception rows of `lane` with `ids`, while the batch has room; returns the tokens of
-    /// the expired deliveries it took over.
-    pub(super) fn collect_rows(
-        &mut self,
-        client: &SpiClient<'_>,
-        lane: i32,
-        ids: std::ops::Range<i64>,
-    ) -> Result<Vec<pgrx::Uuid>> {
+    /// Due exception rows of `lane` with `ids`, while the batch has room.
+    pub(super) fn collect_rows(&mut self, client: &SpiClient<'_>, lane: i32, ids: std::ops::Range<i64>) -> Result<()> {
         let room = self.room();
         if room <= 0 {
-            return Ok(vec![]);
+            return Ok(());
         }
         let (group, now) = (self.group.id, statement::timestamptz(self.now));
         let rows = if ids == (i64::MIN..i64::MAX) {
@@ -88,9 +81,8 @@ impl Claim<'_> {
 
     /// Takes due rows as work, with their messages' payloads; a row whose message is gone
     /// (neither in the log nor in the archive) is passed over, unless its delivery expired for
-    /// the last time (going dead needs no payload). Returns the tokens of the expired deliveries
-    /// it took over.
-    pub(super) fn push_rows(&mut self, client: &SpiClient<'_>, rows: SpiTupleTable<'_>) -> Result<Vec<pgrx::Uuid>> {
+    /// the last time (going dead needs no payload).
+    pub(super) fn push_rows(&mut self, client: &SpiClient<'_>, rows: SpiTupleTable<'_>) -> Result<()> {
         let rows = rows
             .map(|row| {
                 let candidate = Candidate {
@@ -101,19 +93,16 @@ impl Claim<'_> {
                     lane: row.required("lane")?,
                 };
                 let status = Status::from_stored(&row.required::<String>("status")?)?;
-                let token = row.value::<pgrx::Uuid>("lease_token")?;
-                Ok((candidate, status, row.required::<i32>("attempts")?, token))
+                Ok((candidate, status, row.required::<i32>("attempts")?))
             })
             .collect::<Result<Vec<_>>>()?;
         if rows.is_empty() {
-            return Ok(vec![]);
+            return Ok(());
         }
-        let addresses: Vec<Address> =
-            rows.iter().map(|(c, _, _, _)| Address { lane: c.lane, id: c.message_id }).collect();
-        let mut tokens = Vec::new();
+        let addresses: Vec<Address> = rows.iter().map(|(c, _, _)| Address { lane: c.lane, id: c.message_id }).collect();
         let messages: HashMap<i64, Message> =
             message::by_id(client, self.group, &addresses)?.into_iter().map(|m| (m.candidate.message_id, m)).collect();
-        for (candidate, status, mut attempts, token) in rows {
+        for (candidate, status, mut attempts) in rows {
             let id = candidate.message_id;
             let expired = status == Status::Inflight;
             if expired {
@@ -123,15 +112,11 @@ impl Claim<'_> {
                         self.changes.push(Change::Update(update));
                         self.dead_on_expiry.push(id);
                         self.resolved_keys.push(candidate.key.map(Key::into_string));
-                        tokens.extend(token);
                         continue;
                     }
                 }
             }
             let Some(message) = messages.get(&id) else { continue };
-            if expired {
-                tokens.extend(token);
-            }
             self.work.push(Work {
                 candidate,
                 handout: Handout {
@@ -143,8 +128,6 @@ impl Claim<'_> {
                 },
             });
         }
-        tokens.sort_unstable_by_key(|t| *t.as_bytes());
-        tokens.dedup();
-        Ok(tokens)
+        Ok(())
     }
 }

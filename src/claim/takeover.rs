@@ -7,11 +7,13 @@
 //! them (an ordered key's predecessors; an exclusive key's delivery, which its consumer may still
 //! renew), so taken first by claims with room for only a part, it would wait claim after claim.
 //!
-//! What the batch has no room for is taken over too, and left for the next claim under a token
-//! no consumer holds (src/token.rs): the rest of a range it splits, and the other expired rows,
-//! in the lane, of the tokens whose work it took over. Left under their consumer's token, they
-//! would hold their exclusive keys (`extend_lease` could still renew them), and the work the
-//! claim took would wait for them.
+//! A claim that takes a lane takes all of its expired work over: what the batch has no room for
+//! is left for the next claim, still expired, under a token no consumer holds (src/token.rs):
+//! the rest of a range it splits, the expired ranges after it, and the expired deliveries of
+//! exception rows. Left under their consumer's token, they would hold their exclusive keys
+//! (`extend_lease` could still renew them), and the work the claim took would wait for them:
+//! due rows before a dead consumer's range or rows, taken first, would be deferred behind it
+//! claim after claim, and never reach it.
 
 use pgrx::spi::SpiClient;
 
@@ -23,14 +25,15 @@ use crate::range::{self, RangeLease};
 use crate::token;
 
 impl Claim<'_> {
-    /// The lane's due rows (`due_rows`: the lanes' candidates saw some) and expired ranges
-    /// (`expired_range`), oldest first, while the batch has room.
+    /// The lane's due rows (`due_rows`, `expired_rows`: the lanes' candidates saw some, and
+    /// deliveries among them that expired) and expired ranges (`expired_range`), oldest first,
+    /// while the batch has room; then what it has no room for of the lane's expired work is
+    /// taken over too, and left for the next claim.
     pub(super) fn take_over_lane(
         &mut self,
         client: &SpiClient<'_>,
         lane: i32,
-        due_rows: bool,
-        expired_range: bool,
+        [due_rows, expired_rows, expired_range]: [bool; 3],
     ) -> Result<()> {
         let (stream_id, group_id) = (self.group.stream.id, self.group.id);
         let mut next = match expired_range {
@@ -38,39 +41,32 @@ impl Claim<'_> {
             false => None,
         };
         let mut lower = i64::MIN;
-        let mut tokens = Vec::new();
         loop {
             let upper = next.as_ref().map_or(i64::MAX, |(_, r)| r.pending.first().copied().unwrap_or(r.first_id));
             if due_rows {
-                tokens.extend(self.collect_rows(client, lane, lower..upper)?);
+                self.collect_rows(client, lane, lower..upper)?;
             }
             let Some((token, range)) = next.take() else { break };
-            if self.room() <= 0 {
-                break;
-            }
             let after = range.first_id;
-            tokens.push(token);
-            if !self.take_over_range(client, range)? || self.room() <= 0 {
-                break;
+            if self.room() > 0 {
+                self.take_over_range(client, range)?;
+                lower = upper;
+            } else if !token::is_no_ones(token) {
+                range::leave(client, stream_id, group_id, &range, self.now)?;
             }
-            lower = upper;
             next = range::oldest_expired(client, stream_id, group_id, lane, self.now, Some(after))?;
         }
-        // A no one's token's rows were taken over before.
-        tokens.retain(|t| !token::is_no_ones(*t));
-        if tokens.is_empty() {
-            return Ok(());
+        if expired_rows {
+            let taken: Vec<i64> =
+                self.work.iter().map(|w| w.candidate.message_id).chain(self.dead_on_expiry.iter().copied()).collect();
+            exception_queue::take_over_left(client, self.group, lane, &taken, self.now)?;
         }
-        tokens.sort_unstable_by_key(|t| *t.as_bytes());
-        tokens.dedup();
-        let taken: Vec<i64> =
-            self.work.iter().map(|w| w.candidate.message_id).chain(self.dead_on_expiry.iter().copied()).collect();
-        exception_queue::take_over_left(client, self.group, lane, &tokens, &taken, self.now)
+        Ok(())
     }
 
-    /// Hands `expired` (its row locked) out again, or quarantines it; returns whether the batch
-    /// had room for all of it.
-    fn take_over_range(&mut self, client: &SpiClient<'_>, mut expired: RangeLease) -> Result<bool> {
+    /// Hands `expired` (its row locked) out again, as much as the batch has room for, or
+    /// quarantines it.
+    fn take_over_range(&mut self, client: &SpiClient<'_>, mut expired: RangeLease) -> Result<()> {
         let stream_id = self.group.stream.id;
         let messages = message::by_id(client, self.group, &expired.addresses())?;
         if expired.reclaims >= self.group.max_reclaims {
@@ -79,12 +75,10 @@ impl Claim<'_> {
             let rows: Vec<_> =
                 messages.iter().map(|m| exception_queue::quarantine(&m.candidate, &expired, self.now)).collect();
             exception_queue::insert(client, stream_id, self.group.id, &rows, self.now)?;
-            range::delete(client, stream_id, self.group.id, expired.first_id)?;
-            return Ok(true);
+            return range::delete(client, stream_id, self.group.id, expired.first_id);
         }
         let room = self.room() as usize;
-        let whole = expired.pending.len() <= room;
-        if !whole {
+        if expired.pending.len() > room {
             let rest = expired.split_off(room);
             range::split(client, stream_id, self.group.id, expired.first_id, &rest, token::no_ones())?;
         }
@@ -93,6 +87,6 @@ impl Claim<'_> {
         expired.reclaims += 1;
         self.push_range(messages, expired.reclaims, expired.first_id);
         self.ranges.push(expired);
-        Ok(whole)
+        Ok(())
     }
 }

@@ -181,36 +181,32 @@ pub enum Expired {
     Dead(RowUpdate),
 }
 
-/// Expired deliveries in lane `$2` under the tokens `$3`, but for rows the claim took (`$6`),
-/// moved under token `$4`; rows an outcome is recording are passed by.
+/// Expired deliveries in lane `$2` under a consumer's token, but for rows the claim took
+/// (`$5`), moved under token `$3`; rows an outcome is recording are passed by.
 const TAKE_OVER_LEFT: Statement = Statement {
     name: "eq_take_over_left",
-    sql: "UPDATE sqlstreams.exception_queue_@id@ e SET lease_token = $4, updated_at = $5
-          FROM (SELECT message_id FROM sqlstreams.exception_queue_@id@
-                WHERE consumer_group_id = $1 AND lane = $2 AND status = 'inflight' AND lease_expires_at <= $5
-                  AND lease_token = ANY($3) AND message_id <> ALL($6)
-                FOR UPDATE SKIP LOCKED) left_over
-          WHERE e.consumer_group_id = $1 AND e.message_id = left_over.message_id",
-    params: &[INT8OID, INT4OID, UUIDARRAYOID, UUIDOID, TIMESTAMPTZOID, INT8ARRAYOID],
+    sql: concat!(
+        "UPDATE sqlstreams.exception_queue_@id@ e SET lease_token = $3, updated_at = $4
+         FROM (SELECT message_id FROM sqlstreams.exception_queue_@id@
+               WHERE consumer_group_id = $1 AND lane = $2 AND status = 'inflight' AND lease_expires_at <= $4
+                 AND ",
+        crate::token::held_by_a_consumer!("lease_token"),
+        " AND message_id <> ALL($5)
+               FOR UPDATE SKIP LOCKED) left_over
+         WHERE e.consumer_group_id = $1 AND e.message_id = left_over.message_id"
+    ),
+    params: &[INT8OID, INT4OID, UUIDOID, TIMESTAMPTZOID, INT8ARRAYOID],
 };
 
-/// A claim took expired deliveries of `tokens` over in `lane` (rows, or a range), and has no
-/// room for the tokens' other expired rows there (all but `taken`): they are taken over too,
-/// still expired, under a token no consumer holds (`token::no_ones`), for the next claim, which
-/// counts their expiry. Left under their consumer's token, they would hold their exclusive keys
-/// (`extend_lease` could still renew them), and the work the claim took would wait for them.
-pub fn take_over_left(
-    client: &SpiClient<'_>,
-    group: &GroupRef,
-    lane: i32,
-    tokens: &[pgrx::Uuid],
-    taken: &[i64],
-    now: i64,
-) -> Result<()> {
+/// A claim took `lane` while deliveries of its rows had expired, and hands out only those it has
+/// room for (`taken`): the others are taken over too, still expired, under a token no consumer
+/// holds (`token::no_ones`), for the next claim, which counts their expiry. Left under their
+/// consumer's token, they would hold their exclusive keys (`extend_lease` could still renew
+/// them), and the work the claim took would wait for them.
+pub fn take_over_left(client: &SpiClient<'_>, group: &GroupRef, lane: i32, taken: &[i64], now: i64) -> Result<()> {
     let args = [
         group.id.into(),
         lane.into(),
-        tokens.to_vec().into(),
         crate::token::no_ones().into(),
         statement::timestamptz(now),
         taken.to_vec().into(),

@@ -23,8 +23,8 @@ struct Held {
     lost: bool,
     /// A renewal was answered only after the lease had run out here. `extend_lease` renews what
     /// no other consumer took over meanwhile, which may be less than the claim (a claim that
-    /// takes part of an expired range, or some of its expired rows in a lane, over takes the rest
-    /// there over too), so no row of the claim
+    /// takes a lane takes all of its expired work over, also what it does not hand out), so no
+    /// row of the claim
     /// starts here any more (docs/sql-api.md, "The consumer loop", step 4). An answer that came
     /// before proves the renewal ran before the server's expiry, which is later than the one
     /// here: both count from times read before the request was sent.

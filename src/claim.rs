@@ -13,7 +13,8 @@
 //!    rows (retries, delays, woken or expired rows) before its oldest expired range's messages,
 //!    its expired ranges handed out again (or quarantined after `max_reclaims`:
 //!    src/claim/takeover.rs), the due rows after them, and a range of the lane's next messages up
-//!    to the safe head.
+//!    to the safe head. The lane's expired work it has no room for is taken over too, and left
+//!    for the next claim under a token no consumer holds.
 //! 5. Gate them (src/key_gate.rs), record every verdict, lease the ranges, store each
 //!    lane's position and hold, return the runs. Now and then, a retention step for the
 //!    stream (src/retention.rs).

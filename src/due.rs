@@ -45,7 +45,8 @@ macro_rules! earliest_claimable {
 /// range whose lease ran out, in a lane another delivery holds waits for the hold: its
 /// `held_until`, or the outcomes that free it (which notify). Running range leases are one probe
 /// of their index; expired ranges, as a rule none or a few (the next claim of their lane takes
-/// them), are each looked up with their lane. So after a consumer crashed holding lanes with
+/// them, and what it has no room for is left, expired, to the claim after it), are each looked
+/// up with their lane. So after a consumer crashed holding lanes with
 /// retries due in them, the others sleep until its holds run out, rather than claiming
 /// nothing, again and again, until their poll interval.
 const NEXT_DUE: Statement = Statement {

@@ -5,7 +5,7 @@
 //! statements per claim:
 //! - ordered, check 1: the earliest unresolved exception row of the key outside this claim;
 //! - ordered and exclusive, check 2: a same-key message pending in another open range (for
-//!   exclusive, one a consumer holds: not the rest of a split range);
+//!   exclusive, one a consumer holds: not expired work a claim took over and left for the next);
 //! - exclusive: a same-key delivery in flight from the exception queue under another claim (a
 //!   consumer's: not one a claim took over and left for the next);
 //! - compaction: the key's compaction head.
@@ -82,9 +82,9 @@ pub struct KeyFacts {
     pub unresolved: Option<Blocker>,
     /// Check 2: the earliest same-key message pending in another open range.
     pub pending_elsewhere: Option<Blocker>,
-    /// The same, in another open range that a consumer holds: not the rest of an expired range a
-    /// claim split (taken over, it is no one's; docs/semantics.md, "Exclusive delivery"). Set
-    /// only with `pending_elsewhere`, never earlier than it.
+    /// The same, in another open range that a consumer holds: not one a claim took over and
+    /// left for the next (it is no one's; docs/semantics.md, "Exclusive delivery"). Set only with
+    /// `pending_elsewhere`, never earlier than it.
     pub held_elsewhere: Option<Blocker>,
     /// The earliest same-key exception row in flight under another claim (a consumer's token).
     pub inflight_elsewhere: Option<Blocker>,
@@ -208,9 +208,8 @@ pub fn gate(
 ///   key is probed when the group has no unresolved row at all.
 /// - Kind 2, for ordered and exclusive keys `$6`: the earliest same-key message pending in
 ///   another open range (`$5` are this claim's own) of a lane the claim took (`$7`); and, as
-///   `holder`, in one that a consumer holds: not the rest of an expired range a claim split,
-///   whose token (version 8, `token::no_ones`: work a claim took over and left for the next) no
-///   consumer was handed.
+///   `holder`, in one that a consumer holds: not one a claim took over and left for the next,
+///   whose token (version 8, `token::no_ones`) no consumer was handed.
 /// - Kind 3, for exclusive keys `$8`: the earliest same-key exception row in flight outside
 ///   this claim, under a consumer's token (not one a claim took over and left for the next:
 ///   src/claim/takeover.rs).

@@ -125,12 +125,28 @@ const FOR_TOKEN: Statement = Statement {
     params: &[INT8OID, UUIDOID],
 };
 
-/// The lane's oldest expired range after `$4`.
+/// The lane's oldest expired range after `$4` (`$5`: one a consumer holds, not one left to no
+/// one).
+macro_rules! oldest_expired {
+    ($($held:expr),*) => {
+        concat!(
+            "SELECT first_id, last_id, lease_token, reclaims, pending, pending_keys, lane FROM sqlstreams.range_lease_@id@
+             WHERE consumer_group_id = $1 AND lease_expires_at <= $2 AND lane = $3 AND first_id > $4",
+            $($held,)*
+            " ORDER BY first_id LIMIT 1 FOR UPDATE SKIP LOCKED"
+        )
+    };
+}
+
 const OLDEST_EXPIRED: Statement = Statement {
     name: "range_oldest_expired",
-    sql: "SELECT first_id, last_id, lease_token, reclaims, pending, pending_keys, lane FROM sqlstreams.range_lease_@id@
-          WHERE consumer_group_id = $1 AND lease_expires_at <= $2 AND lane = $3 AND first_id > $4
-          ORDER BY first_id LIMIT 1 FOR UPDATE SKIP LOCKED",
+    sql: oldest_expired!(),
+    params: &[INT8OID, TIMESTAMPTZOID, INT4OID, INT8OID],
+};
+
+const OLDEST_EXPIRED_HELD: Statement = Statement {
+    name: "range_oldest_expired_held",
+    sql: oldest_expired!(" AND ", crate::token::held_by_a_consumer!("lease_token")),
     params: &[INT8OID, TIMESTAMPTZOID, INT4OID, INT8OID],
 };
 
@@ -337,8 +353,9 @@ impl Ranges {
 
 /// The open ranges leased under `token`, locked, for an outcome. A lease that expired but was
 /// not taken over still counts. A claim that took an expired range over while this waited for
-/// its lock gave it a token of its own, and the rest it split off one no consumer holds
-/// (`split`): neither is read. Nor is anything under such a token, whoever names it.
+/// its lock gave it a token of its own, or one no consumer holds (the rest it split off:
+/// `split`; a range it had no room for: `leave`): neither is read. Nor is anything under such a
+/// token, whoever names it.
 pub fn for_token(client: &SpiClient<'_>, stream_id: i64, group_id: i64, token: pgrx::Uuid) -> Result<Ranges> {
     if token::is_no_ones(token) {
         return Ok(Ranges { token, ranges: vec![] });
@@ -440,6 +457,14 @@ pub fn may_cover(token: pgrx::Uuid, ids: &[i64]) -> bool {
     read_committed && crate::own_claims::covers(token, ids)
 }
 
+/// Which expired ranges `oldest_expired` looks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expired {
+    Any,
+    /// Held by a consumer: not one a claim took over and left to no one.
+    Held,
+}
+
 /// The lane's oldest range whose lease has expired (after the one that starts at `after`),
 /// locked (skipping one an outcome is recording), with the token it was leased under.
 pub fn oldest_expired(
@@ -448,14 +473,19 @@ pub fn oldest_expired(
     group_id: i64,
     lane: i32,
     now: i64,
-    after: Option<i64>,
+    (after, which): (i64, Expired),
 ) -> Result<Option<(pgrx::Uuid, RangeLease)>> {
-    let args = [group_id.into(), statement::timestamptz(now), lane.into(), after.unwrap_or(i64::MIN).into()];
-    let row = OLDEST_EXPIRED.run(client, stream_id, &args)?.first();
+    let statement = if which == Expired::Held { &OLDEST_EXPIRED_HELD } else { &OLDEST_EXPIRED };
+    let args = [group_id.into(), statement::timestamptz(now), lane.into(), after.into()];
+    let row = statement.run(client, stream_id, &args)?.first();
     if row.is_empty() {
         return Ok(None);
     }
     let (token, range) = from_row(&row)?;
+    if token::is_no_ones(token) {
+        // No outcome is ever stored under such a token.
+        return Ok(Some((token, range)));
+    }
     Ok(without_done(client, stream_id, group_id, token, vec![range])?.pop().map(|range| (token, range)))
 }
 
@@ -517,8 +547,11 @@ pub fn leave(client: &SpiClient<'_>, stream_id: i64, group_id: i64, expired: &Ra
     }
     let keys: Vec<Option<&str>> = expired.pending_keys.iter().map(Option::as_deref).collect();
     let lease = Lease { range: expired, pending: &expired.pending, keys: &keys, token: token::no_ones(), expires: now };
-    LEASE.run(client, stream_id, &lease_args(group_id, &lease))?;
-    Ok(())
+    // Its keys written as a claim writes them (src/claim.rs, `store`).
+    crate::search_path::with_lz4_if(keys.iter().any(Option::is_some), || {
+        LEASE.run(client, stream_id, &lease_args(group_id, &lease))?;
+        Ok(())
+    })
 }
 
 /// Stores `rest`, split off range `first_id` (see `RangeLease::split_off`), under `token`: a

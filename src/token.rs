@@ -1,7 +1,7 @@
-//! Lease tokens. A claim mints a random one (version 4) for what it hands out; what a claim takes
-//! over and has no room for (the rest of an expired range it splits, a token's other expired
-//! rows in the lane: src/claim/takeover.rs) gets a random one of version 8, which no claim
-//! mints: no consumer holds it, and every claim's key gate can tell (src/key_gate.rs).
+//! Lease tokens. A claim mints a random one (version 4) for what it hands out; expired work it
+//! takes over and has no room for (the rest of a range it splits, expired ranges and rows of the
+//! lane: src/claim/takeover.rs) gets a random one of version 8, which no claim mints: no
+//! consumer holds it, and every claim's key gate can tell (src/key_gate.rs).
 
 /// A new lease token for a claim: random (version 4).
 pub fn new() -> pgrx::Uuid {

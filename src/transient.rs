@@ -48,6 +48,7 @@ const BY_INDEX: &[&str] = &[
     "lanes_release",
     "range_for_token",
     "range_oldest_expired",
+    "range_oldest_expired_held",
     "range_done",
     "range_lease",
     "range_split",

@@ -936,17 +936,21 @@ fn smaller_batches_take_over_expired_deliveries_of_an_exclusive_key_without_wait
     assert!(g.claim(&mut c, 2).is_empty());
 }
 
-/// Claims of one until every message of `produced` (one exclusive key) is acked: each must hand
-/// a message out, and no key may be in two live deliveries.
+/// Claims of one, two at a time, until every message of `produced` (one exclusive key) is
+/// acked: the first of each two must hand a message out, and no key may be in two live
+/// deliveries.
 fn claims_of_one_each_hand_out_work(c: &mut Client, g: &Group, produced: &[i64]) {
     let mut acked = Vec::new();
     for round in 0..produced.len() {
         let taken = g.claim(c, 1);
         assert_eq!(taken.len(), 1, "round {round}, after {acked:?}: work is left and no live delivery holds k");
+        let beside = g.claim(c, 1);
         let twice = keys_in_two_live_deliveries(c, &g.stream);
         assert!(twice.is_empty(), "round {round}: {twice:?} in two live deliveries");
-        assert!(g.ack(c, &taken[0]));
-        acked.push(taken[0].message_id);
+        for d in taken.iter().chain(&beside) {
+            assert!(g.ack(c, d));
+            acked.push(d.message_id);
+        }
     }
     assert!(g.claim(c, 1).is_empty());
     acked.sort_unstable();
@@ -971,6 +975,8 @@ fn retries_before_a_dead_consumers_range_run_when_its_lane_is_taken() {
     produced.extend((0..5).map(|_| s.produce(&mut c, json!({}), Some("k"))));
     let dead = g.claim(&mut c, 10);
     assert_eq!(ids(&dead), produced[3..], "the consumer that dies; the retries wait");
+    assert!(g.ack(&mut c, &dead[1]), "before it dies");
+    let acked_before = produced.remove(4);
     g.expire_leases(&mut c);
     g.make_due(&mut c);
     let first = g.claim(&mut c, 1);
@@ -984,6 +990,14 @@ fn retries_before_a_dead_consumers_range_run_when_its_lane_is_taken() {
     assert_eq!(left.len(), 1);
     assert_eq!((left[0].0, left[0].1.get_version_num()), (produced[3], 8), "the range, taken over and left");
     assert!(!g.ack(&mut c, &dead[0]), "the dead consumer's outcome: the lease was lost");
+    let done: i64 = c
+        .query_one(
+            &format!("SELECT count(*) FROM {} WHERE lease_token = $1", s.table("range_done")),
+            &[&dead[0].lease_token],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(done, 0, "its recorded outcome ({acked_before}) went with the range it left");
     assert!(g.ack(&mut c, &first[0]));
     claims_of_one_each_hand_out_work(&mut c, &g, &produced[1..]);
 }
@@ -1130,18 +1144,7 @@ fn taking_over_a_range_takes_over_its_tokens_rows_in_the_lane() {
     let dead = g.claim(&mut c, 100);
     assert_eq!(ids(&dead), produced, "the consumer that dies: the range again, and the row");
     g.expire_leases(&mut c);
-    let mut acked = Vec::new();
-    for round in 0..produced.len() {
-        let taken = g.claim(&mut c, 1);
-        assert_eq!(taken.len(), 1, "round {round}, after {acked:?}: work is left and no live delivery holds k");
-        let twice = keys_in_two_live_deliveries(&mut c, &s);
-        assert!(twice.is_empty(), "round {round}: {twice:?} in two live deliveries");
-        assert!(g.ack(&mut c, &taken[0]));
-        acked.push(taken[0].message_id);
-    }
-    assert!(g.claim(&mut c, 1).is_empty());
-    acked.sort_unstable();
-    assert_eq!(acked, produced, "every message once");
+    claims_of_one_each_hand_out_work(&mut c, &g, &produced);
 }
 
 /// Messages 1 and 2 of key `k` in a range of a consumer that dies, and 3 of `k`, produced to

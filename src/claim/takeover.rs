@@ -20,8 +20,9 @@ use pgrx::spi::SpiClient;
 use super::Claim;
 use crate::error::Result;
 use crate::exception_queue;
+use crate::lanes;
 use crate::message::{self, Message};
-use crate::range::{self, RangeLease};
+use crate::range::{self, Expired, RangeLease};
 use crate::token;
 
 impl Claim<'_> {
@@ -29,17 +30,14 @@ impl Claim<'_> {
     /// deliveries among them that expired) and expired ranges (`expired_range`), oldest first,
     /// while the batch has room; then what it has no room for of the lane's expired work is
     /// taken over too, and left for the next claim.
-    pub(super) fn take_over_lane(
-        &mut self,
-        client: &SpiClient<'_>,
-        lane: i32,
-        [due_rows, expired_rows, expired_range]: [bool; 3],
-    ) -> Result<()> {
-        let (stream_id, group_id) = (self.group.stream.id, self.group.id);
-        let mut next = match expired_range {
-            true => range::oldest_expired(client, stream_id, group_id, lane, self.now, None)?,
-            false => None,
-        };
+    pub(super) fn take_over_lane(&mut self, client: &SpiClient<'_>, lane: i32, kinds: [bool; 3]) -> Result<()> {
+        let [due_rows, expired_rows, expired_range] = kinds;
+        let (stream_id, group_id, now) = (self.group.stream.id, self.group.id, self.now);
+        // Left to no one, work holds no exclusive key; a group whose override is parallel has
+        // none, and its claims leave nothing.
+        let leaves = lanes::holds(self.group);
+        let oldest = |after: i64, which| range::oldest_expired(client, stream_id, group_id, lane, now, (after, which));
+        let mut next = if expired_range { oldest(i64::MIN, Expired::Any)? } else { None };
         let mut lower = i64::MIN;
         loop {
             let upper = next.as_ref().map_or(i64::MAX, |(_, r)| r.pending.first().copied().unwrap_or(r.first_id));
@@ -51,12 +49,17 @@ impl Claim<'_> {
             if self.room() > 0 {
                 self.take_over_range(client, range)?;
                 lower = upper;
+            } else if !leaves {
+                break;
             } else if !token::is_no_ones(token) {
-                range::leave(client, stream_id, group_id, &range, self.now)?;
+                range::leave(client, stream_id, group_id, &range, now)?;
             }
-            next = range::oldest_expired(client, stream_id, group_id, lane, self.now, Some(after))?;
+            // Past the room, only what a consumer still holds: each is left to no one once.
+            let which = if self.room() > 0 { Expired::Any } else { Expired::Held };
+            next = oldest(after, which)?;
         }
-        if expired_rows {
+        // With room left, every due row of the lane was taken but those passed by.
+        if expired_rows && leaves && self.room() <= 0 {
             let taken: Vec<i64> =
                 self.work.iter().map(|w| w.candidate.message_id).chain(self.dead_on_expiry.iter().copied()).collect();
             exception_queue::take_over_left(client, self.group, lane, &taken, self.now)?;

@@ -332,8 +332,8 @@ impl Admin {
             .collect()
     }
 
-    /// Every lease the group has, expired ones not yet taken over included, and the rests of
-    /// expired ranges that a claim split, under a token no consumer holds.
+    /// Every lease the group has, expired ones not yet taken over included, and expired work a
+    /// claim took over and left for the next claim, under a token no consumer holds.
     pub async fn open_leases(&self, stream: &str, group: &str) -> Result<Vec<OpenLease>> {
         let rows = self.rows("SELECT * FROM sqlstreams.open_leases($1, $2)", &[&stream, &group]).await?;
         Ok(rows

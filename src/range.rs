@@ -565,19 +565,19 @@ pub fn split(
     token: pgrx::Uuid,
 ) -> Result<()> {
     debug_assert_eq!(rest.pending.len(), rest.pending_keys.len(), "a key for each pending message");
-    SPLIT.run(
-        client,
-        stream_id,
-        &[
-            group_id.into(),
-            first_id.into(),
-            rest.first_id.into(),
-            rest.pending.as_slice().into(),
-            keys_arg(&rest.pending_keys),
-            token.into(),
-        ],
-    )?;
-    Ok(())
+    let args = [
+        group_id.into(),
+        first_id.into(),
+        rest.first_id.into(),
+        rest.pending.as_slice().into(),
+        keys_arg(&rest.pending_keys),
+        token.into(),
+    ];
+    // Its keys written as a claim writes them (src/claim.rs, `store`).
+    crate::search_path::with_lz4_if(rest.pending_keys.iter().any(Option::is_some), || {
+        SPLIT.run(client, stream_id, &args)?;
+        Ok(())
+    })
 }
 
 /// Deletes range `first_id` with the outcomes stored against it.

@@ -1070,6 +1070,52 @@ fn smaller_batches_take_an_exclusive_lanes_oldest_work_first() {
     smaller_batches_take_a_lanes_oldest_work_first("exclusive");
 }
 
+/// Work a claim takes over and leaves for the next claim keeps its keys as a claim writes them:
+/// with lz4 where the server has it, whatever the caller's `default_toast_compression`. A range
+/// of 100 keys (one lane) of a consumer that died is left whole (a claim of one takes an older
+/// retry first), then split (the next claim takes one message of it).
+#[test]
+fn work_left_for_the_next_claim_keeps_its_keys_compressed_as_a_claim_writes_them() {
+    let mut c = connect();
+    let name = unique("left-lz4");
+    let id: i64 = c.query_one("SELECT sqlstreams.create_stream($1, lanes => 1)", &[&name]).unwrap().get(0);
+    let s = Stream { name, id };
+    let g = s.group(&mut c, "g", Some("exclusive"));
+    let retry = s.produce(&mut c, json!({}), Some("first"));
+    let failed = g.claim(&mut c, 1);
+    assert_eq!(g.fail(&mut c, &failed[0], "later", false, Some("1 hour")).as_deref(), Some("ready"));
+    let keys: Vec<String> = (0..100).map(|i| format!("account-{i:05}")).collect();
+    for key in &keys {
+        s.produce(&mut c, json!({}), Some(key));
+    }
+    assert_eq!(g.claim(&mut c, 100).len(), 100, "the consumer that dies");
+    g.expire_leases(&mut c);
+    g.make_due(&mut c);
+    let lz4: bool = c
+        .query_one("SELECT 'lz4' = ANY (enumvals) FROM pg_settings WHERE name = 'default_toast_compression'", &[])
+        .unwrap()
+        .get(0);
+    let method = if lz4 { "lz4" } else { "pglz" };
+    c.batch_execute("SET default_toast_compression = pglz").unwrap();
+    let stored = |c: &mut Client| -> Vec<(i64, Option<String>)> {
+        let sql =
+            format!("SELECT first_id, pg_column_compression(pending_keys) FROM {} ORDER BY 1", s.table("range_lease"));
+        c.query(&sql, &[]).unwrap().iter().map(|r| (r.get(0), r.get(1))).collect()
+    };
+    let first = g.claim(&mut c, 1);
+    assert_eq!(ids(&first), vec![retry], "the lane's oldest work");
+    let left = stored(&mut c);
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].1.as_deref(), Some(method), "the range left whole (lz4 on this server: {lz4})");
+    assert!(g.ack(&mut c, &first[0]));
+    let part = g.claim(&mut c, 1);
+    assert_eq!(part.len(), 1);
+    let split = stored(&mut c);
+    assert_eq!(split.len(), 2, "{split:?}");
+    assert_eq!(split[1].1.as_deref(), Some(method), "the rest of the range split (lz4 on this server: {lz4})");
+    c.batch_execute("RESET default_toast_compression").unwrap();
+}
+
 /// A takeover by a smaller batch leaves two expired ranges in the lane when its consumer dies
 /// too (the part it took, and the rest no one holds): ten messages of one ordered key, in ranges
 /// of four and six. A claim of `batch` takes them over, oldest first, while it has room: it

@@ -175,6 +175,21 @@ const LEASE: Statement = Statement {
     params: &[INT8OID, INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID, INT4OID, INT8ARRAYOID, TEXTARRAYOID, INT4OID],
 };
 
+/// Range `$2`, expired and taken over without being handed out (`leave`): its messages still
+/// pending `$4` with their keys `$5` under token `$3`, which no consumer holds, and its old
+/// expiry, as a split's rest keeps it; the outcomes stored under the old token go.
+const LEAVE: Statement = Statement {
+    name: "range_leave",
+    sql: "WITH old AS (SELECT lease_token, pending FROM sqlstreams.range_lease_@id@
+                       WHERE consumer_group_id = $1 AND first_id = $2),
+               done AS (DELETE FROM sqlstreams.range_done_@id@ d USING old
+                        WHERE d.consumer_group_id = $1 AND d.lease_token = old.lease_token
+                          AND d.message_id = ANY(old.pending))
+          UPDATE sqlstreams.range_lease_@id@ SET lease_token = $3, pending = $4, pending_keys = $5
+          WHERE consumer_group_id = $1 AND first_id = $2",
+    params: &[INT8OID, INT8OID, UUIDOID, INT8ARRAYOID, TEXTARRAYOID],
+};
+
 /// The rest of range `$2` as a range of its own (`split_off`), under token `$6`, which no
 /// consumer holds, and its old expiry: taken over from the consumer whose lease ran out (its
 /// outcomes and `extend_lease` find it no more), it waits, expired, for the next claim.
@@ -538,18 +553,23 @@ fn keys_arg(keys: &[Option<String>]) -> DatumWithOid<'static> {
 }
 
 /// Takes `expired` (its row locked by `oldest_expired`) over without handing it out: what is
-/// still pending stays, expired (at `now`), under a new token that no consumer holds
-/// (`token::no_ones`), for the next claim; the outcomes stored under the old token go. A range
-/// with nothing pending is not kept.
-pub fn leave(client: &SpiClient<'_>, stream_id: i64, group_id: i64, expired: &RangeLease, now: i64) -> Result<()> {
+/// still pending stays, expired (since its old expiry), under a new token that no consumer
+/// holds (`token::no_ones`), for the next claim; the outcomes stored under the old token go. A
+/// range with nothing pending is not kept.
+pub fn leave(client: &SpiClient<'_>, stream_id: i64, group_id: i64, expired: &RangeLease) -> Result<()> {
     if expired.pending.is_empty() {
         return delete(client, stream_id, group_id, expired.first_id);
     }
-    let keys: Vec<Option<&str>> = expired.pending_keys.iter().map(Option::as_deref).collect();
-    let lease = Lease { range: expired, pending: &expired.pending, keys: &keys, token: token::no_ones(), expires: now };
+    let args = [
+        group_id.into(),
+        expired.first_id.into(),
+        token::no_ones().into(),
+        expired.pending.as_slice().into(),
+        keys_arg(&expired.pending_keys),
+    ];
     // Its keys written as a claim writes them (src/claim.rs, `store`).
-    crate::search_path::with_lz4_if(keys.iter().any(Option::is_some), || {
-        LEASE.run(client, stream_id, &lease_args(group_id, &lease))?;
+    crate::search_path::with_lz4_if(expired.pending_keys.iter().any(Option::is_some), || {
+        LEAVE.run(client, stream_id, &args)?;
         Ok(())
     })
 }

@@ -51,6 +51,7 @@ const BY_INDEX: &[&str] = &[
     "range_oldest_expired_held",
     "range_done",
     "range_lease",
+    "range_leave",
     "range_split",
     "range_delete",
     "range_delete_token",

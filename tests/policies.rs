@@ -979,16 +979,16 @@ fn retries_before_a_dead_consumers_range_run_when_its_lane_is_taken() {
     let acked_before = produced.remove(4);
     g.expire_leases(&mut c);
     g.make_due(&mut c);
+    let ranges =
+        "SELECT first_id, lease_token, lease_expires_at FROM sqlstreams.open_leases($1, 'g') WHERE kind = 'range'";
+    let expired: std::time::SystemTime = c.query_one(ranges, &[&s.name]).unwrap().get(2);
     let first = g.claim(&mut c, 1);
     assert_eq!(ids(&first), produced[..1], "the lane's oldest work");
-    let left: Vec<(i64, uuid::Uuid)> = c
-        .query("SELECT first_id, lease_token FROM sqlstreams.open_leases($1, 'g') WHERE kind = 'range'", &[&s.name])
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
+    let left: Vec<(i64, uuid::Uuid, std::time::SystemTime)> =
+        c.query(ranges, &[&s.name]).unwrap().iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();
     assert_eq!(left.len(), 1);
     assert_eq!((left[0].0, left[0].1.get_version_num()), (produced[3], 8), "the range, taken over and left");
+    assert_eq!(left[0].2, expired, "expired since its consumer's lease ran out, as a split's rest");
     assert!(!g.ack(&mut c, &dead[0]), "the dead consumer's outcome: the lease was lost");
     let done: i64 = c
         .query_one(

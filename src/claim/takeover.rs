@@ -52,7 +52,7 @@ impl Claim<'_> {
             } else if !leaves {
                 break;
             } else if !token::is_no_ones(token) {
-                range::leave(client, stream_id, group_id, &range, now)?;
+                range::leave(client, stream_id, group_id, &range)?;
             }
             // Past the room, only what a consumer still holds: each is left to no one once.
             let which = if self.room() > 0 { Expired::Any } else { Expired::Held };

@@ -172,6 +172,40 @@ fn a_change_is_previewed_confirmed_and_bounded_in_time() {
     assert_eq!(state(&mut c, &s).0, claimed, "the seek that timed out changed nothing");
 }
 
+/// A seek is refused while consumers hold open leases, not for expired work a claim took over
+/// and left for the next claim of its lane: no consumer holds that (its outcomes could not be
+/// lost), and a paused group, as the refusal advises, would never hand it out.
+#[test]
+fn a_seek_is_not_refused_for_work_no_consumer_holds() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "cli-seek-left");
+    let g = s.group(&mut c, "g", Some("exclusive"));
+    let produced: Vec<i64> = (0..3).map(|_| s.produce(&mut c, json!({}), Some("k"))).collect();
+    assert_eq!(ids(&g.claim(&mut c, 10)), produced, "the consumer that dies");
+    g.expire_leases(&mut c);
+    let taken = g.claim(&mut c, 1);
+    assert_eq!(ids(&taken), produced[..1], "the claim that takes the lane over, with room for one");
+    assert!(g.ack(&mut c, &taken[0]));
+    let left: Vec<(String, uuid::Uuid)> = c
+        .query("SELECT kind, lease_token FROM sqlstreams.open_leases($1, 'g')", &[&s.name])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert!(
+        left.len() == 1 && left[0].0 == "range" && left[0].1.get_version_num() == 8,
+        "only the rest, under a token no consumer holds: {left:?}"
+    );
+
+    let target = ["--stream", s.name.as_str(), "--group", "g"];
+    let moved = json(&[&["seek", "--to-id", "0", "--yes"][..], &target[..]].concat());
+    assert_eq!(moved[0]["position"], 0, "not refused: no consumer holds a lease");
+    assert_eq!(ids(&g.claim(&mut c, 10)), produced, "replayed from the start");
+    // Now a consumer holds them (the range, and the lane it holds): refused.
+    let (code, _, err) = run(&[&["seek", "--to-id", "0", "--yes"][..], &target[..]].concat());
+    assert!(code == 2 && err.contains("2 open lease(s) held by consumers") && err.contains("--force"), "{code} {err}");
+}
+
 #[test]
 fn tail_follow_json_prints_one_object_per_line() {
     use std::io::{BufRead, BufReader};

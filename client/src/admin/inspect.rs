@@ -71,11 +71,12 @@ pub struct GroupStatus {
     pub head: i64,
     /// `head - committed`.
     pub lag: i64,
-    /// Range leases open.
+    /// Range leases open, including expired ranges no consumer holds any more.
     pub open_ranges: i64,
     /// Exception-queue rows ready to claim.
     pub ready: i64,
-    /// Exception-queue rows claimed and not resolved.
+    /// Exception-queue rows claimed and not resolved, including expired deliveries no consumer
+    /// holds any more.
     pub inflight: i64,
     /// Exception-queue rows waiting for a retry or a delay.
     pub deferred: i64,
@@ -140,7 +141,7 @@ pub struct OpenLease {
     pub last_id: Option<i64>,
     /// The key, for an exception row.
     pub message_key: Option<String>,
-    /// The lease's token.
+    /// The lease's token: the claim's, or one no consumer holds (`held_by_a_consumer`).
     pub lease_token: uuid::Uuid,
     /// When it expires.
     pub lease_expires_at: SystemTime,
@@ -149,6 +150,18 @@ pub struct OpenLease {
     /// Its lane (a range's or a lane's).
     pub lane: Option<i32>,
 }
+
+impl OpenLease {
+    /// Whether a consumer holds it (its outcomes and renewals count, until the lease is taken
+    /// over), rather than being expired work a claim took over and left for the next claim of
+    /// its lane, under a token no consumer holds (a version-8 UUID, which no claim hands out).
+    pub fn held_by_a_consumer(&self) -> bool {
+        self.lease_token.get_version_num() != NO_ONES_VERSION
+    }
+}
+
+/// The UUID version of the token of work no consumer holds (docs/sql-api.md, "open_leases").
+const NO_ONES_VERSION: usize = 8;
 
 /// A row of `sqlstreams.peek`.
 #[derive(Clone, Debug, PartialEq)]
@@ -389,5 +402,31 @@ impl Admin {
                 prepared_gid: r.get("prepared_gid"),
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::OpenLease;
+    use std::time::SystemTime;
+
+    fn lease(token: uuid::Uuid) -> OpenLease {
+        OpenLease {
+            kind: "range".into(),
+            first_id: Some(1),
+            last_id: Some(2),
+            message_key: None,
+            lease_token: token,
+            lease_expires_at: SystemTime::UNIX_EPOCH,
+            pending: Some(2),
+            lane: Some(0),
+        }
+    }
+
+    #[test]
+    fn a_version_8_token_is_no_consumers() {
+        assert!(lease(uuid::Uuid::new_v4()).held_by_a_consumer(), "a claim's token");
+        let no_ones = uuid::Builder::from_bytes([7; 16]).with_version(uuid::Version::Custom).into_uuid();
+        assert!(!lease(no_ones).held_by_a_consumer(), "work left for the next claim");
     }
 }

@@ -210,7 +210,9 @@ impl Admin {
         self.one(sql, &[&stream, &role, &privilege.as_str(), &group]).await
     }
 
-    /// Ends a lease now: its messages are handed out again. False when no lease has the token.
+    /// Ends a lease now: its messages are handed out again. False when no lease has the token,
+    /// and for a token no consumer holds (`OpenLease::held_by_a_consumer`): that work has
+    /// expired already, and goes to the next claim of its lane.
     pub async fn break_lease(&self, stream: &str, group: &str, token: uuid::Uuid) -> Result<bool> {
         self.one("SELECT sqlstreams.break_lease($1, $2, $3)", &[&stream, &group, &token]).await
     }

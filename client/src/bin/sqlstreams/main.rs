@@ -32,6 +32,13 @@ use clap::{Args, Parser, Subcommand};
 use serde_json::Value;
 use tokio_postgres::types::ToSql;
 
+/// How many of a group's open leases consumers hold: what a seek would make their outcomes
+/// lose. Expired work a claim took over and left for the next claim of its lane is listed under
+/// a token no consumer holds, a version-8 UUID (docs/sql-api.md, "open_leases"), and is not
+/// counted: no consumer's outcome can be lost there, and a paused group would never drain it.
+const CONSUMERS_LEASES: &str = "SELECT count(*) AS open FROM sqlstreams.open_leases($1, $2)
+                                WHERE get_byte(uuid_send(lease_token), 6) >> 4 <> 8";
+
 #[derive(Parser)]
 #[command(
     name = "sqlstreams",
@@ -516,13 +523,12 @@ async fn operate(db: &tokio_postgres::Client, command: Command, json: bool) -> R
             change(db, "skip this message", sql, &[&t.stream, &t.group, &id], &confirm, json).await?
         }
         Command::Seek { target: t, to_id, to_time, force, confirm } => {
-            let open =
-                rows(db, "SELECT count(*) AS open FROM sqlstreams.open_leases($1, $2)", &[&t.stream, &t.group]).await?;
+            let open = rows(db, CONSUMERS_LEASES, &[&t.stream, &t.group]).await?;
             let open = open.rows.first().and_then(|r| r["open"].as_i64()).unwrap_or(0);
             if open > 0 && !force {
                 return Err(Failure::Refused(format!(
-                    "group {} has {open} open lease(s): a seek forgets them, and their consumers' outcomes \
-                     report a lost lease; pause the group and let them finish, or pass --force",
+                    "group {} has {open} open lease(s) held by consumers: a seek forgets them, and their \
+                     outcomes report a lost lease; pause the group and let them finish, or pass --force",
                     t.group
                 )));
             }

@@ -186,11 +186,11 @@ impl Action {
     /// Makes the change on `db`.
     pub async fn run(&self, db: &impl GenericClient, stream: &str, group: &str) -> Result<Outcome, String> {
         if let Action::Seek { force: false, .. } = self {
-            let open: i64 = one(db, "SELECT count(*) FROM sqlstreams.open_leases($1, $2)", &[&stream, &group]).await?;
+            let open: i64 = one(db, crate::CONSUMERS_LEASES, &[&stream, &group]).await?;
             if open > 0 {
                 return Err(format!(
-                    "group {group} has {open} open lease(s): a seek forgets them, and their consumers' outcomes \
-                     report a lost lease. Pause the group and let them finish, or seek with \"force\"."
+                    "group {group} has {open} open lease(s) held by consumers: a seek forgets them, and their \
+                     outcomes report a lost lease. Pause the group and let them finish, or seek with \"force\"."
                 ));
             }
         }

@@ -69,6 +69,18 @@ const NEEDED_FROM: Statement = Statement {
     params: &[],
 };
 
+/// The first of the tables `$1` (names in schema `sqlstreams`) that has no valid primary key: a
+/// restore is still loading it (see `unrestored`). NULL when every one has its key.
+const UNRESTORED: Statement = Statement {
+    name: "retention_unrestored",
+    sql: "SELECT (SELECT t.name FROM unnest($1::text[]) WITH ORDINALITY AS t(name, n)
+                  WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_index i
+                                    WHERE i.indrelid = pg_catalog.to_regclass('sqlstreams.' || t.name)
+                                      AND i.indisprimary AND i.indisvalid)
+                  ORDER BY t.n LIMIT 1) AS missing",
+    params: &[TEXTARRAYOID],
+};
+
 /// Archived messages no exception row refers to any more (their rows were purged, skipped or
 /// dropped with their group): one primary-key probe per group of the stream for each archived
 /// message (the archive holds dead letters only, so it stays small).
@@ -148,6 +160,24 @@ pub fn groups_to_maintain(client: &SpiClient<'_>, stream: &StreamRef) -> Result<
     Ok(groups)
 }
 
+/// The first of `stream`'s tables that say what its groups still need (their cursors, lanes,
+/// open ranges with their outcomes, exception rows) that has no primary key yet, if any.
+///
+/// `pg_restore` (with `-j` or without) and a plain dump run with `psql` load a table's rows
+/// before they add its primary key, and tables one after another, each committed on its own.
+/// While one of these tables is still loading, the others say that nothing is needed where its
+/// rows would: a cursor stored then would pass open ranges and unresolved rows for good, and
+/// retention would drop their messages. Maintenance leaves such a stream alone until every one
+/// of them has its key (docs/operations.md, "What a dump keeps").
+pub fn unrestored(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Option<String>> {
+    let id = stream.id;
+    let tables: Vec<String> = ["cursor", "lane", "range_lease", "range_done", "exception_queue"]
+        .iter()
+        .map(|family| format!("{family}_{id}"))
+        .collect();
+    UNRESTORED.run(client, 0, &[tables.into()])?.first().value("missing")
+}
+
 /// Stores the committed cursor of each of `groups` (`groups_to_maintain`), as `step` needs it;
 /// returns how many moved.
 pub fn advance(client: &SpiClient<'_>, stream: &StreamRef, groups: &[i64]) -> Result<i64> {
@@ -209,7 +239,7 @@ pub fn from_claim(client: &SpiClient<'_>, stream: &StreamRef) -> Result<()> {
         return Ok(());
     }
     LAST.with(|last| last.borrow_mut().insert(stream.id, Instant::now()));
-    if locks::try_retention(stream.id) {
+    if locks::try_retention(stream.id) && unrestored(client, stream)?.is_none() {
         let groups = groups_to_maintain(client, stream)?;
         advance(client, stream, &groups)?;
         step(client, stream, &groups)?;

@@ -2,9 +2,7 @@
 //! partitions even though a group has not consumed them, moves that group past them, and counts
 //! what it lost; before that, `consumer_groups` shows what each group holds back.
 
-use std::sync::{Arc, Mutex};
-
-use postgres::{Client, NoTls};
+use postgres::Client;
 use sqlstreams_tests::*;
 
 /// (lost, held_back_bytes, committed) of a group, from the view.
@@ -16,17 +14,6 @@ fn bound_columns(c: &mut Client, s: &Stream, group: &str) -> (i64, i64, i64) {
         )
         .unwrap();
     (row.get(0), row.get(1), row.get(2))
-}
-
-/// A connection whose warnings are kept.
-fn connect_listening() -> (Client, Arc<Mutex<Vec<String>>>) {
-    let warnings = Arc::new(Mutex::new(Vec::new()));
-    let kept = warnings.clone();
-    let mut config: postgres::Config = database_url().parse().unwrap();
-    config.notice_callback(move |n| kept.lock().unwrap().push(n.message().to_string()));
-    let mut c = config.connect(NoTls).unwrap();
-    c.batch_execute(CREATE_EXTENSION).unwrap();
-    (c, warnings)
 }
 
 /// maintain_stream until the partitions below `through` are gone (a drop gives way to any

@@ -1210,3 +1210,59 @@ fn peek_reads_about_the_rows_it_returns_after_a_gap() {
     assert!(pages <= 200, "a peek of 1,000 read {pages} index pages");
     tx.rollback().unwrap();
 }
+
+/// A restore loads a stream's tables one after another, each table's rows before its primary
+/// key: maintenance run in between, while the open ranges are not loaded yet, would store the
+/// group's cursor past them for good, and retention would drop their messages. It leaves the
+/// stream alone, with a warning, until every table that says what a group still needs has its
+/// key; then it goes on, and the range's messages are still needed.
+#[test]
+fn maintenance_waits_for_a_restore_to_load_what_groups_still_need() {
+    let (mut c, warnings) = connect_listening();
+    let s = Stream::create(&mut c, "restore-midway");
+    let g = s.group(&mut c, "g", None);
+    let produced = s.produce_many(&mut c, 3, None);
+    let held = g.claim(&mut c, 10);
+    assert_eq!(ids(&held), produced);
+    let maintain = |c: &mut Client| {
+        c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&s.name]).unwrap();
+    };
+    maintain(&mut c);
+    let before = g.stored_cursor(&mut c).1;
+    assert!(before < produced[0], "the open range holds the cursor: {before}");
+
+    // Halfway through the restore: the ranges' table is there, its rows and key not yet.
+    let ranges = s.table("range_lease");
+    c.batch_execute(&format!(
+        "CREATE TEMP TABLE loading AS SELECT * FROM {ranges};
+         DELETE FROM {ranges};
+         ALTER TABLE {ranges} DROP CONSTRAINT range_lease_{}_pkey",
+        s.id
+    ))
+    .unwrap();
+    // A consumer's first claim in a session that hands something out runs a retention step; it
+    // leaves the stream alone too.
+    let later = s.produce(&mut c, json!({}), None);
+    assert_eq!(ids(&g.claim(&mut connect(), 10)), vec![later]);
+    assert_eq!(g.stored_cursor(&mut c).1, before, "a claim's step stored nothing past the range being loaded");
+    warnings.lock().unwrap().clear();
+    maintain(&mut c);
+    assert_eq!(g.stored_cursor(&mut c).1, before, "not stored past the range being loaded");
+    let said = warnings.lock().unwrap().clone();
+    assert!(
+        said.iter().any(|w| w.contains(&format!("range_lease_{} has no primary key yet", s.id))),
+        "the warning names the table: {said:?}"
+    );
+
+    // The restore goes on: the rows, then the key. Maintenance goes on too.
+    c.batch_execute(&format!(
+        "INSERT INTO {ranges} SELECT * FROM loading;
+         ALTER TABLE {ranges} ADD PRIMARY KEY (consumer_group_id, first_id)"
+    ))
+    .unwrap();
+    maintain(&mut c);
+    assert_eq!(g.stored_cursor(&mut c).1, before, "the range still holds the cursor");
+    assert_eq!(g.ack_batch(&mut c, &held), produced);
+    maintain(&mut c);
+    assert_eq!(g.stored_cursor(&mut c).1, produced[2], "resolved: stored, up to the later message's range");
+}

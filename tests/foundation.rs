@@ -695,6 +695,36 @@ fn expired_exception_deliveries_count_as_attempts() {
     assert!(!g.ack(&mut c, &retry), "the expired delivery's outcome is refused");
 }
 
+/// An ordered key's messages wait as exception rows (the first was delayed), and consumers die
+/// holding them, chained (`run_after`), again and again. A consumer starts a chained row only
+/// once the row before it resolved, so only the first of each expired chain may have run: it
+/// alone counts the expiry as an attempt. The rows behind it keep their budget, and run once
+/// the chain's head is dead or done.
+#[test]
+fn an_expired_chain_counts_an_attempt_for_its_first_row_only() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "expired-chain");
+    let g = s.group_with(&mut c, "g", Some("ordered"), 2);
+    let produced: Vec<i64> = (0..4).map(|_| s.produce(&mut c, json!({}), Some("k"))).collect();
+    let first = g.claim(&mut c, 10);
+    assert_eq!(ids(&first), produced);
+    assert!(g.delay(&mut c, &first[0], "1 second"), "no attempt counted; the rest waits as rows");
+    g.make_due(&mut c);
+    for death in 1..=3 {
+        let chain = g.claim(&mut c, 10);
+        assert_eq!(ids(&chain), produced, "death {death}: the whole chain");
+        assert!(chain[1..].iter().zip(&chain).all(|(d, before)| d.run_after == Some(before.message_id)));
+        g.expire_leases(&mut c);
+    }
+    // Three expiries of the head with max_retries = 2: the head is dead, nothing else counted.
+    let rest = g.claim(&mut c, 10);
+    assert_eq!(ids(&rest), produced[1..], "the rows behind the head run");
+    assert!(rest.iter().all(|d| d.attempt == 0), "{:?}", rest.iter().map(|d| d.attempt).collect::<Vec<_>>());
+    let head = g.exception_rows(&mut c).into_iter().find(|r| r.message_id == produced[0]).unwrap();
+    assert_eq!((head.status.as_str(), head.attempts), ("dead", 3));
+    assert_eq!(g.ack_batch(&mut c, &rest), produced[1..]);
+}
+
 #[test]
 fn committed_follows_resolution_and_never_moves_backward() {
     let mut c = connect();

@@ -22,7 +22,7 @@ use crate::statement::{self, Columns, Statement};
 macro_rules! due_rows {
     ($isolated:literal, $ids:literal, $limit:literal) => {
         concat!(
-            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane
+            "SELECT e.message_id, e.message_key, e.concurrency, e.compaction, e.status, e.attempts, e.lane, e.lease_token
              FROM sqlstreams.exception_queue_@id@ e
              WHERE e.consumer_group_id = $1 AND e.lane = $3 AND e.isolated = ",
             $isolated,
@@ -63,6 +63,21 @@ pub(super) const DUE_ISOLATED: Statement = Statement {
 };
 
 impl Claim<'_> {
+    /// Whether an expired delivery of `candidate` under `token` may have been started, and so
+    /// counts as an attempt: not when an earlier row of its key's chain in the same delivery
+    /// (same token) expired with it. A claim chains an exclusive or ordered key's rows
+    /// (`run_after`), and a consumer starts a row only once the one before it resolved: when
+    /// that one is still unresolved, this row never ran. Rows come in id order, so the first
+    /// of each chain is met first; it is counted, and the chain's head goes dead in time if it
+    /// is what kills its consumers, while the rows behind it keep their budget.
+    fn started_in_its_delivery(&mut self, candidate: &Candidate, token: Option<pgrx::Uuid>) -> bool {
+        let (Some(key), Some(token)) = (candidate.key.as_deref(), token) else { return true };
+        if candidate.concurrency == Concurrency::Parallel {
+            return true;
+        }
+        self.expired_chains.insert((*token.as_bytes(), key.to_string()))
+    }
+
     /// Due exception rows of `lane` with `ids`, while the batch has room.
     pub(super) fn collect_rows(&mut self, client: &SpiClient<'_>, lane: i32, ids: std::ops::Range<i64>) -> Result<()> {
         let room = self.room();
@@ -93,19 +108,20 @@ impl Claim<'_> {
                     lane: row.required("lane")?,
                 };
                 let status = Status::from_stored(&row.required::<String>("status")?)?;
-                Ok((candidate, status, row.required::<i32>("attempts")?))
+                let token: Option<pgrx::Uuid> = row.value("lease_token")?;
+                Ok((candidate, status, row.required::<i32>("attempts")?, token))
             })
             .collect::<Result<Vec<_>>>()?;
         if rows.is_empty() {
             return Ok(());
         }
-        let addresses: Vec<Address> = rows.iter().map(|(c, _, _)| Address { lane: c.lane, id: c.message_id }).collect();
+        let addresses: Vec<Address> = rows.iter().map(|(c, ..)| Address { lane: c.lane, id: c.message_id }).collect();
         let messages: HashMap<i64, Message> =
             message::by_id(client, self.group, &addresses)?.into_iter().map(|m| (m.candidate.message_id, m)).collect();
-        for (candidate, status, mut attempts) in rows {
+        for (candidate, status, mut attempts, token) in rows {
             let id = candidate.message_id;
             let expired = status == Status::Inflight;
-            if expired {
+            if expired && self.started_in_its_delivery(&candidate, token) {
                 match exception_queue::expire(id, attempts, self.group.max_retries) {
                     Expired::Again { attempts: counted } => attempts = counted,
                     Expired::Dead(update) => {

@@ -69,15 +69,27 @@ const NEEDED_FROM: Statement = Statement {
     params: &[],
 };
 
-/// The first of the tables `$1` (names in schema `sqlstreams`) that has no valid primary key: a
-/// restore is still loading it (see `unrestored`). NULL when every one has its key.
+/// What a restore has not loaded yet of stream `@id@` (see `unrestored`), as the end of a
+/// sentence; NULL when nothing. First a table of `$1` (names in schema `sqlstreams`), or a
+/// partition of its log, without a valid primary key; then a group its cursors have that the
+/// catalog does not (the catalog's rows load apart from the stream's tables).
 const UNRESTORED: Statement = Statement {
     name: "retention_unrestored",
-    sql: "SELECT (SELECT t.name FROM unnest($1::text[]) WITH ORDINALITY AS t(name, n)
-                  WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_index i
-                                    WHERE i.indrelid = pg_catalog.to_regclass('sqlstreams.' || t.name)
-                                      AND i.indisprimary AND i.indisvalid)
-                  ORDER BY t.n LIMIT 1) AS missing",
+    sql: "WITH t AS (
+              SELECT u.n, 'sqlstreams.' || u.name AS name FROM unnest($1::text[]) WITH ORDINALITY AS u(name, n)
+              UNION ALL
+              SELECT 1000, h.inhrelid::regclass::text FROM pg_catalog.pg_inherits h
+              WHERE h.inhparent = pg_catalog.to_regclass('sqlstreams.message_log_@id@'))
+          SELECT coalesce(
+              (SELECT 'table ' || t.name || ' has no primary key yet' FROM t
+               WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_index i
+                                 WHERE i.indrelid = pg_catalog.to_regclass(t.name) AND i.indisprimary AND i.indisvalid)
+               ORDER BY t.n, t.name LIMIT 1),
+              (SELECT 'table sqlstreams.consumer_group has no row yet for group ' || c.consumer_group_id
+                      || ' of its cursors'
+               FROM sqlstreams.cursor_@id@ c
+               WHERE NOT EXISTS (SELECT FROM sqlstreams.consumer_group g WHERE g.id = c.consumer_group_id)
+               LIMIT 1)) AS missing",
     params: &[TEXTARRAYOID],
 };
 
@@ -160,22 +172,25 @@ pub fn groups_to_maintain(client: &SpiClient<'_>, stream: &StreamRef) -> Result<
     Ok(groups)
 }
 
-/// The first of `stream`'s tables that say what its groups still need (their cursors, lanes,
-/// open ranges with their outcomes, exception rows) that has no primary key yet, if any.
+/// What a restore has not loaded yet of what `stream`'s maintenance reads, if anything: one of
+/// the tables that say what its groups still need (their cursors, lanes, open ranges with their
+/// outcomes, exception rows), its archive or a partition of its log without its primary key, or
+/// a group of its cursors missing from the catalog.
 ///
 /// `pg_restore` (with `-j` or without) and a plain dump run with `psql` load a table's rows
 /// before they add its primary key, and tables one after another, each committed on its own.
-/// While one of these tables is still loading, the others say that nothing is needed where its
-/// rows would: a cursor stored then would pass open ranges and unresolved rows for good, and
-/// retention would drop their messages. Maintenance leaves such a stream alone until every one
-/// of them has its key (docs/operations.md, "What a dump keeps").
+/// While one of these is still loading, the others say that nothing is needed where its rows
+/// would: a cursor stored then would pass open ranges, unresolved rows or messages not loaded
+/// yet for good, and retention would drop their messages (and, without the group's catalog
+/// row, its counts and archived dead letters). Maintenance leaves such a stream alone until
+/// everything is there (docs/operations.md, "What a dump keeps").
 pub fn unrestored(client: &SpiClient<'_>, stream: &StreamRef) -> Result<Option<String>> {
     let id = stream.id;
-    let tables: Vec<String> = ["cursor", "lane", "range_lease", "range_done", "exception_queue"]
+    let tables: Vec<String> = ["cursor", "lane", "range_lease", "range_done", "exception_queue", "message_archive"]
         .iter()
         .map(|family| format!("{family}_{id}"))
         .collect();
-    UNRESTORED.run(client, 0, &[tables.into()])?.first().value("missing")
+    UNRESTORED.run(client, id, &[tables.into()])?.first().value("missing")
 }
 
 /// Stores the committed cursor of each of `groups` (`groups_to_maintain`), as `step` needs it;

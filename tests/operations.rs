@@ -1266,3 +1266,69 @@ fn maintenance_waits_for_a_restore_to_load_what_groups_still_need() {
     maintain(&mut c);
     assert_eq!(g.stored_cursor(&mut c).1, produced[2], "resolved: stored, up to the later message's range");
 }
+
+/// The same for what else a restore loads apart: a partition of the log whose rows are not
+/// there yet (the group would look as if it had read past them), and the catalog's row of a
+/// group whose cursor is there (without it, maintenance would fold the group's exception counts
+/// away and purge its archived dead letters).
+#[test]
+fn maintenance_waits_for_a_restore_to_load_the_log_and_the_catalog() {
+    let (mut c, warnings) = connect_listening();
+    let s = Stream::create(&mut c, "restore-midway-log");
+    let g = s.group(&mut c, "g", None);
+    let d = {
+        s.produce(&mut c, json!({}), None);
+        g.claim(&mut c, 1).pop().unwrap()
+    };
+    assert_eq!(g.fail(&mut c, &d, "broken", true, None).as_deref(), Some("dead"));
+    let waiting = s.produce_many(&mut c, 3, None);
+    let maintain = |c: &mut Client| {
+        c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&s.name]).unwrap();
+    };
+    let dead = |c: &mut Client| -> i64 {
+        c.query_one("SELECT dead FROM sqlstreams.group_status($1, 'g')", &[&s.name]).unwrap().get(0)
+    };
+    maintain(&mut c);
+    let before = g.stored_cursor(&mut c).1;
+    assert!(before < waiting[0], "{before}");
+
+    // The log's rows not loaded yet, nor its keys.
+    let log = s.table("message_log");
+    c.batch_execute(&format!(
+        "CREATE TEMP TABLE loading_log AS SELECT * FROM {log};
+         DELETE FROM {log};
+         ALTER TABLE {log} DROP CONSTRAINT message_log_{}_pkey",
+        s.id
+    ))
+    .unwrap();
+    warnings.lock().unwrap().clear();
+    maintain(&mut c);
+    assert_eq!(g.stored_cursor(&mut c).1, before, "not stored past messages being loaded");
+    let said = warnings.lock().unwrap().clone();
+    assert!(
+        said.iter().any(|w| w.contains(&format!("message_log_{}_p", s.id)) && w.contains("no primary key yet")),
+        "{said:?}"
+    );
+    c.batch_execute(&format!(
+        "INSERT INTO {log} SELECT * FROM loading_log;
+         ALTER TABLE {log} ADD PRIMARY KEY (lane, id)"
+    ))
+    .unwrap();
+
+    // The group's catalog row not loaded yet.
+    c.batch_execute(&format!(
+        "CREATE TEMP TABLE loading_group AS SELECT * FROM sqlstreams.consumer_group WHERE id = {id};
+         DELETE FROM sqlstreams.consumer_group WHERE id = {id}",
+        id = g.id
+    ))
+    .unwrap();
+    warnings.lock().unwrap().clear();
+    maintain(&mut c);
+    let said = warnings.lock().unwrap().clone();
+    assert!(said.iter().any(|w| w.contains("sqlstreams.consumer_group has no row yet")), "{said:?}");
+    c.batch_execute("INSERT INTO sqlstreams.consumer_group OVERRIDING SYSTEM VALUE SELECT * FROM loading_group")
+        .unwrap();
+    maintain(&mut c);
+    assert_eq!(dead(&mut c), 1, "the group's dead letter is still counted");
+    assert_eq!(ids(&g.claim(&mut c, 10)), waiting, "and its messages are all there");
+}

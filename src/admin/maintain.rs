@@ -105,10 +105,10 @@ fn maintain_one(client: &mut pgrx::spi::SpiClient<'_>, name: String, stream: Str
     let head = crate::head::read(stream.id)?;
     let through = partition::ensure(client, &stream, head, Need::Ahead)?;
     let purged = PURGE_IDEMPOTENCY.run(client, stream.id, &[])?.len() as i64;
-    if let Some(table) = retention::unrestored(client, &stream)? {
+    if let Some(missing) = retention::unrestored(client, &stream)? {
         warning!(
-            "stream \"{name}\" is not maintained: table sqlstreams.{table} has no primary key yet, as while a \
-             restore loads it; its cursors, lane holds and retention wait until it has one"
+            "stream \"{name}\" is not maintained: {missing}, as while a restore loads it; its cursors, lane \
+             holds and retention wait until it is there"
         );
         return Ok((name, through, purged, 0, 0, 0, 0));
     }

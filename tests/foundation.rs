@@ -725,6 +725,28 @@ fn an_expired_chain_counts_an_attempt_for_its_first_row_only() {
     assert_eq!(g.ack_batch(&mut c, &rest), produced[1..]);
 }
 
+/// The same chain taken over by a claim with room for its head only: the rest is left, expired,
+/// under a token no consumer holds, and the claims that hand it out later count nothing for it.
+#[test]
+fn the_rest_of_an_expired_chain_left_for_the_next_claim_keeps_its_budget() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "expired-chain-split");
+    let g = s.group_with(&mut c, "g", Some("ordered"), 2);
+    let produced: Vec<i64> = (0..4).map(|_| s.produce(&mut c, json!({}), Some("k"))).collect();
+    let first = g.claim(&mut c, 10);
+    assert!(g.delay(&mut c, &first[0], "1 second"));
+    g.make_due(&mut c);
+    assert_eq!(ids(&g.claim(&mut c, 10)), produced, "the consumer that dies holding the chain");
+    g.expire_leases(&mut c);
+    let head = g.claim(&mut c, 1);
+    assert_eq!((ids(&head), head[0].attempt), (produced[..1].to_vec(), 1), "the head counts the expiry");
+    assert!(g.ack(&mut c, &head[0]));
+    let rest = g.claim(&mut c, 10);
+    assert_eq!(ids(&rest), produced[1..]);
+    assert!(rest.iter().all(|d| d.attempt == 0), "{:?}", rest.iter().map(|d| d.attempt).collect::<Vec<_>>());
+    assert_eq!(g.ack_batch(&mut c, &rest), produced[1..]);
+}
+
 #[test]
 fn committed_follows_resolution_and_never_moves_backward() {
     let mut c = connect();

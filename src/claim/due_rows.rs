@@ -70,12 +70,18 @@ impl Claim<'_> {
     /// that one is still unresolved, this row never ran. Rows come in id order, so the first
     /// of each chain is met first; it is counted, and the chain's head goes dead in time if it
     /// is what kills its consumers, while the rows behind it keep their budget.
+    ///
+    /// Chained rows a claim took over without room for them are left under a token no consumer
+    /// holds (`exception_queue::take_over_left`), in one token whatever their delivery was, and
+    /// the chain's head, if that claim took it, is under the claim's token by now: such rows
+    /// are not counted. A whole chain left so is not counted for the delivery that expired
+    /// either; its head counts again once it runs under a consumer's lease.
     fn started_in_its_delivery(&mut self, candidate: &Candidate, token: Option<pgrx::Uuid>) -> bool {
         let (Some(key), Some(token)) = (candidate.key.as_deref(), token) else { return true };
         if candidate.concurrency == Concurrency::Parallel {
             return true;
         }
-        self.expired_chains.insert((*token.as_bytes(), key.to_string()))
+        !crate::token::is_no_ones(token) && self.expired_chains.insert((*token.as_bytes(), key.to_string()))
     }
 
     /// Due exception rows of `lane` with `ids`, while the batch has room.

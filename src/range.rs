@@ -157,21 +157,33 @@ const DONE: Statement = Statement {
     params: &[INT8OID, UUIDOID],
 };
 
+/// Range `$2`'s row taken over under a new token: a CTE that deletes the outcomes stored under
+/// its old token, before `$statement`, which writes the new one.
+macro_rules! forget_old_outcomes {
+    ($statement:expr) => {
+        concat!(
+            "WITH old AS (SELECT lease_token, pending FROM sqlstreams.range_lease_@id@
+                          WHERE consumer_group_id = $1 AND first_id = $2),
+                  done AS (DELETE FROM sqlstreams.range_done_@id@ d USING old
+                           WHERE d.consumer_group_id = $1 AND d.lease_token = old.lease_token
+                             AND d.message_id = ANY(old.pending)) ",
+            $statement
+        )
+    };
+}
+
 /// A new range, or an expired one handed out again (its row is locked by `oldest_expired`)
 /// with what is still pending, under a new token: the outcomes stored under the old one go.
 const LEASE: Statement = Statement {
     name: "range_lease",
-    sql: "WITH old AS (SELECT lease_token, pending FROM sqlstreams.range_lease_@id@
-                       WHERE consumer_group_id = $1 AND first_id = $2),
-               done AS (DELETE FROM sqlstreams.range_done_@id@ d USING old
-                        WHERE d.consumer_group_id = $1 AND d.lease_token = old.lease_token
-                          AND d.message_id = ANY(old.pending))
-          INSERT INTO sqlstreams.range_lease_@id@
-              (consumer_group_id, first_id, last_id, lease_token, lease_expires_at, reclaims, pending, pending_keys, lane)
-          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-          ON CONFLICT (consumer_group_id, first_id) DO UPDATE
-          SET last_id = EXCLUDED.last_id, lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expires_at,
-              reclaims = EXCLUDED.reclaims, pending = EXCLUDED.pending, pending_keys = EXCLUDED.pending_keys",
+    sql: forget_old_outcomes!(
+        "INSERT INTO sqlstreams.range_lease_@id@
+             (consumer_group_id, first_id, last_id, lease_token, lease_expires_at, reclaims, pending, pending_keys, lane)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+         ON CONFLICT (consumer_group_id, first_id) DO UPDATE
+         SET last_id = EXCLUDED.last_id, lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expires_at,
+             reclaims = EXCLUDED.reclaims, pending = EXCLUDED.pending, pending_keys = EXCLUDED.pending_keys"
+    ),
     params: &[INT8OID, INT8OID, INT8OID, UUIDOID, TIMESTAMPTZOID, INT4OID, INT8ARRAYOID, TEXTARRAYOID, INT4OID],
 };
 
@@ -180,13 +192,10 @@ const LEASE: Statement = Statement {
 /// expiry, as a split's rest keeps it; the outcomes stored under the old token go.
 const LEAVE: Statement = Statement {
     name: "range_leave",
-    sql: "WITH old AS (SELECT lease_token, pending FROM sqlstreams.range_lease_@id@
-                       WHERE consumer_group_id = $1 AND first_id = $2),
-               done AS (DELETE FROM sqlstreams.range_done_@id@ d USING old
-                        WHERE d.consumer_group_id = $1 AND d.lease_token = old.lease_token
-                          AND d.message_id = ANY(old.pending))
-          UPDATE sqlstreams.range_lease_@id@ SET lease_token = $3, pending = $4, pending_keys = $5
-          WHERE consumer_group_id = $1 AND first_id = $2",
+    sql: forget_old_outcomes!(
+        "UPDATE sqlstreams.range_lease_@id@ SET lease_token = $3, pending = $4, pending_keys = $5
+         WHERE consumer_group_id = $1 AND first_id = $2"
+    ),
     params: &[INT8OID, INT8OID, UUIDOID, INT8ARRAYOID, TEXTARRAYOID],
 };
 

@@ -27,9 +27,9 @@
 //! remembered of the owner and of rights, never of groups: it reads its groups in its snapshot.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::hash::Hash;
 
+use foldhash::HashMap;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
@@ -49,11 +49,14 @@ pub struct Memo<K, V> {
 
 impl<K: Eq + Hash, V: Clone> Memo<K, V> {
     pub fn new() -> Self {
-        Memo { entries: RefCell::new(HashMap::new()) }
+        Memo { entries: RefCell::new(HashMap::default()) }
     }
 
     /// The value found for `key` in generation `generation`, if any.
-    pub fn get(&self, key: &K, generation: Option<u64>) -> Option<V> {
+    pub fn get<Q: Eq + Hash + ?Sized>(&self, key: &Q, generation: Option<u64>) -> Option<V>
+    where
+        K: std::borrow::Borrow<Q>,
+    {
         let generation = generation?;
         self.entries.borrow().get(key).filter(|(g, _)| *g == generation).map(|(_, v)| v.clone())
     }

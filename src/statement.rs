@@ -12,9 +12,9 @@
 //! question of whether any row exists is read from an index the same way (src/statement/probe.rs).
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::rc::Rc;
 
+use foldhash::HashMap;
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::{self, PgBuiltInOids, PgOid};
 use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiHeapTupleData, SpiResult, SpiTupleTable};
@@ -60,9 +60,9 @@ type PlanKey = (StreamId, &'static str, bool, Option<Part>);
 const PART_PLANS_KEPT: usize = 32;
 
 thread_local! {
-    static PLANS: RefCell<HashMap<PlanKey, Rc<OwnedPreparedStatement>>> = RefCell::new(HashMap::new());
+    static PLANS: RefCell<HashMap<PlanKey, Rc<OwnedPreparedStatement>>> = RefCell::new(HashMap::default());
     /// The plans `read_newest` runs, per (stream, statement).
-    static NEWEST_PLANS: RefCell<HashMap<(StreamId, &'static str), KeptPlan>> = RefCell::new(HashMap::new());
+    static NEWEST_PLANS: RefCell<HashMap<(StreamId, &'static str), KeptPlan>> = RefCell::new(HashMap::default());
 }
 
 /// A plan kept with `SPI_keepplan`, freed when dropped.
@@ -513,7 +513,7 @@ mod tests {
 
     #[test]
     fn a_statement_keeps_the_plans_of_its_newest_partitions() {
-        let mut plans: HashMap<PlanKey, ()> = HashMap::new();
+        let mut plans: HashMap<PlanKey, ()> = HashMap::default();
         plans.insert((1, "other", false, Some(0)), ());
         plans.insert((2, "after", false, Some(0)), ());
         plans.insert((1, "after", false, None), ());

@@ -897,3 +897,32 @@ fn due_and_expired_work_is_found_whatever_became_of_the_indexes_ordering_it_by_t
         assert_eq!(kept_plans(&mut c, "lanes_free") > 0, by_statement, "{case}: asked by statement");
     }
 }
+
+/// A backend remembers the relations and indexes a claim reads directly, by their oids, until an
+/// invalidation (src/statement/probe.rs). An index another session rebuilt under its name since
+/// this session's last claim is found again: as installed, read directly as before (the
+/// remembered oid, dropped, is looked up again by name); narrower, asked through the statement.
+/// Either way the range whose lease ran out is handed out again.
+#[test]
+fn a_session_finds_an_index_rebuilt_under_its_name_since_its_last_claim() {
+    for (shape, predicate, by_statement) in [("as installed", "", false), ("narrower", " WHERE reclaims > 0", true)] {
+        let mut c = connect();
+        let s = Stream::create(&mut c, "rebuilt-index");
+        let g = s.group(&mut c, "g", Some("ordered"));
+        let first = s.produce(&mut c, json!({}), Some("k"));
+        // A session of its own, which keeps the statement's plan once it ran it.
+        let mut a = connect();
+        assert_eq!(ids(&g.claim(&mut a, 10)), vec![first], "{shape}");
+        assert_eq!(kept_plans(&mut a, "lanes_free"), 0, "{shape}: read from the indexes");
+        let name = format!("range_lease_{}_expiry_idx", s.id);
+        c.batch_execute(&format!(
+            "DROP INDEX sqlstreams.{name};
+             CREATE INDEX {name} ON {} (consumer_group_id, lease_expires_at){predicate};",
+            s.table("range_lease")
+        ))
+        .unwrap();
+        g.expire_leases(&mut c);
+        assert_eq!(ids(&g.claim(&mut a, 10)), vec![first], "{shape}: the range, its lease expired");
+        assert_eq!(kept_plans(&mut a, "lanes_free") > 0, by_statement, "{shape}: asked by statement");
+    }
+}

@@ -97,7 +97,7 @@ impl Tables {
         // Compared byte for byte below, as the statement compares under a deterministic collation.
         let status = probe::column(&queue, "status", pg_sys::TEXTOID)
             .filter(|c| [pg_sys::DEFAULT_COLLATION_OID, pg_sys::C_COLLATION_OID].contains(&c.collation))?;
-        let time = |name: &str| probe::column(&queue, name, pg_sys::TIMESTAMPTZOID);
+        let time = |name: &'static str| probe::column(&queue, name, pg_sys::TIMESTAMPTZOID);
         let due =
             probe::time_index(&queue, &format!("exception_queue_{stream_id}_due_any_idx"), time("can_run_after")?)
                 .filter(|i| probe::holds_every_row_with(i.relation(), status.attnum, &WAITING))?;

@@ -130,8 +130,8 @@ fn attnums(heap: &PgRelation, columns: &[&str]) -> Option<Vec<(usize, pg_sys::Oi
     columns
         .iter()
         .map(|name| {
-            let (_, type_oid, _) = LOG_COLUMNS.iter().find(|(column, _, _)| column == name)?;
-            Some((probe::column(heap, name, *type_oid)?.attnum, *type_oid))
+            let (column, type_oid, _) = LOG_COLUMNS.iter().find(|(column, _, _)| column == name)?;
+            Some((probe::column(heap, column, *type_oid)?.attnum, *type_oid))
         })
         .collect()
 }

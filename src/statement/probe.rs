@@ -14,20 +14,90 @@
 //! A table or an index not of the shape the install script made (another kind of table, row
 //! security enabled, inheritance children, an index missing, not valid, not a btree over the
 //! group's id first) is not read: the caller runs the statement instead.
+//!
+//! What a look at a relation's name and shape found (its oid by name, its columns, whether an
+//! index fits, its predicate) is remembered by the backend, as Postgres remembers the relation
+//! itself: until the next relcache invalidation, of any relation (`GENERATION`), which is also
+//! when Postgres reads its own entry again. A relation found by a remembered oid is locked and
+//! opened as before, and used only if no invalidation arrived while it was locked (a rename or a
+//! drop sends one). Looked up on every claim, they were 1 to 2 % of its instructions
+//! (docs/benchmarks/cost-model.md, "A twenty-eighth pass").
 
+use std::cell::Cell;
 use std::ffi::CString;
+use std::hash::Hash;
+use std::thread::LocalKey;
 
 use pgrx::pg_sys;
 use pgrx::{PgList, PgRelation};
 
 use super::{caller_context, Row};
+use crate::catalog::Memo;
 use crate::error::Result;
+
+thread_local! {
+    /// Bumped by every relcache invalidation: what was found of relations before it is looked
+    /// at again.
+    static GENERATION: Cell<u64> = const { Cell::new(1) };
+    static OIDS: Memo<String, pg_sys::Oid> = Memo::new();
+    static COLUMNS: Memo<(pg_sys::Oid, &'static str, pg_sys::Oid), Option<Column>> = Memo::new();
+    static PRIMARY_KEYS: Memo<pg_sys::Oid, pg_sys::Oid> = Memo::new();
+    static FITS: Memo<Fit, bool> = Memo::new();
+}
+
+/// A question of a relation's shape whose answer is remembered (`FITS`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum Fit {
+    GroupIndex { heap: pg_sys::Oid, index: pg_sys::Oid },
+    TimeIndex { index: pg_sys::Oid, time: usize },
+    HoldsEveryRowWith { index: pg_sys::Oid, status: usize, statuses: &'static [&'static str] },
+    HoldsEveryRow { index: pg_sys::Oid },
+}
+
+/// Registers the invalidation callback once per backend (from `_PG_init`).
+pub fn init() {
+    // SAFETY: registers a callback with a null argument; it lives as long as the backend.
+    unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(relation_changed), pg_sys::Datum::from(0)) };
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn relation_changed(_arg: pg_sys::Datum, _relid: pg_sys::Oid) {
+    GENERATION.set(GENERATION.get() + 1);
+}
+
+/// `answer()` for `key`, as found in this generation if it was. The generation is read before
+/// `answer` looks: an invalidation read while it looks leaves its answer for this time only.
+fn remembered<K: Eq + Hash, V: Clone>(memo: &'static LocalKey<Memo<K, V>>, key: K, answer: impl FnOnce() -> V) -> V {
+    let generation = Some(GENERATION.get());
+    if let Some(found) = memo.with(|memo| memo.get(&key, generation)) {
+        return found;
+    }
+    let found = answer();
+    memo.with(|memo| memo.put(key, generation, found.clone()));
+    found
+}
+
+/// The extension's relation `name`, locked and opened (`lock_and_open`). By the oid it had when
+/// it was last looked up by name, unless an invalidation arrived since or while it was locked.
+fn open_named(name: &str) -> Option<PgRelation> {
+    let generation = GENERATION.get();
+    if let Some(oid) = OIDS.with(|oids| oids.get(name, Some(generation))) {
+        let relation = lock_and_open(oid);
+        if GENERATION.get() == generation {
+            return relation;
+        }
+    }
+    let generation = Some(GENERATION.get());
+    let oid = oid_of(name)?;
+    OIDS.with(|oids| oids.put(name.to_owned(), generation, oid));
+    lock_and_open(oid)
+}
 
 /// The extension's table `name`, opened and locked, when it is a plain heap table without
 /// inheritance children or row security (the extension's owner, whom the claim runs as, may be
 /// subject to it when it is forced).
 pub fn table(name: &str) -> Option<PgRelation> {
-    lock_and_open(oid_of(name)?).filter(plain)
+    open_named(name).filter(plain)
 }
 
 /// Whether `heap` is a plain heap table without inheritance children or row security.
@@ -56,19 +126,19 @@ impl GroupIndex {
 
 /// The extension's index `name`, when it is a `group_index` of `heap`.
 pub fn index(heap: &PgRelation, name: &str) -> Option<GroupIndex> {
-    group_index(heap, lock_and_open(oid_of(name)?)?)
+    group_index(heap, open_named(name)?)
 }
 
 /// `heap`'s primary key, when it is a `group_index` of it.
 pub fn primary_key(heap: &PgRelation) -> Option<GroupIndex> {
     // SAFETY: the relation is open.
-    let oid = unsafe {
+    let oid = remembered(&PRIMARY_KEYS, heap.oid(), || unsafe {
         #[cfg(not(feature = "pg18"))]
         let oid = pg_sys::RelationGetPrimaryKeyIndex(heap.as_ptr());
         #[cfg(feature = "pg18")]
         let oid = pg_sys::RelationGetPrimaryKeyIndex(heap.as_ptr(), false);
         oid
-    };
+    });
     if oid == pg_sys::InvalidOid {
         return None;
     }
@@ -91,7 +161,7 @@ pub fn time_index(heap: &PgRelation, name: &str, time: Column) -> Option<TimeInd
     let relation = index.relation();
     // SAFETY: an open btree index (`group_index`): its index row, and its key columns' options,
     // operator families and input types, are there for each of its key columns; a catalog look-up.
-    let fits = unsafe {
+    let fits = remembered(&FITS, Fit::TimeIndex { index: relation.oid(), time: time.attnum }, || unsafe {
         let form = &*relation.rd_index;
         form.indnkeyatts >= 2
             && form.indkey.values.as_slice(2)[1] as usize == time.attnum
@@ -99,7 +169,7 @@ pub fn time_index(heap: &PgRelation, name: &str, time: Column) -> Option<TimeInd
             && *relation.rd_indoption.add(1) as u32 & pg_sys::INDOPTION_DESC == 0
             && *relation.rd_opcintype.add(1) == pg_sys::TIMESTAMPTZOID
             && *relation.rd_opfamily.add(1) == pg_sys::get_opclass_family(pg_sys::TIMESTAMPTZ_BTREE_OPS_OID)
-    };
+    });
     fits.then_some(TimeIndex(index))
 }
 
@@ -108,7 +178,14 @@ pub fn time_index(heap: &PgRelation, name: &str, time: Column) -> Option<TimeInd
 /// the install script's `status IN (...)` (one `status = ANY (constant text[])`) and
 /// `status = '...'`. Any other predicate (a narrower one would hide rows) and the caller asks by
 /// statement.
-pub fn holds_every_row_with(index: &PgRelation, status: usize, statuses: &[&str]) -> bool {
+pub fn holds_every_row_with(index: &PgRelation, status: usize, statuses: &'static [&'static str]) -> bool {
+    remembered(&FITS, Fit::HoldsEveryRowWith { index: index.oid(), status, statuses }, || {
+        predicate_names_every(index, status, statuses)
+    })
+}
+
+/// `holds_every_row_with`, looked at.
+fn predicate_names_every(index: &PgRelation, status: usize, statuses: &[&str]) -> bool {
     // SAFETY: the index is open; its predicate is a copy in the current memory context, of nodes
     // checked by tag before they are read as that node.
     unsafe {
@@ -160,7 +237,9 @@ pub fn holds_every_row_with(index: &PgRelation, status: usize, statuses: &[&str]
 /// Whether `index` has no predicate: it holds every row of its table.
 pub fn holds_every_row(index: &PgRelation) -> bool {
     // SAFETY: the index is open; its predicate is a copy in the current memory context.
-    unsafe { PgList::<pg_sys::Node>::from_pg(pg_sys::RelationGetIndexPredicate(index.as_ptr())).is_empty() }
+    remembered(&FITS, Fit::HoldsEveryRow { index: index.oid() }, || unsafe {
+        PgList::<pg_sys::Node>::from_pg(pg_sys::RelationGetIndexPredicate(index.as_ptr())).is_empty()
+    })
 }
 
 /// `index`, when it is a valid btree index of `heap` whose first key column is `heap`'s
@@ -169,7 +248,7 @@ fn group_index(heap: &PgRelation, index: PgRelation) -> Option<GroupIndex> {
     let group = column(heap, "consumer_group_id", pg_sys::INT8OID)?;
     // SAFETY: an open relation's catalog row; its index row and operator families are read only
     // once it is known to be an index, which has them.
-    let fits = unsafe {
+    let fits = remembered(&FITS, Fit::GroupIndex { heap: heap.oid(), index: index.oid() }, || unsafe {
         let class = &*index.rd_rel;
         class.relkind == pg_sys::RELKIND_INDEX as std::ffi::c_char
             && class.relam == pg_sys::BTREE_AM_OID
@@ -185,7 +264,7 @@ fn group_index(heap: &PgRelation, index: PgRelation) -> Option<GroupIndex> {
                     && form.indkey.values.as_slice(1)[0] as usize == group.attnum
                     && *index.rd_opfamily == pg_sys::INTEGER_BTREE_FAM_OID
             }
-    };
+    });
     fits.then(|| GroupIndex { index, heap: heap.oid() })
 }
 
@@ -198,10 +277,12 @@ pub struct Column {
 }
 
 /// `heap`'s column `name` of type `type_oid`, neither dropped nor generated.
-pub fn column(heap: &PgRelation, name: &str, type_oid: pg_sys::Oid) -> Option<Column> {
-    heap.tuple_desc().iter().enumerate().find_map(|(i, a)| {
-        let fits = !a.attisdropped && a.attgenerated == 0 && a.atttypid == type_oid && is_named(a, name);
-        fits.then_some(Column { attnum: i + 1, type_oid, collation: a.attcollation })
+pub fn column(heap: &PgRelation, name: &'static str, type_oid: pg_sys::Oid) -> Option<Column> {
+    remembered(&COLUMNS, (heap.oid(), name, type_oid), || {
+        heap.tuple_desc().iter().enumerate().find_map(|(i, a)| {
+            let fits = !a.attisdropped && a.attgenerated == 0 && a.atttypid == type_oid && is_named(a, name);
+            fits.then_some(Column { attnum: i + 1, type_oid, collation: a.attcollation })
+        })
     })
 }
 

@@ -707,7 +707,8 @@ impl Results {
     fn cost_section(&self) -> String {
         let mut md = String::from(
             "### Where a claim's time and WAL go\n\nOne consumer drains a backlog through SQL in claims of 100 that \
-             carry the previous claim's acks, with `pg_stat_statements.track = all` in its session only. Each row \
+             carry the previous claim's acks, with `pg_stat_statements.track = all` in its session only; the drains \
+             without keys and ordered run in interleaved rounds, and each one's median round is shown. Each row \
              is a statement of the library, by the name in its leading comment (src/statement.rs): its calls, \
              execution time and WAL per claim. \"Outside the statements\" is the claim's `track_functions` time \
              less their execution time: the call, SPI, planning the execution (`ExecutorStart`), building the \

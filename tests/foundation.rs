@@ -1001,6 +1001,32 @@ fn release_gives_deliveries_back_without_spending_an_attempt() {
     assert!(!g.ack(&mut c, &batch[1]), "the old token no longer holds them");
 }
 
+/// A chained row whose predecessor failed is deferred by the server (docs/sql-api.md, `release`):
+/// not the token's any more, so releasing it gives nothing back and changes nothing; it runs
+/// after its predecessor's retry.
+#[test]
+fn release_of_rows_the_server_deferred_returns_nothing_and_changes_nothing() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "release-deferred");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let p = s.produce_many(&mut c, 3, Some("k"));
+    let batch = g.claim(&mut c, 10);
+    assert_eq!(g.fail(&mut c, &batch[0], "x", false, Some("1 hour")).as_deref(), Some("ready"));
+    let before = g.exception_rows(&mut c);
+    let released: Vec<i64> = c
+        .query_one(
+            "SELECT sqlstreams.release($1, $2, $3, $4)",
+            &[&s.name, &g.name, &batch[0].lease_token, &vec![p[1], p[2]]],
+        )
+        .unwrap()
+        .get(0);
+    assert!(released.is_empty(), "deferred, not the token's: {released:?}");
+    assert_eq!(g.exception_rows(&mut c), before, "nothing changed");
+    assert!(g.claim(&mut c, 10).is_empty(), "both wait behind the retry");
+    g.make_due(&mut c);
+    assert_eq!(ids(&g.claim(&mut c, 10)), p, "the retry, then the rows behind it");
+}
+
 #[test]
 fn a_claim_can_carry_the_previous_claims_acks() {
     let mut c = connect();

@@ -35,6 +35,8 @@ use pgrx::prelude::*;
 
 thread_local! {
     static GENERATION: Cell<u64> = const { Cell::new(1) };
+    /// Bumped by every relcache invalidation, of any relation (`relations_generation`).
+    static RELATIONS: Cell<u64> = const { Cell::new(1) };
     /// The catalog tables' oids, as this backend last looked them up (`InvalidOid` before).
     static TABLES: Cell<[pg_sys::Oid; 3]> = const { Cell::new([pg_sys::InvalidOid; 3]) };
 }
@@ -83,6 +85,11 @@ pub fn init() {
         for cache in [pg_sys::SysCacheIdentifier::AUTHOID, pg_sys::SysCacheIdentifier::AUTHMEMROLEMEM] {
             pg_sys::CacheRegisterSyscacheCallback(cache as i32, Some(role_changed), pg_sys::Datum::from(0));
         }
+        pg_sys::CacheRegisterSyscacheCallback(
+            pg_sys::SysCacheIdentifier::NAMESPACEOID as i32,
+            Some(schema_changed),
+            pg_sys::Datum::from(0),
+        );
     }
 }
 
@@ -139,13 +146,28 @@ fn forget_all() {
     GENERATION.set(GENERATION.get() + 1);
 }
 
+/// A count of the relcache invalidations this backend has read, of any relation, and of the
+/// changes of schemas: what was found of a relation by name (src/statement/probe.rs) is good while
+/// it has not moved. One relcache callback serves both memos, as a backend has ten slots.
+pub fn relations_generation() -> u64 {
+    RELATIONS.get()
+}
+
 #[pg_guard]
 unsafe extern "C-unwind" fn relation_changed(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+    RELATIONS.set(RELATIONS.get() + 1);
     let tables = TABLES.get();
     if relid == pg_sys::InvalidOid || tables.contains(&relid) {
         TABLES.set([pg_sys::InvalidOid; 3]);
         forget_all();
     }
+}
+
+/// A schema renamed, dropped or created sends no relcache invalidation, but changes which
+/// relation a name such as `sqlstreams.lane_1` names, as Postgres's plans see it.
+#[pg_guard]
+unsafe extern "C-unwind" fn schema_changed(_arg: pg_sys::Datum, _cache: std::ffi::c_int, _hash: u32) {
+    RELATIONS.set(RELATIONS.get() + 1);
 }
 
 #[pg_guard]

@@ -76,7 +76,6 @@ pub extern "C-unwind" fn _PG_init() {
     commit::init();
     settings::init();
     transient::init();
-    statement::probe::init();
     quiet::init();
     worker::init();
 }

@@ -926,3 +926,111 @@ fn a_session_finds_an_index_rebuilt_under_its_name_since_its_last_claim() {
         assert_eq!(kept_plans(&mut a, "lanes_free") > 0, by_statement, "{shape}: asked by statement");
     }
 }
+
+/// A claim that waits for the lock of a table it reads directly (src/statement/probe.rs) while
+/// another transaction swaps the table for another under its name reads the one the name names
+/// once the lock is granted, as its statements do: here a copy whose every lane is claimed through
+/// the head, so nothing is handed out. (A session of its own, which remembers nothing yet, so the
+/// claim looks the name up before it waits.)
+#[test]
+fn a_claim_that_waits_while_a_table_is_swapped_under_its_name_reads_the_new_one() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "swapped-table");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let produced: Vec<i64> = (0..8).flat_map(|i| s.produce_many(&mut c, 1, Some(&format!("k{i}")))).collect();
+    let lanes = s.table("lane");
+    let old = format!("{}_old", lanes.rsplit('.').next().unwrap());
+    let mut swap = connect();
+    let mut tx = swap.transaction().unwrap();
+    tx.batch_execute(&format!("LOCK TABLE {lanes} IN ACCESS EXCLUSIVE MODE")).unwrap();
+    let mut a = connect();
+    let pid: i32 = a.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    let (stream, group) = (s.name.clone(), g.name.clone());
+    let claimer = std::thread::spawn(move || {
+        a.query("SELECT message_id FROM sqlstreams.claim($1, $2, 100, '30 seconds')", &[&stream, &group])
+            .map(|rows| rows.iter().map(|r| r.get::<_, i64>(0)).collect::<Vec<_>>())
+    });
+    wait_until_waiting_for_a_lock(&mut c, pid);
+    tx.batch_execute(&format!(
+        "ALTER TABLE {lanes} RENAME TO {old};
+         CREATE TABLE {lanes} (LIKE sqlstreams.{old} INCLUDING ALL);
+         INSERT INTO {lanes} SELECT consumer_group_id, lane, {head}, NULL, NULL FROM sqlstreams.{old};",
+        head = produced.last().unwrap()
+    ))
+    .unwrap();
+    tx.commit().unwrap();
+    let handed_out = claimer.join().unwrap().expect("the claim reads the new table");
+    assert!(handed_out.is_empty(), "every lane claimed through the head in the new table: {handed_out:?}");
+    c.batch_execute(&format!("DROP TABLE sqlstreams.{old}")).unwrap();
+}
+
+/// Waits until backend `pid` waits for a lock (a state, not a time: a minute at the most).
+fn wait_until_waiting_for_a_lock(c: &mut Client, pid: i32) {
+    for _ in 0..6000 {
+        let waits: bool =
+            c.query_one("SELECT EXISTS (SELECT FROM pg_locks WHERE pid = $1 AND NOT granted)", &[&pid]).unwrap().get(0);
+        if waits {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!("backend {pid} never waited for a lock");
+}
+
+/// A session that remembers the relations a claim reads directly still reads, after the
+/// extension's schema swapped names with another one (`ALTER SCHEMA ... RENAME`, which sends no
+/// relcache invalidation), what its statements read: the relations the name `sqlstreams` names
+/// now. Here a schema of views over the real tables, whose ranges hide every row; the warm
+/// session's claim answers as a new session's does, in the same state.
+#[test]
+fn a_session_reads_what_the_schema_name_names_after_schemas_swapped_names() {
+    let (mut c, url) = own_database("schema-swap");
+    let s = Stream::create(&mut c, "swap");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    for i in 0..6 {
+        s.produce_many(&mut c, 1, Some(&format!("k{}", i % 3)));
+    }
+    c.batch_execute("CREATE SCHEMA fake").unwrap();
+    let relations: Vec<(String, bool)> = c
+        .query(
+            "SELECT relname::text, relkind = 'S' FROM pg_class
+             WHERE relnamespace = 'sqlstreams'::regnamespace AND relkind IN ('r', 'p', 'v', 'S')",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let hidden = format!("range_lease_{}", s.id);
+    for (name, sequence) in relations {
+        if sequence {
+            c.batch_execute(&format!(
+                "CREATE SEQUENCE fake.\"{name}\";
+                 SELECT setval('fake.\"{name}\"', last_value, is_called) FROM sqlstreams.\"{name}\";"
+            ))
+            .unwrap();
+        } else {
+            let filter = if name == hidden { " WHERE false" } else { "" };
+            c.batch_execute(&format!("CREATE VIEW fake.\"{name}\" AS SELECT * FROM sqlstreams.\"{name}\"{filter}"))
+                .unwrap();
+        }
+    }
+    // After the views (new relations send invalidations), so that it remembers the real tables.
+    let mut a = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    assert_eq!(g.claim(&mut a, 3).len(), 3, "the session remembers the relations it read");
+    g.expire_leases(&mut c);
+    c.batch_execute(
+        "BEGIN; ALTER SCHEMA sqlstreams RENAME TO sqlstreams_real; ALTER SCHEMA fake RENAME TO sqlstreams; COMMIT;",
+    )
+    .unwrap();
+    let claim = "SELECT message_id FROM sqlstreams_real.claim($1, $2, 10, '30 seconds')";
+    let answer = |c: &mut Client| -> Result<Vec<i64>, postgres::Error> {
+        let mut tx = c.transaction()?;
+        let rows = tx.query(claim, &[&s.name, &g.name])?;
+        tx.rollback()?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    };
+    let warm = answer(&mut a).expect("the warm session's claim");
+    let mut fresh = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    assert_eq!(warm, answer(&mut fresh).expect("a new session's claim"), "as a new session answers");
+}

@@ -17,13 +17,12 @@
 //!
 //! What a look at a relation's name and shape found (its oid by name, its columns, whether an
 //! index fits, its predicate) is remembered by the backend, as Postgres remembers the relation
-//! itself: until the next relcache invalidation, of any relation (`GENERATION`), which is also
-//! when Postgres reads its own entry again. A relation found by a remembered oid is locked and
-//! opened as before, and used only if no invalidation arrived while it was locked (a rename or a
-//! drop sends one). Looked up on every claim, they were 1 to 2 % of its instructions
-//! (docs/benchmarks/cost-model.md, "A twenty-eighth pass").
+//! itself: until the next relcache invalidation of any relation, or change of a schema
+//! (`generation`). A relation is used only if no invalidation arrived while it was looked up
+//! and locked (a rename or a drop sends one); else its name is looked up again. Looked up on
+//! every claim, they were 1 to 2 % of its instructions (docs/benchmarks/cost-model.md, "A
+//! twenty-eighth pass").
 
-use std::cell::Cell;
 use std::ffi::CString;
 use std::hash::Hash;
 use std::thread::LocalKey;
@@ -36,9 +35,6 @@ use crate::catalog::Memo;
 use crate::error::Result;
 
 thread_local! {
-    /// Bumped by every relcache invalidation: what was found of relations before it is looked
-    /// at again.
-    static GENERATION: Cell<u64> = const { Cell::new(1) };
     static OIDS: Memo<String, pg_sys::Oid> = Memo::new();
     static COLUMNS: Memo<(pg_sys::Oid, &'static str, pg_sys::Oid), Option<Column>> = Memo::new();
     static PRIMARY_KEYS: Memo<pg_sys::Oid, pg_sys::Oid> = Memo::new();
@@ -54,21 +50,16 @@ enum Fit {
     HoldsEveryRow { index: pg_sys::Oid },
 }
 
-/// Registers the invalidation callback once per backend (from `_PG_init`).
-pub fn init() {
-    // SAFETY: registers a callback with a null argument; it lives as long as the backend.
-    unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(relation_changed), pg_sys::Datum::from(0)) };
-}
-
-#[pgrx::pg_guard]
-unsafe extern "C-unwind" fn relation_changed(_arg: pg_sys::Datum, _relid: pg_sys::Oid) {
-    GENERATION.set(GENERATION.get() + 1);
+/// Moves with every relcache invalidation the backend reads: what was found of relations before
+/// is looked at again.
+fn generation() -> u64 {
+    crate::catalog::relations_generation()
 }
 
 /// `answer()` for `key`, as found in this generation if it was. The generation is read before
 /// `answer` looks: an invalidation read while it looks leaves its answer for this time only.
 fn remembered<K: Eq + Hash, V: Clone>(memo: &'static LocalKey<Memo<K, V>>, key: K, answer: impl FnOnce() -> V) -> V {
-    let generation = Some(GENERATION.get());
+    let generation = Some(generation());
     if let Some(found) = memo.with(|memo| memo.get(&key, generation)) {
         return found;
     }
@@ -77,20 +68,32 @@ fn remembered<K: Eq + Hash, V: Clone>(memo: &'static LocalKey<Memo<K, V>>, key: 
     found
 }
 
-/// The extension's relation `name`, locked and opened (`lock_and_open`). By the oid it had when
-/// it was last looked up by name, unless an invalidation arrived since or while it was locked.
+/// The extension's relation `name`, locked and opened (`lock_and_open`): by the oid it had when it
+/// was last looked up by name in this generation, or else looked up now. An invalidation read
+/// while it was looked up or locked may mean that the name names another relation now (renamed,
+/// dropped, swapped while the lock was waited for): the lock is let go and the name looked up
+/// again, as `RangeVarGetRelidExtended` does.
 fn open_named(name: &str) -> Option<PgRelation> {
-    let generation = GENERATION.get();
-    if let Some(oid) = OIDS.with(|oids| oids.get(name, Some(generation))) {
+    loop {
+        let before = generation();
+        let remembered = OIDS.with(|oids| oids.get(name, Some(before)));
+        let oid = match remembered {
+            Some(oid) => oid,
+            None => oid_of(name)?,
+        };
         let relation = lock_and_open(oid);
-        if GENERATION.get() == generation {
+        if generation() == before {
+            if remembered.is_none() {
+                OIDS.with(|oids| oids.put(name.to_owned(), Some(before), oid));
+            }
             return relation;
         }
+        if let Some(relation) = relation {
+            drop(relation);
+            // SAFETY: the lock `lock_and_open` took (it let it go itself when it opened nothing).
+            unsafe { pg_sys::UnlockRelationOid(oid, pg_sys::AccessShareLock as pg_sys::LOCKMODE) };
+        }
     }
-    let generation = Some(GENERATION.get());
-    let oid = oid_of(name)?;
-    OIDS.with(|oids| oids.put(name.to_owned(), generation, oid));
-    lock_and_open(oid)
 }
 
 /// The extension's table `name`, opened and locked, when it is a plain heap table without

@@ -163,7 +163,7 @@ impl Results {
              - **W1 consumed/s is capped by the producers when a consumer keeps up**; then its end-to-end latency \
              stays low. A consumer that falls behind shows a growing backlog as end-to-end latency in seconds.\n\
              - **Commit modes.** sqlstreams' consumer-side calls (claim, ack) commit without waiting for the WAL \
-             flush when they are alone in their transaction (a crash only re-delivers; see the README). PgQ's and \
+             flush when they are alone in their transaction (a server crash loses no message but may deliver again; see the README). PgQ's and \
              the floor's consumers run as shipped, with `synchronous_commit = on`. Producers of every system commit \
              durably.\n\
              - **The floor is not safe**: it reads past rows of transactions that commit late and never sees them \

@@ -987,13 +987,7 @@ fn release_gives_deliveries_back_without_spending_an_attempt() {
     let p = s.produce_many(&mut c, 3, Some("k"));
     let batch = g.claim(&mut c, 10);
     assert!(g.ack(&mut c, &batch[0]));
-    let released: Vec<i64> = c
-        .query_one(
-            "SELECT sqlstreams.release($1, $2, $3, $4)",
-            &[&s.name, &g.name, &batch[0].lease_token, &vec![p[1], p[2]]],
-        )
-        .unwrap()
-        .get(0);
+    let released = g.release(&mut c, batch[0].lease_token, &p[1..]);
     assert_eq!(released, p[1..]);
     let again = g.claim(&mut c, 10);
     assert_eq!(ids(&again), p[1..], "due at once, still chained");
@@ -1013,13 +1007,7 @@ fn release_of_rows_the_server_deferred_returns_nothing_and_changes_nothing() {
     let batch = g.claim(&mut c, 10);
     assert_eq!(g.fail(&mut c, &batch[0], "x", false, Some("1 hour")).as_deref(), Some("ready"));
     let before = g.exception_rows(&mut c);
-    let released: Vec<i64> = c
-        .query_one(
-            "SELECT sqlstreams.release($1, $2, $3, $4)",
-            &[&s.name, &g.name, &batch[0].lease_token, &vec![p[1], p[2]]],
-        )
-        .unwrap()
-        .get(0);
+    let released = g.release(&mut c, batch[0].lease_token, &p[1..]);
     assert!(released.is_empty(), "deferred, not the token's: {released:?}");
     assert_eq!(g.exception_rows(&mut c), before, "nothing changed");
     assert!(g.claim(&mut c, 10).is_empty(), "both wait behind the retry");

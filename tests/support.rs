@@ -373,6 +373,13 @@ impl Group {
         .get(0)
     }
 
+    /// `release` of `ids` under `token`: the ids released.
+    pub fn release(&self, c: &mut Client, token: Uuid, ids: &[i64]) -> Vec<i64> {
+        c.query_one("SELECT sqlstreams.release($1, $2, $3, $4)", &[&self.stream.name, &self.name, &token, &ids])
+            .expect("release")
+            .get(0)
+    }
+
     pub fn delay(&self, c: &mut Client, d: &Delivery, delay: &str) -> bool {
         c.query_one(
             "SELECT sqlstreams.delay($1, $2, $3, $4, $5::text::interval)",

@@ -23,8 +23,10 @@
 //! transaction's invalidations arrive, although it could already read other rows that
 //! transaction wrote.
 //!
-//! Only READ COMMITTED calls remember or use anything (`generation`). Inspection uses what is
+//! Only READ COMMITTED calls remember or use catalog rows (`generation`). Inspection uses what is
 //! remembered of the owner and of rights, never of groups: it reads its groups in its snapshot.
+//! What src/statement/probe.rs remembers of relations (`relations_generation`) is read from the
+//! catalog caches, not a snapshot, under any isolation level.
 
 use std::cell::{Cell, RefCell};
 use std::hash::Hash;
@@ -164,10 +166,13 @@ unsafe extern "C-unwind" fn relation_changed(_arg: pg_sys::Datum, relid: pg_sys:
 }
 
 /// A schema renamed, dropped or created sends no relcache invalidation, but changes which
-/// relation a name such as `sqlstreams.lane_1` names, as Postgres's plans see it.
+/// relation a name such as `sqlstreams.lane_1` names, as Postgres's plans see it: the catalog
+/// tables are looked up again, and what was found in them and of relations is forgotten.
 #[pg_guard]
 unsafe extern "C-unwind" fn schema_changed(_arg: pg_sys::Datum, _cache: std::ffi::c_int, _hash: u32) {
     RELATIONS.set(RELATIONS.get() + 1);
+    TABLES.set([pg_sys::InvalidOid; 3]);
+    forget_all();
 }
 
 #[pg_guard]

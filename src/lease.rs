@@ -142,8 +142,9 @@ fn extend_lease(
 }
 
 /// Gives claimed deliveries back without running them (for a consumer shutting down): each is
-/// due again at once and its attempt is not counted. Returns the ids released; an id whose
-/// lease was lost is left out.
+/// due again at once and its attempt is not counted. Returns the ids released; an id the token
+/// no longer holds (its lease lost, an outcome recorded, or deferred by the server behind a
+/// predecessor that failed) is left out.
 #[pg_extern(volatile, parallel_unsafe, name = "release", sql = false)]
 fn release_sql(
     stream: Option<Text<'_>>,

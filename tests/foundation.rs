@@ -1005,6 +1005,7 @@ fn release_of_rows_the_server_deferred_returns_nothing_and_changes_nothing() {
     let g = s.group(&mut c, "g", Some("ordered"));
     let p = s.produce_many(&mut c, 3, Some("k"));
     let batch = g.claim(&mut c, 10);
+    assert_eq!(ids(&batch), p, "one claim, one token: a chain of three");
     assert_eq!(g.fail(&mut c, &batch[0], "x", false, Some("1 hour")).as_deref(), Some("ready"));
     let before = g.exception_rows(&mut c);
     let released = g.release(&mut c, batch[0].lease_token, &p[1..]);

@@ -16,9 +16,9 @@
 //! group's id first) is not read: the caller runs the statement instead.
 //!
 //! What a look at a relation's name and shape found (its oid by name, its columns, whether an
-//! index fits, its predicate) is remembered by the backend, as Postgres remembers the relation
-//! itself: until the next relcache invalidation of any relation, or change of a schema
-//! (`generation`). A relation is used only if no invalidation arrived while it was looked up
+//! index fits, its predicate) is remembered by the backend until the next relcache invalidation
+//! of any relation, or change of a schema (`generation`): more warily than Postgres, which reads
+//! again only the entry invalidated. A relation is used only if no invalidation arrived while it was looked up
 //! and locked (a rename or a drop sends one); else its name is looked up again. Looked up on
 //! every claim, they were 1 to 2 % of its instructions (docs/benchmarks/cost-model.md, "A
 //! twenty-eighth pass").
@@ -68,32 +68,41 @@ fn remembered<K: Eq + Hash, V: Clone>(memo: &'static LocalKey<Memo<K, V>>, key: 
     found
 }
 
-/// The extension's relation `name`, locked and opened (`lock_and_open`): by the oid it had when it
-/// was last looked up by name in this generation, or else looked up now. An invalidation read
-/// while it was looked up or locked may mean that the name names another relation now (renamed,
-/// dropped, swapped while the lock was waited for): the lock is let go and the name looked up
-/// again, as `RangeVarGetRelidExtended` does.
+/// The extension's relation `name`, locked and opened: by the oid it had when it was last looked
+/// up by name in this generation, or else looked up now. An invalidation read while the name was
+/// looked up or the relation locked may mean that the name names another relation now (renamed,
+/// dropped, swapped while the lock was waited for): the name is looked up again, and the lock
+/// kept when it names the same relation, else moved to the one it names, as
+/// `RangeVarGetRelidExtended` does: it stops at the first look-up that names the relation it holds.
 fn open_named(name: &str) -> Option<PgRelation> {
-    loop {
-        let before = generation();
-        let remembered = OIDS.with(|oids| oids.get(name, Some(before)));
-        let oid = match remembered {
-            Some(oid) => oid,
-            None => oid_of(name)?,
-        };
-        let relation = lock_and_open(oid);
-        if generation() == before {
-            if remembered.is_none() {
-                OIDS.with(|oids| oids.put(name.to_owned(), Some(before), oid));
-            }
-            return relation;
+    let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+    let first = generation();
+    let mut looked_up = first;
+    let remembered = OIDS.with(|oids| oids.get(name, Some(first)));
+    let mut oid = match remembered {
+        Some(oid) => oid,
+        None => oid_of(name)?,
+    };
+    // SAFETY: locks by oid, whether or not the relation still exists, as a statement's plan does;
+    // a lock let go here is one this function took.
+    unsafe { pg_sys::LockRelationOid(oid, lock) };
+    while generation() != looked_up {
+        pgrx::check_for_interrupts!();
+        looked_up = generation();
+        let again = oid_of(name);
+        if again == Some(oid) {
+            break;
         }
-        if let Some(relation) = relation {
-            drop(relation);
-            // SAFETY: the lock `lock_and_open` took (it let it go itself when it opened nothing).
-            unsafe { pg_sys::UnlockRelationOid(oid, pg_sys::AccessShareLock as pg_sys::LOCKMODE) };
-        }
+        // SAFETY: as above.
+        unsafe { pg_sys::UnlockRelationOid(oid, lock) };
+        oid = again?;
+        // SAFETY: as above.
+        unsafe { pg_sys::LockRelationOid(oid, lock) };
     }
+    if remembered.is_none() || looked_up != first {
+        OIDS.with(|oids| oids.put(name.to_owned(), Some(looked_up), oid));
+    }
+    open_locked(oid)
 }
 
 /// The extension's table `name`, opened and locked, when it is a plain heap table without
@@ -312,15 +321,21 @@ fn oid_of(name: &str) -> Option<pg_sys::Oid> {
 /// Relation `oid`, locked (ACCESS SHARE) and opened; `None`, keeping no lock, when it no longer
 /// exists once locked.
 fn lock_and_open(oid: pg_sys::Oid) -> Option<PgRelation> {
-    let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
-    // SAFETY: the relation is locked before it is opened, and opened only if it still exists
-    // once locked (the lock accepts invalidations). It is closed when the `PgRelation` drops;
-    // the lock stays to the transaction's end, as a statement's does.
+    // SAFETY: locks by oid, whether or not the relation still exists (the lock accepts
+    // invalidations); `open_locked` lets the lock go when it opens nothing.
+    unsafe { pg_sys::LockRelationOid(oid, pg_sys::AccessShareLock as pg_sys::LOCKMODE) };
+    open_locked(oid)
+}
+
+/// Relation `oid`, which this transaction has just locked (ACCESS SHARE), opened; `None`, and the
+/// lock let go, when it no longer exists.
+fn open_locked(oid: pg_sys::Oid) -> Option<PgRelation> {
+    // SAFETY: opened only if it still exists once locked. It is closed when the `PgRelation`
+    // drops; the lock stays to the transaction's end, as a statement's does.
     unsafe {
-        pg_sys::LockRelationOid(oid, lock);
         let relation = pg_sys::try_relation_open(oid, pg_sys::NoLock as pg_sys::LOCKMODE);
         if relation.is_null() {
-            pg_sys::UnlockRelationOid(oid, lock);
+            pg_sys::UnlockRelationOid(oid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
             return None;
         }
         Some(PgRelation::from_pg_owned(relation))

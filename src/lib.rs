@@ -59,6 +59,7 @@ mod srf;
 mod standby;
 mod statement;
 mod stream;
+mod subtransaction;
 mod text;
 mod token;
 mod transient;

@@ -23,9 +23,7 @@ use std::ffi::CString;
 use std::time::Duration;
 
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
-use pgrx::pg_sys::panic::CaughtError;
 use pgrx::prelude::*;
-use pgrx::PgSqlErrorCode;
 use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
 
 use crate::statement::Columns;
@@ -122,7 +120,7 @@ fn round() {
         BackgroundWorker::transaction(|| {
             // A stream that cannot be maintained (an error of its own) is left for the next
             // round, with a warning: the streams after it are maintained all the same.
-            let maintained = caught(|| {
+            let maintained = crate::subtransaction::caught(|| {
                 Spi::get_one_with_args::<i64>(
                     "SELECT pg_catalog.count(*) FROM sqlstreams.maintain_stream($1)",
                     &[name.as_str().into()],
@@ -133,50 +131,6 @@ fn round() {
                 warning!("sqlstreams maintenance of stream \"{name}\": {e}");
             }
         });
-    }
-}
-
-/// Runs `f` in a subtransaction: an error it raises rolls back what it did and comes back as
-/// its message and SQLSTATE, and the transaction goes on, as a PL/pgSQL block's `EXCEPTION WHEN
-/// OTHERS` does. Like that clause, it lets a query cancel (`pg_cancel_backend`) go on up.
-fn caught<T>(f: impl FnOnce() -> T) -> Result<T, String> {
-    // SAFETY: the subtransaction is begun and ended here, and the memory context and resource
-    // owner put back after it either way, as PL/pgSQL's exception blocks do
-    // (exec_stmt_block); pgrx has copied the error's data and flushed its state when a catch
-    // runs.
-    unsafe {
-        let context = pg_sys::CurrentMemoryContext;
-        let owner = pg_sys::CurrentResourceOwner;
-        let roll_back = move || {
-            pg_sys::MemoryContextSwitchTo(context);
-            pg_sys::RollbackAndReleaseCurrentSubTransaction();
-            pg_sys::MemoryContextSwitchTo(context);
-            pg_sys::CurrentResourceOwner = owner;
-        };
-        pg_sys::BeginInternalSubTransaction(std::ptr::null());
-        pg_sys::MemoryContextSwitchTo(context);
-        let f = std::panic::AssertUnwindSafe(f);
-        PgTryBuilder::new(move || {
-            let value = f();
-            pg_sys::ReleaseCurrentSubTransaction();
-            pg_sys::MemoryContextSwitchTo(context);
-            pg_sys::CurrentResourceOwner = owner;
-            Ok(value)
-        })
-        .catch_when(PgSqlErrorCode::ERRCODE_QUERY_CANCELED, move |cancel| {
-            roll_back();
-            cancel.rethrow()
-        })
-        .catch_others(move |error| {
-            roll_back();
-            Err(match error {
-                CaughtError::PostgresError(report) | CaughtError::ErrorReport(report) => {
-                    format!("{} ({:?})", report.message(), report.sql_error_code())
-                }
-                CaughtError::RustPanic { ereport, .. } => ereport.message().to_string(),
-            })
-        })
-        .execute()
     }
 }
 

@@ -1,0 +1,53 @@
+//! What goes on after one part of a job fails: the maintenance worker's round and `maintain()`
+//! each run a stream's housekeeping in a subtransaction, so that a stream that cannot be
+//! maintained is left with a warning and the streams after it are maintained all the same.
+
+use pgrx::pg_sys;
+use pgrx::pg_sys::panic::CaughtError;
+use pgrx::prelude::*;
+use pgrx::PgSqlErrorCode;
+
+/// Runs `f` in a subtransaction: an error it raises rolls back what it did and comes back as
+/// its message and SQLSTATE, and the transaction goes on, as a PL/pgSQL block's `EXCEPTION WHEN
+/// OTHERS` does. Like that clause, it lets a query cancel (`pg_cancel_backend`, a
+/// `statement_timeout`) go on up.
+pub fn caught<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    // SAFETY: the subtransaction is begun and ended here, and the memory context and resource
+    // owner put back after it either way, as PL/pgSQL's exception blocks do
+    // (exec_stmt_block); pgrx has copied the error's data and flushed its state when a catch
+    // runs, and what `f` made (SPI tuple tables among it) was dropped while its error unwound.
+    unsafe {
+        let context = pg_sys::CurrentMemoryContext;
+        let owner = pg_sys::CurrentResourceOwner;
+        let roll_back = move || {
+            pg_sys::MemoryContextSwitchTo(context);
+            pg_sys::RollbackAndReleaseCurrentSubTransaction();
+            pg_sys::MemoryContextSwitchTo(context);
+            pg_sys::CurrentResourceOwner = owner;
+        };
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        pg_sys::MemoryContextSwitchTo(context);
+        let f = std::panic::AssertUnwindSafe(f);
+        PgTryBuilder::new(move || {
+            let value = f();
+            pg_sys::ReleaseCurrentSubTransaction();
+            pg_sys::MemoryContextSwitchTo(context);
+            pg_sys::CurrentResourceOwner = owner;
+            Ok(value)
+        })
+        .catch_when(PgSqlErrorCode::ERRCODE_QUERY_CANCELED, move |cancel| {
+            roll_back();
+            cancel.rethrow()
+        })
+        .catch_others(move |error| {
+            roll_back();
+            Err(match error {
+                CaughtError::PostgresError(report) | CaughtError::ErrorReport(report) => {
+                    format!("{} ({:?})", report.message(), report.sql_error_code())
+                }
+                CaughtError::RustPanic { ereport, .. } => ereport.message().to_string(),
+            })
+        })
+        .execute()
+    }
+}

@@ -615,6 +615,75 @@ fn maintain_passes_over_a_stream_being_dropped() {
     tx.commit().unwrap();
 }
 
+/// A stream whose maintenance fails (here a DBA's trigger refuses the update that clears its
+/// expired lane holds) is left out of `maintain()`'s rows, with a warning that names it and the
+/// error; what its step did before the error is rolled back (its expired idempotency key, which
+/// the step purges first, is still there), and the streams after it are maintained all the same,
+/// as the worker maintains them. Before, the error ended the call: while one stream could not be
+/// maintained, a cron job maintained none. In a database of its own: another test's `maintain()`
+/// would meet the broken stream.
+#[test]
+fn maintain_leaves_out_a_stream_it_cannot_maintain_and_maintains_the_rest() {
+    let (_, url) = own_database("maintain_broken");
+    let warnings = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = warnings.clone();
+    let mut config: postgres::Config = url.parse().unwrap();
+    config.notice_callback(move |n| kept.lock().unwrap().push(n.message().to_string()));
+    let mut c = config.connect(postgres::NoTls).unwrap();
+    let expiring = "SELECT sqlstreams.create_stream($1, 1000, idempotency_ttl => '1 microsecond')";
+    // Streams are maintained in id order: the broken one first.
+    let broken = Stream::create_sized(&mut c, "broken", 1000);
+    let healthy = Stream::create_sized(&mut c, "healthy", 1000);
+    for s in [&broken, &healthy] {
+        c.query_one(expiring, &[&s.name]).unwrap();
+        c.query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => 'order-1')", &[&s.name]).unwrap();
+        s.group(&mut c, "g", None);
+    }
+    let lanes = broken.table("lane");
+    c.batch_execute(&format!(
+        "UPDATE {lanes} SET held_by = gen_random_uuid(), held_until = now() - interval '1 hour' WHERE lane = 0;
+         CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS
+           $$BEGIN RAISE EXCEPTION 'lane updates are audited' USING ERRCODE = 'P0001'; END$$;
+         CREATE TRIGGER audit BEFORE UPDATE ON {lanes} FOR EACH ROW EXECUTE FUNCTION public.refuse();"
+    ))
+    .unwrap();
+    let refused = c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&broken.name]).unwrap_err();
+    assert_eq!(sqlstate(&refused), "P0001", "the broken stream's own maintenance fails: {refused:?}");
+    warnings.lock().unwrap().clear();
+
+    let rows: Vec<(String, i64)> = c
+        .query("SELECT stream, idempotency_keys_purged FROM sqlstreams.maintain()", &[])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(rows, vec![(healthy.name.clone(), 1)], "the healthy stream maintained, the broken one left out");
+    let warned = warnings.lock().unwrap().clone();
+    assert!(
+        warned.iter().any(|w| w.contains(&format!("stream \"{}\" is not maintained", broken.name))
+            && w.contains("lane updates are audited")),
+        "a warning names the stream and its error: {warned:?}"
+    );
+    let keys = |c: &mut Client, s: &Stream| -> i64 {
+        c.query_one(&format!("SELECT count(*) FROM {}", s.table("idempotency_key")), &[]).unwrap().get(0)
+    };
+    assert_eq!(keys(&mut c, &broken), 1, "the broken stream's purge rolled back with its step");
+    assert_eq!(keys(&mut c, &healthy), 0);
+    let held: i64 =
+        c.query_one(&format!("SELECT count(*) FROM {lanes} WHERE held_by IS NOT NULL"), &[]).unwrap().get(0);
+    assert_eq!(held, 1, "the broken stream's expired hold still there");
+
+    // A cancel is no stream's error: it ends the call. (A statement timeout while a DBA's lock
+    // holds the healthy stream's cursors back.)
+    let mut dba = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    let mut locked = dba.transaction().unwrap();
+    locked.batch_execute(&format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", healthy.table("cursor"))).unwrap();
+    c.batch_execute("SET statement_timeout = '300ms'").unwrap();
+    let cancelled = c.query("SELECT * FROM sqlstreams.maintain()", &[]).unwrap_err();
+    assert_eq!(sqlstate(&cancelled), "57014", "the timeout ends maintain(): {cancelled:?}");
+    locked.rollback().unwrap();
+}
+
 /// The exception counts keep a row per group, status and writing backend, not per change, so
 /// `group_status` reads a few rows however busy the queue was; and a writer whose row a fold
 /// holds adds a row instead of waiting for it. In a database of its own: another test's

@@ -74,14 +74,30 @@ fn maintain_all() -> Result<Vec<Report>> {
                 if !stream::try_hold(&name) {
                     continue;
                 }
-                match stream::lookup(client, &name) {
-                    Err(StreamError::UnknownStream(_)) => {}
-                    found => reports.push(maintain_one(client, name, found?)?),
+                // A stream that cannot be maintained (an error of its own) is left out, with a
+                // warning, as the worker leaves it: the streams after it are maintained all the
+                // same, and what its step did before the error is rolled back.
+                let maintained = crate::subtransaction::caught(|| match stream::lookup(client, &name) {
+                    Err(StreamError::UnknownStream(_)) => None,
+                    found => {
+                        Some(found.and_then(|stream| maintain_one(client, name.clone(), stream)).unwrap_or_else(raise))
+                    }
+                });
+                match maintained {
+                    Ok(report) => reports.extend(report),
+                    Err(e) => warning!("stream \"{name}\" is not maintained: {e}"),
                 }
             }
             Ok(reports)
         })
     })
+}
+
+/// Raises `error` as the Postgres error it stands for, which rolls back the subtransaction it is
+/// raised in (`subtransaction::caught`).
+fn raise(error: StreamError) -> Report {
+    ErrorReport::from(error).report(PgLogLevel::ERROR);
+    unreachable!("an ERROR does not return")
 }
 
 /// One stream's housekeeping; nothing when the stream is being dropped right now.

@@ -66,24 +66,22 @@ fn maintain_all() -> Result<Vec<Report>> {
             for row in STREAMS.run(client, 0, &[])? {
                 names.push(row.required::<String>("name")?);
             }
+            // Every stream in one subtransaction; after an error, each stream in one of its own.
+            // A stream that cannot be maintained (an error of its own) is then left out, with a
+            // warning, as the worker leaves it: the streams after it are maintained all the same,
+            // and what its step did is rolled back. Not a subtransaction per stream every time:
+            // past 64 that write, a transaction's subtransactions overflow what each backend
+            // keeps of them, and every snapshot taken in the cluster until it ends looks recent
+            // transactions up in pg_subtrans.
+            let all = crate::subtransaction::caught(|| {
+                names.iter().filter_map(|name| maintain_named(client, name).unwrap_or_else(raise)).collect()
+            });
+            if let Ok(reports) = all {
+                return Ok(reports);
+            }
             let mut reports = Vec::new();
-            for name in names {
-                // A stream being dropped is skipped, not waited for: this transaction may
-                // hold streams a caller's drop waits for (src/locks.rs). One dropped since the
-                // list was read is unknown now.
-                if !stream::try_hold(&name) {
-                    continue;
-                }
-                // A stream that cannot be maintained (an error of its own) is left out, with a
-                // warning, as the worker leaves it: the streams after it are maintained all the
-                // same, and what its step did before the error is rolled back.
-                let maintained = crate::subtransaction::caught(|| match stream::lookup(client, &name) {
-                    Err(StreamError::UnknownStream(_)) => None,
-                    found => {
-                        Some(found.and_then(|stream| maintain_one(client, name.clone(), stream)).unwrap_or_else(raise))
-                    }
-                });
-                match maintained {
+            for name in &names {
+                match crate::subtransaction::caught(|| maintain_named(client, name).unwrap_or_else(raise)) {
                     Ok(report) => reports.extend(report),
                     Err(e) => warning!("stream \"{name}\" is not maintained: {e}"),
                 }
@@ -93,9 +91,22 @@ fn maintain_all() -> Result<Vec<Report>> {
     })
 }
 
+/// One stream's housekeeping in `maintain()`: none for a stream being dropped (skipped, not
+/// waited for: this transaction may hold streams a caller's drop waits for, src/locks.rs) or
+/// dropped since the list was read (unknown now).
+fn maintain_named(client: &mut pgrx::spi::SpiClient<'_>, name: &str) -> Result<Option<Report>> {
+    if !stream::try_hold(name) {
+        return Ok(None);
+    }
+    match stream::lookup(client, name) {
+        Err(StreamError::UnknownStream(_)) => Ok(None),
+        found => Ok(Some(maintain_one(client, name.to_string(), found?)?)),
+    }
+}
+
 /// Raises `error` as the Postgres error it stands for, which rolls back the subtransaction it is
 /// raised in (`subtransaction::caught`).
-fn raise(error: StreamError) -> Report {
+fn raise<T>(error: StreamError) -> T {
     ErrorReport::from(error).report(PgLogLevel::ERROR);
     unreachable!("an ERROR does not return")
 }

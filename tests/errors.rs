@@ -158,6 +158,33 @@ fn drop_stream_under_repeatable_read_leaves_no_group_behind() {
     assert_eq!(orphans, 0);
 }
 
+/// A stream whose name this database cannot read (a UTF8 database's, restored into a LATIN1 one)
+/// is left out of `maintain()`, with a warning that shows the name, and the other streams are
+/// maintained all the same, as the worker maintains them. Before, the name's error ended the call.
+#[test]
+fn maintain_leaves_out_a_stream_whose_name_it_cannot_read() {
+    let (_, url) = own_database_in("restored_db", "LATIN1");
+    let (mut c, warnings) = listening_to(&url);
+    for name in ["named", "healthy"] {
+        c.query_one("SELECT sqlstreams.create_stream($1, idempotency_ttl => '1 microsecond')", &[&name]).unwrap();
+        c.query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => 'order-1')", &[&name]).unwrap();
+    }
+    // What a restore of a UTF8 database's dump writes here: LATIN1 bytes (0xE9 is é).
+    c.batch_execute(r"UPDATE sqlstreams.stream SET name = E'named\xe9' WHERE name = 'named'").unwrap();
+    let rows: Vec<(String, i64)> = c
+        .query("SELECT stream, idempotency_keys_purged FROM sqlstreams.maintain()", &[])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(rows, vec![("healthy".to_string(), 1)]);
+    let warned = warnings.lock().unwrap().clone();
+    assert!(
+        warned.iter().any(|w| w.contains("a stream is not maintained") && w.contains(r"E'named\xe9'")),
+        "a warning shows the name: {warned:?}"
+    );
+}
+
 /// Texts the extension never wrote: a UTF8 database's keys, error messages and names restored
 /// into a LATIN1 one. A call that reads one refuses with 22021 naming it, where pgrx's panic
 /// raised XX000 ("datums converted to &str should be valid UTF-8", at pgrx's from.rs).

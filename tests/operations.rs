@@ -625,11 +625,7 @@ fn maintain_passes_over_a_stream_being_dropped() {
 #[test]
 fn maintain_leaves_out_a_stream_it_cannot_maintain_and_maintains_the_rest() {
     let (_, url) = own_database("maintain_broken");
-    let warnings = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let kept = warnings.clone();
-    let mut config: postgres::Config = url.parse().unwrap();
-    config.notice_callback(move |n| kept.lock().unwrap().push(n.message().to_string()));
-    let mut c = config.connect(postgres::NoTls).unwrap();
+    let (mut c, warnings) = listening_to(&url);
     let expiring = "SELECT sqlstreams.create_stream($1, 1000, idempotency_ttl => '1 microsecond')";
     // Streams are maintained in id order: the broken one first.
     let broken = Stream::create_sized(&mut c, "broken", 1000);

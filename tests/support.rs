@@ -35,13 +35,18 @@ pub fn connect() -> Client {
 
 /// A connection whose warnings (and other notices) are kept, in the order they came.
 pub fn connect_listening() -> (Client, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
-    let warnings = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let kept = warnings.clone();
-    let mut config: postgres::Config = database_url().parse().unwrap();
-    config.notice_callback(move |n| kept.lock().unwrap().push(n.message().to_string()));
-    let mut c = config.connect(NoTls).expect("connect to the test cluster");
+    let (mut c, warnings) = listening_to(&database_url());
     c.batch_execute(CREATE_EXTENSION).expect("create the extension");
     (c, warnings)
+}
+
+/// A connection to `url` whose warnings (and other notices) are kept, in the order they came.
+pub fn listening_to(url: &str) -> (Client, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    let warnings = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = warnings.clone();
+    let mut config: postgres::Config = url.parse().unwrap();
+    config.notice_callback(move |n| kept.lock().unwrap().push(n.message().to_string()));
+    (config.connect(NoTls).expect("connect to the test cluster"), warnings)
 }
 
 /// A database of its own for one test, with the extension: for tests whose ids must come out

@@ -171,12 +171,7 @@ fn maintain_leaves_out_a_stream_whose_name_it_cannot_read() {
     }
     // What a restore of a UTF8 database's dump writes here: LATIN1 bytes (0xE9 is é).
     c.batch_execute(r"UPDATE sqlstreams.stream SET name = E'named\xe9' WHERE name = 'named'").unwrap();
-    let rows: Vec<(String, i64)> = c
-        .query("SELECT stream, idempotency_keys_purged FROM sqlstreams.maintain()", &[])
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
+    let rows = maintained(&mut c);
     assert_eq!(rows, vec![("healthy".to_string(), 1)]);
     let warned = warnings.lock().unwrap().clone();
     assert!(

@@ -647,12 +647,7 @@ fn maintain_leaves_out_a_stream_it_cannot_maintain_and_maintains_the_rest() {
     assert_eq!(sqlstate(&refused), "P0001", "the broken stream's own maintenance fails: {refused:?}");
     warnings.lock().unwrap().clear();
 
-    let rows: Vec<(String, i64)> = c
-        .query("SELECT stream, idempotency_keys_purged FROM sqlstreams.maintain()", &[])
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
+    let rows = maintained(&mut c);
     assert_eq!(rows, vec![(healthy.name.clone(), 1)], "the healthy stream maintained, the broken one left out");
     let warned = warnings.lock().unwrap().clone();
     assert!(

@@ -40,6 +40,15 @@ pub fn connect_listening() -> (Client, std::sync::Arc<std::sync::Mutex<Vec<Strin
     (c, warnings)
 }
 
+/// `maintain()`'s rows: each stream maintained, with the expired idempotency keys it purged.
+pub fn maintained(c: &mut Client) -> Vec<(String, i64)> {
+    c.query("SELECT stream, idempotency_keys_purged FROM sqlstreams.maintain()", &[])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
 /// A connection to `url` whose warnings (and other notices) are kept, in the order they came.
 pub fn listening_to(url: &str) -> (Client, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
     let warnings = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));

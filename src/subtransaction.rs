@@ -3,15 +3,48 @@
 //! maintained is left with a warning and the streams after it are maintained all the same.
 
 use pgrx::pg_sys;
-use pgrx::pg_sys::panic::CaughtError;
+use pgrx::pg_sys::panic::{CaughtError, ErrorReport, ErrorReportWithLevel};
 use pgrx::prelude::*;
 use pgrx::PgSqlErrorCode;
 
+/// An error `caught` caught, as Postgres reported it.
+pub struct Caught {
+    code: PgSqlErrorCode,
+    message: String,
+    detail: Option<String>,
+    hint: Option<String>,
+}
+
+impl Caught {
+    fn of(report: &ErrorReportWithLevel) -> Caught {
+        Caught {
+            code: report.sql_error_code(),
+            message: report.message().to_string(),
+            detail: report.detail().map(str::to_string),
+            hint: report.hint().map(str::to_string),
+        }
+    }
+
+    /// Raises it again as a WARNING that says what it stopped first (`about`), with its own
+    /// SQLSTATE, detail and hint: a hint such as "Run ALTER EXTENSION sqlstreams UPDATE" is
+    /// what to do about it.
+    pub fn warn(&self, about: &str) {
+        let mut report = ErrorReport::new(self.code, format!("{about}: {}", self.message), "sqlstreams");
+        if let Some(detail) = &self.detail {
+            report = report.set_detail(detail.as_str());
+        }
+        if let Some(hint) = &self.hint {
+            report = report.set_hint(hint.as_str());
+        }
+        report.report(PgLogLevel::WARNING);
+    }
+}
+
 /// Runs `f` in a subtransaction: an error it raises rolls back what it did and comes back as
-/// its message and SQLSTATE, and the transaction goes on, as a PL/pgSQL block's `EXCEPTION WHEN
+/// `Caught`, and the transaction goes on, as a PL/pgSQL block's `EXCEPTION WHEN
 /// OTHERS` does. Like that clause, it lets a query cancel (`pg_cancel_backend`, a
 /// `statement_timeout`) go on up.
-pub fn caught<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+pub fn caught<T>(f: impl FnOnce() -> T) -> Result<T, Caught> {
     // SAFETY: the subtransaction is begun and ended here, and the memory context and resource
     // owner put back after it either way, as PL/pgSQL's exception blocks do
     // (exec_stmt_block); pgrx has copied the error's data and flushed its state when a catch
@@ -41,11 +74,10 @@ pub fn caught<T>(f: impl FnOnce() -> T) -> Result<T, String> {
         })
         .catch_others(move |error| {
             roll_back();
-            Err(match error {
-                CaughtError::PostgresError(report) | CaughtError::ErrorReport(report) => {
-                    format!("{} ({:?})", report.message(), report.sql_error_code())
-                }
-                CaughtError::RustPanic { ereport, .. } => ereport.message().to_string(),
+            Err(match &error {
+                CaughtError::PostgresError(report)
+                | CaughtError::ErrorReport(report)
+                | CaughtError::RustPanic { ereport: report, .. } => Caught::of(report),
             })
         })
         .execute()

@@ -127,8 +127,12 @@ fn round() {
                 )
                 .map_err(|e| e.to_string())
             });
-            if let Err(e) = maintained.and_then(|done| done) {
-                warning!("sqlstreams maintenance of stream \"{name}\": {e}");
+            match maintained {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    warning!("sqlstreams: stream {} is not maintained: {e}", crate::error::named(&name))
+                }
+                Err(error) => crate::admin::not_maintained(&name, &error),
             }
         });
     }

@@ -262,11 +262,8 @@ fn a_stored_text_that_cannot_be_read_as_utf8_is_refused_naming_it() {
     c.batch_execute(r"UPDATE sqlstreams.consumer_group SET name = 'h' WHERE name = E'h\xe9'").unwrap();
     c.batch_execute(&format!("SELECT sqlstreams.drop_stream('t'); DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\""))
         .unwrap();
-    // A stream's name: maintain() reads every stream's.
-    c.batch_execute(r"UPDATE sqlstreams.stream SET name = E'bestellung\xe9' WHERE name = 's'").unwrap();
-    let err = c.batch_execute("SELECT sqlstreams.maintain()").unwrap_err();
-    assert_eq!(sqlstate(&err), "22021", "maintain: {err:?}");
-    assert!(err.as_db_error().unwrap().message().contains(r"E'bestellung\xe9'"), "{err:?}");
+    // (A stream's name, which maintain() reads for every stream, leaves that stream out of it:
+    // maintain_leaves_out_a_stream_whose_name_it_cannot_read.)
     // Rewritten in ASCII, the texts read again.
     c.batch_execute(&format!(
         r"UPDATE sqlstreams.stream SET name = 's'; UPDATE sqlstreams.message_log_{stream} SET message_key = 'k3' WHERE message_key = E'k\xe9';

@@ -615,27 +615,30 @@ fn maintain_passes_over_a_stream_being_dropped() {
     tx.commit().unwrap();
 }
 
-/// A stream whose maintenance fails (here a DBA's trigger refuses the update that clears its
-/// expired lane holds) is left out of `maintain()`'s rows, with a warning that names it and the
-/// error; what its step did before the error is rolled back (its expired idempotency key, which
-/// the step purges first, is still there), and the streams after it are maintained all the same,
-/// as the worker maintains them. Before, the error ended the call: while one stream could not be
-/// maintained, a cron job maintained none. In a database of its own: another test's `maintain()`
-/// would meet the broken stream.
+/// A stream whose maintenance fails (a DBA's trigger refuses the update that clears its expired
+/// lane holds; another's tables are at another version) is left out of `maintain()`'s rows, with
+/// a warning that names it and carries its error's SQLSTATE and hint; what its step did before the
+/// error is rolled back (its expired idempotency key, which the step purges first, is still there),
+/// and the streams after it are maintained all the same, as the worker maintains them. Before, the
+/// error ended the call: while one stream could not be maintained, a cron job maintained none.
+/// What fails every stream alike is refused as before: a library the installed SQL does not
+/// match, a read-only transaction, a cancel. In a database of its own: another test's
+/// `maintain()` would meet the broken streams.
 #[test]
 fn maintain_leaves_out_a_stream_it_cannot_maintain_and_maintains_the_rest() {
     let (_, url) = own_database("maintain_broken");
     let (mut c, warnings) = listening_to(&url);
     let expiring = "SELECT sqlstreams.create_stream($1, 1000, idempotency_ttl => '1 microsecond')";
-    // Streams are maintained in id order: the broken one first.
-    let broken = Stream::create_sized(&mut c, "broken", 1000);
+    // Streams are maintained in id order: the broken ones first.
+    let audited = Stream::create_sized(&mut c, "audited", 1000);
+    let old = Stream::create_sized(&mut c, "old", 1000);
     let healthy = Stream::create_sized(&mut c, "healthy", 1000);
-    for s in [&broken, &healthy] {
+    for s in [&audited, &old, &healthy] {
         c.query_one(expiring, &[&s.name]).unwrap();
         c.query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => 'order-1')", &[&s.name]).unwrap();
         s.group(&mut c, "g", None);
     }
-    let lanes = broken.table("lane");
+    let lanes = audited.table("lane");
     c.batch_execute(&format!(
         "UPDATE {lanes} SET held_by = gen_random_uuid(), held_until = now() - interval '1 hour' WHERE lane = 0;
          CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS
@@ -643,29 +646,54 @@ fn maintain_leaves_out_a_stream_it_cannot_maintain_and_maintains_the_rest() {
          CREATE TRIGGER audit BEFORE UPDATE ON {lanes} FOR EACH ROW EXECUTE FUNCTION public.refuse();"
     ))
     .unwrap();
-    let refused = c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&broken.name]).unwrap_err();
-    assert_eq!(sqlstate(&refused), "P0001", "the broken stream's own maintenance fails: {refused:?}");
+    let refused = c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&audited.name]).unwrap_err();
+    assert_eq!(sqlstate(&refused), "P0001", "the audited stream's own maintenance fails: {refused:?}");
+    let version: String =
+        c.query_one("SELECT schema_version FROM sqlstreams.stream WHERE id = $1", &[&old.id]).unwrap().get(0);
+    c.execute("UPDATE sqlstreams.stream SET schema_version = '0.0.1' WHERE id = $1", &[&old.id]).unwrap();
     warnings.lock().unwrap().clear();
 
     let rows = maintained(&mut c);
-    assert_eq!(rows, vec![(healthy.name.clone(), 1)], "the healthy stream maintained, the broken one left out");
+    assert_eq!(rows, vec![(healthy.name.clone(), 1)], "the healthy stream maintained, the broken ones left out");
     let warned = warnings.lock().unwrap().clone();
+    let about = |s: &Stream| format!("sqlstreams: stream \"{}\" is not maintained: ", s.name);
     assert!(
-        warned.iter().any(|w| w.contains(&format!("stream \"{}\" is not maintained", broken.name))
-            && w.contains("lane updates are audited")),
-        "a warning names the stream and its error: {warned:?}"
+        warned.iter().any(|w| w.starts_with(&about(&audited)) && w.contains("lane updates are audited [P0001]")),
+        "a warning names the stream, its error and SQLSTATE: {warned:?}"
     );
+    assert!(
+        warned
+            .iter()
+            .any(|w| w.starts_with(&about(&old)) && w.contains("[55000] HINT: Run ALTER EXTENSION sqlstreams UPDATE")),
+        "and the error's hint: {warned:?}"
+    );
+    assert_eq!(warned.len(), 2, "one warning a stream: {warned:?}");
     let keys = |c: &mut Client, s: &Stream| -> i64 {
         c.query_one(&format!("SELECT count(*) FROM {}", s.table("idempotency_key")), &[]).unwrap().get(0)
     };
-    assert_eq!(keys(&mut c, &broken), 1, "the broken stream's purge rolled back with its step");
+    assert_eq!(keys(&mut c, &audited), 1, "the audited stream's purge rolled back with its step");
     assert_eq!(keys(&mut c, &healthy), 0);
     let held: i64 =
         c.query_one(&format!("SELECT count(*) FROM {lanes} WHERE held_by IS NOT NULL"), &[]).unwrap().get(0);
-    assert_eq!(held, 1, "the broken stream's expired hold still there");
+    assert_eq!(held, 1, "the audited stream's expired hold still there");
+    c.execute("UPDATE sqlstreams.stream SET schema_version = $2 WHERE id = $1", &[&old.id, &version]).unwrap();
 
-    // A cancel is no stream's error: it ends the call. (A statement timeout while a DBA's lock
-    // holds the healthy stream's cursors back.)
+    // What fails every stream alike ends the call, as before. A library newer than the installed
+    // SQL (checked once a session: a new one's first call)...
+    let mut fresh = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    let mut upgrading = fresh.transaction().unwrap();
+    upgrading
+        .execute("UPDATE pg_catalog.pg_extension SET extversion = '0.0.1' WHERE extname = 'sqlstreams'", &[])
+        .unwrap();
+    let refused = upgrading.query("SELECT * FROM sqlstreams.maintain()", &[]).unwrap_err();
+    assert_eq!(sqlstate(&refused), "55000", "{refused:?}");
+    upgrading.rollback().unwrap();
+    // ... a read-only transaction...
+    let mut read_only = c.build_transaction().read_only(true).start().unwrap();
+    let refused = read_only.query("SELECT * FROM sqlstreams.maintain()", &[]).unwrap_err();
+    assert_eq!(sqlstate(&refused), "25006", "{refused:?}");
+    read_only.rollback().unwrap();
+    // ... and a cancel (a statement timeout while a DBA's lock holds the healthy stream's cursors).
     let mut dba = postgres::Client::connect(&url, postgres::NoTls).unwrap();
     let mut locked = dba.transaction().unwrap();
     locked.batch_execute(&format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", healthy.table("cursor"))).unwrap();

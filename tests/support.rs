@@ -49,12 +49,16 @@ pub fn maintained(c: &mut Client) -> Vec<(String, i64)> {
         .collect()
 }
 
-/// A connection to `url` whose warnings (and other notices) are kept, in the order they came.
+/// A connection to `url` whose warnings (and other notices) are kept, in the order they came:
+/// each its message, its SQLSTATE in brackets, and its hint.
 pub fn listening_to(url: &str) -> (Client, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
     let warnings = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let kept = warnings.clone();
     let mut config: postgres::Config = url.parse().unwrap();
-    config.notice_callback(move |n| kept.lock().unwrap().push(n.message().to_string()));
+    config.notice_callback(move |n| {
+        let hint = n.hint().map(|hint| format!(" HINT: {hint}")).unwrap_or_default();
+        kept.lock().unwrap().push(format!("{} [{}]{hint}", n.message(), n.code().code()))
+    });
     (config.connect(NoTls).expect("connect to the test cluster"), warnings)
 }
 

@@ -59,41 +59,43 @@ fn require_read_committed() -> Result<()> {
 /// Every stream's housekeeping, in one transaction.
 fn maintain_all() -> Result<Vec<Report>> {
     require_read_committed()?;
+    // SAFETY: raises 25006 in a read-only transaction, before anything runs, as Postgres' own
+    // writing commands do: no stream's error, though every stream's step would meet it.
+    unsafe { pgrx::pg_sys::PreventCommandIfReadOnly(c"maintain()".as_ptr()) };
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "run maintain()")?;
+            // A library the installed SQL does not match fails every stream alike: refused once,
+            // with its hint, rather than left out stream by stream.
+            crate::version::check(client, crate::statement::Access::Write)?;
             let mut names = Vec::new();
             for row in STREAMS.run(client, 0, &[])? {
                 // A name this database cannot read as UTF-8 (a restore's: src/text.rs) is left
                 // out, with a warning, as the worker leaves it.
                 match row.required::<String>("name") {
                     Ok(name) => names.push(name),
-                    Err(e) => warning!("a stream is not maintained: {e}"),
+                    Err(e) => warning!("sqlstreams: a stream is not maintained: {e}"),
                 }
             }
-            // Every stream in one subtransaction; after an error, each stream in one of its own.
-            // A stream that cannot be maintained (an error of its own) is then left out, with a
-            // warning, as the worker leaves it: the streams after it are maintained all the same,
-            // and what its step did is rolled back. Not a subtransaction per stream every time:
-            // past 64 that write, a transaction's subtransactions overflow what each backend
-            // keeps of them, and every snapshot taken in the cluster until it ends looks recent
-            // transactions up in pg_subtrans.
-            let all = crate::subtransaction::caught(|| {
-                names.iter().filter_map(|name| maintain_named(client, name).unwrap_or_else(raise)).collect()
-            });
-            if let Ok(reports) = all {
-                return Ok(reports);
-            }
+            // Each stream in a subtransaction of its own: one that cannot be maintained (an
+            // error of its own) is left out, with a warning, as the worker leaves it; what its
+            // step did is rolled back, and the streams after it are maintained all the same.
             let mut reports = Vec::new();
             for name in &names {
                 match crate::subtransaction::caught(|| maintain_named(client, name).unwrap_or_else(raise)) {
                     Ok(report) => reports.extend(report),
-                    Err(e) => warning!("stream \"{name}\" is not maintained: {e}"),
+                    Err(error) => not_maintained(name, &error),
                 }
             }
             Ok(reports)
         })
     })
+}
+
+/// The warning about stream `name`, whose step failed with `error` and was rolled back
+/// (`maintain()`'s and the worker's).
+pub fn not_maintained(name: &str, error: &crate::subtransaction::Caught) {
+    error.warn(&format!("sqlstreams: stream {} is not maintained", crate::error::named(name)));
 }
 
 /// One stream's housekeeping in `maintain()`: none for a stream being dropped (skipped, not
@@ -139,7 +141,7 @@ fn maintain_one(client: &mut pgrx::spi::SpiClient<'_>, name: String, stream: Str
     let purged = PURGE_IDEMPOTENCY.run(client, stream.id, &[])?.len() as i64;
     if let Some(missing) = retention::unrestored(client, &stream)? {
         warning!(
-            "stream \"{name}\" is not maintained: {missing}, as while a restore loads it; its cursors, lane \
+            "stream \"{name}\" is maintained only in part: {missing}, as while a restore loads it; its cursors, lane \
              holds and retention wait until it is there"
         );
         return Ok((name, through, purged, 0, 0, 0, 0));

@@ -9,6 +9,8 @@ mod maintain;
 mod seek;
 mod streams;
 
+pub use maintain::not_maintained;
+
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 

@@ -25,7 +25,6 @@
 //! rolled back, and every id up to the head is final.
 
 use pgrx::pg_sys::{self, BuiltinOid::*};
-use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 
 use crate::error::named;
@@ -122,8 +121,16 @@ const GROUP_NAME: Statement = Statement {
 
 /// Moves the groups of `stream` that hold back partitions out of its bounds past them (only
 /// groups in `groups`, whose locks this transaction holds: a group held by a seek or a drop is
-/// left, and then so is the move). Returns how many groups it moved.
-pub fn enforce(client: &SpiClient<'_>, name: &str, stream: &StreamRef, groups: &[i64]) -> Result<usize> {
+/// left, and then so is the move). Returns how many groups it moved; adds to `warnings` what
+/// each group that lost messages lost, for the caller to raise once the move stands (a step
+/// rolled back after it lost nothing).
+pub fn enforce(
+    client: &SpiClient<'_>,
+    name: &str,
+    stream: &StreamRef,
+    groups: &[i64],
+    warnings: &mut Vec<String>,
+) -> Result<usize> {
     let bounds = BOUNDS.run(client, 0, &[stream.id.into()])?.first();
     let (max_age, max_bytes): (Option<i64>, Option<i64>) = (bounds.value("max_age")?, bounds.value("max_bytes")?);
     if max_age.is_none() && max_bytes.is_none() {
@@ -191,12 +198,12 @@ pub fn enforce(client: &SpiClient<'_>, name: &str, stream: &StreamRef, groups: &
             continue;
         }
         let group_name: String = GROUP_NAME.run(client, 0, &[group.into()])?.first().required("name")?;
-        warning!(
+        warnings.push(format!(
             "sqlstreams: stream {} is past its bound: group {} lost {lost} message(s) it had not consumed, \
              and goes on after message {through}",
             named(name),
             named(&group_name),
-        );
+        ));
     }
     Ok(lagging.len())
 }

@@ -71,7 +71,7 @@ impl StreamError {
         StreamError::InvalidArgument { message: message.into(), hint: hint.into() }
     }
 
-    fn sqlstate(&self) -> PgSqlErrorCode {
+    pub(crate) fn sqlstate(&self) -> PgSqlErrorCode {
         match self {
             StreamError::UnknownStream(_)
             | StreamError::UnknownStreamId(_)
@@ -89,7 +89,7 @@ impl StreamError {
         }
     }
 
-    fn hint(&self) -> Option<String> {
+    pub(crate) fn hint(&self) -> Option<String> {
         match self {
             StreamError::UnknownStream(name) => Some(format!(
                 "Create it first with sqlstreams.create_stream({}), or check the name in sqlstreams.streams.",

@@ -7,7 +7,10 @@ use pgrx::pg_sys::panic::{CaughtError, ErrorReport, ErrorReportWithLevel};
 use pgrx::prelude::*;
 use pgrx::PgSqlErrorCode;
 
-/// An error `caught` caught, as Postgres reported it.
+use crate::error::StreamError;
+use crate::text::sendable;
+
+/// An error `caught` caught (its text decoded as UTF-8), or one of the library's own.
 pub struct Caught {
     code: PgSqlErrorCode,
     message: String,
@@ -25,16 +28,28 @@ impl Caught {
         }
     }
 
-    /// Raises it again as a WARNING that says what it stopped first (`about`), with its own
-    /// SQLSTATE, detail and hint: a hint such as "Run ALTER EXTENSION sqlstreams UPDATE" is
-    /// what to do about it.
+    /// A library error that was never raised.
+    pub fn from_error(error: &StreamError) -> Caught {
+        Caught { code: error.sqlstate(), message: error.to_string(), detail: None, hint: error.hint() }
+    }
+
+    /// An error that is no Postgres error (an SPI call's own).
+    pub fn internal(message: String) -> Caught {
+        Caught { code: PgSqlErrorCode::ERRCODE_INTERNAL_ERROR, message, detail: None, hint: None }
+    }
+
+    /// Raises it again as a WARNING, its message prefixed with `about` (once `sqlstreams: `),
+    /// with its own SQLSTATE, detail and hint: a hint such as "Run ALTER EXTENSION sqlstreams
+    /// UPDATE" is what to do about it. Its CONTEXT is not kept.
     pub fn warn(&self, about: &str) {
-        let mut report = ErrorReport::new(self.code, format!("{about}: {}", self.message), "sqlstreams");
+        let message = self.message.strip_prefix("sqlstreams: ").unwrap_or(&self.message);
+        let mut report =
+            ErrorReport::new(self.code, sendable(&format!("{about}: {message}")).into_owned(), "sqlstreams");
         if let Some(detail) = &self.detail {
-            report = report.set_detail(detail.as_str());
+            report = report.set_detail(sendable(detail).into_owned());
         }
         if let Some(hint) = &self.hint {
-            report = report.set_hint(hint.as_str());
+            report = report.set_hint(sendable(hint).into_owned());
         }
         report.report(PgLogLevel::WARNING);
     }

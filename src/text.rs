@@ -56,6 +56,17 @@ fn encoding() -> Encoding {
     })
 }
 
+/// `text` as a message to the client and the server log can carry it in this database's
+/// encoding: as it is in a UTF8 or an SQL_ASCII database; in any other, its ASCII, with `?` for
+/// the rest (an error caught from Postgres comes decoded as UTF-8, and the bytes it had in the
+/// database's encoding are lost; sent as they are, a multibyte encoding refuses them).
+pub fn sendable(text: &str) -> Cow<'_, str> {
+    if encoding() != Encoding::Other || text.is_ascii() {
+        return Cow::Borrowed(text);
+    }
+    Cow::Owned(text.chars().map(|c| if c.is_ascii() { c } else { '?' }).collect())
+}
+
 /// The bytes of a text as UTF-8, where they read so: valid UTF-8 in a UTF8 or an SQL_ASCII
 /// database (pgrx's rule), ASCII in any other (all extend ASCII). Checked in a UTF8 database too:
 /// a text can carry bytes of another encoding there (a role's name, cast from the catalog every

@@ -105,7 +105,7 @@ fn round() {
             let name = |row: pgrx::spi::SpiHeapTupleData<'_>| match row.value::<String>("name") {
                 Ok(name) => name,
                 Err(e) => {
-                    warning!("sqlstreams maintenance: {e}");
+                    warning!("sqlstreams: a stream is not maintained: {e}");
                     None
                 }
             };
@@ -127,11 +127,8 @@ fn round() {
                 )
                 .map_err(|e| e.to_string())
             });
-            match maintained {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => {
-                    warning!("sqlstreams: stream {} is not maintained: {e}", crate::error::named(&name))
-                }
+            match maintained.and_then(|done| done.map_err(crate::subtransaction::Caught::internal)) {
+                Ok(_) => {}
                 Err(error) => crate::admin::not_maintained(&name, &error),
             }
         });

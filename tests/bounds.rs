@@ -31,6 +31,34 @@ fn maintain_until_dropped(c: &mut Client, s: &Stream, through_partition: usize) 
     panic!("the partitions out of bounds are still there: {:?}", s.partitions(c));
 }
 
+/// A group's loss is said once the step that moved it stands: a step that fails after the move
+/// (here at a trigger a DBA put on the stream's compaction heads, which retention cleans after
+/// the bounds) rolls the move back and says no loss; the next step, which stands, says it once.
+/// Before, every failed step said a loss that it then rolled back. In a database of its own:
+/// `maintain()` meets every stream of its database.
+#[test]
+fn a_loss_is_said_only_once_the_step_that_made_it_stands() {
+    let (_, url) = own_database("bound_fails");
+    let (mut c, warnings) = listening_to(&url);
+    let s = Stream::create_sized(&mut c, "bounded-fails", 1000);
+    s.group(&mut c, "lagging", None);
+    s.produce_many(&mut c, 3500, None);
+    c.query_one("SELECT sqlstreams.alter_stream($1, max_bytes => 1)", &[&s.name]).unwrap();
+    refuse_on(&mut c, &s.table("compaction_head"), "DELETE", "compaction heads are audited");
+    assert_eq!(maintained(&mut c), vec![], "the stream's step failed");
+    let said = warnings.lock().unwrap().join("\n");
+    assert!(said.contains("compaction heads are audited"), "{said}");
+    assert!(!said.contains("lost"), "no loss said for a move rolled back: {said}");
+    assert_eq!(bound_columns(&mut c, &s, "lagging").0, 0);
+
+    warnings.lock().unwrap().clear();
+    c.batch_execute("DROP FUNCTION public.refuse() CASCADE").unwrap();
+    maintain_until_dropped(&mut c, &s, 3);
+    assert_eq!(bound_columns(&mut c, &s, "lagging").0, 3000);
+    let said = warnings.lock().unwrap().join("\n");
+    assert_eq!(said.matches("group \"lagging\" lost 3000 message(s)").count(), 1, "{said}");
+}
+
 #[test]
 fn a_size_bound_drops_what_a_paused_group_holds_back_and_counts_what_it_lost() {
     let (mut c, warnings) = connect_listening();

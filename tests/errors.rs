@@ -158,6 +158,29 @@ fn drop_stream_under_repeatable_read_leaves_no_group_behind() {
     assert_eq!(orphans, 0);
 }
 
+/// A stream's error whose text is not ASCII, in a database whose encoding is not UTF8 (EUC_JP):
+/// the warning that leaves the stream out of `maintain()` shows its ASCII, with `?` for the rest,
+/// and the other streams are maintained. Before, the message as pgrx decodes it (UTF-8) was sent
+/// as if it were EUC_JP, which the server refused (22021): that error ended the call, and the
+/// other streams' steps were rolled back with it.
+#[test]
+fn maintain_warns_of_an_error_that_is_not_ascii_in_a_database_that_is_not_utf8() {
+    let (_, url) = own_database_in("encoding_db", "EUC_JP");
+    let (mut c, warnings) = listening_to(&url);
+    let expiring = "SELECT sqlstreams.create_stream($1, 1000, idempotency_ttl => '1 microsecond')";
+    let refused = Stream::create_sized(&mut c, "refused", 1000);
+    let healthy = Stream::create_sized(&mut c, "healthy", 1000);
+    for s in [&refused, &healthy] {
+        c.query_one(expiring, &[&s.name]).unwrap();
+        c.query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => 'order-1')", &[&s.name]).unwrap();
+    }
+    refuse_on(&mut c, &refused.table("idempotency_key"), "DELETE", "refused: 拒否されました");
+    assert_eq!(maintained(&mut c), vec![(healthy.name.clone(), 1)]);
+    let warned = warnings.lock().unwrap().clone();
+    let about = format!("sqlstreams: stream \"{}\" is not maintained: refused: ?", refused.name);
+    assert!(warned.iter().any(|w| w.starts_with(&about) && w.is_ascii()), "{warned:?}");
+}
+
 /// A stream whose name this database cannot read (a UTF8 database's, restored into a LATIN1 one)
 /// is left out of `maintain()`, with a warning that shows the name, and the other streams are
 /// maintained all the same, as the worker maintains them. Before, the name's error ended the call.

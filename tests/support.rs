@@ -40,6 +40,18 @@ pub fn connect_listening() -> (Client, std::sync::Arc<std::sync::Mutex<Vec<Strin
     (c, warnings)
 }
 
+/// A DBA's trigger on `table` that refuses each `event` statement (`UPDATE`, `DELETE`) with
+/// `message` (`P0001`): how a maintenance test makes one stream's step fail. It goes with
+/// `DROP FUNCTION public.refuse() CASCADE`.
+pub fn refuse_on(c: &mut Client, table: &str, event: &str, message: &str) {
+    c.batch_execute(&format!(
+        "CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS
+           $$BEGIN RAISE EXCEPTION '{message}' USING ERRCODE = 'P0001'; END$$;
+         CREATE TRIGGER audit BEFORE {event} ON {table} FOR EACH STATEMENT EXECUTE FUNCTION public.refuse();"
+    ))
+    .expect("create the trigger");
+}
+
 /// `maintain()`'s rows: each stream maintained, with the expired idempotency keys it purged.
 pub fn maintained(c: &mut Client) -> Vec<(String, i64)> {
     c.query("SELECT stream, idempotency_keys_purged FROM sqlstreams.maintain()", &[])

@@ -13,6 +13,7 @@ use crate::range;
 use crate::retention;
 use crate::statement::{Columns, Statement};
 use crate::stream::{self, StreamRef};
+use crate::subtransaction::Caught;
 use crate::text::Text;
 
 const STREAMS: Statement =
@@ -67,14 +68,14 @@ fn maintain_all() -> Result<Vec<Report>> {
             caller.require_admin(client, "run maintain()")?;
             // A library the installed SQL does not match fails every stream alike: refused once,
             // with its hint, rather than left out stream by stream.
-            crate::version::check(client, crate::statement::Access::Write)?;
+            crate::version::check_now(client, crate::statement::Access::Write)?;
             let mut names = Vec::new();
             for row in STREAMS.run(client, 0, &[])? {
                 // A name this database cannot read as UTF-8 (a restore's: src/text.rs) is left
                 // out, with a warning, as the worker leaves it.
                 match row.required::<String>("name") {
                     Ok(name) => names.push(name),
-                    Err(e) => warning!("sqlstreams: a stream is not maintained: {e}"),
+                    Err(e) => Caught::from_error(&e).warn("sqlstreams: a stream is not maintained"),
                 }
             }
             // Each stream in a subtransaction of its own: one that cannot be maintained (an
@@ -83,7 +84,7 @@ fn maintain_all() -> Result<Vec<Report>> {
             let mut reports = Vec::new();
             for name in &names {
                 match crate::subtransaction::caught(|| maintain_named(client, name).unwrap_or_else(raise)) {
-                    Ok(report) => reports.extend(report),
+                    Ok(step) => reports.extend(step.map(Step::stands)),
                     Err(error) => not_maintained(name, &error),
                 }
             }
@@ -94,14 +95,14 @@ fn maintain_all() -> Result<Vec<Report>> {
 
 /// The warning about stream `name`, whose step failed with `error` and was rolled back
 /// (`maintain()`'s and the worker's).
-pub fn not_maintained(name: &str, error: &crate::subtransaction::Caught) {
+pub fn not_maintained(name: &str, error: &Caught) {
     error.warn(&format!("sqlstreams: stream {} is not maintained", crate::error::named(name)));
 }
 
 /// One stream's housekeeping in `maintain()`: none for a stream being dropped (skipped, not
 /// waited for: this transaction may hold streams a caller's drop waits for, src/locks.rs) or
 /// dropped since the list was read (unknown now).
-fn maintain_named(client: &mut pgrx::spi::SpiClient<'_>, name: &str) -> Result<Option<Report>> {
+fn maintain_named(client: &mut pgrx::spi::SpiClient<'_>, name: &str) -> Result<Option<Step>> {
     if !stream::try_hold(name) {
         return Ok(None);
     }
@@ -128,35 +129,55 @@ fn maintain_stream_named(name: &str) -> Result<Vec<Report>> {
                 return Ok(vec![]);
             }
             let stream = stream::lookup(client, name)?; // an unknown stream is an error, with its hint
-            Ok(vec![maintain_one(client, name.to_string(), stream)?])
+            Ok(vec![maintain_one(client, name.to_string(), stream)?.stands()])
         })
     })
 }
 
+/// One stream's step done: its report, and the warnings it raises once the step stands.
+struct Step {
+    report: Report,
+    warnings: Vec<String>,
+}
+
+impl Step {
+    /// Raises the step's warnings (its subtransaction released: what they say stands) and
+    /// returns its report.
+    fn stands(self) -> Report {
+        for warning in &self.warnings {
+            warning!("{warning}");
+        }
+        self.report
+    }
+}
+
 /// One stream's housekeeping, each part once: the stream as its caller looked it up, each
 /// group's cursor stored once, before the bounds (which read it) and retention.
-fn maintain_one(client: &mut pgrx::spi::SpiClient<'_>, name: String, stream: StreamRef) -> Result<Report> {
+fn maintain_one(client: &mut pgrx::spi::SpiClient<'_>, name: String, stream: StreamRef) -> Result<Step> {
     let head = crate::head::read(stream.id)?;
     let through = partition::ensure(client, &stream, head, Need::Ahead)?;
     let purged = PURGE_IDEMPOTENCY.run(client, stream.id, &[])?.len() as i64;
     if let Some(missing) = retention::unrestored(client, &stream)? {
-        warning!(
-            "stream \"{name}\" is maintained only in part: {missing}, as while a restore loads it; its cursors, lane \
-             holds and retention wait until it is there"
+        let warning = format!(
+            "sqlstreams: stream {} is maintained only in part: {missing}, as while a restore loads it; its \
+             cursors, lane holds and retention wait until it is there",
+            crate::error::named(&name)
         );
-        return Ok((name, through, purged, 0, 0, 0, 0));
+        return Ok(Step { report: (name, through, purged, 0, 0, 0, 0), warnings: vec![warning] });
     }
     let cleared = CLEAR_HOLDS.run(client, stream.id, &[])?.len() as i64;
     range::purge_done(client, stream.id)?;
     let groups = retention::groups_to_maintain(client, &stream)?;
     let advanced = retention::advance(client, &stream, &groups)?;
-    if crate::bounds::enforce(client, &name, &stream, &groups)? > 0 {
+    let mut warnings = vec![];
+    if crate::bounds::enforce(client, &name, &stream, &groups, &mut warnings)? > 0 {
         // A group moved past the bound may have resolved everything up to a point beyond it:
         // stored now, so this step's retention drops what it no longer needs.
         retention::advance(client, &stream, &groups)?;
     }
     let retained = retention::step(client, &stream, &groups)?;
-    Ok((name, through, purged, advanced, cleared, retained.partitions_dropped, retained.rows_purged))
+    let report = (name, through, purged, advanced, cleared, retained.partitions_dropped, retained.rows_purged);
+    Ok(Step { report, warnings })
 }
 
 /// Housekeeping for every stream: creates message_log partitions ahead of the head, purges

@@ -56,6 +56,11 @@ pub enum StreamError {
     #[error("{function} writes, and this server is a standby: recovery is in progress")]
     Standby { function: &'static str },
 
+    /// A writing call in a read-only transaction (`maintain()`, which refuses it before any
+    /// stream rather than leave every stream out).
+    #[error("{function} writes, and this transaction is read-only")]
+    ReadOnlyTransaction { function: &'static str },
+
     /// A broken invariant of the extension itself (a bug, never the caller's doing).
     #[error("internal error: {0}")]
     Internal(String),
@@ -81,7 +86,9 @@ impl StreamError {
             StreamError::WrongTransactionState { .. } => PgSqlErrorCode::ERRCODE_INVALID_TRANSACTION_STATE,
             StreamError::WrongPrerequisite { .. } => PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             StreamError::PermissionDenied { .. } => PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
-            StreamError::Standby { .. } => PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,
+            StreamError::Standby { .. } | StreamError::ReadOnlyTransaction { .. } => {
+                PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION
+            }
             StreamError::SerializationFailure { .. } => PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
             StreamError::StreamsExist { .. } => PgSqlErrorCode::ERRCODE_DEPENDENT_OBJECTS_STILL_EXIST,
             StreamError::UnreadableText { .. } => PgSqlErrorCode::ERRCODE_CHARACTER_NOT_IN_REPERTOIRE,
@@ -105,6 +112,10 @@ impl StreamError {
             StreamError::Standby { function } => Some(format!(
                 "Call {function} on the primary. A standby serves the views and the inspection functions \
                  (group_status, blocked_keys, dead_messages, open_leases, peek, stream_head)."
+            )),
+            StreamError::ReadOnlyTransaction { function } => Some(format!(
+                "Call {function} in a read-write transaction (BEGIN READ WRITE), as a role whose \
+                 default_transaction_read_only is off."
             )),
             StreamError::UnknownGroup { stream, group } => Some(format!(
                 "Create it first with sqlstreams.create_group({}, {}), or check the name in sqlstreams.consumer_groups.",

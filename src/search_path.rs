@@ -14,8 +14,8 @@
 //! first `pin` applies both settings the way a `SET` clause does, at a new nesting level, and
 //! `when_needed` restores the caller's when it returns. An error restores nothing here: it
 //! becomes a Postgres error, and the abort of the transaction or subtransaction restores them,
-//! as it does for a `SET` clause (what catches an error and goes on, the maintenance worker,
-//! rolls its subtransaction back first).
+//! as it does for a `SET` clause (what catches an error and goes on, `subtransaction::caught`
+//! for the maintenance worker and `maintain()`, rolls its subtransaction back first).
 //! Outside `when_needed` the function's own `SET` clause pinned them; debug builds check the
 //! search_path (a few internal functions, triggers among them, leave plans to the default).
 

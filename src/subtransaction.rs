@@ -33,11 +33,6 @@ impl Caught {
         Caught { code: error.sqlstate(), message: error.to_string(), detail: None, hint: error.hint() }
     }
 
-    /// An error that is no Postgres error (an SPI call's own).
-    pub fn internal(message: String) -> Caught {
-        Caught { code: PgSqlErrorCode::ERRCODE_INTERNAL_ERROR, message, detail: None, hint: None }
-    }
-
     /// Raises it again as a WARNING, its message prefixed with `about` (once `sqlstreams: `),
     /// with its own SQLSTATE, detail and hint: a hint such as "Run ALTER EXTENSION sqlstreams
     /// UPDATE" is what to do about it. Its CONTEXT is not kept.
@@ -97,4 +92,17 @@ pub fn caught<T>(f: impl FnOnce() -> T) -> Result<T, Caught> {
         })
         .execute()
     }
+}
+
+/// Raises `error` as the Postgres error it stands for, inside `caught`: the subtransaction rolls
+/// back, as for any error, where returning it would release what the step did.
+pub fn raise<T>(error: StreamError) -> T {
+    ErrorReport::from(error).report(PgLogLevel::ERROR);
+    unreachable!("an ERROR does not return")
+}
+
+/// The warning about stream `name`, whose step failed with `error` and was rolled back
+/// (`maintain()`'s and the worker's).
+pub fn not_maintained(name: &str, error: &Caught) {
+    error.warn(&format!("sqlstreams: stream {} is not maintained", crate::error::named(name)));
 }

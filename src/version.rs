@@ -30,7 +30,8 @@ fn mismatch(what: String, theirs: &str) -> StreamError {
     let hint = if newer(theirs, LIBRARY) {
         format!(
             "The extension was updated to {theirs} after this session loaded the library, version {LIBRARY}: \
-             reconnect, and the new session loads the new library."
+             reconnect, and the new session loads the new library (with sqlstreams in \
+             shared_preload_libraries, restart the server: new sessions inherit the old one)."
         )
     } else {
         "Run ALTER EXTENSION sqlstreams UPDATE, which migrates the catalog and every stream's tables.".into()
@@ -57,6 +58,7 @@ pub fn check(client: &SpiClient<'_>, access: Access) -> Result<()> {
 pub fn check_now(client: &SpiClient<'_>, access: Access) -> Result<()> {
     let installed: String = INSTALLED.exec(client, 0, &[], access)?.first().required("extversion")?;
     if installed != LIBRARY {
+        MATCHED.set(false);
         return Err(mismatch(
             format!("the sqlstreams library is version {LIBRARY} but the installed extension is {installed}"),
             &installed,

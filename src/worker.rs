@@ -26,6 +26,8 @@ use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags
 use pgrx::prelude::*;
 use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
 
+use crate::subtransaction::{caught, not_maintained, raise, Caught};
+
 use crate::statement::Columns;
 
 static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
@@ -105,14 +107,14 @@ fn round() {
             let name = |row: pgrx::spi::SpiHeapTupleData<'_>| match row.value::<String>("name") {
                 Ok(name) => name,
                 Err(e) => {
-                    warning!("sqlstreams: a stream is not maintained: {e}");
+                    Caught::from_error(&e).warn("sqlstreams: a stream is not maintained");
                     None
                 }
             };
             Ok(rows.filter_map(name).collect())
         })
         .unwrap_or_else(|e: pgrx::spi::SpiError| {
-            warning!("sqlstreams maintenance: {e}");
+            warning!("sqlstreams: no stream is maintained this round: {e}");
             vec![]
         })
     });
@@ -120,16 +122,15 @@ fn round() {
         BackgroundWorker::transaction(|| {
             // A stream that cannot be maintained (an error of its own) is left for the next
             // round, with a warning: the streams after it are maintained all the same.
-            let maintained = crate::subtransaction::caught(|| {
+            let maintained = caught(|| {
                 Spi::get_one_with_args::<i64>(
                     "SELECT pg_catalog.count(*) FROM sqlstreams.maintain_stream($1)",
                     &[name.as_str().into()],
                 )
-                .map_err(|e| e.to_string())
+                .unwrap_or_else(|e| raise(e.into()))
             });
-            match maintained.and_then(|done| done.map_err(crate::subtransaction::Caught::internal)) {
-                Ok(_) => {}
-                Err(error) => crate::admin::not_maintained(&name, &error),
+            if let Err(error) = maintained {
+                not_maintained(&name, &error);
             }
         });
     }

@@ -31,10 +31,11 @@ fn maintain_until_dropped(c: &mut Client, s: &Stream, through_partition: usize) 
     panic!("the partitions out of bounds are still there: {:?}", s.partitions(c));
 }
 
-/// A group's loss is said once the step that moved it stands: a step that fails after the move
-/// (here at a trigger a DBA put on the stream's compaction heads, which retention cleans after
-/// the bounds) rolls the move back and says no loss; the next step, which stands, says it once.
-/// Before, every failed step said a loss that it then rolled back. In a database of its own:
+/// A group's loss is said once the step that moved it stands, at the end of the call: a cancel of
+/// the call after the step, or a step that fails after the move (here at a trigger a DBA put on
+/// the stream's compaction heads, which retention cleans after the bounds), rolls the move back
+/// and says no loss; the next step, which stands, says it once. Before, every failed step said a
+/// loss that it then rolled back. In a database of its own:
 /// `maintain()` meets every stream of its database.
 #[test]
 fn a_loss_is_said_only_once_the_step_that_made_it_stands() {
@@ -44,8 +45,25 @@ fn a_loss_is_said_only_once_the_step_that_made_it_stands() {
     s.group(&mut c, "lagging", None);
     s.produce_many(&mut c, 3500, None);
     c.query_one("SELECT sqlstreams.alter_stream($1, max_bytes => 1)", &[&s.name]).unwrap();
+
+    // A cancel after the step (a statement timeout while a DBA's lock holds the next stream's
+    // cursors) rolls the move back with the call: no loss is said.
+    let blocked = Stream::create_sized(&mut c, "blocked", 1000);
+    let mut dba = Client::connect(&url, postgres::NoTls).unwrap();
+    let mut locked = dba.transaction().unwrap();
+    locked.batch_execute(&format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", blocked.table("cursor"))).unwrap();
+    c.batch_execute("SET statement_timeout = '300ms'").unwrap();
+    let cancelled = c.query("SELECT * FROM sqlstreams.maintain()", &[]).unwrap_err();
+    assert_eq!(sqlstate(&cancelled), "57014", "{cancelled:?}");
+    c.batch_execute("RESET statement_timeout").unwrap();
+    locked.rollback().unwrap();
+    let said = warnings.lock().unwrap().join("\n");
+    assert!(!said.contains("lost"), "no loss said for a call cancelled: {said}");
+    assert_eq!(bound_columns(&mut c, &s, "lagging").0, 0);
+
+    // A step that fails after the move rolls it back, and says no loss either.
     refuse_on(&mut c, &s.table("compaction_head"), "DELETE", "compaction heads are audited");
-    assert_eq!(maintained(&mut c), vec![], "the stream's step failed");
+    assert_eq!(maintained(&mut c), vec![(blocked.name.clone(), 0)], "the bounded stream's step failed");
     let said = warnings.lock().unwrap().join("\n");
     assert!(said.contains("compaction heads are audited"), "{said}");
     assert!(!said.contains("lost"), "no loss said for a move rolled back: {said}");

@@ -289,7 +289,7 @@ fn a_stored_text_that_cannot_be_read_as_utf8_is_refused_naming_it() {
     // maintain_leaves_out_a_stream_whose_name_it_cannot_read.)
     // Rewritten in ASCII, the texts read again.
     c.batch_execute(&format!(
-        r"UPDATE sqlstreams.stream SET name = 's'; UPDATE sqlstreams.message_log_{stream} SET message_key = 'k3' WHERE message_key = E'k\xe9';
+        r"UPDATE sqlstreams.message_log_{stream} SET message_key = 'k3' WHERE message_key = E'k\xe9';
           UPDATE sqlstreams.exception_queue_{stream} SET last_error = 'bad'"
     ))
     .unwrap();

@@ -694,6 +694,7 @@ fn maintain_leaves_out_a_stream_it_cannot_maintain_and_maintains_the_rest() {
     let mut read_only = c.build_transaction().read_only(true).start().unwrap();
     let refused = read_only.query("SELECT * FROM sqlstreams.maintain()", &[]).unwrap_err();
     assert_eq!(sqlstate(&refused), "25006", "{refused:?}");
+    assert!(hint(&refused).contains("read-write transaction"), "{refused:?}");
     read_only.rollback().unwrap();
     // ... and a cancel (a statement timeout while a DBA's lock holds the healthy stream's cursors).
     let mut dba = postgres::Client::connect(&url, postgres::NoTls).unwrap();

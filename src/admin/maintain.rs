@@ -13,7 +13,7 @@ use crate::range;
 use crate::retention;
 use crate::statement::{Columns, Statement};
 use crate::stream::{self, StreamRef};
-use crate::subtransaction::Caught;
+use crate::subtransaction::{caught, not_maintained, raise, Caught};
 use crate::text::Text;
 
 const STREAMS: Statement =
@@ -60,9 +60,11 @@ fn require_read_committed() -> Result<()> {
 /// Every stream's housekeeping, in one transaction.
 fn maintain_all() -> Result<Vec<Report>> {
     require_read_committed()?;
-    // SAFETY: raises 25006 in a read-only transaction, before anything runs, as Postgres' own
-    // writing commands do: no stream's error, though every stream's step would meet it.
-    unsafe { pgrx::pg_sys::PreventCommandIfReadOnly(c"maintain()".as_ptr()) };
+    // No stream's error, though every stream's step would meet it: refused before any runs.
+    // SAFETY: reads this backend's transaction state.
+    if unsafe { pgrx::pg_sys::XactReadOnly } {
+        return Err(StreamError::ReadOnlyTransaction { function: "maintain()" });
+    }
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "run maintain()")?;
@@ -81,22 +83,18 @@ fn maintain_all() -> Result<Vec<Report>> {
             // Each stream in a subtransaction of its own: one that cannot be maintained (an
             // error of its own) is left out, with a warning, as the worker leaves it; what its
             // step did is rolled back, and the streams after it are maintained all the same.
-            let mut reports = Vec::new();
+            // What the steps that stand would say is said once every stream is done: a cancel
+            // meanwhile rolls them all back.
+            let mut steps = Vec::new();
             for name in &names {
-                match crate::subtransaction::caught(|| maintain_named(client, name).unwrap_or_else(raise)) {
-                    Ok(step) => reports.extend(step.map(Step::stands)),
+                match caught(|| maintain_named(client, name).unwrap_or_else(raise)) {
+                    Ok(step) => steps.extend(step),
                     Err(error) => not_maintained(name, &error),
                 }
             }
-            Ok(reports)
+            Ok(steps.into_iter().map(Step::stands).collect())
         })
     })
-}
-
-/// The warning about stream `name`, whose step failed with `error` and was rolled back
-/// (`maintain()`'s and the worker's).
-pub fn not_maintained(name: &str, error: &Caught) {
-    error.warn(&format!("sqlstreams: stream {} is not maintained", crate::error::named(name)));
 }
 
 /// One stream's housekeeping in `maintain()`: none for a stream being dropped (skipped, not
@@ -110,13 +108,6 @@ fn maintain_named(client: &mut pgrx::spi::SpiClient<'_>, name: &str) -> Result<O
         Err(StreamError::UnknownStream(_)) => Ok(None),
         found => Ok(Some(maintain_one(client, name.to_string(), found?)?)),
     }
-}
-
-/// Raises `error` as the Postgres error it stands for, which rolls back the subtransaction it is
-/// raised in (`subtransaction::caught`).
-fn raise<T>(error: StreamError) -> T {
-    ErrorReport::from(error).report(PgLogLevel::ERROR);
-    unreachable!("an ERROR does not return")
 }
 
 /// One stream's housekeeping; nothing when the stream is being dropped right now.
@@ -141,8 +132,8 @@ struct Step {
 }
 
 impl Step {
-    /// Raises the step's warnings (its subtransaction released: what they say stands) and
-    /// returns its report.
+    /// Raises the step's warnings (its subtransaction released and the call done: what they
+    /// say stands) and returns its report.
     fn stands(self) -> Report {
         for warning in &self.warnings {
             warning!("{warning}");

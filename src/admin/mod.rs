@@ -9,8 +9,6 @@ mod maintain;
 mod seek;
 mod streams;
 
-pub use maintain::not_maintained;
-
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 

@@ -747,6 +747,51 @@ fn the_rest_of_an_expired_chain_left_for_the_next_claim_keeps_its_budget() {
     assert_eq!(g.ack_batch(&mut c, &rest), produced[1..]);
 }
 
+/// A key's chain headed by a range's message, handed out again after its lease ran out, with an
+/// exception row behind it (a message produced with `deliver_after`, due by then): when that
+/// delivery expires too, the row behind the head never started, and keeps its budget. Before,
+/// only expired exception rows marked their chains: the row was charged the expiry, and with
+/// `max_retries = 0` went dead without having run.
+#[test]
+fn a_chain_headed_by_a_range_message_charges_the_row_behind_it_nothing() {
+    let mut c = connect();
+    for policy in ["ordered", "exclusive"] {
+        let s = Stream::create(&mut c, &format!("range-headed-chain-{policy}"));
+        let g = s.group_with(&mut c, "g", Some(policy), 0);
+        let head = s.produce(&mut c, json!({}), Some("k"));
+        let behind: i64 = c
+            .query_one("SELECT sqlstreams.produce($1, '{}', 'k', deliver_after => '1 hour')", &[&s.name])
+            .unwrap()
+            .get(0);
+        assert_eq!(ids(&g.claim(&mut c, 10)), [head], "{policy}: the delayed message waits as a row");
+        g.expire_leases(&mut c);
+        g.make_due(&mut c);
+        for handout in 1..=2 {
+            let chain = g.claim(&mut c, 10);
+            assert_eq!(ids(&chain), [head, behind], "{policy}, handout {handout}: the range's message, then the row");
+            assert_eq!(chain[1].run_after, Some(head), "{policy}: chained");
+            assert_eq!(chain[1].attempt, 0, "{policy}, handout {handout}: the row behind the head never ran");
+            g.expire_leases(&mut c);
+        }
+        let rows = g.exception_rows(&mut c);
+        assert!(rows.iter().all(|r| r.status != "dead" && r.attempts == 0), "{policy}: {rows:?}");
+        // The head's range goes to quarantine (max_reclaims) and its message runs alone; the
+        // row runs with its budget, after the head (ordered) or beside it (exclusive).
+        let mut acked = vec![];
+        for _ in 0..4 {
+            for d in g.claim(&mut c, 10) {
+                assert!(d.message_id != behind || d.attempt == 0, "{policy}: {d:?}");
+                assert!(g.ack(&mut c, &d));
+                acked.push(d.message_id);
+            }
+        }
+        if policy == "exclusive" {
+            acked.sort_unstable();
+        }
+        assert_eq!(acked, [head, behind], "{policy}: each ran once more, and is done");
+    }
+}
+
 #[test]
 fn committed_follows_resolution_and_never_moves_backward() {
     let mut c = connect();

@@ -64,8 +64,8 @@ pub(super) const DUE_ISOLATED: Statement = Statement {
 
 impl Claim<'_> {
     /// Whether an expired delivery of `candidate` under `token` may have been started, and so
-    /// counts as an attempt: not when an earlier row of its key's chain in the same delivery
-    /// (same token) expired with it. A claim chains an exclusive or ordered key's rows
+    /// counts as an attempt: not when an earlier message of its key's chain in the same delivery
+    /// (same token) expired with it, a row or a range's message (`chains_headed_by`). A claim chains an exclusive or ordered key's rows
     /// (`run_after`), and a consumer starts a row only once the one before it resolved: when
     /// that one is still unresolved, this row never ran. Rows come in id order, so the first
     /// of each chain is met first; it is counted, and the chain's head goes dead in time if it
@@ -82,6 +82,21 @@ impl Claim<'_> {
             return true;
         }
         !crate::token::is_no_ones(token) && self.expired_chains.insert((*token.as_bytes(), key.to_string()))
+    }
+
+    /// The unresolved `messages` of a range whose delivery under `token` expired head their
+    /// ordered and exclusive keys' chains in it, as the first expired row of a chain does: the
+    /// rows of those keys chained behind them in that delivery never started. A range is taken
+    /// over in its place in id order, so a row of its key before it came first.
+    pub(super) fn chains_headed_by(&mut self, token: pgrx::Uuid, messages: &[Message]) {
+        if crate::token::is_no_ones(token) {
+            return;
+        }
+        for m in messages.iter().filter(|m| m.candidate.concurrency != Concurrency::Parallel) {
+            if let Some(key) = m.candidate.key.as_deref() {
+                self.expired_chains.insert((*token.as_bytes(), key.to_string()));
+            }
+        }
     }
 
     /// Due exception rows of `lane` with `ids`, while the batch has room.

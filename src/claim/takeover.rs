@@ -47,7 +47,7 @@ impl Claim<'_> {
             let Some((token, range)) = next.take() else { break };
             let after = range.first_id;
             if self.room() > 0 {
-                self.take_over_range(client, range)?;
+                self.take_over_range(client, token, range)?;
                 lower = upper;
             } else if !leaves {
                 break;
@@ -67,11 +67,12 @@ impl Claim<'_> {
         Ok(())
     }
 
-    /// Hands `expired` (its row locked) out again, as much as the batch has room for, or
-    /// quarantines it.
-    fn take_over_range(&mut self, client: &SpiClient<'_>, mut expired: RangeLease) -> Result<()> {
+    /// Hands `expired` (its row locked, leased under `token`) out again, as much as the batch has
+    /// room for, or quarantines it.
+    fn take_over_range(&mut self, client: &SpiClient<'_>, token: pgrx::Uuid, mut expired: RangeLease) -> Result<()> {
         let stream_id = self.group.stream.id;
         let messages = message::by_id(client, self.group, &expired.addresses())?;
+        self.chains_headed_by(token, &messages);
         if expired.reclaims >= self.group.max_reclaims {
             // Written at once, so this claim's gate sees them as unresolved predecessors of
             // later same-key messages it hands out.

@@ -30,7 +30,7 @@
 //! the fence and the clock it reads are never older than what it claims against, and no outcome
 //! that waits for a claim can be waited for in turn.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 
 use pgrx::pg_sys;
 use pgrx::spi::SpiClient;
@@ -123,9 +123,10 @@ struct Claim<'a> {
     changes: Vec<Change>,
     /// Exception rows this claim resolves before gating (expired deliveries that went dead).
     dead_on_expiry: Vec<i64>,
-    /// The chains of expired deliveries this claim met, by lease token and key: only the first
-    /// row of each counts the expiry as an attempt (src/claim/due_rows.rs, `push_rows`).
-    expired_chains: HashSet<([u8; 16], String)>,
+    /// The chains of expired deliveries this claim met, by lease token and key, with the lowest
+    /// id of an unresolved message of each: only a row with none below it counts the expiry as
+    /// an attempt (src/claim/due_rows.rs, `started_in_its_delivery`).
+    expired_chains: HashMap<([u8; 16], String), i64>,
     /// Keys of messages this claim resolved (superseded, dead): their parked rows may wake.
     resolved_keys: Vec<Option<String>>,
     /// It hands out an exception row, in flight under its token (src/own_claims.rs).
@@ -222,7 +223,7 @@ pub fn claim(
             parkable: vec![],
             changes: vec![],
             dead_on_expiry: vec![],
-            expired_chains: HashSet::new(),
+            expired_chains: HashMap::new(),
             resolved_keys: vec![],
             work_in_flight: false,
             nothing_waited: false,

@@ -792,6 +792,33 @@ fn a_chain_headed_by_a_range_message_charges_the_row_behind_it_nothing() {
     }
 }
 
+/// The other side of the chain above: a row that heads its key's chain in a delivery counts its
+/// expiry, though a range taken over before it holds a later message of its key (here the rest
+/// of the range the consumer gave the row back from, which an earlier message of another key in
+/// the lane begins). Which message is behind which is decided by id, not by the order the claim
+/// met them in.
+#[test]
+fn a_row_heading_its_chain_is_charged_though_a_range_holds_a_later_message_of_its_key() {
+    let mut c = connect();
+    for policy in ["ordered", "exclusive"] {
+        let s = Stream::create_with_lanes(&mut c, &format!("row-headed-chain-{policy}"), 1);
+        let g = s.group_with(&mut c, "g", Some(policy), 0);
+        let [other, head, behind] = [Some("j"), Some("k"), Some("k")].map(|key| s.produce(&mut c, json!({}), key));
+        let first = g.claim(&mut c, 10);
+        assert_eq!(ids(&first), [other, head, behind], "{policy}");
+        assert_eq!(g.release(&mut c, first[0].lease_token, &[head]), [head], "{policy}");
+        g.expire_leases(&mut c);
+        let chain = g.claim(&mut c, 10);
+        assert_eq!(ids(&chain), [other, head, behind], "{policy}: the range's messages and the row");
+        assert_eq!((chain[1].run_after, chain[2].run_after), (None, Some(head)), "{policy}: the row heads its chain");
+        g.expire_leases(&mut c);
+        let after = g.claim(&mut c, 10);
+        assert!(!ids(&after).contains(&head), "{policy}: {:?}", ids(&after));
+        let row = g.exception_rows(&mut c).into_iter().find(|r| r.message_id == head).unwrap();
+        assert_eq!((row.status.as_str(), row.attempts), ("dead", 1), "{policy}: the head's expiry counted");
+    }
+}
+
 #[test]
 fn committed_follows_resolution_and_never_moves_backward() {
     let mut c = connect();

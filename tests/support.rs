@@ -214,6 +214,16 @@ impl Stream {
         Stream { name: name.to_string(), id }
     }
 
+    /// A stream of `lanes` lanes: with one, every key's messages share a lane, and its ranges.
+    pub fn create_with_lanes(c: &mut Client, prefix: &str, lanes: i32) -> Stream {
+        let name = unique(prefix);
+        let id = c
+            .query_one("SELECT sqlstreams.create_stream($1, lanes => $2)", &[&name, &lanes])
+            .expect("create_stream")
+            .get(0);
+        Stream { name, id }
+    }
+
     pub fn create_sized(c: &mut Client, prefix: &str, partition_size: i64) -> Stream {
         let name = unique(prefix);
         let id = c

@@ -65,11 +65,13 @@ pub(super) const DUE_ISOLATED: Statement = Statement {
 impl Claim<'_> {
     /// Whether an expired delivery of `candidate` under `token` may have been started, and so
     /// counts as an attempt: not when an earlier message of its key's chain in the same delivery
-    /// (same token) expired with it, a row or a range's message (`chains_headed_by`). A claim chains an exclusive or ordered key's rows
-    /// (`run_after`), and a consumer starts a row only once the one before it resolved: when
-    /// that one is still unresolved, this row never ran. Rows come in id order, so the first
-    /// of each chain is met first; it is counted, and the chain's head goes dead in time if it
-    /// is what kills its consumers, while the rows behind it keep their budget.
+    /// (same token) expired with it, a row or a range's message (`met_in_range`). A claim
+    /// chains an exclusive or ordered key's rows (`run_after`) in id order, and a consumer starts
+    /// a row only once the one before it resolved: when that one is still unresolved, this row
+    /// never ran. The first of each chain is counted, and goes dead in time if it is what kills
+    /// its consumers, while the rows behind it keep their budget. Rows come in id order, but a
+    /// range taken over before them may hold a later message of their key: so the lowest id met
+    /// of each chain decides, not which came first.
     ///
     /// Chained rows a claim took over without room for them are left under a token no consumer
     /// holds (`exception_queue::take_over_left`), in one token whatever their delivery was, and
@@ -81,20 +83,28 @@ impl Claim<'_> {
         if candidate.concurrency == Concurrency::Parallel {
             return true;
         }
-        !crate::token::is_no_ones(token) && self.expired_chains.insert((*token.as_bytes(), key.to_string()))
+        !crate::token::is_no_ones(token) && !self.met_in_chain(token, key, candidate.message_id)
     }
 
-    /// The unresolved `messages` of a range whose delivery under `token` expired head their
-    /// ordered and exclusive keys' chains in it, as the first expired row of a chain does: the
-    /// rows of those keys chained behind them in that delivery never started. A range is taken
-    /// over in its place in id order, so a row of its key before it came first.
-    pub(super) fn chains_headed_by(&mut self, token: pgrx::Uuid, messages: &[Message]) {
+    /// Records message `id` as unresolved in the chain of `key` of the delivery under `token`;
+    /// returns whether an earlier message of that chain was met.
+    fn met_in_chain(&mut self, token: pgrx::Uuid, key: &str, id: i64) -> bool {
+        let lowest = self.expired_chains.entry((*token.as_bytes(), key.to_string())).or_insert(id);
+        let behind = *lowest < id;
+        *lowest = (*lowest).min(id);
+        behind
+    }
+
+    /// The unresolved `messages` of a range whose delivery under `token` expired are in their
+    /// ordered and exclusive keys' chains in it, as its expired rows are: a row of those keys
+    /// with a higher id never started.
+    pub(super) fn met_in_range(&mut self, token: pgrx::Uuid, messages: &[Message]) {
         if crate::token::is_no_ones(token) {
             return;
         }
         for m in messages.iter().filter(|m| m.candidate.concurrency != Concurrency::Parallel) {
             if let Some(key) = m.candidate.key.as_deref() {
-                self.expired_chains.insert((*token.as_bytes(), key.to_string()));
+                self.met_in_chain(token, key, m.candidate.message_id);
             }
         }
     }

@@ -72,7 +72,7 @@ impl Claim<'_> {
     fn take_over_range(&mut self, client: &SpiClient<'_>, token: pgrx::Uuid, mut expired: RangeLease) -> Result<()> {
         let stream_id = self.group.stream.id;
         let messages = message::by_id(client, self.group, &expired.addresses())?;
-        self.chains_headed_by(token, &messages);
+        self.met_in_range(token, &messages);
         if expired.reclaims >= self.group.max_reclaims {
             // Written at once, so this claim's gate sees them as unresolved predecessors of
             // later same-key messages it hands out.

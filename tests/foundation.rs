@@ -695,6 +695,20 @@ fn expired_exception_deliveries_count_as_attempts() {
     assert!(!g.ack(&mut c, &retry), "the expired delivery's outcome is refused");
 }
 
+/// An ordered group of stream `prefix` (`max_retries`) whose `n` messages of key `k` wait as
+/// exception rows (the first was delayed, which counts no attempt), all due: the next claim
+/// hands them out as one chain. Returns the group and the ids.
+fn chain_of_rows(c: &mut Client, prefix: &str, n: usize, max_retries: i32) -> (Group, Vec<i64>) {
+    let s = Stream::create(c, prefix);
+    let g = s.group_with(c, "g", Some("ordered"), max_retries);
+    let produced: Vec<i64> = (0..n).map(|_| s.produce(c, json!({}), Some("k"))).collect();
+    let first = g.claim(c, 10);
+    assert_eq!(ids(&first), produced);
+    assert!(g.delay(c, &first[0], "1 second"), "the rest waits as rows");
+    g.make_due(c);
+    (g, produced)
+}
+
 /// An ordered key's messages wait as exception rows (the first was delayed), and consumers die
 /// holding them, chained (`run_after`), again and again. A consumer starts a chained row only
 /// once the row before it resolved, so only the first of each expired chain may have run: it
@@ -703,13 +717,7 @@ fn expired_exception_deliveries_count_as_attempts() {
 #[test]
 fn an_expired_chain_counts_an_attempt_for_its_first_row_only() {
     let mut c = connect();
-    let s = Stream::create(&mut c, "expired-chain");
-    let g = s.group_with(&mut c, "g", Some("ordered"), 2);
-    let produced: Vec<i64> = (0..4).map(|_| s.produce(&mut c, json!({}), Some("k"))).collect();
-    let first = g.claim(&mut c, 10);
-    assert_eq!(ids(&first), produced);
-    assert!(g.delay(&mut c, &first[0], "1 second"), "no attempt counted; the rest waits as rows");
-    g.make_due(&mut c);
+    let (g, produced) = chain_of_rows(&mut c, "expired-chain", 4, 2);
     for death in 1..=3 {
         let chain = g.claim(&mut c, 10);
         assert_eq!(ids(&chain), produced, "death {death}: the whole chain");
@@ -725,17 +733,38 @@ fn an_expired_chain_counts_an_attempt_for_its_first_row_only() {
     assert_eq!(g.ack_batch(&mut c, &rest), produced[1..]);
 }
 
+/// An expired chain whose head goes dead at the expiry, taken over by a claim with room for one:
+/// the claim reads on, and hands out the row behind the head with its budget. Before, the rows
+/// past the room were neither read nor left to no one, and the next claim met the first of them
+/// as the head of its chain, charged it, and with `max_retries = 0` it went dead without having
+/// run.
+#[test]
+fn a_chain_whose_head_goes_dead_hands_out_the_row_behind_it_with_its_budget() {
+    let mut c = connect();
+    let (g, produced) = chain_of_rows(&mut c, "expired-chain-dead-head", 3, 0);
+    assert_eq!(ids(&g.claim(&mut c, 10)), produced, "the consumer that dies holding the chain");
+    g.expire_leases(&mut c);
+    let next = g.claim(&mut c, 1);
+    assert_eq!(ids(&next), produced[1..2], "the head went dead; the row behind it runs");
+    assert_eq!(next[0].attempt, 0, "the row behind the head never ran");
+    let head = g.exception_rows(&mut c).into_iter().find(|r| r.message_id == produced[0]).unwrap();
+    assert_eq!((head.status.as_str(), head.attempts), ("dead", 1));
+    assert!(g.ack(&mut c, &next[0]));
+    let last = g.claim(&mut c, 10);
+    assert_eq!(
+        (ids(&last), last[0].attempt),
+        (produced[2..].to_vec(), 0),
+        "the rest, left to no one, keeps its budget"
+    );
+    assert!(g.ack(&mut c, &last[0]));
+}
+
 /// The same chain taken over by a claim with room for its head only: the rest is left, expired,
 /// under a token no consumer holds, and the claims that hand it out later count nothing for it.
 #[test]
 fn the_rest_of_an_expired_chain_left_for_the_next_claim_keeps_its_budget() {
     let mut c = connect();
-    let s = Stream::create(&mut c, "expired-chain-split");
-    let g = s.group_with(&mut c, "g", Some("ordered"), 2);
-    let produced: Vec<i64> = (0..4).map(|_| s.produce(&mut c, json!({}), Some("k"))).collect();
-    let first = g.claim(&mut c, 10);
-    assert!(g.delay(&mut c, &first[0], "1 second"));
-    g.make_due(&mut c);
+    let (g, produced) = chain_of_rows(&mut c, "expired-chain-split", 4, 2);
     assert_eq!(ids(&g.claim(&mut c, 10)), produced, "the consumer that dies holding the chain");
     g.expire_leases(&mut c);
     let head = g.claim(&mut c, 1);

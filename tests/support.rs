@@ -216,18 +216,17 @@ impl Stream {
 
     /// A stream of `lanes` lanes: with one, every key's messages share a lane, and its ranges.
     pub fn create_with_lanes(c: &mut Client, prefix: &str, lanes: i32) -> Stream {
-        let name = unique(prefix);
-        let id = c
-            .query_one("SELECT sqlstreams.create_stream($1, lanes => $2)", &[&name, &lanes])
-            .expect("create_stream")
-            .get(0);
-        Stream { name, id }
+        Stream::create_with(c, prefix, 1_000_000, lanes)
     }
 
     pub fn create_sized(c: &mut Client, prefix: &str, partition_size: i64) -> Stream {
+        Stream::create_with(c, prefix, partition_size, 16)
+    }
+
+    fn create_with(c: &mut Client, prefix: &str, partition_size: i64, lanes: i32) -> Stream {
         let name = unique(prefix);
         let id = c
-            .query_one("SELECT sqlstreams.create_stream($1, $2)", &[&name, &partition_size])
+            .query_one("SELECT sqlstreams.create_stream($1, $2, lanes => $3)", &[&name, &partition_size, &lanes])
             .expect("create_stream")
             .get(0);
         Stream { name, id }

@@ -109,26 +109,40 @@ impl Claim<'_> {
         }
     }
 
-    /// Due exception rows of `lane` with `ids`, while the batch has room.
+    /// Due exception rows of `lane` with `ids`, while the batch has room. A row taken that does
+    /// not become work (an expired delivery gone dead, a row whose message is gone) leaves its
+    /// room: the rows after it are read on, so that those of its chain are taken (or left to no
+    /// one) by this claim, which met the chain's head, and keep their budget.
     pub(super) fn collect_rows(&mut self, client: &SpiClient<'_>, lane: i32, ids: std::ops::Range<i64>) -> Result<()> {
-        let room = self.room();
-        if room <= 0 {
-            return Ok(());
+        let mut from = ids.start;
+        loop {
+            let room = self.room();
+            if room <= 0 {
+                return Ok(());
+            }
+            let (group, now) = (self.group.id, statement::timestamptz(self.now));
+            let rows = if (from, ids.end) == (i64::MIN, i64::MAX) {
+                DUE_ROWS.run(client, self.group.stream.id, &[group.into(), now, lane.into(), room.into()])?
+            } else {
+                let args = [group.into(), now, lane.into(), room.into(), from.into(), ids.end.into()];
+                DUE_ROWS_BETWEEN.run(client, self.group.stream.id, &args)?
+            };
+            match self.push_rows(client, rows)? {
+                Some((read, last)) if read == room as usize && last < ids.end - 1 => from = last + 1,
+                _ => return Ok(()),
+            }
         }
-        let (group, now) = (self.group.id, statement::timestamptz(self.now));
-        let rows = if ids == (i64::MIN..i64::MAX) {
-            DUE_ROWS.run(client, self.group.stream.id, &[group.into(), now, lane.into(), room.into()])?
-        } else {
-            let args = [group.into(), now, lane.into(), room.into(), ids.start.into(), ids.end.into()];
-            DUE_ROWS_BETWEEN.run(client, self.group.stream.id, &args)?
-        };
-        self.push_rows(client, rows)
     }
 
     /// Takes due rows as work, with their messages' payloads; a row whose message is gone
     /// (neither in the log nor in the archive) is passed over, unless its delivery expired for
-    /// the last time (going dead needs no payload).
-    pub(super) fn push_rows(&mut self, client: &SpiClient<'_>, rows: SpiTupleTable<'_>) -> Result<()> {
+    /// the last time (going dead needs no payload). Returns how many rows it read and the last
+    /// one's id, none when there were none.
+    pub(super) fn push_rows(
+        &mut self,
+        client: &SpiClient<'_>,
+        rows: SpiTupleTable<'_>,
+    ) -> Result<Option<(usize, i64)>> {
         let rows = rows
             .map(|row| {
                 let candidate = Candidate {
@@ -143,9 +157,8 @@ impl Claim<'_> {
                 Ok((candidate, status, row.required::<i32>("attempts")?, token))
             })
             .collect::<Result<Vec<_>>>()?;
-        if rows.is_empty() {
-            return Ok(());
-        }
+        let Some(last) = rows.last().map(|(c, ..)| c.message_id) else { return Ok(None) };
+        let read = rows.len();
         let addresses: Vec<Address> = rows.iter().map(|(c, ..)| Address { lane: c.lane, id: c.message_id }).collect();
         let messages: HashMap<i64, Message> =
             message::by_id(client, self.group, &addresses)?.into_iter().map(|m| (m.candidate.message_id, m)).collect();
@@ -175,6 +188,6 @@ impl Claim<'_> {
                 },
             });
         }
-        Ok(())
+        Ok(Some((read, last)))
     }
 }

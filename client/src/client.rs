@@ -23,6 +23,13 @@ pub struct ClientOptions {
     /// certificate they sign (a self-signed one, say). Default: `PGSSLROOTCERT`, as libpq.
     /// Used only when the connection string asks for TLS (`sslmode=require`).
     pub ssl_root_cert: Option<PathBuf>,
+    /// Where each consumer's LISTEN connection goes, as a libpq-style connection string, when
+    /// it cannot go where the pool's do: behind a pooler in transaction mode (pgbouncer's),
+    /// `LISTEN` hears nothing, and consumers only find their work at their next poll. Give
+    /// Postgres itself here, or a session-mode pool (docs/operations.md, "pgbouncer").
+    /// Default: the pool's connection string. [`Client::connect_env`] completes it from libpq's
+    /// environment as it does the pool's.
+    pub listen_url: Option<String>,
 }
 
 impl Default for ClientOptions {
@@ -31,6 +38,7 @@ impl Default for ClientOptions {
             pool_size: 16,
             pool_wait_timeout: std::time::Duration::from_secs(30),
             ssl_root_cert: std::env::var_os("PGSSLROOTCERT").map(PathBuf::from),
+            listen_url: None,
         }
     }
 }
@@ -56,9 +64,8 @@ impl Client {
 
     /// Like [`Client::connect`] with explicit options.
     pub fn connect_with(url: &str, options: ClientOptions) -> Result<Client> {
-        Ok(Client {
-            pool: Pool::new(url, options.pool_size, options.pool_wait_timeout, options.ssl_root_cert.as_deref())?,
-        })
+        let listen = options.listen_url.as_deref().map(crate::pool::parse).transpose()?;
+        Client::from_config(crate::pool::parse(url)?, listen, &options)
     }
 
     /// Like [`Client::connect_with`], completing `url` (or, with `None`, making the whole
@@ -66,15 +73,18 @@ impl Client {
     /// `PGDATABASE`, `PGPASSWORD`, the password file (`PGPASSFILE` or `~/.pgpass`), `PGSSLMODE`,
     /// `PGAPPNAME`, `PGOPTIONS`, `PGCONNECT_TIMEOUT`, `PGTARGETSESSIONATTRS`. What `url` sets wins.
     pub fn connect_env(url: Option<&str>, options: ClientOptions) -> Result<Client> {
-        let config = crate::conninfo::config_from_env(url)?;
-        Ok(Client {
-            pool: Pool::from_config(
-                config,
-                options.pool_size,
-                options.pool_wait_timeout,
-                options.ssl_root_cert.as_deref(),
-            )?,
-        })
+        let listen =
+            options.listen_url.as_deref().map(|url| crate::conninfo::config_from_env(Some(url))).transpose()?;
+        Client::from_config(crate::conninfo::config_from_env(url)?, listen, &options)
+    }
+
+    fn from_config(
+        config: tokio_postgres::Config,
+        listen: Option<tokio_postgres::Config>,
+        options: &ClientOptions,
+    ) -> Result<Client> {
+        let root_cert = options.ssl_root_cert.as_deref();
+        Ok(Client { pool: Pool::from_config(config, listen, options.pool_size, options.pool_wait_timeout, root_cert)? })
     }
 
     /// A typed handle to the stream called `name`. Nothing is checked until it is used; call

@@ -19,26 +19,36 @@ pub(crate) struct Pool {
 
 struct Inner {
     pool: deadpool_postgres::Pool,
-    /// For connections outside the pool.
-    config: tokio_postgres::Config,
-    tls: Tls,
+    /// For consumers' LISTEN connections, outside the pool (`ClientOptions::listen_url`), and
+    /// how they negotiate TLS: the pool's unless given.
+    listen: (tokio_postgres::Config, Tls),
     /// Set once a connection found an extension version this client works with.
     extension_fits: AtomicBool,
 }
 
-impl Pool {
-    pub fn new(url: &str, size: usize, wait: std::time::Duration, root_cert: Option<&Path>) -> Result<Pool> {
-        let config = url.parse().map_err(|e| Error::Config(format!("connection string: {e}")))?;
-        Pool::from_config(config, size, wait, root_cert)
-    }
+/// A libpq-style connection string's settings.
+pub(crate) fn parse(url: &str) -> Result<tokio_postgres::Config> {
+    url.parse().map_err(|e| Error::Config(format!("connection string: {e}")))
+}
 
+impl Pool {
+    /// A pool of `size` connections made with `config`; consumers LISTEN on a connection made
+    /// with `listen`, or with `config` without it.
     pub fn from_config(
         config: tokio_postgres::Config,
+        listen: Option<tokio_postgres::Config>,
         size: usize,
         wait: std::time::Duration,
         root_cert: Option<&Path>,
     ) -> Result<Pool> {
         let tls = Tls::for_config(&config, root_cert)?;
+        let listen = match listen {
+            Some(listen) => {
+                let tls = Tls::for_config(&listen, root_cert)?;
+                (listen, tls)
+            }
+            None => (config.clone(), tls.clone()),
+        };
         let recycling = ManagerConfig { recycling_method: RecyclingMethod::Fast };
         let manager = match &tls {
             Tls::Off => Manager::from_config(config.clone(), NoTls, recycling),
@@ -56,7 +66,7 @@ impl Pool {
             .runtime(deadpool_postgres::Runtime::Tokio1)
             .build()
             .map_err(|e| Error::Config(e.to_string()))?;
-        Ok(Pool { inner: Arc::new(Inner { pool, config, tls, extension_fits: AtomicBool::new(false) }) })
+        Ok(Pool { inner: Arc::new(Inner { pool, listen, extension_fits: AtomicBool::new(false) }) })
     }
 
     /// A pooled connection. The first one a pool hands out checks the extension's version
@@ -85,13 +95,8 @@ impl Pool {
         &self.inner.pool
     }
 
-    /// Settings for a connection outside the pool.
-    pub fn config(&self) -> &tokio_postgres::Config {
-        &self.inner.config
-    }
-
-    /// How connections outside the pool negotiate TLS.
-    pub fn tls(&self) -> &Tls {
-        &self.inner.tls
+    /// Settings for a consumer's LISTEN connection, and how it negotiates TLS.
+    pub fn listen(&self) -> &(tokio_postgres::Config, Tls) {
+        &self.inner.listen
     }
 }

@@ -109,8 +109,8 @@ where
     let leases = Arc::new(LeaseBook::new(pool.clone(), stream, group_name, config.lease));
     let wake = Arc::new(Notify::new());
     let background = CancellationToken::new();
-    let listener =
-        listener::spawn(pool.config().clone(), pool.tls().clone(), channel, wake.clone(), background.clone());
+    let (listen, tls) = pool.listen().clone();
+    let listener = listener::spawn(listen, tls, channel, wake.clone(), background.clone());
     let heartbeat = tokio::spawn(heartbeat(leases.clone(), config.lease / 3, background.clone()));
     let lag = config.lag_interval.map(|every| {
         let (pool, counters, stop) = (pool.clone(), counters.clone(), background.clone());

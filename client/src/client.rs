@@ -25,10 +25,15 @@ pub struct ClientOptions {
     pub ssl_root_cert: Option<PathBuf>,
     /// Where each consumer's LISTEN connection goes, as a libpq-style connection string, when
     /// it cannot go where the pool's do: behind a pooler in transaction mode (pgbouncer's),
-    /// `LISTEN` hears nothing, and consumers only find their work at their next poll. Give
-    /// Postgres itself here, or a session-mode pool (docs/operations.md, "pgbouncer").
-    /// Default: the pool's connection string. [`Client::connect_env`] completes it from libpq's
-    /// environment as it does the pool's.
+    /// `LISTEN` hears nothing, and consumers find their work only at their next poll. Give the
+    /// database's own server here (or a session-mode pool), e.g.
+    /// `postgres://db.internal:5432`: the user, password, database and application name it
+    /// leaves out are the pool's, whatever gave them (the URL, or libpq's environment with
+    /// [`Client::connect_env`]). Nothing else is taken from the environment for it (`PGPORT`
+    /// names the pooler's port, as a rule), and its TLS is its own: its `sslmode`, and
+    /// `ssl_root_cert`, which must then vouch for that server too. Default: the pool's
+    /// connection. A LISTEN connection that fails is logged as a warning (once a minute at most)
+    /// and made again; meanwhile consumers poll.
     pub listen_url: Option<String>,
 }
 
@@ -64,8 +69,7 @@ impl Client {
 
     /// Like [`Client::connect`] with explicit options.
     pub fn connect_with(url: &str, options: ClientOptions) -> Result<Client> {
-        let listen = options.listen_url.as_deref().map(crate::pool::parse).transpose()?;
-        Client::from_config(crate::pool::parse(url)?, listen, &options)
+        Client::from_config(crate::pool::parse(url, "connection string")?, &options)
     }
 
     /// Like [`Client::connect_with`], completing `url` (or, with `None`, making the whole
@@ -73,16 +77,14 @@ impl Client {
     /// `PGDATABASE`, `PGPASSWORD`, the password file (`PGPASSFILE` or `~/.pgpass`), `PGSSLMODE`,
     /// `PGAPPNAME`, `PGOPTIONS`, `PGCONNECT_TIMEOUT`, `PGTARGETSESSIONATTRS`. What `url` sets wins.
     pub fn connect_env(url: Option<&str>, options: ClientOptions) -> Result<Client> {
-        let listen =
-            options.listen_url.as_deref().map(|url| crate::conninfo::config_from_env(Some(url))).transpose()?;
-        Client::from_config(crate::conninfo::config_from_env(url)?, listen, &options)
+        Client::from_config(crate::conninfo::config_from_env(url)?, &options)
     }
 
-    fn from_config(
-        config: tokio_postgres::Config,
-        listen: Option<tokio_postgres::Config>,
-        options: &ClientOptions,
-    ) -> Result<Client> {
+    fn from_config(config: tokio_postgres::Config, options: &ClientOptions) -> Result<Client> {
+        let listen = match options.listen_url.as_deref() {
+            Some(url) => Some(crate::pool::listen_config(crate::pool::parse(url, "listen_url")?, &config)),
+            None => None,
+        };
         let root_cert = options.ssl_root_cert.as_deref();
         Ok(Client { pool: Pool::from_config(config, listen, options.pool_size, options.pool_wait_timeout, root_cert)? })
     }

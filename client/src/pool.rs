@@ -26,9 +26,30 @@ struct Inner {
     extension_fits: AtomicBool,
 }
 
-/// A libpq-style connection string's settings.
-pub(crate) fn parse(url: &str) -> Result<tokio_postgres::Config> {
-    url.parse().map_err(|e| Error::Config(format!("connection string: {e}")))
+/// A libpq-style connection string's settings (`what` names it in an error).
+pub(crate) fn parse(url: &str, what: &str) -> Result<tokio_postgres::Config> {
+    url.parse().map_err(|e| Error::Config(format!("{what}: {e}")))
+}
+
+/// `listen` (`ClientOptions::listen_url`) with the user, password, database and application
+/// name it leaves out taken from the pool's `config`: the same session, on another server.
+pub(crate) fn listen_config(
+    mut listen: tokio_postgres::Config,
+    config: &tokio_postgres::Config,
+) -> tokio_postgres::Config {
+    if let (None, Some(user)) = (listen.get_user(), config.get_user()) {
+        listen.user(user);
+    }
+    if let (None, Some(password)) = (listen.get_password(), config.get_password()) {
+        listen.password(password);
+    }
+    if let (None, Some(dbname)) = (listen.get_dbname(), config.get_dbname()) {
+        listen.dbname(dbname);
+    }
+    if let (None, Some(name)) = (listen.get_application_name(), config.get_application_name()) {
+        listen.application_name(name);
+    }
+    listen
 }
 
 impl Pool {
@@ -98,5 +119,33 @@ impl Pool {
     /// Settings for a consumer's LISTEN connection, and how it negotiates TLS.
     pub fn listen(&self) -> &(tokio_postgres::Config, Tls) {
         &self.inner.listen
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_listen_url_takes_what_it_leaves_out_from_the_pools_connection() {
+        let pool = parse("postgres://app:secret@bouncer:6432/orders?application_name=billing", "pool").unwrap();
+        let listen = listen_config(parse("postgres://db.internal:5432", "listen_url").unwrap(), &pool);
+        assert_eq!(listen.get_hosts(), &[tokio_postgres::config::Host::Tcp("db.internal".into())]);
+        assert_eq!(listen.get_ports(), &[5432]);
+        assert_eq!(listen.get_user(), Some("app"));
+        assert_eq!(listen.get_password(), Some(&b"secret"[..]));
+        assert_eq!(listen.get_dbname(), Some("orders"));
+        assert_eq!(listen.get_application_name(), Some("billing"));
+        // What it gives is its own.
+        let own = parse("postgres://listener@db.internal/other?application_name=wake", "listen_url").unwrap();
+        let listen = listen_config(own, &pool);
+        assert_eq!((listen.get_user(), listen.get_dbname()), (Some("listener"), Some("other")));
+        assert_eq!(listen.get_application_name(), Some("wake"));
+    }
+
+    #[test]
+    fn a_listen_url_that_does_not_parse_is_named() {
+        let err = parse("postgres://db:notaport", "listen_url").unwrap_err();
+        assert!(err.to_string().contains("listen_url"), "{err}");
     }
 }

@@ -10,10 +10,13 @@ use tokio::sync::Notify;
 use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres::{AsyncMessage, NoTls, Socket};
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::backoff::Backoff;
 use crate::tls::Tls;
+
+/// How often a LISTEN connection that keeps failing is logged as a warning.
+const WARN_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 
 pub(crate) fn spawn(
     config: tokio_postgres::Config,
@@ -24,6 +27,7 @@ pub(crate) fn spawn(
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut backoff = Backoff::new();
+        let mut warned: Option<tokio::time::Instant> = None;
         while !stop.is_cancelled() {
             let listened = match &tls {
                 Tls::Off => listen(&config, NoTls, &channel, &wake, &stop).await,
@@ -32,7 +36,13 @@ pub(crate) fn spawn(
             match listened {
                 Ok(()) => return,
                 Err(e) => {
-                    debug!(error = %e, "sqlstreams: listener reconnecting");
+                    // Consumers poll meanwhile: said once a minute at most, not at every retry.
+                    if warned.is_none_or(|at| at.elapsed() >= WARN_EVERY) {
+                        warn!(error = %e, "sqlstreams: the LISTEN connection failed; consumers poll until it is back");
+                        warned = Some(tokio::time::Instant::now());
+                    } else {
+                        debug!(error = %e, "sqlstreams: listener reconnecting");
+                    }
                     // Whatever happened while disconnected, look once.
                     wake.notify_one();
                     tokio::select! {

@@ -1,6 +1,6 @@
--- pg_upgrade test, on the upgraded cluster: the open range of lz4_before.sql is read by the
--- ack of its claim (on a server without lz4, after docs/operations.md's recipe stored it again
--- with pglz), and the group goes on.
+-- pg_upgrade test, on the upgraded cluster: the open range of lz4_before.sql, which
+-- docs/operations.md's recipe stored again with pglz before the upgrade, is read by the ack of
+-- its claim, and the group goes on.
 \set ON_ERROR_STOP on
 \set QUIET on
 SELECT cardinality(sqlstreams.ack_batch('upgrade.keyed', 'g', token, ids)) = 150 AS ok FROM open_claim \gset

@@ -261,6 +261,9 @@ BEGIN
         );
         CREATE INDEX exception_count_@id@_group_idx
             ON sqlstreams.exception_count_@id@ (consumer_group_id, status, writer);
+        -- No key (a writer may have two rows): the whole old row identifies one for a FOR ALL
+        -- TABLES publication, which refuses updates and deletes of a table without either.
+        ALTER TABLE sqlstreams.exception_count_@id@ REPLICA IDENTITY FULL;
         CREATE TRIGGER exception_count_restored BEFORE INSERT ON sqlstreams.exception_count_@id@
             FOR EACH ROW EXECUTE FUNCTION sqlstreams.exception_count_written();
         CREATE FUNCTION sqlstreams.exception_count_@id@() RETURNS trigger
@@ -576,6 +579,9 @@ CREATE TABLE sqlstreams.stream_grant (
 -- bare oid, which a restore gives to whichever role has it there. They are not dumped.
 SELECT pg_catalog.pg_extension_config_dump('sqlstreams.stream_grant',
     'WHERE grantee OPERATOR(pg_catalog.=) ANY (SELECT oid FROM pg_catalog.pg_roles)');
+-- Without a key, a database's FOR ALL TABLES publication (change data capture, a migration)
+-- would refuse every revoke and drop_stream; the whole old row identifies one instead.
+ALTER TABLE sqlstreams.stream_grant REPLICA IDENTITY FULL;
 
 -- Backends remember what these three tables say (src/catalog.rs) until an invalidation tells
 -- them to forget it: every row changed sends one, with its transaction. Row triggers, because
@@ -744,6 +750,9 @@ BEGIN
         );
         CREATE INDEX exception_count_@id@_group_idx
             ON sqlstreams.exception_count_@id@ (consumer_group_id, status, writer);
+        -- No key (a writer may have two rows): the whole old row identifies one for a FOR ALL
+        -- TABLES publication, which refuses updates and deletes of a table without either.
+        ALTER TABLE sqlstreams.exception_count_@id@ REPLICA IDENTITY FULL;
         CREATE FUNCTION sqlstreams.exception_count_@id@() RETURNS trigger
         LANGUAGE plpgsql
         SET search_path = pg_catalog, pg_temp

@@ -1423,3 +1423,59 @@ fn maintenance_waits_for_a_restore_to_load_the_log_and_the_catalog() {
     assert_eq!(dead(&mut c), 1, "the group's dead letter is still counted");
     assert_eq!(ids(&g.claim(&mut c, 10)), waiting, "and its messages are all there");
 }
+
+/// Every table of the extension, a stream's family included, can be updated and deleted from under
+/// a `FOR ALL TABLES` publication (change data capture, a migration by logical replication):
+/// Postgres refuses both on a table that publishes them and has no replica identity, and a table
+/// without a key (the exception counts, the grants) has none unless it is `FULL`. Checked for each
+/// table by name, so a table added later without either fails here, and by doing what writes them:
+/// a claim's retention step folds the counts, `fail` writes them at commit, `revoke_stream` and
+/// `drop_stream` delete grants.
+#[test]
+fn a_publication_for_all_tables_refuses_none_of_the_extensions_writes() {
+    let (mut c, _url) = own_database("publication");
+    // wal_level need not be logical: the refusal comes with the publication, whatever it is.
+    c.batch_execute("SET client_min_messages = error; CREATE PUBLICATION everything FOR ALL TABLES").unwrap();
+    let s = Stream::create(&mut c, "published");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let keyless: Vec<String> = c
+        .query(
+            "SELECT c.relname::text FROM pg_class c
+             WHERE c.relnamespace = 'sqlstreams'::regnamespace AND c.relkind = 'r'
+               AND NOT (c.relreplident = 'f'
+                        OR (c.relreplident = 'd' AND EXISTS (SELECT FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary))
+                        OR (c.relreplident = 'i' AND EXISTS (SELECT FROM pg_index i WHERE i.indrelid = c.oid AND i.indisreplident)))
+             ORDER BY 1",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(keyless, Vec::<String>::new(), "tables a FOR ALL TABLES publication refuses to update");
+
+    let reader = role(&mut c, "publication_reader", "");
+    c.execute("SELECT sqlstreams.grant_stream($1, $2, 'consume', 'g')", &[&s.name, &reader]).unwrap();
+    let first = s.produce(&mut c, serde_json::json!({"n": 1}), Some("k"));
+    let second = s.produce(&mut c, serde_json::json!({"n": 2}), Some("k"));
+    let batch = g.claim(&mut c, 10);
+    assert_eq!(batch.iter().map(|d| d.message_id).collect::<Vec<_>>(), vec![first, second]);
+    assert_eq!(g.fail(&mut c, &batch[0], "boom", false, Some("0 seconds")).as_deref(), Some("ready"));
+    // The retry, and the key's next message chained behind it.
+    let retried = g.claim(&mut c, 10);
+    assert_eq!(retried.iter().map(|d| d.message_id).collect::<Vec<_>>(), vec![first, second]);
+    assert!(g.ack(&mut c, &retried[0]));
+    assert!(g.ack(&mut c, &retried[1]));
+    assert!(g.claim(&mut c, 10).is_empty());
+    let status: (i64, i64) = {
+        let row = c
+            .query_one("SELECT ready + inflight + deferred, dead FROM sqlstreams.group_status($1, 'g')", &[&s.name])
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!(status, (0, 0), "the counts after the retry resolved");
+    c.execute("SELECT sqlstreams.maintain_stream($1)", &[&s.name]).unwrap();
+    c.execute("SELECT sqlstreams.revoke_stream($1, $2, 'consume', 'g')", &[&s.name, &reader]).unwrap();
+    c.execute("SELECT sqlstreams.drop_stream($1)", &[&s.name]).unwrap();
+    c.batch_execute(&format!("DROP ROLE {reader}")).unwrap();
+}

@@ -20,7 +20,7 @@ WITH objects AS (
     FROM pg_catalog.pg_proc p WHERE p.pronamespace = 'sqlstreams'::regnamespace
     UNION ALL
     -- Relations and their columns, in column order.
-    SELECT format('relation %s %s', c.relname, c.relkind)
+    SELECT format('relation %s %s replica identity %s', c.relname, c.relkind, c.relreplident)
     FROM pg_catalog.pg_class c WHERE c.relnamespace = 'sqlstreams'::regnamespace
     UNION ALL
     SELECT format('column %s %s %s %s%s%s', c.relname, a.attnum, a.attname,

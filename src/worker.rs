@@ -188,7 +188,7 @@ pub extern "C-unwind" fn sqlstreams_maintenance_main(_arg: pg_sys::Datum) {
     let database = DATABASE.get().and_then(|d| d.into_string().ok()).unwrap_or_else(|| "postgres".into());
     let role = ROLE.get().and_then(|r| r.into_string().ok()).filter(|r| !r.is_empty());
     BackgroundWorker::connect_worker_to_spi(Some(&database), role.as_deref());
-    pin_search_path();
+    pin_settings();
     log!("sqlstreams maintenance worker started in database \"{database}\"");
     loop {
         if interval().is_some() {
@@ -205,16 +205,23 @@ pub extern "C-unwind" fn sqlstreams_maintenance_main(_arg: pg_sys::Datum) {
     // end maintenance until the server restarts. At shutdown nothing restarts it.
 }
 
-/// `search_path = pg_catalog, pg_temp` above every source a database owner or role controls
-/// (`ALTER DATABASE ... SET`, `ALTER ROLE ... SET`), for the life of the process.
-fn pin_search_path() {
-    // SAFETY: sets a setting in this process, outside any transaction, before any query.
-    unsafe {
-        pg_sys::SetConfigOption(
-            c"search_path".as_ptr(),
-            crate::search_path::SEARCH_PATH.as_ptr(),
-            pg_sys::GucContext::PGC_SUSET,
-            pg_sys::GucSource::PGC_S_OVERRIDE,
-        );
+/// The settings a round needs, above every source a database owner or role controls (`ALTER
+/// DATABASE ... SET`, `ALTER ROLE ... SET`), for the life of the process: `search_path =
+/// pg_catalog, pg_temp`, and READ COMMITTED transactions, which maintain needs (a database whose
+/// default is SERIALIZABLE for its applications would have every round refused, and retention
+/// would stop until someone read the warnings).
+fn pin_settings() {
+    for (name, value) in
+        [(c"search_path", crate::search_path::SEARCH_PATH), (c"default_transaction_isolation", c"read committed")]
+    {
+        // SAFETY: sets a setting in this process, outside any transaction, before any query.
+        unsafe {
+            pg_sys::SetConfigOption(
+                name.as_ptr(),
+                value.as_ptr(),
+                pg_sys::GucContext::PGC_SUSET,
+                pg_sys::GucSource::PGC_S_OVERRIDE,
+            );
+        }
     }
 }

@@ -290,3 +290,40 @@ fn the_worker_runs_nothing_the_database_owner_planted() {
     assert!(ran.is_empty(), "the worker ran the owner's planted objects as {ran:?}");
     assert!(!c.query_one(owner_is_superuser, &[&owner]).unwrap().get::<_, bool>(0), "the owner became a superuser");
 }
+
+/// `ALTER DATABASE ... RESET` of a setting a test gave the worker's database, when the test ends
+/// however it ends: the worker's tests share the database.
+struct DatabaseSetting(&'static str);
+
+impl Drop for DatabaseSetting {
+    fn drop(&mut self) {
+        let mut c = connect_worker_database_as(None);
+        c.batch_execute(&format!("ALTER DATABASE worker_sqlstreams RESET {}", self.0)).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a cluster that preloads sqlstreams: scripts/rig test runs it"]
+fn the_worker_maintains_a_database_whose_transactions_are_serializable() {
+    let mut c = connect_worker_database();
+    let _reset = DatabaseSetting("default_transaction_isolation");
+    c.batch_execute("ALTER DATABASE worker_sqlstreams SET default_transaction_isolation = 'serializable'").unwrap();
+    // Where the setting is taken, maintain refuses to run, saying so.
+    let mut session = connect_worker_database_as(None);
+    let refused = session.query_one("SELECT count(*) FROM sqlstreams.maintain()", &[]).unwrap_err();
+    assert_eq!(refused.code(), Some(&postgres::error::SqlState::INVALID_TRANSACTION_STATE), "{refused}");
+
+    // The worker starts again, and so takes the database's settings.
+    let before = worker_pid(&mut c);
+    c.query_one("SELECT pg_terminate_backend($1)", &[&before]).unwrap();
+    let restarted = "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE backend_type = 'sqlstreams maintenance'
+                     AND datname = current_database() AND pid <> $1)";
+    eventually(&mut c, "the worker started again after pg_terminate_backend", restarted, &[&before]);
+
+    // A round after the restart: a stream made now is maintained (its expired key purged).
+    let s = Stream::create_sized(&mut c, "serializable", 1000);
+    c.query_one("SELECT sqlstreams.create_stream($1, 1000, idempotency_ttl => '1 microsecond')", &[&s.name]).unwrap();
+    c.query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => 'order-1')", &[&s.name]).unwrap();
+    let keys = format!("SELECT count(*) = 0 FROM {}", s.table("idempotency_key"));
+    eventually(&mut c, "a round of the worker under serializable defaults", &keys, &[]);
+}

@@ -1479,3 +1479,42 @@ fn a_publication_for_all_tables_refuses_none_of_the_extensions_writes() {
     c.execute("SELECT sqlstreams.drop_stream($1)", &[&s.name]).unwrap();
     c.batch_execute(&format!("DROP ROLE {reader}")).unwrap();
 }
+
+/// `create_group` is a declaration: what it is not given goes back to its default. A declaration
+/// that changes an existing group says so in a notice naming each change (a consumer declaring
+/// the group with fewer arguments than the others would otherwise make an ordered group parallel
+/// without a word); one that changes nothing, or creates the group, says nothing.
+#[test]
+fn a_declaration_that_changes_a_group_says_what_it_changed() {
+    let notices = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(String, String)>::new()));
+    let seen = notices.clone();
+    let mut config: postgres::Config = database_url().parse().unwrap();
+    config.notice_callback(move |n| {
+        seen.lock().unwrap().push((n.message().to_string(), n.hint().unwrap_or_default().to_string()))
+    });
+    let mut c = config.connect(postgres::NoTls).unwrap();
+    let s = Stream::create(&mut c, "redeclared");
+    let declare = "SELECT sqlstreams.create_group($1, 'g', 'ordered', max_retries => 5, backoff_base => '2 seconds')";
+    c.query_one(declare, &[&s.name]).unwrap();
+    c.query_one(declare, &[&s.name]).unwrap();
+    assert_eq!(*notices.lock().unwrap(), vec![], "a new group, and the same settings again");
+
+    c.query_one("SELECT sqlstreams.create_group($1, 'g')", &[&s.name]).unwrap();
+    let said = std::mem::take(&mut *notices.lock().unwrap());
+    assert_eq!(said.len(), 1, "{said:?}");
+    let (message, hint) = &said[0];
+    assert_eq!(
+        message,
+        &format!(
+            "sqlstreams: consumer group \"g\" of stream \"{}\" declared again, with other settings: \
+             concurrency_override 'ordered' to NULL, max_retries 5 to 3, backoff_base '00:00:02' to '00:00:01'",
+            s.name
+        )
+    );
+    assert!(hint.contains("alter_group"), "{hint}");
+    let now: Option<String> = c
+        .query_one("SELECT concurrency_override FROM sqlstreams.consumer_groups WHERE stream = $1", &[&s.name])
+        .unwrap()
+        .get(0);
+    assert_eq!(now, None, "the declaration changed what it said");
+}

@@ -1,9 +1,11 @@
 //! Creating, changing and dropping consumer groups: `create_group`, `alter_group`,
 //! `drop_group`, `pause_group`, `resume_group`.
 
+use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::pg_sys::BuiltinOid::*;
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
+use pgrx::PgSqlErrorCode;
 
 use crate::access::{self, Right};
 use crate::admin::admin_call;
@@ -32,6 +34,29 @@ const UPSERT: Statement = Statement {
               max_delays = EXCLUDED.max_delays,
               max_reclaims = EXCLUDED.max_reclaims
           RETURNING g.id, (xmax = 0) AS created",
+    params: &[INT8OID, TEXTOID, TEXTOID, INT4OID, INT8OID, INT8OID, FLOAT8OID, INT4OID, INT4OID],
+};
+
+/// What declaring group `$2` of stream `$1` again with `UPSERT`'s settings (`$3` ... `$9`) changes,
+/// one line per setting, with its row locked (as the upsert would lock it) so that a declaration
+/// committed meanwhile is the one compared with. No row for a new group.
+const CHANGES: Statement = Statement {
+    name: "group_changes",
+    sql: "SELECT array_remove(ARRAY[
+              CASE WHEN g.concurrency_override IS DISTINCT FROM $3 THEN format('concurrency_override %s to %s',
+                  coalesce(quote_literal(g.concurrency_override), 'NULL'), coalesce(quote_literal($3), 'NULL')) END,
+              CASE WHEN g.max_retries <> $4 THEN format('max_retries %s to %s', g.max_retries, $4) END,
+              CASE WHEN g.backoff_base <> make_interval(secs => $5 / 1e6) THEN format('backoff_base %s to %s',
+                  quote_literal(g.backoff_base), quote_literal(make_interval(secs => $5 / 1e6))) END,
+              CASE WHEN g.backoff_cap <> make_interval(secs => $6 / 1e6) THEN format('backoff_cap %s to %s',
+                  quote_literal(g.backoff_cap), quote_literal(make_interval(secs => $6 / 1e6))) END,
+              CASE WHEN g.backoff_exponent <> $7 THEN format('backoff_exponent %s to %s', g.backoff_exponent, $7) END,
+              CASE WHEN g.max_delays IS DISTINCT FROM $8 THEN format('max_delays %s to %s',
+                  coalesce(g.max_delays::text, 'NULL'), coalesce($8::text, 'NULL')) END,
+              CASE WHEN g.max_reclaims <> $9 THEN format('max_reclaims %s to %s', g.max_reclaims, $9) END
+          ], NULL) AS changes
+          FROM sqlstreams.consumer_group g WHERE g.stream_id = $1 AND g.name = $2
+          FOR UPDATE",
     params: &[INT8OID, TEXTOID, TEXTOID, INT4OID, INT8OID, INT8OID, FLOAT8OID, INT4OID, INT4OID],
 };
 
@@ -111,13 +136,12 @@ pub fn create(stream_name: &str, name: &str, settings: &GroupSettings) -> Result
         Spi::connect_mut(|client| {
             let stream = stream::lookup(client, stream_name)?;
             caller.require(client, stream.id, stream_name, Right::Consume(name))?;
-            let row = UPSERT
-                .run(
-                    client,
-                    0,
-                    &[stream.id.into(), name.into()].into_iter().chain(settings.args()).collect::<Vec<_>>(),
-                )?
-                .first();
+            let args = || [stream.id.into(), name.into()].into_iter().chain(settings.args()).collect::<Vec<_>>();
+            let changes = CHANGES.run(client, 0, &args())?.first();
+            if !changes.is_empty() {
+                said_changed(stream_name, name, &changes.required::<Vec<String>>("changes")?);
+            }
+            let row = UPSERT.run(client, 0, &args())?.first();
             let id: i64 = row.required("id")?;
             let created: bool = row.required("created")?;
             if created {
@@ -130,6 +154,30 @@ pub fn create(stream_name: &str, name: &str, settings: &GroupSettings) -> Result
             Ok(id)
         })
     })
+}
+
+/// A declaration that changed an existing group's settings says which, in a notice: one that omits
+/// a setting sets it back to its default, which a consumer declaring the group with fewer
+/// arguments than the others would otherwise do without a word.
+fn said_changed(stream: &str, group: &str, changes: &[String]) {
+    if changes.is_empty() {
+        return;
+    }
+    let message = format!(
+        "sqlstreams: consumer group {} of stream {} declared again, with other settings: {}",
+        crate::error::named(group),
+        crate::error::named(stream),
+        changes.join(", ")
+    );
+    let hint = "create_group sets every setting it is not given to its default; alter_group changes only the \
+                settings it is given.";
+    ErrorReport::new(
+        PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION,
+        crate::text::sendable(&message).into_owned(),
+        "sqlstreams",
+    )
+    .set_hint(hint)
+    .report(PgLogLevel::NOTICE);
 }
 
 /// Drops a group with its cursor, leases and exception rows. False when it does not exist.

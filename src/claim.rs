@@ -149,13 +149,14 @@ pub fn claim(
     lease_micros: i64,
     carried: Option<CarriedAcks>,
 ) -> Result<Vec<Delivery>> {
-    // SAFETY: reads this backend's isolation level.
-    if unsafe { pg_sys::XactIsoLevel } >= pg_sys::XACT_REPEATABLE_READ as i32 {
+    if let Some(level) = crate::error::stricter_than_read_committed() {
         return Err(StreamError::WrongTransactionState {
-            message: "claim needs a READ COMMITTED transaction".into(),
-            hint: "A REPEATABLE READ or SERIALIZABLE snapshot is older than the claim and could skip \
-                   committed messages; call claim in its own READ COMMITTED transaction."
-                .into(),
+            message: format!("claim needs a READ COMMITTED transaction, not {level}"),
+            hint: format!(
+                "A {level} snapshot is older than the claim and could skip committed messages; call claim in \
+                 its own READ COMMITTED transaction. {}",
+                crate::error::DEFAULT_ISOLATION_HINT
+            ),
         });
     }
     crate::commit::consumer_call(stream_name, group_name, |client, group| {

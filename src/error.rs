@@ -152,6 +152,22 @@ pub fn named(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
+/// The transaction's isolation level when it is stricter than READ COMMITTED, which claims and
+/// maintenance need, by the name `SET TRANSACTION` takes.
+pub fn stricter_than_read_committed() -> Option<&'static str> {
+    // SAFETY: reads this backend's isolation level.
+    match unsafe { pgrx::pg_sys::XactIsoLevel } as u32 {
+        pgrx::pg_sys::XACT_REPEATABLE_READ => Some("REPEATABLE READ"),
+        pgrx::pg_sys::XACT_SERIALIZABLE => Some("SERIALIZABLE"),
+        _ => None,
+    }
+}
+
+/// Where a stricter level comes from when the caller asked for none: the end of a refusal's hint.
+pub const DEFAULT_ISOLATION_HINT: &str = "Without BEGIN, a call takes default_transaction_isolation, which a \
+     database's or role's setting may make stricter: SET default_transaction_isolation = 'read committed' in \
+     the session.";
+
 /// A value as SQL in a hint spells it: a literal (`'it''s'`) or NULL.
 pub fn quoted(value: Option<&str>) -> String {
     match value {

@@ -10,16 +10,18 @@ pub const MAX_NAME_CHARS: usize = 200;
 /// Checks a stream or group name: present, not blank, at most `MAX_NAME_CHARS` characters,
 /// no control characters.
 pub fn validate_name<'a>(kind: &str, name: Option<&'a str>) -> Result<&'a str> {
+    // The docs' own names: stream 'ledger.adjustments', its group 'apply-balance'.
+    let example = if kind == "group" { "apply-balance" } else { "ledger.adjustments" };
     let name = name.ok_or_else(|| {
         StreamError::invalid(
             format!("{kind} name must not be NULL"),
-            format!("Pass a {kind} name such as 'ledger.adjustments'."),
+            format!("Pass a {kind} name such as '{example}'."),
         )
     })?;
     if name.trim().is_empty() {
         return Err(StreamError::invalid(
             format!("{kind} name must not be empty"),
-            format!("Pass a {kind} name such as 'ledger.adjustments'."),
+            format!("Pass a {kind} name such as '{example}'."),
         ));
     }
     let chars = name.chars().count();
@@ -64,11 +66,12 @@ impl StartAt {
 pub fn positive_micros(what: &str, micros: Option<i128>, example: &str) -> Result<i64> {
     match micros {
         Some(m) if m > 0 && m <= i64::MAX as i128 => Ok(m as i64),
-        Some(m) if m > 0 => {
-            Err(StreamError::invalid(format!("{what} is too long"), format!("Pass a {what} such as {example}.")))
-        }
-        Some(_) => Err(StreamError::invalid(
-            format!("{what} must be positive"),
+        Some(m) if m > 0 => Err(StreamError::invalid(
+            format!("{what} {} is too long", seconds(m)),
+            format!("Pass a {what} such as {example}."),
+        )),
+        Some(m) => Err(StreamError::invalid(
+            format!("{what} must be positive, not {}", seconds(m)),
             format!("Pass a positive {what} such as {example}."),
         )),
         None => Err(StreamError::invalid(
@@ -76,6 +79,18 @@ pub fn positive_micros(what: &str, micros: Option<i128>, example: &str) -> Resul
             format!("Pass a positive {what} such as {example}."),
         )),
     }
+}
+
+/// A duration of `micros` microseconds as a refusal names it: in seconds, as every interval
+/// argument can be written (`'-5 seconds'`; an interval of days or months counts its days as 24
+/// hours and its months as 30 days, as Postgres does to compare intervals).
+pub fn seconds(micros: i128) -> String {
+    let (sign, magnitude) = if micros < 0 { ("-", micros.unsigned_abs()) } else { ("", micros.unsigned_abs()) };
+    let (whole, fraction) = (magnitude / 1_000_000, magnitude % 1_000_000);
+    let fraction =
+        if fraction == 0 { String::new() } else { format!(".{fraction:06}").trim_end_matches('0').to_string() };
+    let unit = if whole == 1 && fraction.is_empty() { "second" } else { "seconds" };
+    format!("{sign}{whole}{fraction} {unit}")
 }
 
 /// The longest a stream's `idempotency_ttl` or `dead_retention` may be: a hundred years as
@@ -156,6 +171,8 @@ mod tests {
     #[test]
     fn names_are_checked() {
         assert_eq!(validate_name("stream", Some("ledger.adjustments")).unwrap(), "ledger.adjustments");
+        assert!(validate_name("group", Some(" ")).unwrap_err().hint().unwrap().contains("'apply-balance'"));
+        assert!(validate_name("stream", None).unwrap_err().hint().unwrap().contains("'ledger.adjustments'"));
         assert_eq!(validate_name("stream", Some("Robert'); DROP TABLE x;--")).unwrap(), "Robert'); DROP TABLE x;--");
         assert!(validate_name("stream", None).is_err());
         assert!(validate_name("stream", Some("")).is_err());

@@ -253,7 +253,7 @@ fn fail_sql(
     let retry_after = match retry_after.map(|i| i.as_micros()) {
         Some(m) if m < 0 => {
             return Err(StreamError::invalid(
-                "retry_after must not be negative",
+                format!("retry_after must not be negative, not {}", names::seconds(m)),
                 "Pass zero (retry at once), a positive interval, or NULL for the group's backoff.",
             )
             .into())

@@ -94,14 +94,23 @@ fn contract_errors_have_their_sqlstates_and_change_nothing() {
         ("SELECT sqlstreams.create_group({s}, {g}, 'fifo')", "'fifo'"),
         ("SELECT sqlstreams.create_group({s}, {g}, max_retries => -1)", "max_retries"),
         ("SELECT sqlstreams.create_group({s}, 'new-group', start_at => 'tail')", "'tail'"),
-        ("SELECT sqlstreams.create_group({s}, {g}, backoff_base => '0 s')", "backoff_base"),
+        (
+            "SELECT sqlstreams.create_group({s}, {g}, backoff_base => '0 s')",
+            "backoff_base must be positive, not 0 seconds",
+        ),
         ("SELECT * FROM sqlstreams.claim({s}, {g}, 0)", "batch_size"),
         ("SELECT * FROM sqlstreams.claim({s}, {g}, -5)", "batch_size"),
-        ("SELECT * FROM sqlstreams.claim({s}, {g}, 10, '0 seconds')", "lease"),
-        ("SELECT * FROM sqlstreams.claim({s}, {g}, 10, '-1 second')", "lease"),
+        ("SELECT * FROM sqlstreams.claim({s}, {g}, 10, '0 seconds')", "lease must be positive, not 0 seconds"),
+        ("SELECT * FROM sqlstreams.claim({s}, {g}, 10, '-1 second')", "lease must be positive, not -1 second"),
+        ("SELECT * FROM sqlstreams.claim({s}, {g}, 10, '-1 day -0.25 seconds')", "not -86400.25 seconds"),
         ("SELECT sqlstreams.delay({s}, {g}, {t}, 1, '0 seconds')", "delay"),
-        ("SELECT sqlstreams.delay({s}, {g}, {t}, 1, '-5 seconds')", "delay"),
-        ("SELECT sqlstreams.fail({s}, {g}, {t}, 1, 'x', false, '-1 second')", "retry_after"),
+        ("SELECT sqlstreams.delay({s}, {g}, {t}, 1, '-5 seconds')", "delay must be positive, not -5 seconds"),
+        (
+            "SELECT sqlstreams.fail({s}, {g}, {t}, 1, 'x', false, '-1 second')",
+            "retry_after must not be negative, not -1 second",
+        ),
+        ("SELECT sqlstreams.fail({s}, {g}, {t}, 1, 'x', false, '-0.000001 seconds')", "not -0.000001 seconds"),
+        ("SELECT sqlstreams.seek({s}, {g}, to_id => -3)", "to_id must not be negative, not -3"),
         ("SELECT sqlstreams.create_stream('')", "empty"),
         ("SELECT sqlstreams.create_stream('   ')", "empty"),
         ("SELECT sqlstreams.create_group({s}, '')", "empty"),
@@ -132,7 +141,39 @@ fn claim_refuses_old_snapshots() {
     let mut tx = c.build_transaction().isolation_level(postgres::IsolationLevel::RepeatableRead).start().unwrap();
     let err = tx.query("SELECT * FROM sqlstreams.claim($1, $2)", &[&s.name, &g.name]).unwrap_err();
     assert_eq!(sqlstate(&err), "25000");
+    assert_eq!(
+        err.as_db_error().unwrap().message(),
+        "sqlstreams: claim needs a READ COMMITTED transaction, not REPEATABLE READ"
+    );
     assert!(err.as_db_error().unwrap().hint().unwrap().contains("READ COMMITTED"));
+    tx.rollback().unwrap();
+    // In autocommit, the level a database or role setting gives, named with where it comes from.
+    c.batch_execute("SET default_transaction_isolation = 'serializable'").unwrap();
+    let err = c.query("SELECT * FROM sqlstreams.claim($1, $2)", &[&s.name, &g.name]).unwrap_err();
+    let db = err.as_db_error().unwrap();
+    assert_eq!(db.message(), "sqlstreams: claim needs a READ COMMITTED transaction, not SERIALIZABLE");
+    assert!(db.hint().unwrap().contains("SET default_transaction_isolation = 'read committed'"), "{:?}", db.hint());
+    let err = c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&s.name]).unwrap_err();
+    assert_eq!(
+        err.as_db_error().unwrap().message(),
+        "sqlstreams: maintain needs a READ COMMITTED transaction, not SERIALIZABLE"
+    );
+}
+
+#[test]
+fn a_missing_name_is_refused_with_an_example_of_its_kind() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "example");
+    for (sql, example) in [
+        ("SELECT sqlstreams.create_stream('')", "'ledger.adjustments'"),
+        ("SELECT sqlstreams.create_group($1, ' ')", "'apply-balance'"),
+        ("SELECT sqlstreams.create_group($1, NULL)", "'apply-balance'"),
+    ] {
+        let params: &[&(dyn postgres::types::ToSql + Sync)] = if sql.contains("$1") { &[&s.name] } else { &[] };
+        let err = c.query(sql, params).unwrap_err();
+        let hint = err.as_db_error().unwrap().hint().unwrap().to_string();
+        assert!(hint.contains(example), "{sql}: {hint}");
+    }
 }
 
 #[test]

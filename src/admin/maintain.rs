@@ -44,14 +44,14 @@ type Report = (String, i64, i64, i64, i64, i64, i64);
 /// rows, lane rows, exception counts) are updated by claims and commits all the time, and taking
 /// one updated after the snapshot began is a serialization failure, so it would fail at random.
 fn require_read_committed() -> Result<()> {
-    // SAFETY: reads this backend's isolation level.
-    if unsafe { pgrx::pg_sys::XactIsoLevel } >= pgrx::pg_sys::XACT_REPEATABLE_READ as i32 {
+    if let Some(level) = crate::error::stricter_than_read_committed() {
         return Err(StreamError::WrongTransactionState {
-            message: "maintain needs a READ COMMITTED transaction".into(),
-            hint: "Under REPEATABLE READ or SERIALIZABLE, the rows that claims and commits update while it runs \
-                   make it fail to serialize; run it in a READ COMMITTED transaction \
-                   (BEGIN ISOLATION LEVEL READ COMMITTED)."
-                .into(),
+            message: format!("maintain needs a READ COMMITTED transaction, not {level}"),
+            hint: format!(
+                "Under {level}, the rows that claims and commits update while it runs make it fail to \
+                 serialize; run it in a READ COMMITTED transaction (BEGIN ISOLATION LEVEL READ COMMITTED). {}",
+                crate::error::DEFAULT_ISOLATION_HINT
+            ),
         });
     }
     Ok(())

@@ -75,8 +75,12 @@ fn seek(
         )
         .into());
     }
-    if to_id.is_some_and(|id| id < 0) {
-        return Err(StreamError::invalid("to_id must not be negative", "Pass 0 to replay from the beginning.").into());
+    if let Some(id) = to_id.filter(|&id| id < 0) {
+        return Err(StreamError::invalid(
+            format!("to_id must not be negative, not {id}"),
+            "Pass 0 to replay from the beginning.",
+        )
+        .into());
     }
     Ok(crate::admin::exclusive_admin_call(stream, group_name, "seek consumer groups", |client, g| {
         LOCK.run(client, g.stream.id, &[g.id.into()])?;

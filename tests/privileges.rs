@@ -343,6 +343,9 @@ fn no_error_carries_rust_internals() {
     assert_eq!(db.message(), "sqlstreams: stream \"it's \"\"odd\"\"\" does not exist");
     assert!(db.hint().unwrap().contains("create_stream('it''s \"odd\"')"), "{:?}", db.hint());
     assert_eq!(db.detail(), None);
+    // Its location names the library's file, as Postgres's name a C file, and no directory.
+    assert_eq!(db.routine(), Some("sqlstreams"));
+    assert!(db.file().is_some_and(|file| file.ends_with(".rs") && !file.contains('/')), "{:?}", db.file());
 }
 
 #[test]

@@ -226,6 +226,22 @@ fn the_worker_ends_at_once_when_terminated_while_it_waits_for_a_lock() {
 /// an operator and an aggregate that would make it a superuser if a superuser ran them, and puts
 /// its schema first on the database's search_path; the worker then starts again (terminated, as
 /// a DBA may) and maintains the database: nothing of the owner's runs.
+/// Ends the worker, which starts again and so takes the database's settings as they are now, and
+/// waits for a whole round of the new one: a stream made after the restart is maintained (its
+/// expired idempotency key purged).
+fn restart_and_await_a_round(c: &mut Client, prefix: &str) {
+    let before = worker_pid(c);
+    c.query_one("SELECT pg_terminate_backend($1)", &[&before]).unwrap();
+    let restarted = "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE backend_type = 'sqlstreams maintenance'
+                     AND datname = current_database() AND pid <> $1)";
+    eventually(c, "the worker started again after pg_terminate_backend", restarted, &[&before]);
+    let s = Stream::create_sized(c, prefix, 1000);
+    c.query_one("SELECT sqlstreams.create_stream($1, 1000, idempotency_ttl => '1 microsecond')", &[&s.name]).unwrap();
+    c.query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => 'order-1')", &[&s.name]).unwrap();
+    let keys = format!("SELECT count(*) = 0 FROM {}", s.table("idempotency_key"));
+    eventually(c, &format!("a round of the restarted worker ({prefix})"), &keys, &[]);
+}
+
 #[test]
 #[ignore = "needs a cluster that preloads sqlstreams: scripts/rig test runs it"]
 fn the_worker_runs_nothing_the_database_owner_planted() {
@@ -270,19 +286,7 @@ fn the_worker_runs_nothing_the_database_owner_planted() {
     assert!(became, "the planted operator runs for a session that takes the database's search_path");
     t.rollback().unwrap();
 
-    // The worker starts again, and so takes the database's settings.
-    let before = worker_pid(&mut c);
-    c.query_one("SELECT pg_terminate_backend($1)", &[&before]).unwrap();
-    let restarted = "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE backend_type = 'sqlstreams maintenance'
-                     AND datname = current_database() AND pid <> $1)";
-    eventually(&mut c, "the worker started again after pg_terminate_backend", restarted, &[&before]);
-
-    // A whole round after the restart: a stream made now is maintained (its expired key purged).
-    let s = Stream::create_sized(&mut c, "planted", 1000);
-    c.query_one("SELECT sqlstreams.create_stream($1, 1000, idempotency_ttl => '1 microsecond')", &[&s.name]).unwrap();
-    c.query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => 'order-1')", &[&s.name]).unwrap();
-    let keys = format!("SELECT count(*) = 0 FROM {}", s.table("idempotency_key"));
-    eventually(&mut c, "a round of the restarted worker", &keys, &[]);
+    restart_and_await_a_round(&mut c, "planted");
 
     let ran: Vec<String> =
         c.query(&format!("SELECT role_name::text FROM {schema}.ran"), &[]).unwrap().iter().map(|r| r.get(0)).collect();
@@ -313,17 +317,5 @@ fn the_worker_maintains_a_database_whose_transactions_are_serializable() {
     let refused = session.query_one("SELECT count(*) FROM sqlstreams.maintain()", &[]).unwrap_err();
     assert_eq!(refused.code(), Some(&postgres::error::SqlState::INVALID_TRANSACTION_STATE), "{refused}");
 
-    // The worker starts again, and so takes the database's settings.
-    let before = worker_pid(&mut c);
-    c.query_one("SELECT pg_terminate_backend($1)", &[&before]).unwrap();
-    let restarted = "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE backend_type = 'sqlstreams maintenance'
-                     AND datname = current_database() AND pid <> $1)";
-    eventually(&mut c, "the worker started again after pg_terminate_backend", restarted, &[&before]);
-
-    // A round after the restart: a stream made now is maintained (its expired key purged).
-    let s = Stream::create_sized(&mut c, "serializable", 1000);
-    c.query_one("SELECT sqlstreams.create_stream($1, 1000, idempotency_ttl => '1 microsecond')", &[&s.name]).unwrap();
-    c.query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => 'order-1')", &[&s.name]).unwrap();
-    let keys = format!("SELECT count(*) = 0 FROM {}", s.table("idempotency_key"));
-    eventually(&mut c, "a round of the worker under serializable defaults", &keys, &[]);
+    restart_and_await_a_round(&mut c, "serializable");
 }

@@ -11,53 +11,52 @@ use crate::access::{self, Right};
 use crate::admin::admin_call;
 use crate::backoff::Backoff;
 use crate::concurrency::Concurrency;
-use crate::error::{Result, SqlResult, StreamError};
+use crate::error::{named, quoted, Result, SqlResult, StreamError};
 use crate::group::{group_from, lookup_exclusive, settings_columns, GroupRef};
 use crate::lanes;
-use crate::names::{positive_micros, validate_name, StartAt};
+use crate::names::{positive_micros, seconds, validate_name, StartAt};
 use crate::statement::{Columns, Statement};
 use crate::stream;
-use crate::text::Text;
+use crate::text::{sendable, Text};
 
-const UPSERT: Statement = Statement {
-    name: "group_upsert",
-    sql: "INSERT INTO sqlstreams.consumer_group AS g
+/// A new group (`$1` the stream, `$2` the name, `$3` ... `$9` its settings as `GroupSettings::args`
+/// passes them); no row when the stream has one of that name. A declaration inserts first and
+/// compares with the stored row only when there is one: two consumers declaring a new group at
+/// once then find each other's row, the second one waiting for the first to commit.
+const INSERT: Statement = Statement {
+    name: "group_insert",
+    sql: "INSERT INTO sqlstreams.consumer_group
               (stream_id, name, concurrency_override, max_retries, backoff_base, backoff_cap,
                backoff_exponent, max_delays, max_reclaims)
           VALUES ($1, $2, $3, $4, make_interval(secs => $5 / 1e6), make_interval(secs => $6 / 1e6), $7, $8, $9)
-          ON CONFLICT (stream_id, name) DO UPDATE SET
-              concurrency_override = EXCLUDED.concurrency_override,
-              max_retries = EXCLUDED.max_retries,
-              backoff_base = EXCLUDED.backoff_base,
-              backoff_cap = EXCLUDED.backoff_cap,
-              backoff_exponent = EXCLUDED.backoff_exponent,
-              max_delays = EXCLUDED.max_delays,
-              max_reclaims = EXCLUDED.max_reclaims
-          RETURNING g.id, (xmax = 0) AS created",
+          ON CONFLICT (stream_id, name) DO NOTHING
+          RETURNING id",
     params: &[INT8OID, TEXTOID, TEXTOID, INT4OID, INT8OID, INT8OID, FLOAT8OID, INT4OID, INT4OID],
 };
 
-/// What declaring group `$2` of stream `$1` again with `UPSERT`'s settings (`$3` ... `$9`) changes,
-/// one line per setting, with its row locked (as the upsert would lock it) so that a declaration
-/// committed meanwhile is the one compared with. No row for a new group.
-const CHANGES: Statement = Statement {
-    name: "group_changes",
-    sql: "SELECT array_remove(ARRAY[
-              CASE WHEN g.concurrency_override IS DISTINCT FROM $3 THEN format('concurrency_override %s to %s',
-                  coalesce(quote_literal(g.concurrency_override), 'NULL'), coalesce(quote_literal($3), 'NULL')) END,
-              CASE WHEN g.max_retries <> $4 THEN format('max_retries %s to %s', g.max_retries, $4) END,
-              CASE WHEN g.backoff_base <> make_interval(secs => $5 / 1e6) THEN format('backoff_base %s to %s',
-                  quote_literal(g.backoff_base), quote_literal(make_interval(secs => $5 / 1e6))) END,
-              CASE WHEN g.backoff_cap <> make_interval(secs => $6 / 1e6) THEN format('backoff_cap %s to %s',
-                  quote_literal(g.backoff_cap), quote_literal(make_interval(secs => $6 / 1e6))) END,
-              CASE WHEN g.backoff_exponent <> $7 THEN format('backoff_exponent %s to %s', g.backoff_exponent, $7) END,
-              CASE WHEN g.max_delays IS DISTINCT FROM $8 THEN format('max_delays %s to %s',
-                  coalesce(g.max_delays::text, 'NULL'), coalesce($8::text, 'NULL')) END,
-              CASE WHEN g.max_reclaims <> $9 THEN format('max_reclaims %s to %s', g.max_reclaims, $9) END
-          ], NULL) AS changes
-          FROM sqlstreams.consumer_group g WHERE g.stream_id = $1 AND g.name = $2
-          FOR UPDATE",
-    params: &[INT8OID, TEXTOID, TEXTOID, INT4OID, INT8OID, INT8OID, FLOAT8OID, INT4OID, INT4OID],
+/// Group `$2` of stream `$1` with the settings a declaration sets (intervals in microseconds),
+/// its row locked as an update of it locks it (the row's only lock: docs/semantics.md, "One lock
+/// order"), so that a declaration committed meanwhile is the one compared with.
+const DECLARED: Statement = Statement {
+    name: "group_declared",
+    sql: "SELECT id, concurrency_override, max_retries,
+                 (extract(epoch FROM backoff_base) * 1000000)::int8 AS backoff_base,
+                 (extract(epoch FROM backoff_cap) * 1000000)::int8 AS backoff_cap,
+                 backoff_exponent, max_delays, max_reclaims
+          FROM sqlstreams.consumer_group WHERE stream_id = $1 AND name = $2
+          FOR NO KEY UPDATE",
+    params: &[INT8OID, TEXTOID],
+};
+
+/// Group `$1`'s settings as a declaration sets them (`$2` ... `$8` as `INSERT`'s `$3` ... `$9`).
+const REDECLARE: Statement = Statement {
+    name: "group_redeclare",
+    sql: "UPDATE sqlstreams.consumer_group SET
+              concurrency_override = $2, max_retries = $3,
+              backoff_base = make_interval(secs => $4 / 1e6), backoff_cap = make_interval(secs => $5 / 1e6),
+              backoff_exponent = $6, max_delays = $7, max_reclaims = $8
+          WHERE id = $1",
+    params: &[INT8OID, TEXTOID, INT4OID, INT8OID, INT8OID, FLOAT8OID, INT4OID, INT4OID],
 };
 
 /// A new group's cursor, at the beginning or at the head; every id at or below it counts as
@@ -116,7 +115,8 @@ pub struct GroupSettings {
 }
 
 impl GroupSettings {
-    /// The settings as statement parameters, in the order `UPSERT` and `ALTER` take them.
+    /// The settings as statement parameters, in the order `INSERT` (after the stream and the name),
+    /// `REDECLARE` and `ALTER` (after the id) take them.
     fn args<'a>(&self) -> [pgrx::datum::DatumWithOid<'a>; 7] {
         [
             self.concurrency_override.map(Concurrency::as_str).into(),
@@ -130,54 +130,85 @@ impl GroupSettings {
     }
 }
 
-/// Creates the group (placing its cursor) or updates the settings of the existing one.
+/// Creates the group (placing its cursor) or updates the settings of the existing one, saying
+/// what it changed.
 pub fn create(stream_name: &str, name: &str, settings: &GroupSettings) -> Result<i64> {
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             let stream = stream::lookup(client, stream_name)?;
             caller.require(client, stream.id, stream_name, Right::Consume(name))?;
-            let args = || [stream.id.into(), name.into()].into_iter().chain(settings.args()).collect::<Vec<_>>();
-            let changes = CHANGES.run(client, 0, &args())?.first();
-            if !changes.is_empty() {
-                said_changed(stream_name, name, &changes.required::<Vec<String>>("changes")?);
+            // Twice at most: a group dropped between the insert's conflict and the read is
+            // inserted on the second turn, or a concurrent declaration's row is found.
+            for _ in 0..2 {
+                let args = [stream.id.into(), name.into()].into_iter().chain(settings.args()).collect::<Vec<_>>();
+                let inserted = INSERT.run(client, 0, &args)?.first();
+                if !inserted.is_empty() {
+                    let id: i64 = inserted.required("id")?;
+                    let start: i64 = PLACE_CURSOR
+                        .run(client, stream.id, &[id.into(), (settings.start_at == StartAt::Head).into()])?
+                        .first()
+                        .required("claimed")?;
+                    lanes::create(client, stream.id, id, stream.lanes, start)?;
+                    return Ok(id);
+                }
+                let row = DECLARED.run(client, 0, &[stream.id.into(), name.into()])?.first();
+                if row.is_empty() {
+                    continue;
+                }
+                let id: i64 = row.required("id")?;
+                let changes = changes(&row, settings)?;
+                if !changes.is_empty() {
+                    REDECLARE.run(client, 0, &[id.into()].into_iter().chain(settings.args()).collect::<Vec<_>>())?;
+                    said_changed(stream_name, name, &changes);
+                }
+                return Ok(id);
             }
-            let row = UPSERT.run(client, 0, &args())?.first();
-            let id: i64 = row.required("id")?;
-            let created: bool = row.required("created")?;
-            if created {
-                let start: i64 = PLACE_CURSOR
-                    .run(client, stream.id, &[id.into(), (settings.start_at == StartAt::Head).into()])?
-                    .first()
-                    .required("claimed")?;
-                lanes::create(client, stream.id, id, stream.lanes, start)?;
-            }
-            Ok(id)
+            Err(StreamError::Internal(format!("consumer group {} neither inserted nor found", named(name))))
         })
     })
+}
+
+/// What a declaration with `settings` changes of a group's stored ones (`DECLARED`'s row): one
+/// line per setting, old to new, as the arguments would be written (intervals in seconds).
+fn changes<R: Columns>(row: &R, settings: &GroupSettings) -> Result<Vec<String>> {
+    let mut changes = vec![];
+    let mut compare = |name: &str, old: String, new: String| {
+        if old != new {
+            changes.push(format!("{name} {old} to {new}"));
+        }
+    };
+    let policy = settings.concurrency_override.map(Concurrency::as_str);
+    compare("concurrency_override", quoted(row.value::<String>("concurrency_override")?.as_deref()), quoted(policy));
+    compare("max_retries", row.required::<i32>("max_retries")?.to_string(), settings.max_retries.to_string());
+    let micros = |column: &str| row.required::<i64>(column).map(|m| seconds(m.into()));
+    compare("backoff_base", micros("backoff_base")?, seconds(settings.backoff.base_micros.into()));
+    compare("backoff_cap", micros("backoff_cap")?, seconds(settings.backoff.cap_micros.into()));
+    compare(
+        "backoff_exponent",
+        row.required::<f64>("backoff_exponent")?.to_string(),
+        settings.backoff.exponent.to_string(),
+    );
+    let limit = |n: Option<i32>| n.map_or("NULL".to_string(), |n| n.to_string());
+    compare("max_delays", limit(row.value::<i32>("max_delays")?), limit(settings.max_delays));
+    compare("max_reclaims", row.required::<i32>("max_reclaims")?.to_string(), settings.max_reclaims.to_string());
+    Ok(changes)
 }
 
 /// A declaration that changed an existing group's settings says which, in a notice: one that omits
 /// a setting sets it back to its default, which a consumer declaring the group with fewer
 /// arguments than the others would otherwise do without a word.
 fn said_changed(stream: &str, group: &str, changes: &[String]) {
-    if changes.is_empty() {
-        return;
-    }
     let message = format!(
         "sqlstreams: consumer group {} of stream {} declared again, with other settings: {}",
-        crate::error::named(group),
-        crate::error::named(stream),
+        named(group),
+        named(stream),
         changes.join(", ")
     );
     let hint = "create_group sets every setting it is not given to its default; alter_group changes only the \
                 settings it is given.";
-    ErrorReport::new(
-        PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION,
-        crate::text::sendable(&message).into_owned(),
-        "sqlstreams",
-    )
-    .set_hint(hint)
-    .report(PgLogLevel::NOTICE);
+    ErrorReport::new(PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION, sendable(&message).into_owned(), "sqlstreams")
+        .set_hint(hint)
+        .report(PgLogLevel::NOTICE);
 }
 
 /// Drops a group with its cursor, leases and exception rows. False when it does not exist.
@@ -226,7 +257,7 @@ fn settings(
     let cap = positive_micros("backoff_cap", backoff_cap.map(|i| i.as_micros()), "'5 minutes'")?;
     if cap < base {
         return Err(StreamError::invalid(
-            "backoff_cap is shorter than backoff_base",
+            format!("backoff_cap {} is shorter than backoff_base {}", seconds(cap.into()), seconds(base.into())),
             "Pass a backoff_cap at least as long as backoff_base.",
         ));
     }

@@ -164,9 +164,10 @@ pub fn stricter_than_read_committed() -> Option<&'static str> {
 }
 
 /// Where a stricter level comes from when the caller asked for none: the end of a refusal's hint.
-pub const DEFAULT_ISOLATION_HINT: &str = "Without BEGIN, a call takes default_transaction_isolation, which a \
-     database's or role's setting may make stricter: SET default_transaction_isolation = 'read committed' in \
-     the session.";
+pub const DEFAULT_ISOLATION_HINT: &str = "A transaction that names no level (autocommit, or a bare BEGIN) takes \
+     default_transaction_isolation, which postgresql.conf or a database's or role's setting may make stricter: \
+     SET default_transaction_isolation = 'read committed' in the session before it, or BEGIN ISOLATION LEVEL \
+     READ COMMITTED.";
 
 /// A value as SQL in a hint spells it: a literal (`'it''s'`) or NULL.
 pub fn quoted(value: Option<&str>) -> String {

@@ -103,7 +103,7 @@ pub fn stream_period(what: &str, micros: Option<i128>, example: &str) -> Result<
     let micros = positive_micros(what, micros, example)?;
     if micros > MAX_STREAM_PERIOD_MICROS {
         return Err(StreamError::invalid(
-            format!("{what} is longer than 100 years"),
+            format!("{what} {} is longer than 100 years", seconds(micros.into())),
             format!("Pass a {what} such as {example}, at most '100 years'."),
         ));
     }
@@ -167,6 +167,26 @@ pub fn check_key_length(what: &str, key: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_duration_is_named_in_seconds() {
+        for (micros, text) in [
+            (0, "0 seconds"),
+            (1_000_000, "1 second"),
+            (-1_000_000, "-1 second"),
+            (1_000_001, "1.000001 seconds"),
+            (-250_000, "-0.25 seconds"),
+            (999_999, "0.999999 seconds"),
+            (86_400_250_000, "86400.25 seconds"),
+            (-86_400_250_000, "-86400.25 seconds"),
+        ] {
+            assert_eq!(seconds(micros), text);
+        }
+        // Beyond what a bigint of microseconds holds, as an interval of years can be.
+        assert_eq!(seconds(i128::from(i64::MAX) * 10), "92233720368547.75807 seconds");
+        assert_eq!(seconds(i128::MIN), "-170141183460469231731687303715884.105728 seconds");
+        assert_eq!(seconds(i128::MAX), "170141183460469231731687303715884.105727 seconds");
+    }
 
     #[test]
     fn names_are_checked() {

@@ -43,7 +43,10 @@ pub fn check_lease(what: &str, micros: i64) -> Result<i64> {
     let max_seconds = i64::from(MAX_LEASE.get());
     if micros > max_seconds.saturating_mul(1_000_000) {
         return Err(StreamError::invalid(
-            format!("{what} is longer than sqlstreams.max_lease ({max_seconds} seconds)"),
+            format!(
+                "{what} {} is longer than sqlstreams.max_lease ({max_seconds} seconds)",
+                crate::names::seconds(micros.into())
+            ),
             format!(
                 "Pass a {what} of at most {max_seconds} seconds and extend it with extend_lease while the handler \
                  runs, or ask an administrator to raise sqlstreams.max_lease."

@@ -120,7 +120,15 @@ fn contract_errors_have_their_sqlstates_and_change_nothing() {
         ("SELECT sqlstreams.lane('k', 1, -3)", "not -3"),
         ("SELECT sqlstreams.lane(NULL, 1, 1025)", "not 1025"),
         ("SELECT sqlstreams.create_stream({s}, idempotency_ttl => '9223372036854 seconds')", "idempotency_ttl"),
-        ("SELECT sqlstreams.alter_stream({s}, idempotency_ttl => '101 years')", "idempotency_ttl"),
+        (
+            "SELECT sqlstreams.alter_stream({s}, idempotency_ttl => '101 years')",
+            "idempotency_ttl 3141504000 seconds is longer",
+        ),
+        ("SELECT * FROM sqlstreams.claim({s}, {g}, 10, '90000 seconds')", "lease 90000 seconds is longer than"),
+        (
+            "SELECT sqlstreams.create_group({s}, {g}, backoff_base => '10 s', backoff_cap => '2.5 s')",
+            "backoff_cap 2.5 seconds is shorter than backoff_base 10 seconds",
+        ),
         ("SELECT sqlstreams.alter_stream({s}, dead_retention => '9223372036854 seconds')", "dead_retention"),
         ("SELECT sqlstreams.alter_stream({s}, max_bytes => -1)", "max_bytes"),
         ("SELECT sqlstreams.alter_stream({s}, max_age => '101 years')", "max_age"),
@@ -152,7 +160,11 @@ fn claim_refuses_old_snapshots() {
     let err = c.query("SELECT * FROM sqlstreams.claim($1, $2)", &[&s.name, &g.name]).unwrap_err();
     let db = err.as_db_error().unwrap();
     assert_eq!(db.message(), "sqlstreams: claim needs a READ COMMITTED transaction, not SERIALIZABLE");
-    assert!(db.hint().unwrap().contains("SET default_transaction_isolation = 'read committed'"), "{:?}", db.hint());
+    assert!(
+        db.hint().unwrap().contains("SET default_transaction_isolation = 'read committed' in the session"),
+        "{:?}",
+        db.hint()
+    );
     let err = c.query("SELECT * FROM sqlstreams.maintain_stream($1)", &[&s.name]).unwrap_err();
     assert_eq!(
         err.as_db_error().unwrap().message(),

@@ -624,11 +624,31 @@ BEGIN
         EXECUTE replace(replace($family$
             -- Every message's lane. The lane and id become the log's key (its only index), as in
             -- create_stream_tables; the old key goes first, so the update does not maintain it.
+            -- Between the two keys the whole row identifies a partition's row to a publication
+            -- of the log (FOR ALL TABLES), which refuses an update of a table without either.
             ALTER TABLE sqlstreams.message_log_@id@ DROP CONSTRAINT message_log_@id@_pkey,
                 ADD COLUMN lane integer;
+            DO $full$
+            DECLARE
+                part regclass;
+            BEGIN
+                FOR part IN SELECT inhrelid::regclass FROM pg_catalog.pg_inherits
+                            WHERE inhparent OPERATOR(pg_catalog.=) 'sqlstreams.message_log_@id@'::regclass LOOP
+                    EXECUTE pg_catalog.format('ALTER TABLE %s REPLICA IDENTITY FULL', part);
+                END LOOP;
+            END $full$;
             UPDATE sqlstreams.message_log_@id@ SET lane = sqlstreams.lane(message_key, id, @lanes@);
             ALTER TABLE sqlstreams.message_log_@id@ ALTER COLUMN lane SET NOT NULL,
                 ADD PRIMARY KEY (lane, id);
+            DO $default$
+            DECLARE
+                part regclass;
+            BEGIN
+                FOR part IN SELECT inhrelid::regclass FROM pg_catalog.pg_inherits
+                            WHERE inhparent OPERATOR(pg_catalog.=) 'sqlstreams.message_log_@id@'::regclass LOOP
+                    EXECUTE pg_catalog.format('ALTER TABLE %s REPLICA IDENTITY DEFAULT', part);
+                END LOOP;
+            END $default$;
             -- Headers and delayed delivery: NULL for every message produced so far.
             ALTER TABLE sqlstreams.message_log_@id@ ADD COLUMN headers jsonb, ADD COLUMN deliver_at timestamptz;
 

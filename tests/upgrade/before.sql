@@ -4,6 +4,12 @@
 \set ON_ERROR_STOP on
 \set QUIET on
 CREATE EXTENSION sqlstreams VERSION '0.1.0';
+-- Every table published, as change data capture or a migration has it: the upgrade, and all
+-- that phase 2 does after it, run under it (Postgres refuses an update or delete of a published
+-- table without a replica identity, whatever wal_level is; its warning about that is not shown).
+SET client_min_messages = error;
+CREATE PUBLICATION upgrade_everything FOR ALL TABLES;
+RESET client_min_messages;
 
 -- What phase 2 needs to answer 0.1.0 deliveries: their tokens and ids.
 CREATE TABLE upgrade_claims (name text PRIMARY KEY, token uuid NOT NULL, ids bigint[] NOT NULL);

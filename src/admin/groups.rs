@@ -135,6 +135,10 @@ impl GroupSettings {
 pub fn create(stream_name: &str, name: &str, settings: &GroupSettings) -> Result<i64> {
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
+            // The stream's lock and the group's, shared, as every call that changes a group takes
+            // them before its rows (docs/semantics.md, "One lock order"): a drop_group then waits
+            // for this transaction instead of locking the group's row first.
+            crate::locks::stream_and_group(stream_name, name, false);
             let stream = stream::lookup(client, stream_name)?;
             caller.require(client, stream.id, stream_name, Right::Consume(name))?;
             // Twice at most: a group dropped between the insert's conflict and the read is

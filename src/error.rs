@@ -57,7 +57,7 @@ pub enum StreamError {
     Standby { function: &'static str },
 
     /// A writing call in a read-only transaction (`maintain()`, which refuses it before any
-    /// stream rather than leave every stream out).
+    /// stream rather than leave every stream out, `maintain_stream` and the worker's round).
     #[error("{function} writes, and this transaction is read-only")]
     ReadOnlyTransaction { function: &'static str },
 

@@ -108,6 +108,11 @@ fn round() {
                 Caught::from_error(&e).warn("sqlstreams: no stream is maintained this round");
                 return Ok(vec![]);
             }
+            // So is a database whose transactions are read-only (default_transaction_read_only).
+            if let Err(e) = crate::admin::maintain::require_read_write("maintain_stream") {
+                Caught::from_error(&e).warn("sqlstreams: no stream is maintained this round");
+                return Ok(vec![]);
+            }
             let rows = client.select("SELECT name FROM sqlstreams.streams ORDER BY id", None, &[])?;
             // A name this database cannot read as UTF-8 (a restore's: src/text.rs) is left out, with a warning.
             let name = |row: pgrx::spi::SpiHeapTupleData<'_>| match row.value::<String>("name") {

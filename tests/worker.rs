@@ -222,15 +222,19 @@ fn the_worker_ends_at_once_when_terminated_while_it_waits_for_a_lock() {
     c.execute("SELECT sqlstreams.drop_stream($1)", &[&s.name]).unwrap();
 }
 
-/// Ends the worker, which starts again and so takes the database's settings as they are now, and
-/// waits for a whole round of the new one: a stream made after the restart is maintained (its
-/// expired idempotency key purged).
-fn restart_and_await_a_round(c: &mut Client, prefix: &str) {
+/// Ends the worker, which starts again and so takes the database's settings as they are now.
+fn restart(c: &mut Client) {
     let before = worker_pid(c);
     c.query_one("SELECT pg_terminate_backend($1)", &[&before]).unwrap();
     let restarted = "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE backend_type = 'sqlstreams maintenance'
                      AND datname = current_database() AND pid <> $1)";
     eventually(c, "the worker started again after pg_terminate_backend", restarted, &[&before]);
+}
+
+/// `restart`, then waits for a whole round of the new one: a stream made after the restart is maintained (its
+/// expired idempotency key purged).
+fn restart_and_await_a_round(c: &mut Client, prefix: &str) {
+    restart(c);
     let s = Stream::create_sized(c, prefix, 1000);
     c.query_one("SELECT sqlstreams.create_stream($1, 1000, idempotency_ttl => '1 microsecond')", &[&s.name]).unwrap();
     c.query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => 'order-1')", &[&s.name]).unwrap();
@@ -296,15 +300,28 @@ fn the_worker_runs_nothing_the_database_owner_planted() {
 }
 
 /// `ALTER DATABASE ... RESET` of a setting a test gave the worker's database, when the test ends
-/// however it ends: the worker's tests share the database.
+/// however it ends, with the worker started again without it: the worker's tests share the database.
 struct DatabaseSetting(&'static str);
 
 impl Drop for DatabaseSetting {
     fn drop(&mut self) {
-        let mut c = connect_worker_database_as(None);
         // Said, not unwrapped: a panic while the test panics already would abort the others.
-        if let Err(e) = c.batch_execute(&format!("ALTER DATABASE worker_sqlstreams RESET {}", self.0)) {
-            eprintln!("the worker's database kept its {}: {e}", self.0);
+        // Read-write first, whatever the setting is (default_transaction_read_only among them);
+        // then the worker ends, and starts again without the setting, which it took when it
+        // connected.
+        let mut c = connect_worker_database_as(None);
+        let reset = [
+            "SET default_transaction_read_only = off".to_string(),
+            format!("ALTER DATABASE worker_sqlstreams RESET {}", self.0),
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE backend_type = 'sqlstreams maintenance' AND datname = current_database()"
+                .to_string(),
+        ];
+        for statement in reset {
+            if let Err(e) = c.batch_execute(&statement) {
+                eprintln!("the worker's database kept its {}: {e}", self.0);
+                return;
+            }
         }
     }
 }
@@ -321,4 +338,39 @@ fn the_worker_maintains_a_database_whose_transactions_are_serializable() {
     assert_eq!(refused.code(), Some(&postgres::error::SqlState::INVALID_TRANSACTION_STATE), "{refused}");
 
     restart_and_await_a_round(&mut c, "serializable");
+}
+
+/// A database whose transactions are read-only (`default_transaction_read_only`) is not
+/// maintained, and the worker says so once a round, not once for each stream (a stream's step
+/// failed at its first write, with a warning for each).
+#[test]
+#[ignore = "needs a cluster that preloads sqlstreams: scripts/rig test runs it"]
+fn a_read_only_database_is_said_once_a_round() {
+    let mut c = connect_worker_database();
+    let streams = [
+        Stream::create_sized(&mut c, "worker-read-only-a", 1000),
+        Stream::create_sized(&mut c, "worker-read-only-b", 1000),
+    ];
+    let log = std::env::var("SQLSTREAMS_SERVER_LOG").expect("SQLSTREAMS_SERVER_LOG");
+    let from = std::fs::metadata(log).expect("the server log").len();
+    let _reset = DatabaseSetting("default_transaction_read_only");
+    c.batch_execute("ALTER DATABASE worker_sqlstreams SET default_transaction_read_only = on").unwrap();
+    restart(&mut c);
+    let said =
+        "sqlstreams: no stream is maintained this round: maintain_stream writes, and this transaction is read-only";
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while server_log_from(from).matches(said).count() < 2 {
+        assert!(Instant::now() < deadline, "the worker did not say it twice within a minute");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = server_log_from(from);
+    assert!(!log.contains("is not maintained"), "one warning a round, none per stream: {log}");
+    // Called in such a transaction, maintain_stream says the same.
+    let mut session = connect_worker_database_as(None);
+    let refused =
+        session.query_one("SELECT count(*) FROM sqlstreams.maintain_stream($1)", &[&streams[0].name]).unwrap_err();
+    assert_eq!(sqlstate(&refused), "25006", "{refused}");
+    for s in &streams {
+        c.execute("SELECT sqlstreams.drop_stream($1)", &[&s.name]).unwrap();
+    }
 }

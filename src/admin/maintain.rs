@@ -57,14 +57,20 @@ fn require_read_committed() -> Result<()> {
     Ok(())
 }
 
+/// Refuses a read-only transaction, which every step's first write would refuse less clearly.
+pub(crate) fn require_read_write(function: &'static str) -> Result<()> {
+    // SAFETY: reads this backend's transaction state.
+    if unsafe { pgrx::pg_sys::XactReadOnly } {
+        return Err(StreamError::ReadOnlyTransaction { function });
+    }
+    Ok(())
+}
+
 /// Every stream's housekeeping, in one transaction.
 fn maintain_all() -> Result<Vec<Report>> {
     require_read_committed()?;
     // No stream's error, though every stream's step would meet it: refused before any runs.
-    // SAFETY: reads this backend's transaction state.
-    if unsafe { pgrx::pg_sys::XactReadOnly } {
-        return Err(StreamError::ReadOnlyTransaction { function: "maintain()" });
-    }
+    require_read_write("maintain()")?;
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "run maintain()")?;
@@ -113,6 +119,7 @@ fn maintain_named(client: &mut pgrx::spi::SpiClient<'_>, name: &str) -> Result<O
 /// One stream's housekeeping; nothing when the stream is being dropped right now.
 fn maintain_stream_named(name: &str) -> Result<Vec<Report>> {
     require_read_committed()?;
+    require_read_write("maintain_stream")?;
     access::as_owner(|caller| {
         Spi::connect_mut(|client| {
             caller.require_admin(client, "run maintain()")?;

@@ -5,7 +5,7 @@
 mod dead_letters;
 mod grants;
 mod groups;
-mod maintain;
+pub(crate) mod maintain;
 mod seek;
 mod streams;
 

@@ -68,7 +68,7 @@ pub fn positive_micros(what: &str, micros: Option<i128>, example: &str) -> Resul
         Some(m) if m > 0 && m <= i64::MAX as i128 => Ok(m as i64),
         Some(m) if m > 0 => Err(StreamError::invalid(
             format!("{what} {} is too long", seconds(m)),
-            format!("Pass a {what} such as {example}."),
+            format!("Pass {} {what} such as {example}.", article(what)),
         )),
         Some(m) => Err(StreamError::invalid(
             format!("{what} must be positive, not {}", seconds(m)),
@@ -78,6 +78,15 @@ pub fn positive_micros(what: &str, micros: Option<i128>, example: &str) -> Resul
             format!("{what} must not be NULL"),
             format!("Pass a positive {what} such as {example}."),
         )),
+    }
+}
+
+/// "a" or "an", as `word` is spoken (a setting's name: "an idempotency_ttl", "a lease").
+fn article(word: &str) -> &'static str {
+    if word.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
     }
 }
 
@@ -104,7 +113,7 @@ pub fn stream_period(what: &str, micros: Option<i128>, example: &str) -> Result<
     if micros > MAX_STREAM_PERIOD_MICROS {
         return Err(StreamError::invalid(
             format!("{what} {} is longer than 100 years", seconds(micros.into())),
-            format!("Pass a {what} such as {example}, at most '100 years'."),
+            format!("Pass {} {what} such as {example}, at most '100 years'.", article(what)),
         ));
     }
     Ok(micros)
@@ -193,6 +202,8 @@ mod tests {
         assert_eq!(validate_name("stream", Some("ledger.adjustments")).unwrap(), "ledger.adjustments");
         assert!(validate_name("group", Some(" ")).unwrap_err().hint().unwrap().contains("'apply-balance'"));
         assert!(validate_name("stream", None).unwrap_err().hint().unwrap().contains("'ledger.adjustments'"));
+        let long = stream_period("idempotency_ttl", Some(i128::from(MAX_STREAM_PERIOD_MICROS) + 1), "'1 day'");
+        assert!(long.unwrap_err().hint().unwrap().starts_with("Pass an idempotency_ttl such as '1 day'"));
         assert_eq!(validate_name("stream", Some("Robert'); DROP TABLE x;--")).unwrap(), "Robert'); DROP TABLE x;--");
         assert!(validate_name("stream", None).is_err());
         assert!(validate_name("stream", Some("")).is_err());

@@ -1491,7 +1491,20 @@ fn a_declaration_that_changes_a_group_says_what_it_changed() {
     notices.lock().unwrap().clear();
     let declare = "SELECT sqlstreams.create_group($1, 'g', 'ordered', max_retries => 5, backoff_base => '2 seconds')";
     c.query_one(declare, &[&s.name]).unwrap();
-    c.query_one(declare, &[&s.name]).unwrap();
+    // The same settings again fire no trigger of the catalog's (each invalidates what every backend
+    // remembers), counted by the transaction's function statistics.
+    let mut tx = c.transaction().unwrap();
+    tx.batch_execute("SET LOCAL track_functions = 'all'").unwrap();
+    tx.query_one(declare, &[&s.name]).unwrap();
+    let fired: i64 = tx
+        .query_one(
+            "SELECT coalesce(pg_stat_get_xact_function_calls('sqlstreams.catalog_changed()'::regprocedure), 0)",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    tx.commit().unwrap();
+    assert_eq!(fired, 0, "the same settings again change nothing of the catalog");
     assert_eq!(*notices.lock().unwrap(), Vec::<String>::new(), "a new group, and the same settings again");
 
     // Whatever the session's interval style: the changes are written as the arguments can be.

@@ -20,9 +20,8 @@ use crate::stream;
 use crate::text::{sendable, Text};
 
 /// A new group (`$1` the stream, `$2` the name, `$3` ... `$9` its settings as `GroupSettings::args`
-/// passes them); no row when the stream has one of that name. A declaration inserts first and
-/// compares with the stored row only when there is one: two consumers declaring a new group at
-/// once then find each other's row, the second one waiting for the first to commit.
+/// passes them); no row when the stream has one of that name: two consumers declaring a new group
+/// at once then find each other's row, the second one waiting for the first to commit.
 const INSERT: Statement = Statement {
     name: "group_insert",
     sql: "INSERT INTO sqlstreams.consumer_group
@@ -137,13 +136,28 @@ pub fn create(stream_name: &str, name: &str, settings: &GroupSettings) -> Result
         Spi::connect_mut(|client| {
             // The stream's lock and the group's, shared, as every call that changes a group takes
             // them before its rows (docs/semantics.md, "One lock order"): a drop_group then waits
-            // for this transaction instead of locking the group's row first.
+            // for this transaction instead of locking the group's row first. (A seek or drop of the
+            // group later in a transaction that declared it upgrades the lock: "Outside this
+            // argument" there.)
             crate::locks::stream_and_group(stream_name, name, false);
             let stream = stream::lookup(client, stream_name)?;
             caller.require(client, stream.id, stream_name, Right::Consume(name))?;
-            // Twice at most: a group dropped between the insert's conflict and the read is
-            // inserted on the second turn, or a concurrent declaration's row is found.
+            // The stored row first, and an insert only when there is none: an insert fires the
+            // catalog's trigger (an invalidation for every backend) even when it conflicts. Twice
+            // at most: a declaration that inserted the group since the read, which the insert
+            // waited for, is found on the second turn.
             for _ in 0..2 {
+                let row = DECLARED.run(client, 0, &[stream.id.into(), name.into()])?.first();
+                if !row.is_empty() {
+                    let id: i64 = row.required("id")?;
+                    let changes = changes(&row, settings)?;
+                    if !changes.is_empty() {
+                        let args = [id.into()].into_iter().chain(settings.args()).collect::<Vec<_>>();
+                        REDECLARE.run(client, 0, &args)?;
+                        said_changed(stream_name, name, &changes);
+                    }
+                    return Ok(id);
+                }
                 let args = [stream.id.into(), name.into()].into_iter().chain(settings.args()).collect::<Vec<_>>();
                 let inserted = INSERT.run(client, 0, &args)?.first();
                 if !inserted.is_empty() {
@@ -155,17 +169,6 @@ pub fn create(stream_name: &str, name: &str, settings: &GroupSettings) -> Result
                     lanes::create(client, stream.id, id, stream.lanes, start)?;
                     return Ok(id);
                 }
-                let row = DECLARED.run(client, 0, &[stream.id.into(), name.into()])?.first();
-                if row.is_empty() {
-                    continue;
-                }
-                let id: i64 = row.required("id")?;
-                let changes = changes(&row, settings)?;
-                if !changes.is_empty() {
-                    REDECLARE.run(client, 0, &[id.into()].into_iter().chain(settings.args()).collect::<Vec<_>>())?;
-                    said_changed(stream_name, name, &changes);
-                }
-                return Ok(id);
             }
             Err(StreamError::Internal(format!("consumer group {} neither inserted nor found", named(name))))
         })

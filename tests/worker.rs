@@ -119,6 +119,21 @@ fn server_log_from(from: u64) -> String {
     String::from_utf8_lossy(&log[(from as usize).min(log.len())..]).into_owned()
 }
 
+/// The server log's length now: where `server_log_from` reads what comes after.
+fn server_log_len() -> u64 {
+    let path = std::env::var("SQLSTREAMS_SERVER_LOG").expect("SQLSTREAMS_SERVER_LOG: scripts/rig test sets it");
+    std::fs::metadata(&path).unwrap_or_else(|e| panic!("the server log {path}: {e}")).len()
+}
+
+/// Waits (a minute at most) until the server log says `said` `times` times from byte `from` on.
+fn await_said(from: u64, said: &str, times: usize) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while server_log_from(from).matches(said).count() < times {
+        assert!(Instant::now() < deadline, "the worker did not say {said:?} {times} times within a minute");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// Sets the installed extension's version to `0.1.0` until dropped, as a new library installed
 /// before `ALTER EXTENSION sqlstreams UPDATE` meets it (the library is the one that differs
 /// there; what the worker must do is the same).
@@ -170,25 +185,15 @@ fn a_library_the_installed_sql_does_not_match_is_said_once_a_round() {
     let keys = format!("SELECT count(*) = 0 FROM {}", s.table("idempotency_key"));
     eventually(&mut c, "a round before the mismatch", &keys, &[]);
 
-    let from = std::fs::metadata(std::env::var("SQLSTREAMS_SERVER_LOG").expect("SQLSTREAMS_SERVER_LOG"))
-        .expect("the server log")
-        .len();
+    let from = server_log_len();
     let mismatch = InstalledVersion::set(&mut c);
     let said = "sqlstreams: no stream is maintained this round: the sqlstreams library is version";
-    let rounds_said = || server_log_from(from).matches(said).count();
-    let until_said = |times: usize| {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while rounds_said() < times {
-            assert!(Instant::now() < deadline, "the worker did not say the mismatch {times} times within a minute");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    };
     // Rounds go one after another: from the first that says it, none maintains anything. A key
     // that expires now, then a round begun after it.
-    until_said(1);
+    await_said(from, said, 1);
     // This session matched before: its produce goes on.
     c.query_one("SELECT sqlstreams.produce($1, '{}', idempotency_key => 'order-2')", &[&s.name]).unwrap();
-    until_said(rounds_said() + 2);
+    await_said(from, said, server_log_from(from).matches(said).count() + 2);
     let log = server_log_from(from);
     assert!(log.contains("HINT:  Run ALTER EXTENSION sqlstreams UPDATE"), "the warning's hint: {log}");
     assert!(!log.contains("is not maintained"), "one warning a round, none per stream: {log}");
@@ -351,18 +356,13 @@ fn a_read_only_database_is_said_once_a_round() {
         Stream::create_sized(&mut c, "worker-read-only-a", 1000),
         Stream::create_sized(&mut c, "worker-read-only-b", 1000),
     ];
-    let log = std::env::var("SQLSTREAMS_SERVER_LOG").expect("SQLSTREAMS_SERVER_LOG");
-    let from = std::fs::metadata(log).expect("the server log").len();
+    let from = server_log_len();
     let _reset = DatabaseSetting("default_transaction_read_only");
     c.batch_execute("ALTER DATABASE worker_sqlstreams SET default_transaction_read_only = on").unwrap();
     restart(&mut c);
     let said =
         "sqlstreams: no stream is maintained this round: maintain_stream writes, and this transaction is read-only";
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while server_log_from(from).matches(said).count() < 2 {
-        assert!(Instant::now() < deadline, "the worker did not say it twice within a minute");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    await_said(from, said, 2);
     let log = server_log_from(from);
     assert!(!log.contains("is not maintained"), "one warning a round, none per stream: {log}");
     // Called in such a transaction, maintain_stream says the same.

@@ -198,7 +198,8 @@ pub fn claim(
         let known = fence::known(group.id, sequence, head).map_or(stored, |known| stored.merge(known));
         let fence = advance_fence(client, stream_id, known, head)?;
         let now = clock::now();
-        let candidates = lanes::candidates(client, group, &log, fence.safe, now, released.first().copied())?;
+        let stay = lanes::stay::preferred(group.id, &released);
+        let candidates = lanes::candidates(client, group, &log, fence.safe, now, released.first().copied(), stay)?;
         if fence != stored {
             cursor::store_fence(client, stream_id, group.id, fence)?;
         }
@@ -230,6 +231,7 @@ pub fn claim(
             nothing_waited: false,
         };
         let (deliveries, taken) = claim.run(client, fence.safe, candidates, head)?;
+        lanes::stay::took(group.id, &taken);
         signal_left(stream_id, &released, &taken);
         if room_left(deliveries.len()) {
             notify::signal(stream_id);

@@ -34,6 +34,7 @@ mod empty;
 mod free;
 mod holds;
 mod next;
+pub mod stay;
 
 pub use holds::{end_holds_with_ranges, release, store, store_with_new_range};
 
@@ -115,7 +116,8 @@ macro_rules! holders {
 
 /// Lanes with work that a claim may take, best first: one with a due isolated row (it is
 /// handed out alone, so it goes first or never), then the lane furthest behind, the lane the
-/// caller just released first among equals (it stays with the keys it knows). Work is due
+/// caller just released first among equals (it stays with the keys it knows; where nothing is
+/// due, `candidates` may put it first, src/lanes/stay.rs). Work is due
 /// exception rows, an expired range, or perhaps messages:
 /// the lane's position is below the safe head `$4` (`NEXT` looks). Also how many claims hold
 /// lanes now. Reads only; `take` locks.
@@ -368,7 +370,8 @@ impl Candidates {
 }
 
 /// Lanes that no other claim holds and that may have work, best first (see `share` for how
-/// many one claim may take). `preferred` is a lane the caller's carried acks just released.
+/// many one claim may take). `preferred` is a lane the caller's carried acks just released;
+/// `stay` one of them to take first where nothing is due (src/lanes/stay.rs).
 /// Lanes this backend knows have nothing after their positions up to `safe` are left out
 /// (src/lanes/empty.rs): an idle claim then finds none without probing any. Reads only.
 pub fn candidates(
@@ -378,6 +381,7 @@ pub fn candidates(
     safe: i64,
     now: i64,
     preferred: Option<i32>,
+    stay: Option<i32>,
 ) -> Result<Candidates> {
     let args = [
         group.id.into(),
@@ -418,8 +422,8 @@ pub fn candidates(
         share = Some(share_of(group, holders));
     } else {
         // CANDIDATES' order, where nothing is due: the lane furthest behind first, the
-        // preferred one first among equals.
-        lanes.sort_by_key(|c| (c.claimed, Some(c.lane) != preferred, c.lane));
+        // preferred one first among equals; but the lane to stay with before them all.
+        lanes.sort_by_key(|c| (Some(c.lane) != stay, c.claimed, Some(c.lane) != preferred, c.lane));
     }
     lanes.retain(|c| c.due_rows || c.expired_range || c.messages != Some(false));
     Ok(Candidates { lanes, next: 0, probe_size: PROBE_LANES, safe, share })

@@ -1046,3 +1046,66 @@ fn a_session_reads_what_the_schema_name_names_after_schemas_swapped_names() {
     let mut fresh = postgres::Client::connect(&url, postgres::NoTls).unwrap();
     assert_eq!(warm, answer(&mut fresh).expect("a new session's claim"), "as a new session answers");
 }
+
+/// A consumer that carries its acks into its next claim stays with the lane it holds for up to
+/// four claims in a row (src/lanes/stay.rs), then takes the lane furthest behind; a claim that
+/// stays notifies nobody, the one that leaves notifies the stream's channel once. Before, every
+/// claim of a lone consumer left its lane (the lane just read is the one least behind) and
+/// notified every listening connection.
+#[test]
+fn a_consumer_carrying_its_acks_stays_with_its_lane_four_claims_and_notifies_only_when_it_leaves() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "lane-stay");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let keys = one_key_per_lane(&mut c, &s);
+    // Ten messages of each key, interleaved: every lane has more than four claims of two.
+    let mut produced: HashMap<String, Vec<i64>> = HashMap::new();
+    for _ in 0..10 {
+        for k in &keys {
+            produced.entry(k.clone()).or_default().push(s.produce(&mut c, json!({}), Some(k)));
+        }
+    }
+    let channel: String =
+        c.query_one("SELECT channel FROM sqlstreams.streams WHERE name = $1", &[&s.name]).unwrap().get(0);
+    let mut listener = connect();
+    listener.batch_execute(&format!("LISTEN \"{channel}\"")).unwrap();
+    // Claims of two carrying the previous claim's acks, on a connection of their own; each
+    // claim's notifications are counted up to a marker it sends after it.
+    let mut consumer = connect();
+    let mut carried: Option<(uuid::Uuid, Vec<i64>)> = None;
+    let mut delivered: HashMap<String, Vec<i64>> = HashMap::new();
+    let mut claims: Vec<(i32, usize)> = vec![];
+    for n in 0..12 {
+        let (token, ids) = carried.take().unzip();
+        let rows = consumer
+            .query(
+                "SELECT message_id, message_key, lease_token FROM sqlstreams.claim($1, $2, 2, '30 seconds', $3, $4)",
+                &[&s.name, &g.name, &token, &ids],
+            )
+            .unwrap();
+        assert_eq!(rows.len(), 2, "claim {n}: the backlog fills every batch");
+        let key: String = rows[0].get(1);
+        assert!(rows.iter().all(|r| r.get::<_, String>(1) == key), "claim {n}: one lane, one key");
+        delivered.entry(key.clone()).or_default().extend(rows.iter().map(|r| r.get::<_, i64>(0)));
+        carried = Some((rows[0].get(2), rows.iter().map(|r| r.get(0)).collect()));
+        consumer.execute("SELECT pg_notify($1, $2)", &[&channel, &format!("marker {n}")]).unwrap();
+        let mut notified = 0;
+        for note in listener.notifications().blocking_iter() {
+            let note = note.unwrap();
+            if note.payload() == format!("marker {n}") {
+                break;
+            }
+            notified += 1;
+        }
+        claims.push((s.lane(&mut c, &key), notified));
+    }
+    // Lanes 0 to 15 stood at the same position, so the first claim takes lane 0; then the
+    // lane furthest behind is each time the next one.
+    let lanes: Vec<i32> = claims.iter().map(|&(lane, _)| lane).collect();
+    assert_eq!(lanes, [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2], "four claims in a row on each lane");
+    let notified: Vec<usize> = claims.iter().map(|&(_, n)| n).collect();
+    assert_eq!(notified, [0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0], "a notification for each lane left, none for one kept");
+    for (key, ids) in &delivered {
+        assert_eq!(ids[..], produced[key][..ids.len()], "key {key}: its first messages, in order");
+    }
+}

@@ -133,6 +133,8 @@ struct Claim<'a> {
     work_in_flight: bool,
     /// Its gate found nothing that could block a key and parked nothing (src/own_claims.rs).
     nothing_waited: bool,
+    /// The lane it takes first to stay with it, and the run so far (src/lanes/stay.rs).
+    stay: Option<own_claims::Stay>,
 }
 
 /// Outcomes a claim records before it claims (`ack_lease_token`, `ack_message_ids`).
@@ -174,6 +176,7 @@ pub fn claim(
         // partitions holds the log until its transaction ends, and that transaction may go on to
         // record outcomes that wait for rows a claim holds. The clock is read after it.
         let log = Log::open(&group.stream)?;
+        let acked_token = carried.as_ref().map(|acks| acks.token);
         let (released, acked) = match carried {
             Some(acks) => {
                 let acked = outcome::ack_in(client, group, acks.token, &acks.ids, Signal::Later)?;
@@ -198,8 +201,9 @@ pub fn claim(
         let known = fence::known(group.id, sequence, head).map_or(stored, |known| stored.merge(known));
         let fence = advance_fence(client, stream_id, known, head)?;
         let now = clock::now();
-        let stay = lanes::stay::preferred(group.id, &released);
-        let candidates = lanes::candidates(client, group, &log, fence.safe, now, released.first().copied(), stay)?;
+        let stay = lanes::stay_with(acked_token, &released);
+        let candidates =
+            lanes::candidates(client, group, &log, fence.safe, now, released.first().copied(), stay.map(|s| s.lane))?;
         if fence != stored {
             cursor::store_fence(client, stream_id, group.id, fence)?;
         }
@@ -229,10 +233,10 @@ pub fn claim(
             resolved_keys: vec![],
             work_in_flight: false,
             nothing_waited: false,
+            stay,
         };
-        let (deliveries, taken) = claim.run(client, fence.safe, candidates, head)?;
-        lanes::stay::took(group.id, &taken);
-        signal_left(stream_id, &released, &taken);
+        let (deliveries, holding) = claim.run(client, fence.safe, candidates, head)?;
+        signal_left(stream_id, &released, &holding);
         if room_left(deliveries.len()) {
             notify::signal(stream_id);
         }
@@ -240,15 +244,17 @@ pub fn claim(
     })
 }
 
-/// Signals idle consumers when the carried acks freed a lane this claim did not take back.
 /// Whether the claim runs in a transaction block (BEGIN ... COMMIT), which may stay open.
 fn in_transaction_block() -> bool {
     // SAFETY: reads this backend's transaction state.
     unsafe { pg_sys::IsTransactionBlock() }
 }
 
-fn signal_left(stream_id: i64, released: &[i32], taken: &[i32]) {
-    if released.iter().any(|lane| !taken.contains(lane)) {
+/// Signals idle consumers when the carried acks freed a lane that this claim does not hold
+/// again: one it did not take, or took and handed out only parallel work from (or nothing),
+/// which leaves it free at commit.
+fn signal_left(stream_id: i64, released: &[i32], held: &[i32]) {
+    if released.iter().any(|lane| !held.contains(lane)) {
         notify::signal(stream_id);
     }
 }
@@ -267,7 +273,7 @@ fn advance_fence(client: &SpiClient<'_>, stream_id: i64, stored: Fence, head: i6
 }
 
 impl Claim<'_> {
-    /// Runs the claim; returns its deliveries and the lanes it took.
+    /// Runs the claim; returns its deliveries and the lanes it holds (sorted).
     fn run(
         mut self,
         client: &SpiClient<'_>,
@@ -341,17 +347,17 @@ impl Claim<'_> {
                 range_ids: pending.iter().map(|p| p.id).collect(),
                 keyed_lanes: self.keyed_lanes(&pending, &deliveries),
                 held: holding.clone(),
+                stay: lanes::stay_of(self.stay, self.lanes.iter().map(|l| l.lane), &holding),
             },
         );
         exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;
-        let taken: Vec<i32> = self.lanes.iter().map(|l| l.lane).collect();
         self.store(client, &deliveries, pending, &holding)?;
         let keys = exception_queue::distinct_keys(&self.resolved_keys);
         exception_queue::after_resolution(client, self.group, &keys, self.now, Waker::Claim)?;
         if !in_transaction_block() {
             retention::from_claim(client, &self.group.stream)?;
         }
-        Ok((deliveries, taken))
+        Ok((deliveries, holding))
     }
 
     /// Stores the claim's ranges, with the positions and holds of their lanes in the same

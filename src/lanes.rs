@@ -34,9 +34,10 @@ mod empty;
 mod free;
 mod holds;
 mod next;
-pub mod stay;
+mod stay;
 
 pub use holds::{end_holds_with_ranges, release, store, store_with_new_range};
+pub use stay::{of_claim as stay_of, preferred as stay_with};
 
 /// A claim's read of lane `lane` of log `log` found message `id` after what it handed out, up to
 /// the safe head: the next claim to take the lane knows it has work without probing it (as a

@@ -43,6 +43,14 @@ pub struct Facts {
     pub nothing_waited: bool,
 }
 
+/// The lane a claim held first (in the order it took its lanes), and how many claims in a row
+/// held that lane first, each carrying the acks of the one before (src/lanes/stay.rs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stay {
+    pub lane: i32,
+    pub claims: u32,
+}
+
 /// One claim remembered.
 struct Claim {
     token: pgrx::Uuid,
@@ -53,6 +61,7 @@ struct Claim {
     keyed_lanes: Box<[i32]>,
     /// The lanes it stored its hold on, sorted.
     held: Box<[i32]>,
+    stay: Option<Stay>,
 }
 
 /// The newest claim of `token` this backend remembers.
@@ -79,11 +88,13 @@ pub struct Made {
     pub keyed_lanes: Vec<i32>,
     /// The lanes it stored its hold on.
     pub held: Vec<i32>,
+    /// The lane it held first, and the run (`Stay`).
+    pub stay: Option<Stay>,
 }
 
 /// A claim of the transaction in progress handed out `made` under `token`.
 pub fn made(token: pgrx::Uuid, made: Made) {
-    let Made { rows_in_flight, nothing_waited, mut range_ids, mut keyed_lanes, mut held } = made;
+    let Made { rows_in_flight, nothing_waited, mut range_ids, mut keyed_lanes, mut held, stay } = made;
     let facts = Facts { held_lanes: !held.is_empty(), rows_in_flight, nothing_waited };
     if range_ids.len() > RANGE_IDS_KEPT {
         range_ids = vec![];
@@ -105,6 +116,7 @@ pub fn made(token: pgrx::Uuid, made: Made) {
             range_ids: range_ids.into_boxed_slice(),
             keyed_lanes: keyed_lanes.into_boxed_slice(),
             held: held.into_boxed_slice(),
+            stay,
         })
     });
 }
@@ -125,6 +137,11 @@ pub fn keyed_lanes(token: pgrx::Uuid) -> Option<Vec<i32>> {
 /// outside them is held under the token (a lease's extension only moves a hold's expiry).
 pub fn held_lanes(token: pgrx::Uuid) -> Option<Vec<i32>> {
     KNOWN.with(|k| known(&k.borrow(), token).map(|c| c.held.to_vec()))
+}
+
+/// The lane this backend's committed claim of `token` held first, and its run.
+pub fn stay(token: pgrx::Uuid) -> Option<Stay> {
+    KNOWN.with(|k| known(&k.borrow(), token).and_then(|c| c.stay))
 }
 
 /// Whether `ids` name every message this backend's committed claim of `token` handed out from
@@ -177,7 +194,7 @@ mod tests {
     const NOTHING: Facts = Facts { held_lanes: false, rows_in_flight: false, nothing_waited: false };
 
     fn claim(range_ids: Vec<i64>, keyed_lanes: Vec<i32>, held: Vec<i32>) -> Made {
-        Made { rows_in_flight: false, nothing_waited: false, range_ids, keyed_lanes, held }
+        Made { rows_in_flight: false, nothing_waited: false, range_ids, keyed_lanes, held, stay: None }
     }
 
     #[test]
@@ -238,5 +255,15 @@ mod tests {
         assert_eq!(held_lanes(token(105)), Some(vec![3, 7]), "sorted, each once");
         assert_eq!(facts(token(105)), Some(Facts { held_lanes: true, ..NOTHING }));
         assert_eq!(held_lanes(token(106)), None, "not an unknown token");
+    }
+
+    #[test]
+    fn a_claim_remembers_the_lane_it_held_first() {
+        let first = Stay { lane: 7, claims: 2 };
+        made(token(107), Made { stay: Some(first), ..claim(vec![1], vec![7], vec![3, 7]) });
+        assert_eq!(stay(token(107)), None, "not before the commit");
+        committed();
+        assert_eq!(stay(token(107)), Some(first));
+        assert_eq!(stay(token(108)), None, "not an unknown token");
     }
 }

@@ -1,8 +1,10 @@
 //! Lanes: where messages go, and how competing claims divide them (src/lanes.rs).
 
 use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
 use postgres::Client;
+use sqlstreams_tests::postgres::fallible_iterator::FallibleIterator;
 use sqlstreams_tests::*;
 
 /// Keys, one per lane of a 16-lane stream, found through the stream's own lane function.
@@ -982,7 +984,7 @@ fn wait_until_waiting_for_the_lock_of(c: &mut Client, pid: i32, table: &str) {
         if waits {
             return;
         }
-        std::thread::sleep(std::time::Duration::from_millis(10));
+        std::thread::sleep(Duration::from_millis(10));
     }
     panic!("backend {pid} never waited for the lock of {table}");
 }
@@ -1051,61 +1053,135 @@ fn a_session_reads_what_the_schema_name_names_after_schemas_swapped_names() {
 /// four claims in a row (src/lanes/stay.rs), then takes the lane furthest behind; a claim that
 /// stays notifies nobody, the one that leaves notifies the stream's channel once. Before, every
 /// claim of a lone consumer left its lane (the lane just read is the one least behind) and
-/// notified every listening connection.
+/// notified every listening connection. In an ordered group and in an exclusive one; a lane
+/// whose last messages a claim took is left at once, with its notification.
 #[test]
 fn a_consumer_carrying_its_acks_stays_with_its_lane_four_claims_and_notifies_only_when_it_leaves() {
-    let mut c = connect();
-    let s = Stream::create(&mut c, "lane-stay");
-    let g = s.group(&mut c, "g", Some("ordered"));
-    let keys = one_key_per_lane(&mut c, &s);
-    // Ten messages of each key, interleaved: every lane has more than four claims of two.
-    let mut produced: HashMap<String, Vec<i64>> = HashMap::new();
-    for _ in 0..10 {
-        for k in &keys {
-            produced.entry(k.clone()).or_default().push(s.produce(&mut c, json!({}), Some(k)));
+    for (policy, messages_of_lane_2) in [("ordered", 10), ("exclusive", 4)] {
+        let mut c = connect();
+        let s = Stream::create(&mut c, &format!("lane-stay-{policy}"));
+        let g = s.group(&mut c, "g", Some(policy));
+        let keys = one_key_per_lane(&mut c, &s);
+        // Ten messages of each key, interleaved (lane 2's key fewer): every other lane has more
+        // than four claims of two.
+        let mut produced: HashMap<String, Vec<i64>> = HashMap::new();
+        for round in 0..10 {
+            for (lane, k) in keys.iter().enumerate() {
+                if lane != 2 || round < messages_of_lane_2 {
+                    produced.entry(k.clone()).or_default().push(s.produce(&mut c, json!({}), Some(k)));
+                }
+            }
+        }
+        let channel: String =
+            c.query_one("SELECT channel FROM sqlstreams.streams WHERE name = $1", &[&s.name]).unwrap().get(0);
+        let mut listener = connect();
+        listener.batch_execute(&format!("LISTEN \"{channel}\"")).unwrap();
+        // Claims of two carrying the previous claim's acks, on a connection of their own; each
+        // claim's notifications are counted up to a marker the connection sends after it
+        // (notifications arrive in the order their transactions committed).
+        let mut consumer = connect();
+        let mut carried: Option<(uuid::Uuid, Vec<i64>)> = None;
+        let mut delivered: HashMap<String, Vec<i64>> = HashMap::new();
+        let mut claims: Vec<(i32, usize)> = vec![];
+        for n in 0..14 {
+            let (token, ids) = carried.take().unzip();
+            let rows = consumer
+                .query(
+                    "SELECT message_id, message_key, lease_token FROM sqlstreams.claim($1, $2, 2, '30 seconds', $3, $4)",
+                    &[&s.name, &g.name, &token, &ids],
+                )
+                .unwrap();
+            assert_eq!(rows.len(), 2, "{policy} claim {n}: the backlog fills every batch");
+            let key: String = rows[0].get(1);
+            assert!(rows.iter().all(|r| r.get::<_, String>(1) == key), "{policy} claim {n}: one lane, one key");
+            delivered.entry(key.clone()).or_default().extend(rows.iter().map(|r| r.get::<_, i64>(0)));
+            carried = Some((rows[0].get(2), rows.iter().map(|r| r.get(0)).collect()));
+            let marker = format!("marker {n}");
+            consumer.execute("SELECT pg_notify($1, $2)", &[&channel, &marker]).unwrap();
+            let mut notified = 0;
+            let mut notifications = listener.notifications();
+            let mut arriving = notifications.timeout_iter(Duration::from_secs(30));
+            loop {
+                let note = arriving.next().unwrap().expect("the marker arrives");
+                if note.payload() == marker {
+                    break;
+                }
+                notified += 1;
+            }
+            claims.push((s.lane(&mut c, &key), notified));
+        }
+        // Lanes 0 to 15 stood at the same position, so the first claim takes lane 0; then the
+        // lane furthest behind is each time the next one. Lane 2 has four messages: its second
+        // claim takes its last, and the next claim leaves it (an ordered lane 2 holds ten).
+        let lanes: Vec<i32> = claims.iter().map(|&(lane, _)| lane).collect();
+        let notified: Vec<usize> = claims.iter().map(|&(_, n)| n).collect();
+        if messages_of_lane_2 == 10 {
+            assert_eq!(lanes, [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3], "{policy}: four claims in a row on a lane");
+            assert_eq!(notified, [0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0], "{policy}: one for each lane left");
+        } else {
+            assert_eq!(lanes, [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3], "{policy}: a lane left when it has nothing");
+            assert_eq!(notified, [0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 1, 0, 0, 0], "{policy}: one for each lane left");
+        }
+        for (key, ids) in &delivered {
+            assert_eq!(ids[..], produced[key][..ids.len()], "{policy} key {key}: its first messages, in order");
         }
     }
-    let channel: String =
-        c.query_one("SELECT channel FROM sqlstreams.streams WHERE name = $1", &[&s.name]).unwrap().get(0);
-    let mut listener = connect();
-    listener.batch_execute(&format!("LISTEN \"{channel}\"")).unwrap();
-    // Claims of two carrying the previous claim's acks, on a connection of their own; each
-    // claim's notifications are counted up to a marker it sends after it.
-    let mut consumer = connect();
-    let mut carried: Option<(uuid::Uuid, Vec<i64>)> = None;
-    let mut delivered: HashMap<String, Vec<i64>> = HashMap::new();
-    let mut claims: Vec<(i32, usize)> = vec![];
-    for n in 0..12 {
-        let (token, ids) = carried.take().unzip();
-        let rows = consumer
+}
+
+/// The run is counted along the acked tokens this backend made (src/lanes/stay.rs): acks of a
+/// claim made on another connection (a pooler in transaction mode) start no stay, and the claim
+/// takes the lane furthest behind; a consumer pipelining its claims (each carries the acks of
+/// the one before the last) stays with each of its two lanes.
+#[test]
+fn a_stay_follows_the_tokens_this_backend_made() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "lane-stay-chain");
+    let g = s.group(&mut c, "g", Some("ordered"));
+    let keys = one_key_per_lane(&mut c, &s);
+    for _ in 0..10 {
+        for k in &keys {
+            s.produce(&mut c, json!({}), Some(k));
+        }
+    }
+    let claim = |c: &mut Client, acked: &[Delivery]| -> (i32, Vec<Delivery>) {
+        let token = acked.first().map(|d| d.lease_token);
+        let ids: Option<Vec<i64>> = token.map(|_| acked.iter().map(|d| d.message_id).collect());
+        let rows = c
             .query(
                 "SELECT message_id, message_key, lease_token FROM sqlstreams.claim($1, $2, 2, '30 seconds', $3, $4)",
                 &[&s.name, &g.name, &token, &ids],
             )
             .unwrap();
-        assert_eq!(rows.len(), 2, "claim {n}: the backlog fills every batch");
-        let key: String = rows[0].get(1);
-        assert!(rows.iter().all(|r| r.get::<_, String>(1) == key), "claim {n}: one lane, one key");
-        delivered.entry(key.clone()).or_default().extend(rows.iter().map(|r| r.get::<_, i64>(0)));
-        carried = Some((rows[0].get(2), rows.iter().map(|r| r.get(0)).collect()));
-        consumer.execute("SELECT pg_notify($1, $2)", &[&channel, &format!("marker {n}")]).unwrap();
-        let mut notified = 0;
-        for note in listener.notifications().blocking_iter() {
-            let note = note.unwrap();
-            if note.payload() == format!("marker {n}") {
-                break;
-            }
-            notified += 1;
-        }
-        claims.push((s.lane(&mut c, &key), notified));
+        let batch: Vec<Delivery> = rows
+            .iter()
+            .map(|r| Delivery {
+                message_id: r.get(0),
+                message_key: r.get(1),
+                concurrency: String::new(),
+                attempt: 1,
+                payload: json!(null),
+                lease_token: r.get(2),
+                run_after: None,
+            })
+            .collect();
+        (s.lane(c, batch[0].message_key.as_deref().unwrap()), batch)
+    };
+    // Made on one connection, acked with a claim on another: no stay.
+    let (mut elsewhere, mut here) = (connect(), connect());
+    let (lane, first) = claim(&mut elsewhere, &[]);
+    assert_eq!(lane, 0);
+    let (lane, second) = claim(&mut here, &first);
+    assert_eq!(lane, 1, "the lane furthest behind, not lane 0 that the acks released");
+    // Pipelined on one connection: claim n + 1 carries the acks of claim n - 1. Lane 1 is
+    // still held, lanes 2 to 15 are behind lane 0.
+    let (lane, third) = claim(&mut here, &[]);
+    assert_eq!(lane, 2);
+    let mut lanes = vec![];
+    let (mut before_last, mut last) = (second, third);
+    for _ in 0..8 {
+        let (lane, next) = claim(&mut here, &before_last);
+        lanes.push(lane);
+        (before_last, last) = (last, next);
     }
-    // Lanes 0 to 15 stood at the same position, so the first claim takes lane 0; then the
-    // lane furthest behind is each time the next one.
-    let lanes: Vec<i32> = claims.iter().map(|&(lane, _)| lane).collect();
-    assert_eq!(lanes, [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2], "four claims in a row on each lane");
-    let notified: Vec<usize> = claims.iter().map(|&(_, n)| n).collect();
-    assert_eq!(notified, [0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0], "a notification for each lane left, none for one kept");
-    for (key, ids) in &delivered {
-        assert_eq!(ids[..], produced[key][..ids.len()], "key {key}: its first messages, in order");
-    }
+    assert_eq!(lanes, [1, 2, 1, 2, 1, 2, 3, 4], "each chain stays with its lane for four claims, then both leave");
 }

@@ -1049,6 +1049,33 @@ fn a_session_reads_what_the_schema_name_names_after_schemas_swapped_names() {
     assert_eq!(warm, answer(&mut fresh).expect("a new session's claim"), "as a new session answers");
 }
 
+/// A claim of two on `c` carrying the acks of every message of `acked` (one claim's), and the
+/// lane of its first message.
+fn claim_of_two_carrying(c: &mut Client, g: &Group, acked: &[Delivery]) -> (i32, Vec<Delivery>) {
+    let token = acked.first().map(|d| d.lease_token);
+    let ids: Option<Vec<i64>> = token.map(|_| acked.iter().map(|d| d.message_id).collect());
+    let rows = c
+        .query(
+            "SELECT message_id, message_key, lease_token FROM sqlstreams.claim($1, $2, 2, '30 seconds', $3, $4)",
+            &[&g.stream.name, &g.name, &token, &ids],
+        )
+        .unwrap();
+    let batch: Vec<Delivery> = rows
+        .iter()
+        .map(|r| Delivery {
+            message_id: r.get(0),
+            message_key: r.get(1),
+            concurrency: String::new(),
+            attempt: 1,
+            payload: json!(null),
+            lease_token: r.get(2),
+            run_after: None,
+        })
+        .collect();
+    let lane = batch.first().map_or(-1, |d| g.stream.lane(c, d.message_key.as_deref().unwrap()));
+    (lane, batch)
+}
+
 /// A consumer that carries its acks into its next claim stays with the lane it holds for up to
 /// four claims in a row (src/lanes/stay.rs), then takes the lane furthest behind; a claim that
 /// stays notifies nobody, the one that leaves notifies the stream's channel once. Before, every
@@ -1080,22 +1107,19 @@ fn a_consumer_carrying_its_acks_stays_with_its_lane_four_claims_and_notifies_onl
         // claim's notifications are counted up to a marker the connection sends after it
         // (notifications arrive in the order their transactions committed).
         let mut consumer = connect();
-        let mut carried: Option<(uuid::Uuid, Vec<i64>)> = None;
+        let mut carried: Vec<Delivery> = vec![];
         let mut delivered: HashMap<String, Vec<i64>> = HashMap::new();
         let mut claims: Vec<(i32, usize)> = vec![];
         for n in 0..14 {
-            let (token, ids) = carried.take().unzip();
-            let rows = consumer
-                .query(
-                    "SELECT message_id, message_key, lease_token FROM sqlstreams.claim($1, $2, 2, '30 seconds', $3, $4)",
-                    &[&s.name, &g.name, &token, &ids],
-                )
-                .unwrap();
-            assert_eq!(rows.len(), 2, "{policy} claim {n}: the backlog fills every batch");
-            let key: String = rows[0].get(1);
-            assert!(rows.iter().all(|r| r.get::<_, String>(1) == key), "{policy} claim {n}: one lane, one key");
-            delivered.entry(key.clone()).or_default().extend(rows.iter().map(|r| r.get::<_, i64>(0)));
-            carried = Some((rows[0].get(2), rows.iter().map(|r| r.get(0)).collect()));
+            let (lane, batch) = claim_of_two_carrying(&mut consumer, &g, &carried);
+            assert_eq!(batch.len(), 2, "{policy} claim {n}: the backlog fills every batch");
+            let key = batch[0].message_key.clone().unwrap();
+            assert!(
+                batch.iter().all(|d| d.message_key.as_ref() == Some(&key)),
+                "{policy} claim {n}: one lane, one key"
+            );
+            delivered.entry(key).or_default().extend(batch.iter().map(|d| d.message_id));
+            carried = batch;
             let marker = format!("marker {n}");
             consumer.execute("SELECT pg_notify($1, $2)", &[&channel, &marker]).unwrap();
             let mut notified = 0;
@@ -1108,7 +1132,7 @@ fn a_consumer_carrying_its_acks_stays_with_its_lane_four_claims_and_notifies_onl
                 }
                 notified += 1;
             }
-            claims.push((s.lane(&mut c, &key), notified));
+            claims.push((lane, notified));
         }
         // Lanes 0 to 15 stood at the same position, so the first claim takes lane 0; then the
         // lane furthest behind is each time the next one. Lane 2 has four messages: its second
@@ -1143,43 +1167,20 @@ fn a_stay_follows_the_tokens_this_backend_made() {
             s.produce(&mut c, json!({}), Some(k));
         }
     }
-    let claim = |c: &mut Client, acked: &[Delivery]| -> (i32, Vec<Delivery>) {
-        let token = acked.first().map(|d| d.lease_token);
-        let ids: Option<Vec<i64>> = token.map(|_| acked.iter().map(|d| d.message_id).collect());
-        let rows = c
-            .query(
-                "SELECT message_id, message_key, lease_token FROM sqlstreams.claim($1, $2, 2, '30 seconds', $3, $4)",
-                &[&s.name, &g.name, &token, &ids],
-            )
-            .unwrap();
-        let batch: Vec<Delivery> = rows
-            .iter()
-            .map(|r| Delivery {
-                message_id: r.get(0),
-                message_key: r.get(1),
-                concurrency: String::new(),
-                attempt: 1,
-                payload: json!(null),
-                lease_token: r.get(2),
-                run_after: None,
-            })
-            .collect();
-        (s.lane(c, batch[0].message_key.as_deref().unwrap()), batch)
-    };
     // Made on one connection, acked with a claim on another: no stay.
     let (mut elsewhere, mut here) = (connect(), connect());
-    let (lane, first) = claim(&mut elsewhere, &[]);
+    let (lane, first) = claim_of_two_carrying(&mut elsewhere, &g, &[]);
     assert_eq!(lane, 0);
-    let (lane, second) = claim(&mut here, &first);
+    let (lane, second) = claim_of_two_carrying(&mut here, &g, &first);
     assert_eq!(lane, 1, "the lane furthest behind, not lane 0 that the acks released");
     // Pipelined on one connection: claim n + 1 carries the acks of claim n - 1. Lane 1 is
     // still held, lanes 2 to 15 are behind lane 0.
-    let (lane, third) = claim(&mut here, &[]);
+    let (lane, third) = claim_of_two_carrying(&mut here, &g, &[]);
     assert_eq!(lane, 2);
     let mut lanes = vec![];
     let (mut before_last, mut last) = (second, third);
     for _ in 0..8 {
-        let (lane, next) = claim(&mut here, &before_last);
+        let (lane, next) = claim_of_two_carrying(&mut here, &g, &before_last);
         lanes.push(lane);
         (before_last, last) = (last, next);
     }

@@ -201,7 +201,7 @@ pub fn claim(
         let known = fence::known(group.id, sequence, head).map_or(stored, |known| stored.merge(known));
         let fence = advance_fence(client, stream_id, known, head)?;
         let now = clock::now();
-        let stay = lanes::stay_with(acked_token, &released);
+        let stay = lanes::lane_to_stay_with(acked_token, &released);
         let candidates =
             lanes::candidates(client, group, &log, fence.safe, now, released.first().copied(), stay.map(|s| s.lane))?;
         if fence != stored {
@@ -253,8 +253,8 @@ fn in_transaction_block() -> bool {
 /// Signals idle consumers when the carried acks freed a lane that this claim does not hold
 /// again: one it did not take, or took and handed out only parallel work from (or nothing),
 /// which leaves it free at commit.
-fn signal_left(stream_id: i64, released: &[i32], held: &[i32]) {
-    if released.iter().any(|lane| !held.contains(lane)) {
+fn signal_left(stream_id: i64, released: &[i32], holding: &[i32]) {
+    if released.iter().any(|lane| !holding.contains(lane)) {
         notify::signal(stream_id);
     }
 }
@@ -347,7 +347,7 @@ impl Claim<'_> {
                 range_ids: pending.iter().map(|p| p.id).collect(),
                 keyed_lanes: self.keyed_lanes(&pending, &deliveries),
                 held: holding.clone(),
-                stay: lanes::stay_of(self.stay, self.lanes.iter().map(|l| l.lane), &holding),
+                stay: lanes::stay_run(self.stay, self.lanes.iter().map(|l| l.lane), &holding),
             },
         );
         exception_queue::write(client, stream_id, self.group.id, std::mem::take(&mut self.changes), self.now)?;

@@ -37,7 +37,7 @@ mod next;
 mod stay;
 
 pub use holds::{end_holds_with_ranges, release, store, store_with_new_range};
-pub use stay::{of_claim as stay_of, preferred as stay_with};
+pub use stay::{lane_to_stay_with, stay_run};
 
 /// A claim's read of lane `lane` of log `log` found message `id` after what it handed out, up to
 /// the safe head: the next claim to take the lane knows it has work without probing it (as a
@@ -118,7 +118,7 @@ macro_rules! holders {
 /// Lanes with work that a claim may take, best first: one with a due isolated row (it is
 /// handed out alone, so it goes first or never), then the lane furthest behind, the lane the
 /// caller just released first among equals (it stays with the keys it knows; where nothing is
-/// due, `candidates` may put it first, src/lanes/stay.rs). Work is due
+/// due, `candidates` may put a released lane first: src/lanes/stay.rs). Work is due
 /// exception rows, an expired range, or perhaps messages:
 /// the lane's position is below the safe head `$4` (`NEXT` looks). Also how many claims hold
 /// lanes now. Reads only; `take` locks.

@@ -1,7 +1,9 @@
 //! What this backend's own committed claims handed out, by lease token: the lanes a claim
 //! stored its hold on, whether it put an exception row in flight, which messages it handed out
-//! from ranges, and the lanes of those ranges with a keyed message (whose wake locks a whole ack
-//! takes before its statement: src/outcome.rs). A consumer that acks with its next claim (or on
+//! from ranges, the lanes of those ranges with a keyed message (whose wake locks a whole ack
+//! takes before its statement: src/outcome.rs), and the lane it held first with the run of claims
+//! that held it first (the next claim carrying its acks may stay with it: src/lanes/stay.rs).
+//! A consumer that acks with its next claim (or on
 //! the connection it claimed on) then skips the two statements an ack runs for the first two,
 //! which find nothing for most claims: the release of the lanes the token holds, and the delete
 //! of its rows in flight. An ack that names every message the claim handed out from ranges
@@ -44,7 +46,8 @@ pub struct Facts {
 }
 
 /// The lane a claim held first (in the order it took its lanes), and how many claims in a row
-/// held that lane first, each carrying the acks of the one before (src/lanes/stay.rs).
+/// held that lane first, each carrying the acks of the one before: remembered here with the
+/// claim's token, read and counted by src/lanes/stay.rs (this module imports no lane code).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Stay {
     pub lane: i32,
@@ -61,6 +64,7 @@ struct Claim {
     keyed_lanes: Box<[i32]>,
     /// The lanes it stored its hold on, sorted.
     held: Box<[i32]>,
+    /// The lane it held first, and the run (src/lanes/stay.rs).
     stay: Option<Stay>,
 }
 

@@ -1186,3 +1186,46 @@ fn a_stay_follows_the_tokens_this_backend_made() {
     }
     assert_eq!(lanes, [1, 2, 1, 2, 1, 2, 3, 4], "each chain stays with its lane for four claims, then both leave");
 }
+
+/// A claim that takes a released lane back but holds it no more (in a group without an
+/// override it hands out only parallel messages from it) leaves the lane free at commit, and
+/// notifies the stream's channel for it: another consumer may take it.
+#[test]
+fn a_lane_taken_back_for_parallel_work_only_is_notified() {
+    let mut c = connect();
+    let s = Stream::create(&mut c, "lane-stay-parallel");
+    let g = s.group(&mut c, "g", None);
+    s.produce_with(&mut c, json!({}), Some("k"), Some("ordered"), false).unwrap();
+    for _ in 0..2 {
+        s.produce_with(&mut c, json!({}), Some("k"), Some("parallel"), false).unwrap();
+    }
+    let channel: String =
+        c.query_one("SELECT channel FROM sqlstreams.streams WHERE name = $1", &[&s.name]).unwrap().get(0);
+    let mut listener = connect();
+    listener.batch_execute(&format!("LISTEN \"{channel}\"")).unwrap();
+    let mut consumer = connect();
+    let held = |c: &mut Client| -> i64 {
+        c.query_one(&format!("SELECT count(*) FROM {} WHERE held_by IS NOT NULL", s.table("lane")), &[]).unwrap().get(0)
+    };
+    let rows =
+        consumer.query("SELECT message_id, lease_token FROM sqlstreams.claim($1, $2, 1)", &[&s.name, &g.name]).unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(held(&mut c), 1, "the ordered message holds its lane");
+    let (token, ids): (uuid::Uuid, Vec<i64>) = (rows[0].get(1), vec![rows[0].get(0)]);
+    let rows = consumer
+        .query(
+            "SELECT message_id FROM sqlstreams.claim($1, $2, 10, '30 seconds', $3, $4)",
+            &[&s.name, &g.name, &token, &ids],
+        )
+        .unwrap();
+    assert_eq!(rows.len(), 2, "the key's two parallel messages, from the lane taken back");
+    assert_eq!(held(&mut c), 0, "parallel work holds no lane");
+    consumer.execute("SELECT pg_notify($1, 'marker')", &[&channel]).unwrap();
+    let mut notifications = listener.notifications();
+    let mut arriving = notifications.timeout_iter(Duration::from_secs(30));
+    let mut notified = 0;
+    while arriving.next().unwrap().expect("the marker arrives").payload() != "marker" {
+        notified += 1;
+    }
+    assert_eq!(notified, 1, "one notification for the lane freed and not held again");
+}

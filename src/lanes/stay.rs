@@ -19,21 +19,22 @@
 
 use crate::own_claims::{self, Stay};
 
-/// The most claims in a row that hold one lane first: the first takes it as any claim does,
-/// the others because the claim before held it.
+/// The most claims in one run that hold one lane first: the first takes it as any claim does,
+/// the others because the claim before held it. (A claim after a run may take the same lane
+/// as the lane furthest behind, and start a new run.)
 const STAY_CLAIMS: u32 = 4;
 
 /// The lane of `released` (the lanes the acks of `acked`, a token, released) to take before
 /// the lane furthest behind, with the run so far.
-pub fn preferred(acked: Option<pgrx::Uuid>, released: &[i32]) -> Option<Stay> {
+pub fn lane_to_stay_with(acked: Option<pgrx::Uuid>, released: &[i32]) -> Option<Stay> {
     own_claims::stay(acked?).filter(|s| s.claims < STAY_CLAIMS && released.contains(&s.lane))
 }
 
 /// The lane a claim held first and the run it makes: `taken`, the lanes it took in order,
-/// `holding`, those it holds (sorted), `preferred`, what `preferred` said before it.
-pub fn of_claim(preferred: Option<Stay>, taken: impl IntoIterator<Item = i32>, holding: &[i32]) -> Option<Stay> {
+/// `holding`, those it holds (sorted), `stayed`, what `lane_to_stay_with` said before it.
+pub fn stay_run(stayed: Option<Stay>, taken: impl IntoIterator<Item = i32>, holding: &[i32]) -> Option<Stay> {
     let lane = taken.into_iter().find(|lane| holding.binary_search(lane).is_ok())?;
-    let claims = match preferred {
+    let claims = match stayed {
         Some(s) if s.lane == lane => s.claims + 1,
         _ => 1,
     };
@@ -47,10 +48,10 @@ mod tests {
     #[test]
     fn a_run_counts_the_claims_that_held_one_lane_first() {
         let stay = |lane, claims| Some(Stay { lane, claims });
-        assert_eq!(of_claim(None, [3, 5], &[3, 5]), stay(3, 1));
-        assert_eq!(of_claim(None, [3, 5], &[5]), stay(5, 1), "the first lane it holds, not one it only took");
-        assert_eq!(of_claim(None, [3], &[]), None, "a claim that holds nothing");
-        assert_eq!(of_claim(stay(3, 2), [3, 9], &[3, 9]), stay(3, 3), "the run goes on");
-        assert_eq!(of_claim(stay(3, 2), [9, 3], &[3, 9]), stay(9, 1), "another lane first");
+        assert_eq!(stay_run(None, [3, 5], &[3, 5]), stay(3, 1));
+        assert_eq!(stay_run(None, [3, 5], &[5]), stay(5, 1), "the first lane it holds, not one it only took");
+        assert_eq!(stay_run(None, [3], &[]), None, "a claim that holds nothing");
+        assert_eq!(stay_run(stay(3, 2), [3, 9], &[3, 9]), stay(3, 3), "the run goes on");
+        assert_eq!(stay_run(stay(3, 2), [9, 3], &[3, 9]), stay(9, 1), "another lane first");
     }
 }
